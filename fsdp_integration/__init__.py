@@ -1,0 +1,1 @@
+"""SimpleFSDP with compiled all-gathers and register_comm_hook (see issue: SimpleFSDP)."""

@@ -1,0 +1,88 @@
+"""The support index: which positions of a chunk are non-zero.
+
+* ``bits=1``: a packed bitmap, element ``i`` in bit ``i % 8`` of byte ``i // 8``. Ranks
+  combine bitmaps by bitwise OR (exact; summing packed bits would carry into neighbours).
+* ``bits=4``: two 4-bit counters per byte (element ``2i`` in the low nibble). Ranks combine
+  them by addition, which is exact while at most 15 ranks mark the same element.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_NIBBLE_MAX = 15
+
+
+def index_nbytes(numel: int, bits: int) -> int:
+    """Bytes of an index over ``numel`` elements."""
+    check_bits(bits)
+    return -(-numel * bits // 8)
+
+
+def check_bits(bits: int) -> None:
+    if bits not in (1, 4):
+        raise ValueError(f"index bits must be 1 or 4, got {bits!r}")
+
+
+def pack_mask(mask: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a flat bool (or 0..15 count) tensor into a ``bits``-per-element uint8 index."""
+    check_bits(bits)
+    per_byte = 8 // bits
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    groups = flat.view(-1, per_byte)
+    if bits == 1:
+        return (groups * _BIT_WEIGHTS.to(groups.device)).sum(dim=1, dtype=torch.uint8)
+    return groups[:, 0] | (groups[:, 1] << 4)
+
+
+def unpack_counts(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Per-element values of an index: 0/1 for ``bits=1``, the 0..15 count for ``bits=4``."""
+    check_index(index, numel, bits)
+    if bits == 1:
+        shifts = torch.arange(8, dtype=torch.uint8, device=index.device)
+        return ((index[:, None] >> shifts) & 1).reshape(-1)[:numel]
+    return torch.stack([index & 0x0F, index >> 4], dim=1).reshape(-1)[:numel]
+
+
+def index_to_mask(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """The support (bool, ``[numel]``) an index describes."""
+    return unpack_counts(index, numel, bits).bool()
+
+
+def check_index(index: torch.Tensor, numel: int, bits: int) -> None:
+    check_bits(bits)
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.uint8 or index.dim() != 1:
+        raise ValueError(f"an index must be a 1-D uint8 tensor, got {getattr(index, 'dtype', type(index))}")
+    expected = index_nbytes(numel, bits)
+    if index.numel() != expected:
+        raise ValueError(f"a {bits}-bit index over {numel} elements has {expected} bytes, got {index.numel()}")
+
+
+def build_index(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits``-per-element index of the non-zeros of ``values`` (flattened)."""
+    return pack_mask(values.reshape(-1) != 0, bits)
+
+
+def merge_index(a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
+    """Combine two ranks' indexes: bitwise OR (1 bit) or per-element count sum (4 bits).
+
+    Raises:
+        OverflowError: a 4-bit count would pass 15 (more than 15 ranks mark one element).
+    """
+    check_bits(bits)
+    if a.shape != b.shape or a.dtype != torch.uint8 or b.dtype != torch.uint8:
+        raise ValueError(f"indexes to merge must be uint8 tensors of one shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}")
+    if bits == 1:
+        return a | b
+    low = (a & 0x0F) + (b & 0x0F)
+    high = (a >> 4) + (b >> 4)
+    if bool((low > _NIBBLE_MAX).any() | (high > _NIBBLE_MAX).any()):
+        raise OverflowError(
+            "4-bit index overflow: an element is marked by more than 15 ranks; use index_bits=1 (exact OR) "
+            "for groups of more than 15 ranks"
+        )
+    return low | (high << 4)

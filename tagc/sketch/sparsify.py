@@ -1,0 +1,73 @@
+"""Dynamic magnitude threshold and sparsification (DESIGN.md §2 items 2-3)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MIN_SAMPLE = 65536
+"""Tensors up to this size are thresholded exactly; larger ones on a sample."""
+
+SAMPLE_HITS = 4096
+"""The sample holds about this many kept elements, so the kept fraction is within a few
+percent of the target (binomial relative error ~ 1/sqrt(SAMPLE_HITS))."""
+
+_GOLDEN_FRACTION = 0.6180339887498949
+
+
+def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
+    """Raise ``ValueError`` if ``x`` holds NaN or Inf (one reduction; a sync on GPUs)."""
+    if not bool(torch.isfinite(x).all()):
+        bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
+        raise ValueError(
+            f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
+            "gradients, or let the hook send such buckets uncompressed)"
+        )
+
+
+def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tensor:
+    """``size`` well-spread positions in ``[0, numel)`` (golden-ratio stride, no RNG).
+
+    The stride is irrational relative to any row length, so the sample does not alias with
+    the rows or columns of the weight matrix the gradient came from.
+    """
+    stride = int(numel * _GOLDEN_FRACTION) | 1
+    i = torch.arange(size, dtype=torch.int64, device=device)
+    return (i * stride) % numel
+
+
+def threshold(x: torch.Tensor, density: float) -> torch.Tensor:
+    """A 0-d tensor ``tau`` with about ``density * numel`` entries of ``|x| >= tau``.
+
+    Exact (k-th largest) for up to :data:`MIN_SAMPLE` elements, otherwise the same quantile
+    of a spread sample sized to hold ~:data:`SAMPLE_HITS` kept entries. Stays on the device:
+    no ``.item()``.
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if density >= 1.0 or n == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if density <= 0.0:
+        return torch.full((), math.inf, dtype=torch.float32, device=x.device)
+    size = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_HITS / density)))
+    sample = flat if size == n else flat[sample_positions(n, size, x.device)]
+    keep = min(size, max(1, round(density * size)))
+    return sample.abs().float().kthvalue(size - keep + 1).values
+
+
+def check_density(density: float) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be a fraction in [0, 1], got {density!r}")
+
+
+def sparsify(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``x`` into its ~``density`` largest-magnitude entries and the rest.
+
+    Returns ``(kept, residual)`` with ``kept + residual == x`` exactly (every entry lands in
+    exactly one of them). Raises ``ValueError`` on NaN/Inf.
+    """
+    check_density(density)
+    check_finite(x)
+    keep = x.abs() >= threshold(x, density)
+    return x.where(keep, 0), x.where(~keep, 0)
