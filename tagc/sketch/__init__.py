@@ -1,10 +1,11 @@
 """The reference TAGC codec in plain, vectorised PyTorch: the semantics every back end matches."""
 
+from tagc.sketch.compress import compress_
 from tagc.sketch.codec import DecodeStats, decode, encode, encode_positions
 from tagc.sketch.index import build_index, index_nbytes, index_to_mask, merge_index, pack_mask, unpack_counts
 from tagc.sketch.layout import SketchLayout, choose_lane
 from tagc.sketch.plan import PEELING_THRESHOLD, PLANNED_LOAD, plan_density, union_density
-from tagc.sketch.sparsify import sparsify, threshold
+from tagc.sketch.sparsify import row_thresholds, sparsify, threshold
 
 __all__ = [
     "DecodeStats",
@@ -12,6 +13,7 @@ __all__ = [
     "PLANNED_LOAD",
     "SketchLayout",
     "build_index",
+    "compress_",
     "choose_lane",
     "decode",
     "encode",
@@ -21,6 +23,7 @@ __all__ = [
     "merge_index",
     "pack_mask",
     "plan_density",
+    "row_thresholds",
     "sparsify",
     "threshold",
     "union_density",

@@ -37,23 +37,28 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
     return (i * stride) % numel
 
 
-def threshold(x: torch.Tensor, density: float) -> torch.Tensor:
-    """A 0-d tensor ``tau`` with about ``density * numel`` entries of ``|x| >= tau``.
+def row_thresholds(rows: torch.Tensor, density: float) -> torch.Tensor:
+    """Per-row thresholds ``[N]`` of a ``[N, S]`` tensor: ~``density * S`` entries of each
+    row have ``|x| >= tau``.
 
-    Exact (k-th largest) for up to :data:`MIN_SAMPLE` elements, otherwise the same quantile
-    of a spread sample sized to hold ~:data:`SAMPLE_HITS` kept entries. Stays on the device:
-    no ``.item()``.
+    Exact (k-th largest) for rows of up to :data:`MIN_SAMPLE` elements, otherwise the same
+    quantile of a spread sample sized to hold ~:data:`SAMPLE_HITS` kept entries. Stays on
+    the device: no ``.item()``.
     """
-    flat = x.reshape(-1)
-    n = flat.numel()
+    n_rows, n = rows.shape
     if density >= 1.0 or n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
+        return torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
     if density <= 0.0:
-        return torch.full((), math.inf, dtype=torch.float32, device=x.device)
+        return torch.full((n_rows,), math.inf, dtype=torch.float32, device=rows.device)
     size = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_HITS / density)))
-    sample = flat if size == n else flat[sample_positions(n, size, x.device)]
+    sample = rows if size == n else rows[:, sample_positions(n, size, rows.device)]
     keep = min(size, max(1, round(density * size)))
-    return sample.abs().float().kthvalue(size - keep + 1).values
+    return sample.abs().float().kthvalue(size - keep + 1, dim=1).values
+
+
+def threshold(x: torch.Tensor, density: float) -> torch.Tensor:
+    """A 0-d tensor ``tau`` with about ``density * numel`` entries of ``|x| >= tau``."""
+    return row_thresholds(x.reshape(1, -1), density)[0]
 
 
 def check_density(density: float) -> None:

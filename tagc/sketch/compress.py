@@ -1,0 +1,52 @@
+"""The whole per-step compression of a bucket in one pass (DESIGN.md §2 items 1-5).
+
+A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
+chunk: add the gradient into the error-feedback residual, threshold it, take the entries
+above the threshold out of the residual, and build their index and count sketch. The
+composition of :func:`sparsify`, :func:`build_index` and :func:`encode`, without
+materialising the dense kept tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tagc.sketch.index import pack_mask
+from tagc.sketch.layout import SketchLayout
+from tagc.sketch.sparsify import check_density, row_thresholds
+
+
+def compress_(
+    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
+
+    Args:
+        grad: ``[N, S]`` (or ``[S]``) gradient, any float dtype.
+        residual: float tensor of the same shape, updated in place: on return it holds
+            ``grad + residual`` with the sent entries zeroed.
+        density: fraction of each chunk to keep.
+        layout: the sketch layout of one chunk (``layout.numel == S``).
+        bits: index bits per element (1 or 4).
+
+    Returns:
+        ``(index, table)``: uint8 ``[N, index_nbytes(S, bits)]`` and float32
+        ``[N, layout.table_numel]``; row ``s`` goes to the owner of chunk ``s``.
+    """
+    check_density(density)
+    rows = residual.view(-1, layout.numel)
+    if grad.shape != residual.shape:
+        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
+    rows.add_(grad.view_as(rows))
+    n_chunks = rows.shape[0]
+    tau = row_thresholds(rows, density)
+    mask = (rows.abs() >= tau[:, None]) & (rows != 0)
+    positions = mask.view(-1).nonzero().squeeze(1)
+    chunk, local = positions // layout.numel, positions % layout.numel
+    table = torch.zeros(n_chunks * layout.table_numel, dtype=torch.float32, device=rows.device)
+    cells, signs = layout.cells(local)
+    cells = cells + (chunk * layout.table_numel)[:, None]
+    table.index_add_(0, cells.reshape(-1), (signs * rows.view(-1)[positions].float()[:, None]).reshape(-1))
+    index = torch.stack([pack_mask(m, bits) for m in mask]) if n_chunks else torch.zeros(0, 0, dtype=torch.uint8)
+    rows.masked_fill_(mask, 0)
+    return index, table.view(n_chunks, layout.table_numel)
