@@ -9,6 +9,8 @@ materialising the dense kept tensor.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from tagc.sketch.index import pack_mask
@@ -17,7 +19,12 @@ from tagc.sketch.sparsify import check_density, row_thresholds
 
 
 def compress_(
-    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    density: float,
+    layout: SketchLayout,
+    bits: int,
+    tau: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
@@ -28,6 +35,8 @@ def compress_(
         density: fraction of each chunk to keep.
         layout: the sketch layout of one chunk (``layout.numel == S``).
         bits: index bits per element (1 or 4).
+        tau: optional per-chunk thresholds ``[N]`` to use instead of
+            :func:`row_thresholds` (so another back end's threshold can be replayed).
 
     Returns:
         ``(index, table)``: uint8 ``[N, index_nbytes(S, bits)]`` and float32
@@ -39,7 +48,7 @@ def compress_(
         raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
-    tau = row_thresholds(rows, density)
+    tau = row_thresholds(rows, density) if tau is None else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
     mask = (rows.abs() >= tau[:, None]) & (rows != 0)
     positions = mask.view(-1).nonzero().squeeze(1)
     chunk, local = positions // layout.numel, positions % layout.numel
