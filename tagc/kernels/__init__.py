@@ -1,0 +1,35 @@
+"""Triton kernels for the TAGC codec, and the dispatch that picks them or the reference.
+
+``from tagc.kernels import compress_, decode, row_thresholds`` works everywhere: triton is
+imported only when a Triton path runs (CUDA tensors, ``TAGC_BACKEND=triton`` or
+``backend="triton"``). One idea per module:
+
+* :mod:`~tagc.kernels.radix_select` - radix select of the magnitude threshold on the device;
+* :mod:`~tagc.kernels.compress` - fused residual / sparsify / index / sketch pass;
+* :mod:`~tagc.kernels.peel` - lane-parallel peeling with the round loop in the kernel;
+* :mod:`~tagc.kernels.ops` - the kernels registered as torch operators (``torch.compile``);
+* :mod:`~tagc.kernels.dispatch` - one function per operation, Triton or reference.
+"""
+
+from tagc.kernels._triton import interpreting, triton_available
+from tagc.kernels.dispatch import (
+    STAT_FIELDS,
+    compress_,
+    decode,
+    decode_async,
+    resolve_backend,
+    row_thresholds,
+    threshold,
+)
+
+__all__ = [
+    "STAT_FIELDS",
+    "compress_",
+    "decode",
+    "decode_async",
+    "interpreting",
+    "resolve_backend",
+    "row_thresholds",
+    "threshold",
+    "triton_available",
+]

@@ -1,0 +1,174 @@
+"""Fused compress: error feedback, sparsify, residual, packed index and count sketch, one pass.
+
+Each program owns ``BLOCK`` consecutive elements of one chunk (a multiple of 8, so it
+owns whole index bytes). It reads ``grad`` and ``residual``, forms ``a = residual + grad``
+(rounded to the residual's dtype, as ``residual.add_(grad)`` does), keeps
+``|a| >= tau[row] and a != 0``, writes the new residual (``a`` with kept entries zeroed),
+packs the keep mask into 1- or 4-bit index bytes (viewing the block as ``[BLOCK/8, 8]`` or
+``[BLOCK/2, 2]`` and summing shifted bits along the short axis), and atomically adds the
+kept values, in float32, with their signs into their three sketch cells. The per-block
+rows / signs / lane-xor tables are loaded from :meth:`SketchLayout.tables`, so the cells
+are exactly the reference's.
+
+The threshold ``tau`` comes from :mod:`tagc.kernels.radix_select` (or is given). The only
+difference from the reference :func:`tagc.sketch.compress_` is the order of the float
+atomics in the table (so the table matches to float rounding; index and residual match
+bit for bit).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tagc.sketch.index import check_bits, index_nbytes
+from tagc.sketch.layout import SketchLayout
+from tagc.sketch.sparsify import check_density
+
+BLOCK = 1024
+
+
+@triton.jit
+def _compress_kernel(
+    grad_ptr,
+    res_ptr,
+    tau_ptr,
+    index_ptr,
+    table_ptr,
+    rows_ptr,
+    signs_ptr,
+    xor_ptr,
+    numel,
+    nbytes,
+    table_numel,
+    LANE_BITS: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    PER: tl.constexpr = 8 // BITS  # elements per index byte
+    row = tl.program_id(0).to(tl.int64)
+    byte = tl.program_id(1).to(tl.int64) * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
+    sub = tl.arange(0, PER)
+    p = byte[:, None] * PER + sub[None, :]  # [BLOCK / PER, PER] chunk positions
+    m = p < numel
+    g = tl.load(grad_ptr + row * numel + p, mask=m, other=0.0)
+    r = tl.load(res_ptr + row * numel + p, mask=m, other=0.0)
+    a = (r.to(tl.float32) + g.to(tl.float32)).to(res_ptr.dtype.element_ty)
+    af = a.to(tl.float32)
+    tau = tl.load(tau_ptr + row)
+    keep = (tl.abs(af) >= tau) & (af != 0.0) & m
+    tl.store(res_ptr + row * numel + p, tl.where(keep, tl.zeros_like(a), a), mask=m)
+    field = keep.to(tl.int32) << (sub * BITS)[None, :]
+    tl.store(index_ptr + row * nbytes + byte, tl.sum(field, axis=1).to(tl.uint8), mask=byte < nbytes)
+    # Count sketch: cell = rows[b, j] * L + (t ^ xor[b]), only for kept elements.
+    b = p >> LANE_BITS
+    col = (p & ((1 << LANE_BITS) - 1)) ^ tl.load(xor_ptr + b, mask=keep, other=0)
+    table = table_ptr + row * table_numel
+    for j in tl.static_range(3):
+        cell_row = tl.load(rows_ptr + b * 3 + j, mask=keep, other=0)
+        sign = tl.load(signs_ptr + b * 3 + j, mask=keep, other=0.0)
+        tl.atomic_add(table + (cell_row << LANE_BITS) + col, sign * af, mask=keep)
+
+
+def launch_compress(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    tau: torch.Tensor,
+    rows: torch.Tensor,
+    signs: torch.Tensor,
+    lane_xor: torch.Tensor,
+    lane_bits: int,
+    table_numel: int,
+    bits: int,
+    wrap: Callable = lambda k: k,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the fused kernel on contiguous ``[N, S]`` ``grad``/``residual`` (residual in place).
+
+    Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)``.
+    """
+    n_rows, numel = residual.shape
+    nbytes = index_nbytes(numel, bits)
+    index = torch.empty(n_rows, nbytes, dtype=torch.uint8, device=residual.device)
+    table = torch.zeros(n_rows, table_numel, dtype=torch.float32, device=residual.device)
+    if n_rows and numel:
+        grid = (n_rows, triton.cdiv(numel, BLOCK))
+        wrap(_compress_kernel)[grid](
+            grad, residual, tau, index, table, rows, signs, lane_xor, numel, nbytes, table_numel,
+            LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
+        )
+    return index, table
+
+
+def compress_triton(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    density: float,
+    layout: SketchLayout,
+    bits: int,
+    tau: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`tagc.sketch.compress_` (same arguments, same results).
+
+    ``tau`` (``[N]`` float32 on the device) skips the threshold selection; by default it
+    is :func:`tagc.kernels.radix_select.row_thresholds_triton` of ``residual + grad``, which
+    equals the reference's threshold. No host synchronisation.
+    """
+    from tagc.kernels import ops
+
+    check_density(density)
+    check_bits(bits)
+    if grad.shape != residual.shape:
+        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous (it is updated in place)")
+    rows = residual.view(-1, layout.numel)
+    g = grad.reshape(rows.shape).contiguous()
+    if tau is None:
+        tau = ops.row_thresholds(rows, g, float(density))
+    tau = tau.to(device=rows.device, dtype=torch.float32).reshape(rows.shape[0]).contiguous()
+    t = layout.tables(rows.device)
+    return ops.compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, bits)
+
+
+# ----------------------------------------------------------------------------------------
+# Reference cross-check and benchmark
+# ----------------------------------------------------------------------------------------
+
+
+def check(n_rows: int = 2, numel: int = 4096 + 13, ratio: float = 8.0, density: float = 0.05, bits: int = 1,
+          device: str = "cpu") -> None:
+    """Assert kernel and reference agree (same tau): index and residual exactly, table closely."""
+    from tagc.sketch.compress import compress_
+
+    layout = SketchLayout(numel, ratio, lane=2)
+    grad = torch.randn(n_rows, numel, device=device)
+    res = torch.randn(n_rows, numel, device=device) * 0.1
+    res_ref = res.clone()
+    index, table = compress_triton(grad, res, density, layout, bits)
+    index_ref, table_ref = compress_(grad, res_ref, density, layout, bits)
+    assert torch.equal(index, index_ref) and torch.equal(res, res_ref)
+    torch.testing.assert_close(table, table_ref, rtol=1e-5, atol=1e-5)
+
+
+def bench(numel: int, ratio: float = 10.0, density: float = 0.03, bits: int = 1, device: str = "cuda",
+          dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Milliseconds of the fused kernel (given tau) and bytes it moves, for one chunk."""
+    from tagc.kernels.benchutil import time_ms
+
+    layout = SketchLayout(numel, ratio)
+    grad = torch.randn(1, numel, device=device, dtype=dtype)
+    res = torch.zeros(1, numel, device=device)
+    tau = row_thresholds_of(grad, density)
+    ms = time_ms(lambda: compress_triton(grad, res, density, layout, bits, tau=tau))
+    moved = numel * (grad.element_size() + 2 * res.element_size()) + numel * bits / 8
+    return {"ms": ms, "bytes": moved}
+
+
+def row_thresholds_of(x: torch.Tensor, density: float) -> torch.Tensor:
+    """Thresholds of ``x`` rows with the Triton select (a helper for benchmarks)."""
+    from tagc.kernels.radix_select import row_thresholds_triton
+
+    return row_thresholds_triton(x.float(), density)

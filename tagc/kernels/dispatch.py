@@ -1,0 +1,133 @@
+"""One entry point per codec operation; each picks the Triton kernels or the torch reference.
+
+The back end is, in order of precedence: the ``backend=`` argument, the ``TAGC_BACKEND``
+environment variable, then ``"auto"``: Triton for CUDA tensors (when triton imports), the
+reference otherwise. ``"triton"`` forces the kernels (on CPU tensors that needs
+``TRITON_INTERPRET=1``); ``"torch"`` (alias ``"reference"``) forces the reference. Callers
+never branch: both back ends take the same arguments and return the same things.
+
+Nothing here imports triton until a Triton path is taken.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from tagc.kernels._triton import require_triton, triton_available
+from tagc.sketch import codec as _ref_codec
+from tagc.sketch import compress as _ref_compress
+from tagc.sketch import sparsify as _ref_sparsify
+from tagc.sketch.codec import DecodeStats
+from tagc.sketch.layout import SketchLayout
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
+
+
+def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> str:
+    """``"triton"`` or ``"torch"``: the back end an operation on ``tensors`` will use."""
+    choice = (backend or os.environ.get("TAGC_BACKEND") or "auto").lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (argument or TAGC_BACKEND), got {choice!r}")
+    if choice == "reference":
+        choice = "torch"
+    if choice == "auto":
+        on_cuda = any(t.device.type == "cuda" for t in tensors)
+        choice = "triton" if on_cuda and triton_available() else "torch"
+    if choice == "triton":
+        require_triton(*tensors)
+    return choice
+
+
+def row_thresholds(
+    rows: torch.Tensor, density: float, *, grad: Optional[torch.Tensor] = None, backend: Optional[str] = None
+) -> torch.Tensor:
+    """Per-row magnitude thresholds ``[N]`` of ``rows`` (``+ grad`` if given), on the device.
+
+    Both back ends give the same values (the kernel is a radix select of the reference's
+    sample); see :func:`tagc.sketch.row_thresholds`.
+    """
+    if resolve_backend(rows, backend=backend) == "triton":
+        from tagc.kernels.radix_select import row_thresholds_triton
+
+        return row_thresholds_triton(rows, density, grad=grad)
+    _ref_sparsify.check_density(density)
+    x = rows.reshape(-1, rows.shape[-1])
+    if grad is not None:
+        x = x + grad.reshape(x.shape)
+    return _ref_sparsify.row_thresholds(x, density)
+
+
+def threshold(x: torch.Tensor, density: float, *, backend: Optional[str] = None) -> torch.Tensor:
+    """A 0-d threshold with about ``density * numel`` entries of ``|x| >= tau``."""
+    return row_thresholds(x.reshape(1, -1), density, backend=backend)[0]
+
+
+def compress_(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    density: float,
+    layout: SketchLayout,
+    bits: int,
+    *,
+    tau: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused error feedback + sparsify + index + sketch; see :func:`tagc.sketch.compress_`.
+
+    Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)`` and updates
+    ``residual`` in place. ``tau`` optionally fixes the per-chunk thresholds.
+    """
+    if resolve_backend(grad, residual, backend=backend) == "triton":
+        from tagc.kernels.compress import compress_triton
+
+        return compress_triton(grad, residual, density, layout, bits, tau=tau)
+    return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau)
+
+
+def decode(
+    table: torch.Tensor,
+    index: torch.Tensor,
+    layout: SketchLayout,
+    bits: int,
+    fallback: str = "estimate",
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, DecodeStats]:
+    """Recover a chunk from its summed table and union index; see :func:`tagc.sketch.decode`.
+
+    On the Triton path peeling runs in one kernel; the host reads the statistics once at
+    the end (``DecodeStats`` holds ints), and the exact stopping-set solve runs in torch
+    only when peeling left positions.
+    """
+    if resolve_backend(table, index, backend=backend) == "triton":
+        from tagc.kernels.peel import decode_triton
+
+        return decode_triton(table, index, layout, bits, fallback)
+    return _ref_codec.decode(table, index, layout, bits, fallback)
+
+
+def decode_async(
+    table: torch.Tensor,
+    index: torch.Tensor,
+    layout: SketchLayout,
+    bits: int,
+    fallback: str = "estimate",
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order).
+
+    Triton: no host synchronisation and no exact solve (what peeling leaves gets the
+    fallback; ``"error"`` cannot raise and acts like ``"raw"``). Reference: the full
+    :func:`tagc.sketch.decode`, its statistics packed into a tensor.
+    """
+    if resolve_backend(table, index, backend=backend) == "triton":
+        from tagc.kernels.peel import decode_async as _decode_async
+
+        return _decode_async(table, index, layout, bits, fallback)
+    values, stats = _ref_codec.decode(table, index, layout, bits, fallback)
+    return values, torch.tensor([stats[f] for f in STAT_FIELDS], dtype=torch.int64, device=values.device)

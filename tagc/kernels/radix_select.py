@@ -1,0 +1,157 @@
+"""Device-side magnitude threshold: a two-pass radix select over the float bits.
+
+For non-negative floats the int32 bit pattern orders like the value, so the ``k``-th
+largest ``|a|`` is found digit by digit: pass 0 histograms the top 16 bits (sign cleared:
+exponent and 7 mantissa bits) of every sampled element, a cumulative sum from the top
+picks the bin holding the ``k``-th largest; pass 1 histograms the low 16 bits of the
+elements in that bin and picks the exact value. Everything stays on the device (no
+``.item()``): histograms, cumsum and bin choice are tensors.
+
+It samples exactly as the reference :func:`tagc.sketch.row_thresholds` does (all of a row
+up to ``MIN_SAMPLE`` elements, otherwise the same golden-stride positions) and selects the
+same order statistic, so the result is **bit-identical** to the reference, not merely
+close. It reads ``residual + grad`` on the fly (rounded to the residual's dtype, as
+``residual.add_(grad)`` would), so the fused compress needs no extra pass to materialise
+the sum first.
+
+Layout: kernel, launcher, reference cross-check and benchmark, side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tagc.sketch.sparsify import _GOLDEN_FRACTION, MIN_SAMPLE, SAMPLE_HITS, check_density, row_thresholds
+
+HIGH_BINS = 1 << 15  # top 16 bits of a non-negative float32: the sign bit is always 0
+LOW_BINS = 1 << 16
+BLOCK = 1024
+
+
+@triton.jit
+def _radix_hist_kernel(
+    res_ptr,
+    grad_ptr,
+    hist_ptr,
+    prefix_ptr,
+    numel,
+    size,
+    stride,
+    HAS_GRAD: tl.constexpr,
+    SAMPLED: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Histogram one 16-bit digit of ``|residual (+ grad)|`` for row ``program_id(0)``.
+
+    Pass 0 bins the high digit; pass 1 bins the low digit of the elements whose high digit
+    equals ``prefix[row]``. Sample ``i`` of a row reads position ``i * stride % numel``.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < size
+    if SAMPLED:
+        pos = (i * stride) % numel
+    else:
+        pos = i
+    r = tl.load(res_ptr + row * numel + pos, mask=m, other=0.0)
+    if HAS_GRAD:
+        g = tl.load(grad_ptr + row * numel + pos, mask=m, other=0.0)
+        r = (r.to(tl.float32) + g.to(tl.float32)).to(res_ptr.dtype.element_ty)
+    key = r.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if PASS == 0:
+        tl.atomic_add(hist_ptr + row * 32768 + (key >> 16), 1, mask=m)
+    else:
+        prefix = tl.load(prefix_ptr + row)
+        m = m & ((key >> 16) == prefix)
+        tl.atomic_add(hist_ptr + row * 65536 + (key & 0xFFFF), 1, mask=m)
+
+
+def _select_bin(hist: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bin holding the ``k``-th largest key of each row, and ``k`` within that bin.
+
+    ``hist`` is ``[N, bins]`` int32, ``k`` is ``[N]`` int64 (1-based). Device ops only.
+    """
+    bins = hist.shape[1]
+    from_top = hist.flip(1).cumsum(1)  # [:, j]: keys in the top j + 1 bins
+    j = (from_top < k[:, None]).sum(1)  # top bins wholly above the k-th key
+    above = torch.where(j > 0, from_top.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(1), 0)
+    return bins - 1 - j, k - above
+
+
+def sample_plan(numel: int, density: float) -> tuple[int, int, int]:
+    """``(size, stride, keep)``: the reference's sample size, golden stride and rank."""
+    size = min(numel, max(MIN_SAMPLE, math.ceil(SAMPLE_HITS / density)))
+    keep = min(size, max(1, round(density * size)))
+    return size, int(numel * _GOLDEN_FRACTION) | 1, keep
+
+
+def launch_row_thresholds(
+    residual: torch.Tensor, grad: Optional[torch.Tensor], density: float, wrap: Callable = lambda k: k
+) -> torch.Tensor:
+    """Per-row thresholds ``[N]`` (float32) of ``residual (+ grad)``, both ``[N, S]`` contiguous.
+
+    ``wrap`` is applied to each kernel before launch (``torch.library.wrap_triton`` when
+    called from a registered op).
+    """
+    n_rows, numel = residual.shape
+    device = residual.device
+    if density >= 1.0 or numel == 0 or n_rows == 0:
+        return torch.zeros(n_rows, dtype=torch.float32, device=device)
+    if density <= 0.0:
+        return torch.full((n_rows,), math.inf, dtype=torch.float32, device=device)
+    size, stride, keep = sample_plan(numel, density)
+    grid = (n_rows, triton.cdiv(size, BLOCK))
+    common = dict(HAS_GRAD=grad is not None, SAMPLED=size != numel, BLOCK=BLOCK)
+    g = grad if grad is not None else residual
+    high = torch.zeros(n_rows, HIGH_BINS, dtype=torch.int32, device=device)
+    wrap(_radix_hist_kernel)[grid](residual, g, high, high, numel, size, stride, PASS=0, **common)
+    k = torch.full((n_rows,), keep, dtype=torch.int64, device=device)
+    prefix, k_low = _select_bin(high, k)
+    prefix = prefix.to(torch.int32)
+    low = torch.zeros(n_rows, LOW_BINS, dtype=torch.int32, device=device)
+    wrap(_radix_hist_kernel)[grid](residual, g, low, prefix, numel, size, stride, PASS=1, **common)
+    low_bin, _ = _select_bin(low, k_low)
+    return ((prefix << 16) | low_bin.to(torch.int32)).view(torch.float32)
+
+
+def row_thresholds_triton(rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.row_thresholds` (bit-identical result).
+
+    ``rows`` is ``[N, S]`` (or ``[S]``, giving ``[1]``); with ``grad`` the thresholds are of
+    ``rows + grad`` (rounded to ``rows.dtype``), which is not materialised.
+    """
+    from tagc.kernels import ops
+
+    check_density(density)
+    return ops.row_thresholds(rows.reshape(-1, rows.shape[-1]).contiguous(), grad, float(density))
+
+
+# ----------------------------------------------------------------------------------------
+# Reference cross-check and benchmark
+# ----------------------------------------------------------------------------------------
+
+
+def check(n_rows: int = 2, numel: int = 4096 + 13, density: float = 0.05, device: str = "cpu") -> None:
+    """Assert the kernel's thresholds equal the reference's on random data."""
+    rows = torch.randn(n_rows, numel, device=device)
+    grad = torch.randn(n_rows, numel, device=device)
+    got = row_thresholds_triton(rows, density, grad=grad)
+    want = row_thresholds(rows + grad, density)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def bench(numel: int, density: float = 0.03, device: str = "cuda") -> dict[str, float]:
+    """Milliseconds of the Triton threshold vs the reference on one ``[1, numel]`` row."""
+    from tagc.kernels.benchutil import time_ms
+
+    rows = torch.randn(1, numel, device=device)
+    return {
+        "triton_ms": time_ms(lambda: row_thresholds_triton(rows, density)),
+        "torch_ms": time_ms(lambda: row_thresholds(rows, density)),
+    }
