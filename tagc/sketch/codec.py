@@ -18,7 +18,7 @@ from tagc.sketch.index import index_to_mask
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_finite
 
-EXACT_SOLVE_LIMIT = 4096
+EXACT_SOLVE_LIMIT = 256
 """Stopping sets with more positions than this are left to the fallback (a dense solve of
 that size is slower than re-sending them; above the peeling threshold they are huge)."""
 

@@ -1,0 +1,58 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tagc.sketch import sparsify, threshold
+
+
+@given(numel=st.integers(1, 5000), density=st.floats(0.0, 1.0), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_kept_plus_residual_is_exactly_the_input(numel, density, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * scale
+    kept, residual = sparsify(x, density)
+    assert torch.equal(kept + residual, x)
+    assert not ((kept != 0) & (residual != 0)).any()
+    if (kept != 0).any() and (residual != 0).any():
+        assert kept.abs()[kept != 0].min() >= residual.abs().max()
+
+
+@pytest.mark.parametrize("numel", [65536, 300_007, 4 << 20])
+@pytest.mark.parametrize("density", [0.01, 0.04, 0.2])
+@pytest.mark.parametrize("dist", ["normal", "lognormal", "heavy_columns"])
+def test_kept_fraction_within_ten_percent(numel, density, dist):
+    x = torch.randn(numel)
+    if dist == "lognormal":
+        x = torch.randn(numel).exp() * torch.randn(numel).sign()
+    elif dist == "heavy_columns":  # a weight gradient whose 7th column dominates
+        x = torch.randn(numel)
+        x[7::768] *= 50
+    kept, _ = sparsify(x, density)
+    fraction = (kept != 0).float().mean().item()
+    assert abs(fraction - density) <= 0.1 * density, fraction
+
+
+def test_bf16_and_shapes_are_kept():
+    x = torch.randn(64, 1000, dtype=torch.bfloat16)
+    kept, residual = sparsify(x, 0.1)
+    assert kept.dtype == torch.bfloat16 and kept.shape == x.shape
+    assert torch.equal(kept + residual, x)
+
+
+def test_threshold_stays_a_tensor():
+    tau = threshold(torch.randn(100_000), 0.05)
+    assert isinstance(tau, torch.Tensor) and tau.dim() == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_a_clear_error(bad):
+    x = torch.randn(1000)
+    x[17] = bad
+    with pytest.raises(ValueError, match="NaN|Inf"):
+        sparsify(x, 0.1)
+
+
+def test_bad_density():
+    with pytest.raises(ValueError, match="density"):
+        sparsify(torch.randn(10), 1.5)
