@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tagc.kernels.fp import round_to_dtype
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_density
@@ -56,11 +57,10 @@ def _compress_kernel(
     m = p < numel
     g = tl.load(grad_ptr + row * numel + p, mask=m, other=0.0)
     r = tl.load(res_ptr + row * numel + p, mask=m, other=0.0)
-    a = (r.to(tl.float32) + g.to(tl.float32)).to(res_ptr.dtype.element_ty)
-    af = a.to(tl.float32)
+    af = round_to_dtype(r.to(tl.float32) + g.to(tl.float32), res_ptr.dtype.element_ty)
     tau = tl.load(tau_ptr + row)
     keep = (tl.abs(af) >= tau) & (af != 0.0) & m
-    tl.store(res_ptr + row * numel + p, tl.where(keep, tl.zeros_like(a), a), mask=m)
+    tl.store(res_ptr + row * numel + p, tl.where(keep, 0.0, af).to(res_ptr.dtype.element_ty), mask=m)
     field = keep.to(tl.int32) << (sub * BITS)[None, :]
     tl.store(index_ptr + row * nbytes + byte, tl.sum(field, axis=1).to(tl.uint8), mask=byte < nbytes)
     # Count sketch: cell = rows[b, j] * L + (t ^ xor[b]), only for kept elements.

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tagc.kernels.fp import round_to_dtype
 from tagc.sketch.sparsify import _GOLDEN_FRACTION, MIN_SAMPLE, SAMPLE_HITS, check_density, row_thresholds
 
 HIGH_BINS = 1 << 15  # top 16 bits of a non-negative float32: the sign bit is always 0
@@ -62,8 +63,10 @@ def _radix_hist_kernel(
     r = tl.load(res_ptr + row * numel + pos, mask=m, other=0.0)
     if HAS_GRAD:
         g = tl.load(grad_ptr + row * numel + pos, mask=m, other=0.0)
-        r = (r.to(tl.float32) + g.to(tl.float32)).to(res_ptr.dtype.element_ty)
-    key = r.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        a = round_to_dtype(r.to(tl.float32) + g.to(tl.float32), res_ptr.dtype.element_ty)
+    else:
+        a = r.to(tl.float32)
+    key = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if PASS == 0:
         tl.atomic_add(hist_ptr + row * 32768 + (key >> 16), 1, mask=m)
     else:
