@@ -323,8 +323,8 @@ def test_kernels_compile_for_sm90():
                 build(radix_select._radix_hist_kernel, dict(res_ptr="*fp32", grad_ptr=grad, hist_ptr="*i32", prefix_ptr="*i32", numel="i32", size="i32", stride="i32"), dict(HAS_GRAD=True, SAMPLED=p == 1, PASS=p, BLOCK=1024))
             for bits in (1, 4):
                 build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
-        for bits, fallback in ((1, 0), (4, 1)):
-            build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32"), dict(LANE_BITS=6, BITS=bits, G=16, BLOCK_B=64, FALLBACK=fallback))
+        for bits, fallback, lane_bits, group in ((1, 0, 10, 4), (4, 1, 0, 1)):
+            build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32"), dict(LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=1024 // group, TILE=1024, FALLBACK=fallback))
         print("OK")
         """
     )

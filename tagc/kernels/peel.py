@@ -2,17 +2,20 @@
 
 Every table column is an independent peeling problem: column ``c`` holds, for each block
 ``b``, exactly one candidate position ``p = b * L + (c ^ xor[b])`` whose three cells are
-``rows[b, j] * L + c``. A program owns ``G`` adjacent columns (so its loads stay
-coalesced: ``c ^ xor[b]`` permutes within aligned groups) and runs, with no host
-involvement:
+``rows[b, j] * L + c``. A program owns ``G`` adjacent columns (``G = L / 256`` for wide
+lanes, else one) and runs, with no host involvement:
 
-1. setup: mark the candidates the union index selects (``state = 1``), count how many
-   support positions hit every cell (atomics) and the support size;
-2. rounds, until one peels nothing, each in two phases separated by a barrier so a round
-   sees the table as it was at its start, exactly as the reference's vectorised rounds do:
-   A) every pending position with a cell of count 1 records which cell (``state = 2 + j``);
+1. setup: scan its candidates, keep those the union index selects (compacted with a
+   prefix sum into a list of pending positions, ``state = 1``), and count how many
+   support positions hit every cell (atomics);
+2. rounds, until one peels nothing, over the pending list only, each in two phases
+   separated by a barrier so a round sees the table as it was at its start, exactly as the
+   reference's vectorised rounds do:
+   A) every pending position with a cell of count 1 records which cell (``state = 2 + j``,
+      the lowest such ``j``, as the reference picks);
    B) each of those reads its value from that cell (no other position touches it), writes
-      it, subtracts it (float64) from its three cells and decrements their counts;
+      it, subtracts it (float64) from its three cells and decrements their counts; the
+      others are compacted into the second list, which the next round reads;
 3. fallback for positions still pending: the median of their three signed cells
    (``fallback="estimate"``) or nothing (``"raw"`` / ``"error"``, left as 0).
 
@@ -40,23 +43,26 @@ from tagc.sketch.codec import EXACT_SOLVE_LIMIT, FALLBACKS, DecodeStats, _solve_
 from tagc.sketch.index import check_index
 from tagc.sketch.layout import SketchLayout
 
-LANES_PER_PROGRAM = 16
+PROGRAMS = 256
+"""Programs per decode (at most; one per lane for narrow lanes): ``G = L / PROGRAMS`` lanes each."""
 TILE = 1024
-"""Candidates per tile (``G`` lanes x ``TILE // G`` blocks) on the GPU; the interpreter,
-whose cost is per operation, takes up to 8192 at once."""
+"""Positions per tile on the GPU; the interpreter, whose cost is per operation, takes 8192."""
 STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
 FALLBACK_CODES = {"estimate": 0, "raw": 1, "error": 2}
 
 
 @triton.jit
-def _tile(b0, c, xor_ptr, numel, blocks, LANE_BITS: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Candidate positions ``[BLOCK_B, G]`` of blocks ``b0..`` in columns ``c``, and validity."""
-    b = b0 + tl.arange(0, BLOCK_B)
-    bm = b < blocks
-    x = tl.load(xor_ptr + b, mask=bm, other=0)
-    p = (b.to(tl.int64) << LANE_BITS)[:, None] + (c[None, :] ^ x[:, None])
-    valid = bm[:, None] & (p < numel)
-    return b, p, valid
+def _cells(p, xor_ptr, rows_ptr, signs_ptr, mask, LANE_BITS: tl.constexpr):
+    """The three cells (int64) and signs (float64) of positions ``p``."""
+    b = p >> LANE_BITS
+    c = (p & ((1 << LANE_BITS) - 1)) ^ tl.load(xor_ptr + b, mask=mask, other=0)
+    c0 = (tl.load(rows_ptr + b * 3 + 0, mask=mask, other=0) << LANE_BITS) + c
+    c1 = (tl.load(rows_ptr + b * 3 + 1, mask=mask, other=0) << LANE_BITS) + c
+    c2 = (tl.load(rows_ptr + b * 3 + 2, mask=mask, other=0) << LANE_BITS) + c
+    s0 = tl.load(signs_ptr + b * 3 + 0, mask=mask, other=0.0).to(tl.float64)
+    s1 = tl.load(signs_ptr + b * 3 + 1, mask=mask, other=0.0).to(tl.float64)
+    s2 = tl.load(signs_ptr + b * 3 + 2, mask=mask, other=0.0).to(tl.float64)
+    return c0, c1, c2, s0, s1, s2
 
 
 @triton.jit
@@ -67,6 +73,7 @@ def _peel_kernel(
     out_ptr,
     state_ptr,
     stats_ptr,
+    list_ptr,
     rows_ptr,
     signs_ptr,
     xor_ptr,
@@ -76,14 +83,22 @@ def _peel_kernel(
     BITS: tl.constexpr,
     G: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    TILE: tl.constexpr,
     FALLBACK: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)  # this program's columns
+    cap = blocks.to(tl.int64) * G  # candidates of this program
+    lists = list_ptr + tl.program_id(0).to(tl.int64) * 2 * cap  # two compact lists of positions
 
-    # 1. Setup: which candidates are in the support, and how many positions hit each cell.
-    support = 0
+    # 1. Setup: the support positions of these columns (compacted into list 0), and how many
+    #    positions hit each cell.
+    active = 0
     for b0 in range(0, blocks, BLOCK_B):
-        b, p, valid = _tile(b0, c, xor_ptr, numel, blocks, LANE_BITS, BLOCK_B)
+        b = b0 + tl.arange(0, BLOCK_B)
+        bm = b < blocks
+        x = tl.load(xor_ptr + b, mask=bm, other=0)
+        p = (b.to(tl.int64) << LANE_BITS)[:, None] + (c[None, :] ^ x[:, None])  # [BLOCK_B, G]
+        valid = bm[:, None] & (p < numel)
         if BITS == 1:
             byte = tl.load(index_ptr + (p >> 3), mask=valid, other=0).to(tl.int32)
             on = ((byte >> (p & 7).to(tl.int32)) & 1) != 0
@@ -93,75 +108,83 @@ def _peel_kernel(
         on = on & valid
         tl.store(state_ptr + p, on.to(tl.int8), mask=valid)
         for j in tl.static_range(3):
-            cell = (tl.load(rows_ptr + b * 3 + j, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
+            cell = (tl.load(rows_ptr + b * 3 + j, mask=bm, other=0) << LANE_BITS)[:, None] + c[None, :]
             tl.atomic_add(counts_ptr + cell, tl.full(cell.shape, 1, tl.int32), mask=on)
-        support += tl.sum(on.to(tl.int32))
+        flat_on = tl.reshape(on, [BLOCK_B * G]).to(tl.int32)
+        slot = active + tl.cumsum(flat_on, axis=0) - 1
+        tl.store(lists + slot, tl.reshape(p, [BLOCK_B * G]).to(tl.int32), mask=flat_on != 0)
+        active += tl.sum(flat_on)
+    support = active
     tl.debug_barrier()
 
-    # 2. Peeling rounds, each a read phase and a write phase, until a round peels nothing.
+    # 2. Peeling rounds over the compact list of pending positions, each a read phase and a
+    #    write phase, until a round peels nothing. The survivors go to the other list.
     rounds = 0
-    peeled = 0
+    parity = 0
     progress = 1
     while progress > 0:
-        for b0 in range(0, blocks, BLOCK_B):  # A: find the positions owning a pure cell
-            b, p, valid = _tile(b0, c, xor_ptr, numel, blocks, LANE_BITS, BLOCK_B)
-            pending = tl.load(state_ptr + p, mask=valid, other=0, volatile=True) == 1
-            choice = tl.full(p.shape, 1, tl.int32)
-            for jj in tl.static_range(3):
-                j = 2 - jj  # the lowest pure j wins, as in the reference
-                cell = (tl.load(rows_ptr + b * 3 + j, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-                count = tl.load(counts_ptr + cell, mask=pending, other=0, volatile=True)
-                choice = tl.where(count == 1, 2 + j, choice)
-            tl.store(state_ptr + p, choice.to(tl.int8), mask=pending)
+        src = lists + parity * cap
+        dst = lists + (1 - parity) * cap
+        for i0 in range(0, active, TILE):  # A: which positions own a pure cell
+            i = i0 + tl.arange(0, TILE)
+            m = i < active
+            p = tl.load(src + i, mask=m, other=0, volatile=True).to(tl.int64)
+            c0, c1, c2, s0, s1, s2 = _cells(p, xor_ptr, rows_ptr, signs_ptr, m, LANE_BITS)
+            n0 = tl.load(counts_ptr + c0, mask=m, other=0, volatile=True)
+            n1 = tl.load(counts_ptr + c1, mask=m, other=0, volatile=True)
+            n2 = tl.load(counts_ptr + c2, mask=m, other=0, volatile=True)
+            choice = tl.where(n0 == 1, 2, tl.where(n1 == 1, 3, tl.where(n2 == 1, 4, 1)))  # lowest pure j
+            tl.store(state_ptr + p, choice.to(tl.int8), mask=m)
         tl.debug_barrier()
-        progress = 0
-        for b0 in range(0, blocks, BLOCK_B):  # B: settle them and subtract them out
-            b, p, valid = _tile(b0, c, xor_ptr, numel, blocks, LANE_BITS, BLOCK_B)
-            st = tl.load(state_ptr + p, mask=valid, other=0, volatile=True)
-            go = st >= 2
-            value = tl.zeros(p.shape, tl.float64)
-            for j in tl.static_range(3):
-                cell = (tl.load(rows_ptr + b * 3 + j, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-                sign = tl.load(signs_ptr + b * 3 + j, mask=b < blocks, other=0.0).to(tl.float64)[:, None]
-                mine = go & (st == 2 + j)
-                value += tl.where(mine, sign * tl.load(work_ptr + cell, mask=mine, other=0.0, volatile=True), 0.0)
+        survivors = 0
+        for i0 in range(0, active, TILE):  # B: settle them and subtract them out
+            i = i0 + tl.arange(0, TILE)
+            m = i < active
+            p = tl.load(src + i, mask=m, other=0, volatile=True).to(tl.int64)
+            c0, c1, c2, s0, s1, s2 = _cells(p, xor_ptr, rows_ptr, signs_ptr, m, LANE_BITS)
+            st = tl.load(state_ptr + p, mask=m, other=0, volatile=True)
+            go = m & (st >= 2)
+            pure = tl.where(st == 2, c0, tl.where(st == 3, c1, c2))
+            sign = tl.where(st == 2, s0, tl.where(st == 3, s1, s2))
+            value = sign * tl.load(work_ptr + pure, mask=go, other=0.0, volatile=True)
             tl.store(out_ptr + p, value.to(tl.float32), mask=go)
-            for j in tl.static_range(3):
-                cell = (tl.load(rows_ptr + b * 3 + j, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-                sign = tl.load(signs_ptr + b * 3 + j, mask=b < blocks, other=0.0).to(tl.float64)[:, None]
-                tl.atomic_add(work_ptr + cell, -sign * value, mask=go)
-                tl.atomic_add(counts_ptr + cell, tl.full(cell.shape, -1, tl.int32), mask=go)
+            tl.atomic_add(work_ptr + c0, -s0 * value, mask=go)
+            tl.atomic_add(work_ptr + c1, -s1 * value, mask=go)
+            tl.atomic_add(work_ptr + c2, -s2 * value, mask=go)
+            minus = tl.full(p.shape, -1, tl.int32)
+            tl.atomic_add(counts_ptr + c0, minus, mask=go)
+            tl.atomic_add(counts_ptr + c1, minus, mask=go)
+            tl.atomic_add(counts_ptr + c2, minus, mask=go)
             tl.store(state_ptr + p, tl.zeros(p.shape, tl.int8), mask=go)
-            progress += tl.sum(go.to(tl.int32))
+            stay = (m & (st < 2)).to(tl.int32)
+            tl.store(dst + survivors + tl.cumsum(stay, axis=0) - 1, p.to(tl.int32), mask=stay != 0)
+            survivors += tl.sum(stay)
         tl.debug_barrier()
+        progress = active - survivors
         rounds += (progress > 0).to(tl.int32)
-        peeled += progress
+        active = survivors
+        parity = 1 - parity
 
-    # 3. Fallback for what peeling left (state still 1).
-    unpeeled = 0
-    for b0 in range(0, blocks, BLOCK_B):
-        b, p, valid = _tile(b0, c, xor_ptr, numel, blocks, LANE_BITS, BLOCK_B)
-        stuck = tl.load(state_ptr + p, mask=valid, other=0, volatile=True) == 1
-        unpeeled += tl.sum(stuck.to(tl.int32))
-        if FALLBACK == 0:
-            c0 = (tl.load(rows_ptr + b * 3 + 0, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-            c1 = (tl.load(rows_ptr + b * 3 + 1, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-            c2 = (tl.load(rows_ptr + b * 3 + 2, mask=b < blocks, other=0) << LANE_BITS)[:, None] + c[None, :]
-            s0 = tl.load(signs_ptr + b * 3 + 0, mask=b < blocks, other=0.0).to(tl.float64)[:, None]
-            s1 = tl.load(signs_ptr + b * 3 + 1, mask=b < blocks, other=0.0).to(tl.float64)[:, None]
-            s2 = tl.load(signs_ptr + b * 3 + 2, mask=b < blocks, other=0.0).to(tl.float64)[:, None]
-            w0 = s0 * tl.load(work_ptr + c0, mask=stuck, other=0.0, volatile=True)
-            w1 = s1 * tl.load(work_ptr + c1, mask=stuck, other=0.0, volatile=True)
-            w2 = s2 * tl.load(work_ptr + c2, mask=stuck, other=0.0, volatile=True)
-            median = tl.maximum(tl.minimum(w0, w1), tl.minimum(tl.maximum(w0, w1), w2))
-            tl.store(out_ptr + p, median.to(tl.float32), mask=stuck)
-    tl.atomic_add(stats_ptr + 0, support.to(tl.int64))
-    tl.atomic_add(stats_ptr + 1, peeled.to(tl.int64))
-    tl.atomic_add(stats_ptr + 3, unpeeled.to(tl.int64))
+    # 3. Fallback for what peeling left (the last list; their state is still 1).
     if FALLBACK == 0:
-        tl.atomic_add(stats_ptr + 4, unpeeled.to(tl.int64))
+        src = lists + parity * cap
+        for i0 in range(0, active, TILE):
+            i = i0 + tl.arange(0, TILE)
+            m = i < active
+            p = tl.load(src + i, mask=m, other=0, volatile=True).to(tl.int64)
+            c0, c1, c2, s0, s1, s2 = _cells(p, xor_ptr, rows_ptr, signs_ptr, m, LANE_BITS)
+            w0 = s0 * tl.load(work_ptr + c0, mask=m, other=0.0, volatile=True)
+            w1 = s1 * tl.load(work_ptr + c1, mask=m, other=0.0, volatile=True)
+            w2 = s2 * tl.load(work_ptr + c2, mask=m, other=0.0, volatile=True)
+            median = tl.maximum(tl.minimum(w0, w1), tl.minimum(tl.maximum(w0, w1), w2))
+            tl.store(out_ptr + p, median.to(tl.float32), mask=m)
+    tl.atomic_add(stats_ptr + 0, support.to(tl.int64))
+    tl.atomic_add(stats_ptr + 1, (support - active).to(tl.int64))
+    tl.atomic_add(stats_ptr + 3, active.to(tl.int64))
+    if FALLBACK == 0:
+        tl.atomic_add(stats_ptr + 4, active.to(tl.int64))
     if FALLBACK == 1:
-        tl.atomic_add(stats_ptr + 5, unpeeled.to(tl.int64))
+        tl.atomic_add(stats_ptr + 5, active.to(tl.int64))
     tl.atomic_max(stats_ptr + 6, rounds.to(tl.int64))
 
 
@@ -185,13 +208,16 @@ def launch_peel(
     out = torch.zeros(numel, dtype=torch.float32, device=work.device)
     state = torch.zeros(numel, dtype=torch.int8, device=work.device)
     stats = torch.zeros(len(STAT_FIELDS), dtype=torch.int64, device=work.device)
-    lanes = 1 << lane_bits
-    group = min(lanes, LANES_PER_PROGRAM)
+    lanes, blocks = 1 << lane_bits, rows.shape[0]
+    if blocks * lanes >= 2**31:
+        raise ValueError(f"chunks of 2**31 or more elements are not supported by the peeling kernel (got {numel})")
+    group = max(1, lanes // PROGRAMS)
     tile = 8192 if table.device.type == "cpu" else TILE
-    block_b = min(triton.next_power_of_2(rows.shape[0]), tile // group)
+    block_b = min(triton.next_power_of_2(blocks), max(1, tile // group))
+    lists = torch.empty(2 * blocks * lanes, dtype=torch.int32, device=work.device)
     wrap(_peel_kernel)[(lanes // group,)](
-        work, counts, index, out, state, stats, rows, signs, lane_xor, numel, rows.shape[0],
-        LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=block_b, FALLBACK=fallback,
+        work, counts, index, out, state, stats, lists, rows, signs, lane_xor, numel, blocks,
+        LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=block_b, TILE=tile, FALLBACK=fallback,
     )
     return out, state, work, stats
 
