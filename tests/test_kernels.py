@@ -331,3 +331,19 @@ def test_kernels_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- benchmark smoke test
+
+
+def test_bench_kernels_runs(tmp_path, capsys):
+    import json
+
+    from tagc.bench.kernels import main
+
+    out = tmp_path / "kernels.json"
+    main(["--sizes", "1K", "--no-reference", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["rows"][0]["checked"] and result["rows"][0]["numel"] == 1024
+    if DEVICE == "cpu":
+        assert result["meta"]["interpreter"] and "NOT meaningful" in capsys.readouterr().out
