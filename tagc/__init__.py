@@ -1,6 +1,12 @@
-"""TAGC: compressed gradient reduce-scatter for sharded training over slow networks."""
+"""TAGC: compressed gradient reduce-scatter for sharded training over slow networks.
 
+``model.register_comm_hook(tagc.hook(ratio=10, index_bits=1))`` (SimpleFSDP) or
+``tagc.register_comm_hook(model, tagc.hook(...))`` (FSDP2 / FSDP1).
+"""
+
+from tagc.api import hook, register_comm_hook
 from tagc.config import TAGCConfig
+from tagc.hooks.engine import TAGCHook
 
 __version__ = "0.1.0"
-__all__ = ["TAGCConfig", "__version__"]
+__all__ = ["TAGCConfig", "TAGCHook", "__version__", "hook", "register_comm_hook"]

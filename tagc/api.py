@@ -1,0 +1,62 @@
+"""The one-line entry points: ``tagc.hook(...)`` and ``tagc.register_comm_hook(model, hook)``."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.nn as nn
+
+from tagc.config import TAGCConfig
+from tagc.hooks.engine import TAGCHook
+from tagc.hooks.selection import SelectPolicy
+
+
+def hook(
+    ratio: float = 10,
+    index_bits: int = 1,
+    sparsity: Union[float, str] = "auto",
+    select: Union[str, SelectPolicy] = "non_attention_linear",
+    *,
+    nonfinite: str = "plain",
+    residual_dtype: torch.dtype = torch.float32,
+    **options,
+) -> TAGCHook:
+    """A TAGC comm hook.
+
+    Args:
+        ratio: count-sketch compression ratio (> 1).
+        index_bits: 1 (exact OR of bitmaps) or 4 (rank counts, <= 15 ranks).
+        sparsity: fraction of each chunk zeroed before encoding, or ``"auto"``.
+        select: which parameters to compress: ``"non_attention_linear"`` (default),
+            ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
+        nonfinite: a NaN/Inf gradient sends its bucket uncompressed (``"plain"``) or raises.
+        residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
+        **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
+            ``min_compress_numel``).
+    """
+    config = TAGCConfig(ratio=ratio, index_bits=index_bits, sparsity=sparsity, **options)
+    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype)
+
+
+def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
+    """Install ``comm_hook`` on an FSDP2 (``fully_shard``) or FSDP1 model; returns the model."""
+    from tagc.hooks.fsdp2 import register_fsdp2
+
+    if not isinstance(comm_hook, TAGCHook):
+        raise TypeError(f"expected a hook from tagc.hook(...), got {type(comm_hook).__name__}")
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        FullyShardedDataParallel = ()
+    if isinstance(model, FullyShardedDataParallel):
+        from tagc.hooks.fsdp1 import register_fsdp1
+
+        register_fsdp1(model, comm_hook)
+        return model
+    if register_fsdp2(model, comm_hook) == 0:
+        raise ValueError(
+            "no FSDP module found: call fully_shard(...) (FSDP2) or wrap with FullyShardedDataParallel (FSDP1) "
+            "before registering; SimpleFSDP models use model.register_comm_hook(hook)"
+        )
+    return model

@@ -1,0 +1,290 @@
+"""The compressed reduce-scatter (DESIGN.md §2 items 1-9) behind every FSDP adapter.
+
+An adapter hands :meth:`TAGCHook.reduce_scatter` the packed input (``[N, S]``: row ``j`` is
+rank ``j``'s chunk), the output shard, the group, FSDP's reduce op, and the *segments* of a
+chunk (each parameter's padded shard). Selected segments are compressed (error feedback,
+threshold, index + sketch, exact OR / count-sum index exchange, summed sketches, decode);
+the rest go through the fair plain exchange in the same step. The compressed columns are
+cut into parts with their own layouts so part ``k+1`` is compressed while part ``k`` is on
+the wire, and part ``k`` is decoded while later parts are still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tagc.config import TAGCConfig
+from tagc.hooks.selection import SelectPolicy, resolve_policy
+from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, plain_reduce_scatter
+from tagc.kernels.dispatch import compress_, decode
+from tagc.sketch import SketchLayout
+from tagc.sketch.index import merge_index
+
+MIN_PART = 1 << 18
+"""Compressed columns are split into pipeline parts of at least this many elements."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One parameter's padded shard inside every rank's chunk."""
+
+    name: str
+    start: int
+    numel: int
+    module: Optional[nn.Module] = dataclasses.field(default=None, compare=False, hash=False)
+
+
+@dataclasses.dataclass
+class _Part:
+    columns: slice | torch.Tensor
+    layout: SketchLayout
+
+
+@dataclasses.dataclass
+class _BucketPlan:
+    key: str
+    chunk: int
+    plain_columns: Optional[torch.Tensor]
+    parts: list[_Part]
+
+
+def op_scale(op, world_size: int) -> float:
+    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor)."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.SUM:
+        return 1.0
+    if kind == dist.ReduceOp.AVG:
+        return 1.0 / world_size
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
+
+
+def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
+    if not segments:
+        return None
+    return torch.cat([torch.arange(s.start, s.start + s.numel) for s in segments])
+
+
+class TAGCHook:
+    """One TAGC comm hook: settings, error-feedback residuals and statistics.
+
+    Build it with :func:`tagc.hook`; install it with :func:`tagc.register_comm_hook` (FSDP2,
+    FSDP1) or ``model.register_comm_hook`` (SimpleFSDP).
+
+    Memory: the residual of a compressed bucket has the bucket's *unsharded* size (every
+    rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
+    gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
+    halves it at some loss of what error feedback carries).
+    """
+
+    def __init__(
+        self,
+        config: TAGCConfig,
+        select: Union[str, SelectPolicy] = "non_attention_linear",
+        nonfinite: str = "plain",
+        residual_dtype: torch.dtype = torch.float32,
+        min_part: int = MIN_PART,
+        piece_bytes: int = PIECE_BYTES,
+    ) -> None:
+        if nonfinite not in ("plain", "raise"):
+            raise ValueError(f"nonfinite must be 'plain' (send the bucket uncompressed) or 'raise', got {nonfinite!r}")
+        if residual_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
+        if config.fallback == "raw":
+            raise ValueError(
+                "the hook resolves undecodable positions with fallback='estimate' or 'error'; 'raw' (re-send) is a "
+                "codec-level policy only for now"
+            )
+        if not isinstance(min_part, int) or min_part < 1:
+            raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
+        self.config = config
+        self.select = resolve_policy(select)
+        self.nonfinite = nonfinite
+        self.residual_dtype = residual_dtype
+        self.min_part = min_part
+        self.piece_bytes = piece_bytes
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.step_count = 0
+        self._seen_this_step: set[str] = set()
+        self._verified: set[int] = set()
+        self.last_step = ExchangeStats()
+        self._current = ExchangeStats()
+        self.total = ExchangeStats()
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict:
+        """``{"step": n, "last_step": {...}, "total": {...}}``: bytes this rank put on the wire
+        next to what a plain reduce-scatter would send, peel success, fallbacks, times."""
+        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict()}
+
+    def state_dict(self) -> dict:
+        """Residuals (this rank's, keyed by bucket and rank) and the step counter."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {
+            "step": self.step_count,
+            "config": repr(self.config.fingerprint()),
+            **{f"residual.rank{rank}.{key}": value for key, value in self.residuals.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("config") != repr(self.config.fingerprint()):
+            raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {self.config}")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        prefix = f"residual.rank{rank}."
+        self.step_count = int(state["step"])
+        self.residuals = {k[len(prefix) :]: v.clone() for k, v in state.items() if k.startswith(prefix)}
+
+    def verify(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Check once per group that every rank has the same settings (clear error otherwise)."""
+        if id(group) in self._verified or not dist.is_initialized():
+            return
+        world = dist.get_world_size(group)
+        if self.config.index_bits == 4 and world > 15:
+            raise ValueError(f"index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this group has {world}: use index_bits=1")
+        mine = (self.config.fingerprint(), self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select))
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise ValueError(f"TAGC settings differ across ranks: this rank has {mine}, rank {rank} has {theirs}")
+        self._verified.add(id(group))
+
+    # ------------------------------------------------------------------ the exchange
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: Optional[dist.ProcessGroup],
+        op,
+        segments: Sequence[Segment],
+    ) -> None:
+        """Write into ``output`` (one chunk) FSDP's reduce op over ranks of ``input``'s chunk."""
+        world = dist.get_world_size(group)
+        chunk = input.numel() // world
+        if chunk * world != input.numel() or output.numel() != chunk:
+            raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
+        scale = op_scale(op, world)
+        rows = input.view(world, chunk)
+        if world == 1:
+            output.copy_(rows[0] * scale)
+            return
+        self.verify(group)
+        plan = self._plan(tuple(segments), chunk, world)
+        self._begin_bucket(plan.key)
+        stats = ExchangeStats(buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4)
+        summed = torch.zeros(chunk, dtype=torch.float32, device=input.device)
+
+        plain_pending = None
+        if plan.plain_columns is not None:
+            plain_pending = all_to_all_rows(rows[:, plan.plain_columns], group, self.piece_bytes)
+            stats.wire_bytes += plain_pending.sent_bytes
+        if plan.parts:
+            self._compressed(rows, plan, group, world, summed, stats)
+        if plain_pending is not None:
+            start = time.perf_counter()
+            summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
+            stats.comm_wait_s += time.perf_counter() - start
+        output.copy_(summed.mul_(scale))
+        self._current.add(stats)
+        self.total.add(stats)
+
+    def _compressed(self, rows, plan: _BucketPlan, group, world: int, summed: torch.Tensor, stats: ExchangeStats) -> None:
+        start = time.perf_counter()
+        grads = [rows[:, part.columns] for part in plan.parts]
+        bad = torch.zeros(1, dtype=torch.int32)
+        for grad in grads:
+            bad |= ~torch.isfinite(grad).all()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        if bool(bad):
+            self._nonfinite(grads, plan, group, summed, stats)
+            return
+        residuals = self._residuals(plan, grads)
+        density = self.config.density(world)
+        bits = self.config.index_bits
+        pending = []
+        for grad, residual, part in zip(grads, residuals, plan.parts):
+            index, table = compress_(grad, residual, density, part.layout, bits)
+            pending.append((all_to_all_rows(index, group, self.piece_bytes), all_to_all_rows(table, group, self.piece_bytes)))
+            stats.wire_bytes += pending[-1][0].sent_bytes + pending[-1][1].sent_bytes
+        stats.compress_s += time.perf_counter() - start
+        for (index_x, table_x), part in zip(pending, plan.parts):
+            start = time.perf_counter()
+            indexes, tables = index_x.wait(), table_x.wait()
+            stats.comm_wait_s += time.perf_counter() - start
+            start = time.perf_counter()
+            union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
+            values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
+            summed[part.columns] = values
+            stats.decode_s += time.perf_counter() - start
+            stats.support += int(decoded.support)
+            stats.peeled += int(decoded.peeled)
+            stats.unpeeled += int(decoded.unpeeled)
+            stats.estimated += int(decoded.estimated)
+        stats.compressed_buckets += 1
+
+    def _nonfinite(self, grads, plan: _BucketPlan, group, summed: torch.Tensor, stats: ExchangeStats) -> None:
+        """Some rank's gradient has NaN/Inf: every rank sends this bucket plain (or raises)."""
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
+        stats.nonfinite_buckets += 1
+        residuals = self.residuals.get(plan.key)
+        for i, (grad, part) in enumerate(zip(grads, plan.parts)):
+            dense = grad.float()
+            if residuals is not None:
+                dense += residuals[i]
+                residuals[i].zero_()
+            result, sent = plain_reduce_scatter(dense, group, self.piece_bytes)
+            summed[part.columns] = result
+            stats.wire_bytes += sent
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _residuals(self, plan: _BucketPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if plan.key not in self.residuals:
+            self.residuals[plan.key] = [torch.zeros(g.shape, dtype=self.residual_dtype, device=g.device) for g in grads]
+        return self.residuals[plan.key]
+
+    def _begin_bucket(self, key: str) -> None:
+        if key in self._seen_this_step:  # a bucket repeats: a new step began
+            self.step_count += 1
+            self.last_step = self._current
+            self._current = ExchangeStats()
+            self._seen_this_step.clear()
+        self._seen_this_step.add(key)
+
+    @functools.lru_cache(maxsize=1024)
+    def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
+        covered = sum(s.numel for s in segments)
+        if covered > chunk:
+            raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
+        tail = [Segment("<padding>", covered, chunk - covered)] if covered < chunk else []
+        chosen = [s for s in segments if self.select(s.name, s.module)]
+        compressed = sum(s.numel for s in chosen)
+        if compressed < max(1, self.config.min_compress_numel):
+            chosen, compressed = [], 0
+        rest = [s for s in segments if s not in chosen] + tail
+        parts = []
+        if chosen:
+            columns = _columns(chosen)
+            n_parts = max(1, compressed // self.min_part)
+            bounds = [round(i * compressed / n_parts) for i in range(n_parts + 1)]
+            for a, b in zip(bounds, bounds[1:]):
+                cols = columns[a:b]
+                contiguous = bool((cols[1:] - cols[:-1] == 1).all()) if cols.numel() > 1 else True
+                sel = slice(int(cols[0]), int(cols[-1]) + 1) if contiguous else cols
+                parts.append(_Part(sel, SketchLayout(b - a, self.config.ratio, self.config.lane, self.config.seed)))
+        key = "|".join(s.name for s in chosen) or "|".join(s.name for s in segments)
+        return _BucketPlan(key=f"{key}#{chunk}", chunk=chunk, plain_columns=_columns(rest), parts=parts)

@@ -1,0 +1,92 @@
+"""Fair transports on any process group: true reduce-scatter volume, line-rate pieces.
+
+Gloo's ``reduce_scatter_tensor`` is an all-reduce underneath (twice the bytes), and one large
+gloo message reaches about half of a shaped link's rate. Here every exchange is an
+all-to-all split into pieces of at most :data:`PIECE_BYTES` per peer: each rank sends
+``(N-1)/N`` of its buffer, the volume of a ring reduce-scatter, and reduces locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+PIECE_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class PendingExchange:
+    """An all-to-all in flight: ``wait()`` returns the ``[N, C]`` rows received (row j from rank j)."""
+
+    recv: torch.Tensor
+    works: list
+    sent_bytes: int
+    on_error: Callable[[Exception], Exception]
+
+    def wait(self) -> torch.Tensor:
+        try:
+            for work in self.works:
+                work.wait()
+        except Exception as exc:  # a dead peer surfaces here, after the group's timeout
+            raise self.on_error(exc) from exc
+        return self.recv
+
+
+def _peer_error(exc: Exception) -> Exception:
+    return RuntimeError(
+        f"TAGC exchange failed: a peer rank probably died or timed out ({type(exc).__name__}: {exc}). "
+        "Check the other ranks' logs; the process group's timeout bounds this wait."
+    )
+
+
+def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES) -> PendingExchange:
+    """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``, in pieces.
+
+    Asynchronous: returns at once; compute can run while the bytes are on the wire.
+    """
+    world = send.shape[0]
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    columns = send.shape[1]
+    step = max(1, piece_bytes // max(1, send.element_size()))
+    works = []
+    for start in range(0, columns, step) if columns else []:
+        stop = min(columns, start + step)
+        if stop - start == columns:
+            s_piece, r_piece = send, recv
+        else:
+            s_piece, r_piece = send[:, start:stop].contiguous(), torch.empty(world, stop - start, dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(r_piece, s_piece, group=group, async_op=True)
+        works.append((work, r_piece, start, stop))
+    pending = PendingExchange(recv, [], (world - 1) * columns * send.element_size(), _peer_error)
+    pending.works = [_PieceWork(w, r, recv, a, b) for w, r, a, b in works]
+    return pending
+
+
+@dataclasses.dataclass
+class _PieceWork:
+    work: object
+    piece: torch.Tensor
+    recv: torch.Tensor
+    start: int
+    stop: int
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.piece.data_ptr() != self.recv.data_ptr():
+            self.recv[:, self.start : self.stop] = self.piece
+
+
+def plain_reduce_scatter(
+    chunks: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES
+) -> tuple[torch.Tensor, int]:
+    """Sum over ranks of row ``rank`` of ``chunks`` (``[N, S]``), accumulated in float32.
+
+    Returns ``(summed chunk, bytes this rank sent)``.
+    """
+    pending = all_to_all_rows(chunks, group, piece_bytes)
+    received = pending.wait()
+    return received.sum(dim=0, dtype=torch.float32), pending.sent_bytes

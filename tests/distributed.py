@@ -1,0 +1,40 @@
+"""Run a function on several gloo ranks (processes) on this machine, for the tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns each rank's result.
+
+    ``fn`` must be importable (a module-level function). Exceptions in any rank fail the call.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world, free_port(), out_dir, fn, args, timeout_s), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
