@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from tagc.config import TAGCConfig
-from tagc.hooks.engine import TAGCHook
+from tagc.hooks.engine import MIN_PART, TAGCHook
 from tagc.hooks.selection import SelectPolicy
 
 
@@ -20,6 +20,7 @@ def hook(
     *,
     nonfinite: str = "plain",
     residual_dtype: torch.dtype = torch.float32,
+    min_part: int = MIN_PART,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -32,11 +33,13 @@ def hook(
             ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
         nonfinite: a NaN/Inf gradient sends its bucket uncompressed (``"plain"``) or raises.
         residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
+        min_part: compressed columns are cut into pipeline parts of at least this many
+            elements (part ``k+1`` is compressed while part ``k`` is on the wire).
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``).
     """
     config = TAGCConfig(ratio=ratio, index_bits=index_bits, sparsity=sparsity, **options)
-    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype)
+    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

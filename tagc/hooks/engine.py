@@ -24,7 +24,7 @@ import torch.nn as nn
 from tagc.config import TAGCConfig
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, plain_reduce_scatter
+from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, any_rank, plain_reduce_scatter
 from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
@@ -135,7 +135,11 @@ class TAGCHook:
         return {
             "step": self.step_count,
             "config": repr(self.config.fingerprint()),
-            **{f"residual.rank{rank}.{key}": value for key, value in self.residuals.items()},
+            **{
+                f"residual.rank{rank}.{key}.part{i}": part
+                for key, parts in self.residuals.items()
+                for i, part in enumerate(parts)
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -143,8 +147,13 @@ class TAGCHook:
             raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {self.config}")
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"residual.rank{rank}."
+        residuals: dict[str, list[torch.Tensor]] = {}
+        for name, value in sorted(state.items(), key=lambda kv: kv[0]):
+            if name.startswith(prefix):
+                key, part = name[len(prefix) :].rsplit(".part", 1)
+                residuals.setdefault(key, []).insert(int(part), value.clone())
         self.step_count = int(state["step"])
-        self.residuals = {k[len(prefix) :]: v.clone() for k, v in state.items() if k.startswith(prefix)}
+        self.residuals = residuals
 
     def verify(self, group: Optional[dist.ProcessGroup]) -> None:
         """Check once per group that every rank has the same settings (clear error otherwise)."""
@@ -204,11 +213,8 @@ class TAGCHook:
     def _compressed(self, rows, plan: _BucketPlan, group, world: int, summed: torch.Tensor, stats: ExchangeStats) -> None:
         start = time.perf_counter()
         grads = [rows[:, part.columns] for part in plan.parts]
-        bad = torch.zeros(1, dtype=torch.int32)
-        for grad in grads:
-            bad |= ~torch.isfinite(grad).all()
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        if bool(bad):
+        locally_bad = any(not bool(torch.isfinite(grad).all()) for grad in grads)
+        if any_rank(locally_bad, group):
             self._nonfinite(grads, plan, group, summed, stats)
             return
         residuals = self._residuals(plan, grads)

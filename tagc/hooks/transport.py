@@ -42,6 +42,16 @@ def _peer_error(exc: Exception) -> Exception:
     )
 
 
+def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (a 4-byte all-reduce)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise _peer_error(exc) from exc
+    return bool(value)
+
+
 def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES) -> PendingExchange:
     """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``, in pieces.
 

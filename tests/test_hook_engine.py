@@ -1,0 +1,221 @@
+"""The TAGC exchange itself on 2-4 gloo ranks, without FSDP around it."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import tagc
+from tagc.hooks import Segment
+from tests.distributed import run_ranks
+
+CHUNK = 300_000
+
+
+def segments(chunk=CHUNK):
+    """Two compressible 'weights' and a small plain 'bias' in every chunk."""
+    return [Segment("mlp.c_fc.weight", 0, chunk - 1000 - 150_000), Segment("mlp.c_fc.bias", chunk - 1000 - 150_000, 1000),
+            Segment("mlp.c_proj.weight", chunk - 150_000, 150_000)]
+
+
+def exchange(rank, world, hook, grad, op=dist.ReduceOp.AVG, segs=None):
+    out = torch.empty(grad.numel() // world)
+    hook.reduce_scatter(out, grad.reshape(-1).clone(), None, op, segs if segs is not None else segments(grad.numel() // world))
+    return out
+
+
+def lossless_transport(rank, world, bits):
+    hook = tagc.hook(ratio=10, index_bits=bits, min_part=1 << 17)
+    torch.manual_seed(rank)
+    grad = torch.randn(world, CHUNK)
+    out = exchange(rank, world, hook, grad)
+    residual = {k: [r.clone() for r in v] for k, v in hook.residuals.items()}
+    (key, parts), = residual.items()
+    plan = hook._plan(tuple(segments()), CHUNK, world)
+    kept = grad.clone()
+    for part, res in zip(plan.parts, parts):
+        kept[:, part.columns] -= res  # residual + kept == gradient
+        assert ((kept[:, part.columns] == 0) | (res == 0)).all()
+    everyone = [torch.empty_like(kept) for _ in range(world)]
+    dist.all_gather(everyone, kept)
+    expected = sum(k[rank] for k in everyone) / world
+    return out, expected, hook.stats(), hook.config.density(world)
+
+
+@pytest.mark.parametrize("world, bits", [(2, 1), (3, 4), (4, 1)])
+def test_decoded_shard_is_the_exact_sum_of_what_ranks_kept(world, bits):
+    for out, expected, stats, density in run_ranks(lossless_transport, world, bits):
+        # lossless up to float32 rounding of the summed sketch cells
+        assert ((out - expected).norm() / expected.norm()) <= 1e-6
+        assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert torch.equal(out != 0, expected != 0)
+        total = stats["total"]
+        assert total["unpeeled"] == 0 and total["peel_success"] == 1.0
+        kept_fraction = total["support"] / (CHUNK - 1000)
+        assert kept_fraction <= 1 - (1 - 1.1 * density) ** world  # the union the plan expects
+
+
+def wire_bytes(rank, world, bits, ratio):
+    hook = tagc.hook(ratio=ratio, index_bits=bits, select="all")
+    grad = torch.randn(world, 1 << 20)
+    exchange(rank, world, hook, grad, segs=[Segment("w", 0, 1 << 20)])
+    return hook.stats()["total"]
+
+
+@pytest.mark.parametrize("world, bits, ratio", [(2, 1, 10), (4, 1, 5), (3, 4, 10)])
+def test_wire_bytes_match_the_design_formula(world, bits, ratio):
+    n = world * (1 << 20)
+    formula = (world - 1) / world * n * (bits + 32 / ratio) / 8
+    plain = (world - 1) / world * n * 4
+    for total in run_ranks(wire_bytes, world, bits, ratio):
+        assert abs(total["wire_bytes"] - formula) <= 0.02 * formula
+        assert total["plain_equivalent_bytes"] == plain
+
+
+def error_feedback_training(rank, world, use_tagc):
+    torch.manual_seed(0)
+    w_true = torch.randn(64, 512)
+    model = torch.nn.Linear(512, 64, bias=False)
+    hook = tagc.hook(ratio=10, select="all", min_compress_numel=1024, min_part=1 << 14)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    losses = []
+    for step in range(300):
+        x = torch.randn(32, 512, generator=gen)
+        loss = (model(x) - x @ w_true.T).square().mean()
+        loss.backward()
+        grad = model.weight.grad.reshape(-1)
+        if use_tagc:
+            shard = exchange(rank, world, hook, grad.view(world, -1), segs=[Segment("w", 0, grad.numel() // world)])
+        else:
+            shard = torch.empty(grad.numel() // world)
+            dist.reduce_scatter_tensor(shard, grad.clone(), op=dist.ReduceOp.SUM)
+            shard /= world
+        full = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(full, shard)
+        model.weight.grad = torch.cat(full).view_as(model.weight)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sum(losses[-20:]) / 20
+
+
+def test_error_feedback_reaches_the_uncompressed_loss():
+    plain = run_ranks(error_feedback_training, 2, False)[0]
+    compressed = run_ranks(error_feedback_training, 2, True)[0]
+    assert compressed <= plain * 1.05 + 1e-3, (compressed, plain)
+
+
+def checkpoint_roundtrip(rank, world, path):
+    grads = [torch.randn(world, CHUNK, generator=torch.Generator().manual_seed(10 * s + rank)) for s in range(3)]
+    first = tagc.hook(ratio=10)
+    for g in grads[:2]:
+        exchange(rank, world, first, g)
+    dcp.save(first.state_dict(), checkpoint_id=path)
+    expected = exchange(rank, world, first, grads[2])
+    resumed = tagc.hook(ratio=10)
+    state = resumed.state_dict()
+    for key, value in first.state_dict().items():  # DCP loads in place into matching entries
+        state[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+    dcp.load(state, checkpoint_id=path)
+    resumed.load_state_dict(state)
+    return torch.equal(exchange(rank, world, resumed, grads[2]), expected), resumed.step_count
+
+
+def test_checkpoint_restart_gives_the_identical_next_step():
+    with tempfile.TemporaryDirectory() as path:
+        for identical, step in run_ranks(checkpoint_roundtrip, 2, path):
+            assert identical and step >= 1
+
+
+def mismatched(rank, world):
+    hook = tagc.hook(ratio=10 if rank == 0 else 5)
+    with pytest.raises(ValueError, match="settings differ"):
+        exchange(rank, world, hook, torch.randn(world, CHUNK))
+    return True
+
+
+def test_mismatched_settings_are_a_clear_error():
+    assert all(run_ranks(mismatched, 2))
+
+
+def dying_rank(rank, world):
+    hook = tagc.hook(ratio=10)
+    hook.verify(None)
+    if rank == 1:
+        os._exit(0)  # dies before the exchange
+    with pytest.raises(RuntimeError, match="peer rank"):
+        exchange(rank, world, hook, torch.randn(world, CHUNK))
+    return True
+
+
+def test_a_dead_rank_is_a_clear_error_not_a_hang():
+    results = run_ranks_allow_missing(dying_rank, 2)
+    assert results[0] is True
+
+
+def run_ranks_allow_missing(fn, world):
+    import torch.multiprocessing as mp
+
+    from tests.distributed import _entry, free_port
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_entry, args=(world, free_port(), out, fn, (), 20.0), nprocs=world, join=True)
+        return [torch.load(os.path.join(out, f"rank{r}.pt")) if os.path.exists(os.path.join(out, f"rank{r}.pt")) else None
+                for r in range(world)]
+
+
+def nonfinite(rank, world, policy):
+    hook = tagc.hook(ratio=10, nonfinite=policy)
+    grad = torch.randn(world, CHUNK)
+    exchange(rank, world, hook, grad)  # a normal step leaves a residual
+    grad = torch.randn(world, CHUNK)
+    if rank == 1:
+        grad[0, 5] = float("nan")
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="NaN"):
+            exchange(rank, world, hook, grad)
+        return None
+    out = exchange(rank, world, hook, grad)
+    (parts,) = hook.residuals.values()
+    return out, hook.stats()["total"]["nonfinite_buckets"], all(bool(torch.isfinite(p).all()) for p in parts)
+
+
+def test_nonfinite_gradient_goes_plain_everywhere_or_raises():
+    results = run_ranks(nonfinite, 2, "plain")
+    assert torch.isnan(results[0][0][5])  # the NaN reaches its owner, as plain FSDP would
+    assert all(r[1] == 1 and r[2] for r in results)  # residuals are not poisoned
+    run_ranks(nonfinite, 2, "raise")
+
+
+def world_one_and_tiny(rank, world):
+    hook = tagc.hook(ratio=10)
+    if world == 1:
+        grad = torch.randn(1, 1000)
+        return torch.equal(exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 1000)]), grad[0])
+    tiny = torch.randn(world, 7)  # below the size floor: plain, exact
+    out = exchange(rank, world, hook, tiny, op=dist.ReduceOp.SUM, segs=[Segment("mlp.c_fc.weight", 0, 5)])
+    everyone = [torch.empty_like(tiny) for _ in range(world)]
+    dist.all_gather(everyone, tiny)
+    return torch.allclose(out, sum(t[rank] for t in everyone))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_world_size_one_and_tiny_buckets(world):
+    assert all(run_ranks(world_one_and_tiny, world))
+
+
+def test_bad_hook_arguments():
+    with pytest.raises(ValueError, match="ratio"):
+        tagc.hook(ratio=0.5)
+    with pytest.raises(ValueError, match="select"):
+        tagc.hook(select="attention")
+    with pytest.raises(ValueError, match="nonfinite"):
+        tagc.hook(nonfinite="ignore")
+    with pytest.raises(TypeError):
+        tagc.register_comm_hook(torch.nn.Linear(2, 2), object())
+    with pytest.raises(ValueError, match="no FSDP module"):
+        tagc.register_comm_hook(torch.nn.Linear(2, 2), tagc.hook())
