@@ -1,0 +1,39 @@
+"""Dispatch ``python -m tagc.bench NAME [args...]`` to ``tagc.bench.NAME.main(args)``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+BENCHMARKS = {
+    "codec": "reference codec throughput on this CPU and the peeling success curve",
+    "kernels": "Triton kernels against the reference",
+    "exchange": "gradient exchange over an emulated link",
+}
+
+USAGE = "usage: python -m tagc.bench NAME [args...]   (or: tagc-bench NAME [args...])\n\nbenchmarks:\n" + "\n".join(
+    f"  {name:<10} {what}" for name, what in BENCHMARKS.items()
+) + "\n\n`python -m tagc.bench NAME --help` shows a benchmark's options."
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run the benchmark named by the first argument with the remaining arguments."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
+    try:
+        module = importlib.import_module(f"tagc.bench.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"tagc.bench.{name}":
+            raise
+        raise SystemExit(f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{name}.py)")
+    module.main(rest)
+
+
+if __name__ == "__main__":
+    main()

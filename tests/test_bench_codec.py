@@ -1,0 +1,52 @@
+"""Smoke test of ``python -m tagc.bench codec --quick``."""
+
+import json
+import math
+
+import pytest
+
+from tagc.bench.__main__ import main as bench_main
+from tagc.bench.codec import main, parse_sizes
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_codec_quick(tmp_path, capsys):
+    out, png = tmp_path / "codec.json", tmp_path / "peeling.png"
+    main(["--quick", "--threads", "1", "--json", str(out), "--plot", str(png)])
+    result = json.loads(out.read_text())
+    assert set(result) >= {"throughput", "peeling", "targets"}
+
+    ops = {r["op"] for r in result["throughput"]}
+    assert ops == {"clone", "copy_", "sparsify", "build_index", "encode", "compress_", "decode"}
+    for row in result["throughput"]:
+        for key in ("numel", "seconds", "gb_per_s", "x_clone", "x_copy"):
+            assert _positive(row[key]), (key, row)
+
+    assert set(result["targets"]) == {"compress", "decode"}
+    for target in result["targets"].values():
+        assert _positive(target["x_clone"]) and isinstance(target["pass"], bool)
+
+    assert result["peeling"]
+    for row in result["peeling"]:
+        assert _positive(row["load"]) and _positive(row["trials"]) and _positive(row["recovered"])
+        assert 0.0 <= row["success"] <= 1.0 and 0.0 <= row["peel_only"] <= row["success"]
+    low = min(result["peeling"], key=lambda r: r["load"])
+    assert low["success"] == 1.0  # load 0.5 always peels
+
+    assert png.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "x clone" in printed and ("PASS" in printed or "FAIL" in printed)
+
+
+def test_parse_sizes():
+    assert parse_sizes("1M,64k,1000") == [1 << 20, 64 << 10, 1000]
+    with pytest.raises(Exception):
+        parse_sizes("1X")
+
+
+def test_dispatch_unknown_name():
+    with pytest.raises(SystemExit, match="codec"):
+        bench_main(["nope"])
