@@ -206,7 +206,9 @@ class TAGCHook:
             start = time.perf_counter()
             summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
             stats.comm_wait_s += time.perf_counter() - start
-        output.copy_(summed.mul_(scale))
+        output.copy_(summed)  # round to the reduce dtype first, then scale in it: FSDP's own order
+        if scale != 1.0:
+            output.div_(1.0 / scale)
         self._current.add(stats)
         self.total.add(stats)
 

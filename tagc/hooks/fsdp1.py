@@ -1,0 +1,62 @@
+"""FSDP1 (``FullyShardedDataParallel``) adapter for existing pipelines.
+
+FSDP1 flattens each wrapped unit into one buffer and splits it across ranks *by position*,
+so one parameter may span several ranks' chunks; selection is therefore per unit: a unit is
+compressed when the policy selects every parameter in it (wrap the layers you want
+compressed as their own units, e.g. an auto-wrap policy over the MLP linears). FSDP1
+calls a registered hook instead of its reduce-scatter and applies no divide factors
+around it, so the hook averages itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+
+from tagc.hooks.engine import Segment, TAGCHook
+
+_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+class _UnitState:
+    """Per-unit state FSDP1 passes back to the hook."""
+
+    def __init__(self, hook: TAGCHook, unit: FSDP) -> None:
+        self.hook = hook
+        self.unit = unit
+        self.group = unit.process_group
+        self._segments: dict[int, tuple[Segment, ...]] = {}
+
+    def segments(self, chunk: int) -> tuple[Segment, ...]:
+        if chunk not in self._segments:
+            handle = self.unit._handle
+            names = [fqn for fqn in handle.flat_param._fqns] if handle is not None else []
+            selected = bool(names) and all(self.hook.select(name, None) for name in names)
+            label = "+".join(names) or "<empty>"
+            self._segments[chunk] = (Segment(label if selected else f"plain:{label}", 0, chunk),)
+        return self._segments[chunk]
+
+
+def _tagc_fsdp1_hook(state: _UnitState, grad: torch.Tensor, output: torch.Tensor) -> None:
+    """FSDP1 comm hook: ``grad`` is the padded flat gradient, ``output`` this rank's shard."""
+    state.hook.reduce_scatter(output, grad, state.group, dist.ReduceOp.AVG, state.segments(output.numel()))
+
+
+def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
+    """Install ``hook`` on every unit of an FSDP1 root, each with its own segment state."""
+    if not model.check_is_root():
+        raise ValueError("register the TAGC hook on the FSDP1 root module")
+    units = FSDP.fsdp_modules(model)
+    for unit in units:
+        if unit.sharding_strategy not in _SHARDED:
+            raise ValueError(
+                f"TAGC supports FSDP1 FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name} "
+                "(hybrid strategies reduce over two groups: use a 1-D sharding strategy)"
+            )
+        if unit._comm_hook is not None:
+            raise ValueError("a communication hook is already registered on this FSDP1 model")
+    for unit in units:  # what FSDP.register_comm_hook does, but with a state per unit
+        unit._comm_hook = _tagc_fsdp1_hook
+        unit._comm_hook_state = _UnitState(hook, unit)
