@@ -59,3 +59,14 @@ def test_index_shape_is_checked():
         index_to_mask(torch.zeros(13, dtype=torch.int32), 100, 1)
     with pytest.raises(ValueError, match="bits"):
         build_index(torch.ones(4), 2)
+
+
+@given(numel=st.integers(1, 500), density=st.floats(0.0, 1.0), bits=st.sampled_from([1, 4]), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_index_positions_are_the_support(numel, density, bits, seed):
+    from tagc.sketch import index_positions
+
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=gen) * (torch.rand(numel, generator=gen) < density)
+    expected = (values != 0).nonzero().squeeze(1)
+    assert torch.equal(index_positions(build_index(values, bits), numel, bits), expected)

@@ -2,7 +2,7 @@
 
 from tagc.sketch.compress import compress_
 from tagc.sketch.codec import DecodeStats, decode, encode, encode_positions
-from tagc.sketch.index import build_index, index_nbytes, index_to_mask, merge_index, pack_mask, unpack_counts
+from tagc.sketch.index import build_index, index_nbytes, index_positions, index_to_mask, merge_index, pack_mask, unpack_counts
 from tagc.sketch.layout import SketchLayout, choose_lane
 from tagc.sketch.plan import PEELING_THRESHOLD, PLANNED_LOAD, plan_density, union_density
 from tagc.sketch.sparsify import row_thresholds, sparsify, threshold
@@ -19,6 +19,7 @@ __all__ = [
     "encode",
     "encode_positions",
     "index_nbytes",
+    "index_positions",
     "index_to_mask",
     "merge_index",
     "pack_mask",

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from tagc.sketch.index import index_to_mask
+from tagc.sketch.index import index_positions
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_finite
 
@@ -23,6 +23,9 @@ EXACT_SOLVE_LIMIT = 256
 that size is slower than re-sending them; above the peeling threshold they are huge)."""
 
 FALLBACKS = ("estimate", "raw", "error")
+
+_COUNT_SHIFT = 40
+_ONE_COUNT = 1 << _COUNT_SHIFT  # position ids stay below 2**40
 
 
 @dataclasses.dataclass
@@ -70,7 +73,7 @@ def encode_positions(
     if table is None:
         table = torch.zeros(layout.table_numel, dtype=torch.float32, device=values.device)
     cells, signs = layout.cells(positions)
-    table.index_add_(0, cells.reshape(-1), (signs * values.float()[:, None]).reshape(-1))
+    table.scatter_add_(0, cells.reshape(-1), (signs * values.float()[:, None]).reshape(-1))
     return table
 
 
@@ -83,40 +86,46 @@ def encode(values: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     flat = _check_values(values, layout)
     check_finite(flat, "values to encode")
     positions = flat.nonzero().squeeze(1)
-    return encode_positions(positions, flat[positions], layout)
+    return encode_positions(positions, flat.index_select(0, positions), layout)
 
 
 def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Peel in rounds; ``work`` (float64 table) is left holding what was not peeled.
 
-    Returns the values of all positions, a bool mask of those peeled, and the round count.
-    Within a round, each peelable position reads a cell only it touches, so settling all of
-    them at once gives the same values as settling them one by one.
+    Cell-centric, like an invertible Bloom lookup table: every cell keeps how many unsettled
+    positions touch it and the sum of their ids, so a cell with count 1 names its position
+    directly. A round scans the table for such cells and settles their positions; work per
+    round is one pass over the table plus the positions settled, never the ones still stuck.
+    Within a round each position reads a cell only it touches, so settling all at once gives
+    the values settling them one by one would.
+
+    Returns the values of all positions, a bool mask of those settled, and the round count.
     """
     k = cells.shape[0]
-    values = torch.zeros(k, dtype=torch.float64, device=work.device)
-    known = torch.zeros(k, dtype=torch.bool, device=work.device)
-    counts = torch.zeros(work.numel(), dtype=torch.int32, device=work.device)
-    counts.index_add_(0, cells.reshape(-1), torch.ones(cells.numel(), dtype=torch.int32, device=work.device))
-    active = torch.arange(k, device=work.device)
+    device = work.device
+    flat = cells.reshape(-1)
+    # count << 40 | sum of ids, in one int64 per cell: one scatter maintains both
+    tally = torch.zeros(work.numel(), dtype=torch.int64, device=device)
+    tally.scatter_add_(0, flat, (torch.arange(k, device=device) + _ONE_COUNT).repeat_interleave(3))
+    values = torch.zeros(k, dtype=torch.float64, device=device)
+    known = torch.zeros(k, dtype=torch.bool, device=device)
     rounds = 0
-    while active.numel():
-        act_cells = cells[active]
-        pure = counts[act_cells] == 1
-        peel = pure.any(dim=1)
-        settle = active[peel]
-        if settle.numel() == 0:
+    while True:
+        pure = ((tally >> _COUNT_SHIFT) == 1).nonzero().squeeze(1)
+        if pure.numel() == 0:
             break
         rounds += 1
-        settle_cells = act_cells[peel]
-        settle_signs = signs[settle]
-        first = pure[peel].to(torch.uint8).argmax(dim=1, keepdim=True)
-        value = settle_signs.gather(1, first).squeeze(1) * work[settle_cells.gather(1, first).squeeze(1)]
-        values[settle] = value
-        known[settle] = True
-        work.index_add_(0, settle_cells.reshape(-1), (-settle_signs * value[:, None]).reshape(-1))
-        counts.index_add_(0, settle_cells.reshape(-1), torch.full((settle_cells.numel(),), -1, dtype=torch.int32, device=work.device))
-        active = active[~peel]
+        owners = tally.index_select(0, pure) & (_ONE_COUNT - 1)
+        settle, which = torch.unique(owners, return_inverse=True)  # a position may own several pure cells
+        pure_cell = torch.empty_like(settle).scatter_(0, which, pure)
+        settle_cells, settle_signs = cells.index_select(0, settle), signs.index_select(0, settle)
+        sign = (settle_signs * (settle_cells == pure_cell[:, None])).sum(dim=1)  # rows are distinct: one match
+        value = sign * work.index_select(0, pure_cell)
+        values.index_put_((settle,), value)
+        known.index_fill_(0, settle, True)
+        touched = settle_cells.reshape(-1)
+        work.scatter_add_(0, touched, (-settle_signs * value[:, None]).reshape(-1))
+        tally.scatter_add_(0, touched, (-(settle + _ONE_COUNT)).repeat_interleave(3))
     return values, known, rounds
 
 
@@ -157,7 +166,7 @@ def decode(
     if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
         raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
     check_finite(table, "sketch table")
-    positions = index_to_mask(index, layout.numel, bits).nonzero().squeeze(1)
+    positions = index_positions(index, layout.numel, bits)
     cells, signs = layout.cells(positions)
     work = table.reshape(-1).to(torch.float64, copy=True)
     values, known, rounds = _peel(work, cells, signs)
@@ -190,5 +199,5 @@ def decode(
             stats.raw = stuck.numel()
             stats.raw_positions = positions[stuck]
     out = torch.zeros(layout.numel, dtype=torch.float32, device=table.device)
-    out[positions] = values.float()
+    out.index_copy_(0, positions, values.float())
     return out, stats

@@ -15,7 +15,7 @@ import torch
 
 from tagc.sketch.index import pack_mask
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_density, row_thresholds
+from tagc.sketch.sparsify import check_density, keep_mask, row_thresholds
 
 
 def compress_(
@@ -49,13 +49,14 @@ def compress_(
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
     tau = row_thresholds(rows, density) if tau is None else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
-    mask = (rows.abs() >= tau[:, None]) & (rows != 0)
+    mask = keep_mask(rows, tau[:, None])
     positions = mask.view(-1).nonzero().squeeze(1)
     chunk, local = positions // layout.numel, positions % layout.numel
     table = torch.zeros(n_chunks * layout.table_numel, dtype=torch.float32, device=rows.device)
     cells, signs = layout.cells(local)
     cells = cells + (chunk * layout.table_numel)[:, None]
-    table.index_add_(0, cells.reshape(-1), (signs * rows.view(-1)[positions].float()[:, None]).reshape(-1))
+    kept = rows.view(-1).index_select(0, positions).float()
+    table.scatter_add_(0, cells.reshape(-1), (signs * kept[:, None]).reshape(-1))
     index = torch.stack([pack_mask(m, bits) for m in mask]) if n_chunks else torch.zeros(0, 0, dtype=torch.uint8)
     rows.masked_fill_(mask, 0)
     return index, table.view(n_chunks, layout.table_numel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_GATHER_BITS = 0x0102040810204080
 _NIBBLE_MAX = 15
 
 
@@ -34,8 +34,8 @@ def pack_mask(mask: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     groups = flat.view(-1, per_byte)
-    if bits == 1:
-        return (groups * _BIT_WEIGHTS.to(groups.device)).sum(dim=1, dtype=torch.uint8)
+    if bits == 1:  # 8 bytes of 0/1 as one (little-endian) int64; the multiply gathers byte i's bit into bit 56+i
+        return ((groups.view(torch.int64).view(-1) * _GATHER_BITS) >> 56).to(torch.uint8)
     return groups[:, 0] | (groups[:, 1] << 4)
 
 
@@ -51,6 +51,18 @@ def unpack_counts(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
 def index_to_mask(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """The support (bool, ``[numel]``) an index describes."""
     return unpack_counts(index, numel, bits).bool()
+
+
+def index_positions(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Sorted int64 positions of the support, unpacking only the non-zero bytes."""
+    check_index(index, numel, bits)
+    per_byte = 8 // bits
+    nonzero_bytes = index.nonzero().squeeze(1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=index.device)
+    fields = (index.index_select(0, nonzero_bytes)[:, None] >> shifts) & ((1 << bits) - 1)
+    hit = fields.nonzero()
+    positions = nonzero_bytes.index_select(0, hit[:, 0]) * per_byte + hit[:, 1]
+    return positions[positions < numel]
 
 
 def check_index(index: torch.Tensor, numel: int, bits: int) -> None:

@@ -157,5 +157,5 @@ class SketchLayout:
         """Flat table cells ``[k, 3]`` (int64) and signs ``[k, 3]`` of element ``positions``."""
         t = self.tables(positions.device)
         block = positions >> self.lane_bits
-        column = (positions & (self.lanes - 1)) ^ t.lane_xor[block]
-        return t.rows[block] * self.lanes + column[:, None], t.signs[block]
+        column = (positions & (self.lanes - 1)) ^ t.lane_xor.index_select(0, block)
+        return t.rows.index_select(0, block) * self.lanes + column[:, None], t.signs.index_select(0, block)

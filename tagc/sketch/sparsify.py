@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,7 +19,10 @@ _GOLDEN_FRACTION = 0.6180339887498949
 
 def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
     """Raise ``ValueError`` if ``x`` holds NaN or Inf (one reduction; a sync on GPUs)."""
-    if not bool(torch.isfinite(x).all()):
+    if x.numel() == 0:
+        return
+    low, high = torch.aminmax(x.detach().reshape(-1))  # NaN and Inf both surface in min/max
+    if not bool(torch.isfinite(low) & torch.isfinite(high)):
         bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
         raise ValueError(
             f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
@@ -74,5 +78,25 @@ def sparsify(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tenso
     """
     check_density(density)
     check_finite(x)
-    keep = x.abs() >= threshold(x, density)
+    keep = keep_mask(x, threshold(x, density))
     return x.where(keep, 0), x.where(~keep, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _scratch(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two reusable bool buffers per shape: fresh large allocations page-fault on every call."""
+    return torch.empty(shape, dtype=torch.bool, device=device), torch.empty(shape, dtype=torch.bool, device=device)
+
+
+def keep_mask(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``(|x| >= tau) & (x != 0)`` without a full-size ``|x|`` temporary.
+
+    The result lives in a scratch buffer reused by the next call of the same shape: consume
+    it (or copy it) before calling again.
+    """
+    info = torch.finfo(x.dtype)
+    tau = tau.to(x.dtype).clamp_min(info.tiny * info.eps)  # the smallest subnormal: excludes exact zeros
+    above, below = _scratch(tuple(x.shape), x.device)
+    torch.ge(x, tau, out=above)
+    torch.le(x, -tau, out=below)
+    return above.logical_or_(below)
