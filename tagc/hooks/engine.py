@@ -265,12 +265,18 @@ class TAGCHook:
             self.residuals[plan.key] = [torch.zeros(g.shape, dtype=self.residual_dtype, device=g.device) for g in grads]
         return self.residuals[plan.key]
 
+    def end_step(self) -> None:
+        """Close this step's statistics (``stats()["last_step"]``). Optional: a bucket seen twice
+        also starts a new step, but calling this after ``optimizer.step()`` is exact, e.g. with
+        gradient accumulation."""
+        self.step_count += 1
+        self.last_step = self._current
+        self._current = ExchangeStats()
+        self._seen_this_step.clear()
+
     def _begin_bucket(self, key: str) -> None:
         if key in self._seen_this_step:  # a bucket repeats: a new step began
-            self.step_count += 1
-            self.last_step = self._current
-            self._current = ExchangeStats()
-            self._seen_this_step.clear()
+            self.end_step()
         self._seen_this_step.add(key)
 
     @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,423 @@
+"""Train GPT-2 with sharded data parallelism on one machine, optionally over an emulated link.
+
+``python -m gpt2_bench.train --integration fsdp2 --compression non-attn --link 10gbit``
+launches ``--world`` gloo ranks as subprocesses (inside a shaped network namespace when
+``--link`` is given), trains with AdamW (warmup + cosine), evaluates periodically, and writes
+a JSON line per step plus a summary. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it runs
+as one rank directly, unchanged.
+
+``--link scaled`` picks the rate that keeps the TAGC paper's compute-to-communication
+ratio: these CPUs compute far slower than the paper's GPUs, so the 10 Gbit link is slowed
+by the same factor, measured from a short unshaped calibration run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+INTEGRATIONS = ("fsdp2", "fsdp1")
+COMPRESSIONS = ("none", "all", "non-attn")
+TRANSPORTS = ("fair", "gloo")
+
+PAPER_LINK_BPS = 10 * 10**9
+PAPER_GPU_FLOPS = 29.8e12 * 0.35
+"""The paper's RTX 3080 (29.8 TFLOP/s fp32) at an assumed 35% utilisation: the compute rate
+``--link scaled`` compares this machine's measured step against."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every knob of one training run (validated in ``__post_init__``)."""
+
+    preset: str = "small"
+    integration: str = "fsdp2"
+    compression: str = "non-attn"
+    transport: str = "fair"
+    ratio: float = 10.0
+    index_bits: int = 1
+    sparsity: Any = "auto"
+    steps: int = 40
+    batch_size: int = 4
+    block_size: Optional[int] = None
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_interval: int = 20
+    eval_batches: int = 4
+    seed: int = 1337
+    compile: bool = False
+    world: int = 2
+    threads: int = 1
+    link: str = "none"
+    dataset: str = "bbc"
+    cache_dir: Optional[str] = None
+    out_dir: str = "bench_out/gpt2"
+    name: Optional[str] = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        from gpt2_bench.model import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        for field, allowed in (("integration", INTEGRATIONS), ("compression", COMPRESSIONS), ("transport", TRANSPORTS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        if self.transport == "gloo" and self.compression != "none":
+            raise ValueError("transport='gloo' (FSDP's own reduce-scatter) only applies to compression='none'")
+        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_batches"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
+        if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
+        if self.compression != "none":
+            import tagc
+
+            tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
+        if self.link not in ("none", "scaled"):
+            from tagc.link import parse_rate
+
+            parse_rate(self.link)
+
+    @property
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        algo = "fsdp" if self.compression == "none" else f"tagc-{self.compression}-r{self.ratio:g}-b{self.index_bits}"
+        return f"{self.integration}-{algo}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to ``min_lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _shard(model, cfg: TrainConfig, world: int):
+    """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook)."""
+    import torch
+    import torch.nn as nn
+
+    import tagc
+    from gpt2_bench.model import Block
+
+    hook = None
+    if cfg.compression != "none" or cfg.transport == "fair":
+        select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
+        hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select)
+    if cfg.integration == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        # Linears as their own units (FSDP1 selects per unit); lm_head stays with the tied wte.
+        linears = {m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+        model = FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or module in linears or isinstance(module, Block),
+        )
+    if hook is not None:
+        tagc.register_comm_hook(model, hook)
+    return model, hook
+
+
+def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(cfg.seed + 999)
+    model.eval()
+    total = torch.zeros(1)
+    with torch.no_grad():
+        for _ in range(cfg.eval_batches):
+            x, y = data.get_batch("val", cfg.batch_size, block_size, gen, rank=rank, world_size=world)
+            total += model(x, y)[1].detach()
+    model.train()
+    dist.all_reduce(total)
+    return float(total) / (cfg.eval_batches * world)
+
+
+def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str) -> None:
+    """Train on one rank (process group already initialised); rank 0 writes the log."""
+    import torch
+    import torch.distributed as dist
+
+    from gpt2_bench.data import TokenData
+    from gpt2_bench.model import GPT, GPTConfig
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    model_cfg = GPTConfig.preset(cfg.preset, **({"block_size": cfg.block_size} if cfg.block_size else {}))
+    model = GPT(model_cfg)
+    n_params = model.num_params() if hasattr(model, "num_params") else sum(p.numel() for p in model.parameters())
+    model, hook = _shard(model, cfg, world)
+    step_fn = torch.compile(model) if cfg.compile else model
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    data = TokenData(data_dir)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    grad_mb = sum(p.numel() for p in model.parameters()) * world * 4 / 2**20  # unsharded fp32 gradient
+    log = open(log_path, "w") if rank == 0 else None
+    progress = None
+    if rank == 0:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=cfg.steps, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False)
+    start = time.perf_counter()
+    val_loss = float("nan")
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        tick = time.perf_counter()
+        x, y = data.get_batch("train", cfg.batch_size, model_cfg.block_size, gen, rank=rank, world_size=world)
+        _, loss = step_fn(x, y)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        iter_s = time.perf_counter() - tick
+        record = {"step": step, "loss": float(loss.detach()), "lr": learning_rate(cfg, step), "iter_ms": iter_s * 1e3,
+                  "elapsed_s": time.perf_counter() - start, "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world}
+        if hook is not None:
+            hook.end_step()
+            last = hook.stats()["last_step"]
+            exchange_s = last["compress_s"] + last["comm_wait_s"] + last["decode_s"]
+            record.update(exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
+                          wire_bytes=last["wire_bytes"], plain_bytes=last["plain_equivalent_bytes"],
+                          peel_success=last["peel_success"], unpeeled=last["unpeeled"])
+        if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
+            val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size)
+            record["val_loss"] = val_loss
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['iter_ms']:.0f}")
+    if rank == 0:
+        progress.close()
+        total = hook.stats()["total"] if hook is not None else None
+        log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total}) + "\n")
+        log.close()
+    dist.barrier()
+
+
+def _worker_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    cfg = TrainConfig(**json.loads(Path(args.config).read_text()))
+    rank = int(os.environ.get("RANK", args.rank))
+    world = int(os.environ.get("WORLD_SIZE", cfg.world))
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        worker(cfg, rank, world, args.data_dir, args.log)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "step" in r]
+    summary = next(r for r in records if r.get("summary"))
+    steady = steps[min(len(steps) - 1, max(1, len(steps) // 5)) :]  # drop warm-up steps
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    total = summary.get("hook_total") or {}
+    return {
+        "name": cfg.run_name,
+        "integration": cfg.integration,
+        "algorithm": "fsdp" if cfg.compression == "none" else "tagc",
+        "compressed": cfg.compression,
+        "transport": cfg.transport,
+        "ratio": cfg.ratio if cfg.compression != "none" else None,
+        "index_bits": cfg.index_bits if cfg.compression != "none" else None,
+        "link": link,
+        "steps": len(steps),
+        "tokens": steps[-1]["tokens"] if steps else 0,
+        "iter_ms": median([r["iter_ms"] for r in steady]),
+        "exchange_ms_per_mb": median([r["exchange_ms_per_mb"] for r in steady if "exchange_ms_per_mb" in r]) if total else None,
+        "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
+        "plain_bytes_per_rank": (total.get("plain_equivalent_bytes", 0) / max(1, len(steps))) if total else None,
+        "val_loss": summary["val_loss"],
+        "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
+        "n_params": summary["n_params"],
+        "log": str(log_path),
+        "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],
+    }
+
+
+def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None) -> dict:
+    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary."""
+    from gpt2_bench.data import prepare
+    from tagc.link import ShapedLink
+
+    data_dir = data_dir or str(prepare(cfg.dataset, cfg.cache_dir))
+    link = link or cfg.link
+    if link == "scaled":
+        link = scaled_link(cfg, data_dir)["rate"]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / f"{cfg.run_name}.jsonl"
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(cfg.to_json())
+        port = _free_port()
+        argvs = [[sys.executable, "-m", "gpt2_bench.train", "--worker", "--rank", str(r), "--port", str(port),
+                  "--config", str(config_path), "--data-dir", data_dir, "--log", str(log_path)] for r in range(cfg.world)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+        if link == "none":
+            procs = [subprocess.Popen(a, env=env) for a in argvs]
+            _wait(procs, cfg.timeout_s)
+        else:
+            with ShapedLink(link, world=cfg.world) as shaped:
+                _wait(shaped.launch(argvs, env=env), cfg.timeout_s)
+    return _summarise(cfg, log_path, link)
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"training ranks did not finish within {timeout_s:.0f} s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"a training rank failed (exit codes {codes}); see its traceback above")
+
+
+def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
+    """The link rate that keeps the paper's compute-to-communication ratio on this machine.
+
+    Runs a short unshaped, uncompressed calibration; the slowdown is the measured step time
+    over the time the paper's GPU needs for the same FLOPs (``6 * params * tokens``), and the
+    scaled rate is 10 Gbit divided by it.
+    """
+    from tagc.link import format_rate
+
+    probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
+                                link="none", name=f"calibrate-{cfg.preset}")
+    result = run(probe, data_dir, link="none")
+    tokens_per_rank = cfg.batch_size * (cfg.block_size or _block_size(cfg.preset))
+    gpu_s = 6 * result["n_params"] * tokens_per_rank / PAPER_GPU_FLOPS
+    slowdown = result["iter_ms"] / 1e3 / gpu_s
+    rate_bps = max(10**6, int(PAPER_LINK_BPS / slowdown))
+    info = {"rate": format_rate(rate_bps), "rate_bps": rate_bps, "slowdown": slowdown, "cpu_step_ms": result["iter_ms"],
+            "paper_gpu_step_ms": gpu_s * 1e3, "nominal": "10gbit"}
+    print(f"scaled link: this CPU steps in {info['cpu_step_ms']:.0f} ms vs ~{info['paper_gpu_step_ms']:.1f} ms on the paper's GPU "
+          f"(x{slowdown:.0f} slower) -> 10gbit / {slowdown:.0f} = {info['rate']}", file=sys.stderr)
+    return info
+
+
+def _block_size(preset: str) -> int:
+    from gpt2_bench.model import PRESETS
+
+    return PRESETS[preset].block_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description=__doc__.split("\n\n")[0])
+    defaults = TrainConfig()
+    p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
+    p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
+    p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS)
+    p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
+                   help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter")
+    p.add_argument("--ratio", type=float, default=defaults.ratio)
+    p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
+    p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
+    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps"):
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
+    p.add_argument("--dataset", default=defaults.dataset, help="bbc (offline default), openwebtext, or a local file")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out-dir", default=defaults.out_dir)
+    p.add_argument("--name", default=None)
+    # internal: one rank
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)
+    p.add_argument("--log", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    sparsity = args.sparsity if args.sparsity == "auto" else float(args.sparsity)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["sparsity"] = sparsity
+    return TrainConfig(**values)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        _worker_main(args)
+        return 0
+    cfg = config_from_args(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        from gpt2_bench.data import prepare
+
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        args.config = str(Path(cfg.out_dir) / f"{cfg.run_name}.config.json")
+        Path(args.config).write_text(cfg.to_json())
+        args.data_dir = str(prepare(cfg.dataset, cfg.cache_dir, progress=os.environ["RANK"] == "0"))
+        args.log = str(Path(cfg.out_dir) / f"{cfg.run_name}.jsonl")
+        _worker_main(args)
+        return 0
+    result = run(cfg)
+    print(json.dumps({k: v for k, v in result.items() if k != "curve"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
