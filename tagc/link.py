@@ -1,0 +1,308 @@
+"""An emulated network link: a private network namespace with a shaped loopback (DESIGN.md §5).
+
+``with ShapedLink("1gbit", world=2) as link: procs = link.launch([argv0, argv1])`` runs the
+commands inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
+through ``tc qdisc ... tbf``. One tbf on one loopback is shared by every flow on it, so
+``world`` ranks each sending at ``rate`` (full duplex) need a tbf rate of ``world * rate``.
+
+The namespace is made with ``ip netns add`` (root) or, where that is not permitted, with
+``unshare -rn`` (user + network namespace, held open by a ``sleep`` process and entered
+with ``nsenter``). It is always removed afterwards: on normal exit, on exceptions,
+KeyboardInterrupt and SIGTERM/SIGHUP, and at interpreter exit. If the loopback cannot be
+shaped, :class:`LinkError` is raised; nothing ever runs silently unshaped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+from typing import Mapping, Optional, Sequence, Union
+
+__all__ = ["LinkError", "ShapedLink", "parse_rate", "format_rate", "tbf_params"]
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class LinkError(RuntimeError):
+    """The shaped link could not be set up (no namespace permission, no ``tc``, ...)."""
+
+
+def parse_rate(text: Union[str, int, float]) -> Optional[int]:
+    """A link rate in tc's notation -> bits per second; ``"none"`` -> ``None`` (unshaped).
+
+    ``"10gbit"``, ``"1gbit"``, ``"250mbit"``, ``"1.5gbit"``, ``"800kbit"``; ``...bps`` is
+    *bytes* per second as in tc (``"125mbps"`` == ``"1gbit"``); a bare number is bit/s.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"link rate must be positive, got {text!r}")
+        return int(text)
+    if not isinstance(text, str):
+        raise ValueError(f"bad link rate {text!r}")
+    if text.strip().lower() in ("none", "unshaped", "off"):
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(bit|bps)?\s*", text.lower())
+    if not match:
+        raise ValueError(f"bad link rate {text!r}: use e.g. 10gbit, 1gbit, 250mbit, 100mbit (or 'none')")
+    value = float(match.group(1)) * _UNITS[match.group(2)] * (8 if match.group(3) == "bps" else 1)
+    if value < 1:
+        raise ValueError(f"link rate must be at least 1 bit/s, got {text!r}")
+    return int(round(value))
+
+
+def format_rate(bps: Optional[int]) -> str:
+    """Bits per second -> ``"10gbit"``, ``"250mbit"``, ...; ``None`` -> ``"none"``."""
+    if bps is None:
+        return "none"
+    for unit, scale in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bps >= scale:
+            value = bps / scale
+            return f"{value:g}{unit}" if value == round(value, 3) else f"{value:.3g}{unit}"
+    return f"{bps}bit"
+
+
+def tbf_params(rate_bps: int, world: int = 2) -> dict:
+    """tbf settings for ``world`` full-duplex ranks at ``rate_bps`` each on one loopback.
+
+    rate = world * rate; burst ~1 MiB at >= 1 Gbit per rank, ~256 KiB below (accurate shaping
+    measured here); a queue limit of ~100 ms at the shaped rate (at least 8 MiB) so TCP on the
+    loopback is paced rather than dropped.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    total = rate_bps * world
+    burst = (1 << 20) if rate_bps >= 10**9 else (256 << 10)
+    limit = max(8 << 20, total // 8 // 10)
+    return {"rate_bps": total, "burst_bytes": burst, "limit_bytes": limit}
+
+
+_ACTIVE: "set[ShapedLink]" = set()
+_LOCK = threading.Lock()
+
+
+def _cleanup_all() -> None:
+    for link in list(_ACTIVE):
+        link.close()
+
+
+atexit.register(_cleanup_all)
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
+
+
+class ShapedLink:
+    """A private network namespace whose loopback is shaped to ``rate`` per rank (context manager).
+
+    Args:
+        rate: per-rank full-duplex rate (``"1gbit"``, bits/s, or ``None``/``"none"`` for an
+            unshaped private namespace).
+        world: number of ranks sharing the loopback (the tbf gets ``world * rate``).
+        mode: ``"auto"`` (``ip netns`` if permitted, else ``unshare -rn``), ``"netns"`` or
+            ``"unshare"``.
+    """
+
+    def __init__(self, rate: Union[str, int, None], world: int = 2, mode: str = "auto") -> None:
+        if mode not in ("auto", "netns", "unshare"):
+            raise ValueError(f"mode must be 'auto', 'netns' or 'unshare', got {mode!r}")
+        self.rate_bps = parse_rate(rate) if rate is not None else None
+        self.world = world
+        self.mode = mode
+        self.name = f"tagc-{os.getpid()}-{secrets.token_hex(3)}"
+        self.kind: Optional[str] = None  # "netns" or "unshare" once open
+        self.qdisc = ""
+        self._holder: Optional[subprocess.Popen] = None
+        self._procs: list[subprocess.Popen] = []
+        self._old_handlers: dict = {}
+        self._closed = True
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def __enter__(self) -> "ShapedLink":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Create the namespace, bring ``lo`` up and shape it (raises :class:`LinkError`)."""
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise LinkError(f"'{tool}' (iproute2) is not installed; cannot emulate a shaped link")
+        self._closed = False
+        with _LOCK:
+            _ACTIVE.add(self)
+        self._install_signal_handlers()
+        try:
+            errors = []
+            if self.mode in ("auto", "netns"):
+                try:
+                    self._open_netns()
+                except LinkError as err:
+                    errors.append(str(err))
+                    if self.mode == "netns":
+                        raise
+            if self.kind is None:
+                try:
+                    self._open_unshare()
+                except LinkError as err:
+                    errors.append(str(err))
+                    raise LinkError("cannot create a network namespace for the shaped link:\n  " + "\n  ".join(errors)) from None
+            self._shape()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_netns(self) -> None:
+        result = _run(["ip", "netns", "add", self.name], check=False)
+        if result.returncode != 0:
+            raise LinkError(f"`ip netns add` not permitted or failed: {result.stderr.strip()}")
+        self.kind = "netns"
+
+    def _open_unshare(self) -> None:
+        if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+            raise LinkError("`unshare`/`nsenter` (util-linux) not available")
+        # unshare execs `sleep` inside the new user+network namespace: its pid holds the namespace
+        holder = subprocess.Popen(["unshare", "-rn", "sleep", "infinity"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._holder = holder
+        ours = os.readlink("/proc/self/ns/net")
+        for _ in range(500):
+            if holder.poll() is not None:
+                raise LinkError(f"`unshare -rn` failed: {holder.stderr.read().strip() if holder.stderr else ''}")
+            try:
+                if os.readlink(f"/proc/{holder.pid}/ns/net") != ours:
+                    self.kind = "unshare"
+                    return
+            except OSError:
+                pass
+            threading.Event().wait(0.01)
+        raise LinkError("`unshare -rn` did not start its namespace in time")
+
+    def _shape(self) -> None:
+        steps = [["ip", "link", "set", "lo", "up"]]
+        if self.rate_bps is not None:
+            p = tbf_params(self.rate_bps, self.world)
+            steps.append(
+                ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{p['rate_bps']}bit",
+                 "burst", str(p["burst_bytes"]), "limit", str(p["limit_bytes"])]
+            )
+        for step in steps:
+            result = _run(self.wrap(step), check=False)
+            if result.returncode != 0:
+                raise LinkError(
+                    f"cannot shape the loopback in namespace {self.name} ({' '.join(step)}): {result.stderr.strip()}; "
+                    "refusing to run unshaped"
+                )
+        show = _run(self.wrap(["tc", "qdisc", "show", "dev", "lo"]), check=False)
+        self.qdisc = show.stdout.strip()
+        if self.rate_bps is not None and "tbf" not in self.qdisc:
+            raise LinkError(f"tbf qdisc missing on lo after setup ({self.qdisc!r}); refusing to run unshaped")
+
+    def close(self) -> None:
+        """Stop the processes this link started and remove the namespace (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.kind == "netns" or (self.kind is None and self.mode != "unshare"):
+            result = _run(["ip", "netns", "del", self.name], check=False)
+            if result.returncode != 0 and self.name in self.list_netns():
+                # one retry: a process may still have been leaving the namespace
+                threading.Event().wait(0.2)
+                _run(["ip", "netns", "del", self.name], check=False)
+        if self._holder is not None:
+            if self._holder.poll() is None:
+                self._holder.kill()
+            try:
+                self._holder.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        with _LOCK:
+            _ACTIVE.discard(self)
+        self._restore_signal_handlers()
+
+    # ------------------------------------------------------------------ running inside
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed so that it runs inside the namespace."""
+        if self.kind == "netns":
+            return ["ip", "netns", "exec", self.name, *argv]
+        if self.kind == "unshare":
+            return ["nsenter", "-t", str(self._holder.pid), "-U", "-n", "--preserve-credentials", *argv]
+        raise LinkError("the link is not open")
+
+    def launch(self, argvs: Sequence[Sequence[str]], env: Optional[Mapping[str, str]] = None, **popen_kw) -> list[subprocess.Popen]:
+        """Start each command inside the namespace; the link kills them (by pid) when it closes."""
+        procs = []
+        for argv in argvs:
+            proc = subprocess.Popen(self.wrap(argv), env=dict(env) if env is not None else None, **popen_kw)
+            self._procs.append(proc)
+            procs.append(proc)
+        return procs
+
+    def exists(self) -> bool:
+        """Whether the namespace is currently there."""
+        if self.kind == "netns":
+            return self.name in self.list_netns()
+        if self.kind == "unshare":
+            return self._holder is not None and self._holder.poll() is None
+        return False
+
+    @staticmethod
+    def list_netns() -> list[str]:
+        """Names from ``ip netns list``."""
+        result = _run(["ip", "netns", "list"], check=False)
+        return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+    def describe(self) -> str:
+        """One line: rate, tbf, how the namespace was made."""
+        if self.rate_bps is None:
+            return f"unshaped private loopback ({self.kind} {self.name})"
+        p = tbf_params(self.rate_bps, self.world)
+        return (
+            f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by {self.world} ranks, "
+            f"burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB ({self.kind} {self.name})"
+        )
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            raise SystemExit(128 + signum)  # unwinds through __exit__, which removes the namespace
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                old = signal.getsignal(sig)
+                if old in (signal.SIG_DFL, None):
+                    self._old_handlers[sig] = old
+                    signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old_handlers.items():
+            try:
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._old_handlers.clear()
