@@ -9,7 +9,6 @@ Markdown report.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys

@@ -48,6 +48,7 @@ class TrainConfig:
     ratio: float = 10.0
     index_bits: int = 1
     sparsity: Any = "auto"
+    min_compress_numel: int = 65536
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -126,7 +127,8 @@ def _shard(model, cfg: TrainConfig, world: int):
     hook = None
     if cfg.compression != "none" or cfg.transport == "fair":
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
-        hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select)
+        hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select,
+                         min_compress_numel=cfg.min_compress_numel)
     if cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -137,7 +139,6 @@ def _shard(model, cfg: TrainConfig, world: int):
         fully_shard(model, mesh=mesh)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         # Linears as their own units (FSDP1 selects per unit); lm_head stays with the tied wte.
         linears = {m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
@@ -371,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=defaults.ratio)
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
-    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps"):
+    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
+                  "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--compile", action="store_true")

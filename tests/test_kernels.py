@@ -187,8 +187,10 @@ def test_compress_with_explicit_tau(bits):
 
 def _assert_decodes_equal(got, want):
     (values, stats), (values_r, stats_r) = got, want
-    scale = values_r.abs().max().item() if values_r.numel() else 0.0
-    torch.testing.assert_close(values, values_r, rtol=1e-6, atol=1e-6 * scale)
+    # within 1e-6 relative (norm-wise, as the codec tests): positions settled by the exact solve
+    # inherit the float32 table's rounding, amplified a little differently on each back end
+    assert (values.double() - values_r.double()).norm() <= 1e-6 * values_r.double().norm() + 1e-12
+    assert torch.equal(values != 0, values_r != 0)
     assert stats.as_dict() == stats_r.as_dict()
     if stats_r.raw_positions is not None:
         assert torch.equal(stats.raw_positions, stats_r.raw_positions)

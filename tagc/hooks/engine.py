@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from typing import Optional, Sequence, Union
 

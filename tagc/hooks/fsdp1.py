@@ -2,8 +2,8 @@
 
 FSDP1 flattens each wrapped unit into one buffer and splits it across ranks *by position*,
 so one parameter may span several ranks' chunks; selection is therefore per unit: a unit is
-compressed when the policy selects every parameter in it (wrap the layers you want
-compressed as their own units, e.g. an auto-wrap policy over the MLP linears). FSDP1
+compressed when the policy selects (nearly) all of its elements — wrap the layers you want
+compressed as their own units, e.g. an auto-wrap policy over the linears. FSDP1
 calls a registered hook instead of its reduce-scatter and applies no divide factors
 around it, so the hook averages itself.
 """
@@ -19,6 +19,10 @@ from tagc.hooks.engine import Segment, TAGCHook
 
 _SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 
+FSDP1_SELECTED_FRACTION = 0.95
+"""A unit is compressed when the policy selects parameters holding at least this fraction of
+its elements (a linear's bias rides along with its weight)."""
+
 
 class _UnitState:
     """Per-unit state FSDP1 passes back to the hook."""
@@ -32,8 +36,11 @@ class _UnitState:
     def segments(self, chunk: int) -> tuple[Segment, ...]:
         if chunk not in self._segments:
             handle = self.unit._handle
-            names = [fqn for fqn in handle.flat_param._fqns] if handle is not None else []
-            selected = bool(names) and all(self.hook.select(name, None) for name in names)
+            flat = handle.flat_param if handle is not None else None
+            names = list(flat._fqns) if flat is not None else []
+            numels = list(flat._numels) if flat is not None else []
+            chosen = sum(n for name, n in zip(names, numels) if self.hook.select(name, None))
+            selected = bool(numels) and chosen >= FSDP1_SELECTED_FRACTION * sum(numels)
             label = "+".join(names) or "<empty>"
             self._segments[chunk] = (Segment(label if selected else f"plain:{label}", 0, chunk),)
         return self._segments[chunk]

