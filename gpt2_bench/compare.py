@@ -50,8 +50,8 @@ def compare(base: TrainConfig) -> tuple[list[dict], dict]:
 
 def format_table(rows: list[dict], link_info: dict) -> str:
     lines = [
-        f"link: {link_info['rate']}" + (f" (scaled from 10gbit: this CPU is x{link_info['slowdown']:.0f} slower than the paper's GPU)"
-                                        if "slowdown" in link_info else ""),
+        f"link: {link_info['rate']}" + (f" per rank (scaled: 10gbit / {link_info['slowdown']:.0f}, so the plain exchange takes the "
+                                        f"paper's {link_info['exchange_share']:.0%} of a step)" if "slowdown" in link_info else ""),
         "",
         "| algorithm | compressed | iter ms | speed-up | exchange ms/MB | wire MB/rank/step | val loss | vs fsdp | peel | "
         "paper iter | paper ms/MB |",
