@@ -219,3 +219,25 @@ def test_bad_hook_arguments():
         tagc.register_comm_hook(torch.nn.Linear(2, 2), object())
     with pytest.raises(ValueError, match="no FSDP module"):
         tagc.register_comm_hook(torch.nn.Linear(2, 2), tagc.hook())
+
+
+def triton_backend_exchange(rank, world):
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+    os.environ["TAGC_BACKEND"] = "triton"
+    hook = tagc.hook(ratio=4, select="all", min_compress_numel=1024)
+    torch.manual_seed(rank)
+    grad = torch.randn(world, 6000)
+    out = exchange(rank, world, hook, grad, segs=[Segment("w", 0, 6000)])
+    ((part,),) = hook.residuals.values()
+    kept = grad - part
+    everyone = [torch.empty_like(kept) for _ in range(world)]
+    dist.all_gather(everyone, kept)
+    expected = sum(k[rank] for k in everyone) / world
+    return ((out - expected).norm() / expected.norm()).item(), hook.stats()["total"]["unpeeled"]
+
+
+@pytest.mark.triton
+def test_the_hook_runs_on_the_triton_kernels():
+    pytest.importorskip("triton")
+    for error, unpeeled in run_ranks(triton_backend_exchange, 2, timeout_s=300):
+        assert error <= 1e-6 and unpeeled == 0
