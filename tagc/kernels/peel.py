@@ -23,7 +23,7 @@ Counts (support, peeled, unpeeled, estimated, raw, rounds) are accumulated on th
 into an int64 ``stats`` tensor in :class:`~tagc.sketch.DecodeStats` field order.
 
 **The exact linear solve of stopping sets stays in torch** (the reference's
-``_solve_stopping_sets``), after the kernel, in :func:`decode_triton`: it needs the stuck
+``finish_decode``, shared with it), after the kernel, in :func:`decode_triton`: it needs the stuck
 positions on the host side of a ``nonzero``, and is rare at the planned density, so
 :func:`decode_triton` reads the stats once (one sync per decode, which the host-side
 ``DecodeStats`` needs anyway) and runs the solve only when peeling left something.
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tagc.sketch.codec import EXACT_SOLVE_LIMIT, FALLBACKS, DecodeStats, _solve_stopping_sets, decode
+from tagc.sketch.codec import FALLBACKS, DecodeStats, decode, finish_decode
 from tagc.sketch.index import check_index
 from tagc.sketch.layout import SketchLayout
 
@@ -272,33 +272,9 @@ def decode_triton(
     )
     host = dict(zip(STAT_FIELDS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
     stats = DecodeStats(support=host["support"], rounds=host["rounds"])
-    stuck = torch.empty(0, dtype=torch.int64, device=out.device)
-    if host["unpeeled"]:
-        stuck = (state == 1).nonzero().squeeze(1)
-        if stuck.numel() <= EXACT_SOLVE_LIMIT:
-            cells, signs = layout.cells(stuck)
-            solution, determined = _solve_stopping_sets(work, cells, signs)
-            out[stuck[determined]] = solution[determined].float()
-            work.index_add_(0, cells[determined].reshape(-1), (-signs[determined] * solution[determined][:, None]).reshape(-1))
-            stats.solved = int(determined.sum())
-            stuck = stuck[~determined]
-    stats.peeled = stats.support - stuck.numel()
-    stats.unpeeled = stuck.numel()
-    if stuck.numel():
-        if fallback == "error":
-            raise RuntimeError(
-                f"TAGC decode could not recover {stuck.numel()} of {stats.support} positions of {layout} "
-                f"(load {stats.support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
-                "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
-            )
-        cells, signs = layout.cells(stuck)
-        if fallback == "estimate":
-            out[stuck] = (signs.double() * work[cells]).median(dim=1).values.float()
-            stats.estimated = stuck.numel()
-        else:
-            out[stuck] = 0.0
-            stats.raw = stuck.numel()
-            stats.raw_positions = stuck
+    stuck = (state == 1).nonzero().squeeze(1) if host["unpeeled"] else torch.empty(0, dtype=torch.int64, device=out.device)
+    rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)
+    out.index_copy_(0, rest_positions, rest_values.float())
     return out, stats
 
 

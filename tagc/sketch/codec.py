@@ -148,6 +148,44 @@ def _solve_stopping_sets(work: torch.Tensor, cells: torch.Tensor, signs: torch.T
     return x, determined
 
 
+def finish_decode(
+    work: torch.Tensor, stuck: torch.Tensor, layout: SketchLayout, stats: DecodeStats, fallback: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every back end does after peeling: solve the stopping sets exactly, then apply the
+    fallback to what is still undetermined. ``work`` is the table with the peeled positions
+    taken out, ``stuck`` the chunk positions peeling left; fills ``stats`` (all but
+    ``support``/``rounds``) and returns the positions and values (float64) to write.
+    """
+    cells, signs = layout.cells(stuck)
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if 0 < stuck.numel() <= EXACT_SOLVE_LIMIT:
+        solution, determined = _solve_stopping_sets(work, cells, signs)
+        solved = solution[determined]
+        work.index_add_(0, cells[determined].reshape(-1), (-signs[determined] * solved[:, None]).reshape(-1))
+        written.append((stuck[determined], solved))
+        stats.solved = int(determined.sum())
+        stuck, cells, signs = stuck[~determined], cells[~determined], signs[~determined]
+    stats.peeled = stats.support - stuck.numel()
+    stats.unpeeled = stuck.numel()
+    if stuck.numel():
+        if fallback == "error":
+            raise RuntimeError(
+                f"TAGC decode could not recover {stuck.numel()} of {stats.support} positions of {layout} "
+                f"(load {stats.support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
+                "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
+            )
+        if fallback == "estimate":
+            written.append((stuck, (signs.double() * work[cells]).median(dim=1).values))
+            stats.estimated = stuck.numel()
+        else:
+            written.append((stuck, torch.zeros(stuck.numel(), dtype=torch.float64, device=work.device)))
+            stats.raw = stuck.numel()
+            stats.raw_positions = stuck
+    if not written:
+        return stuck, torch.zeros(0, dtype=torch.float64, device=work.device)
+    return torch.cat([p for p, _ in written]), torch.cat([v for _, v in written])
+
+
 def decode(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
 ) -> tuple[torch.Tensor, DecodeStats]:
@@ -171,33 +209,8 @@ def decode(
     work = table.reshape(-1).to(torch.float64, copy=True)
     values, known, rounds = _peel(work, cells, signs)
     stats = DecodeStats(support=positions.numel(), rounds=rounds)
-
-    stuck = (~known).nonzero().squeeze(1)
-    if 0 < stuck.numel() <= EXACT_SOLVE_LIMIT:
-        solution, determined = _solve_stopping_sets(work, cells[stuck], signs[stuck])
-        solved = stuck[determined]
-        values[solved] = solution[determined]
-        known[solved] = True
-        work.index_add_(0, cells[solved].reshape(-1), (-signs[solved] * solution[determined][:, None]).reshape(-1))
-        stats.solved = solved.numel()
-        stuck = stuck[~determined]
-
-    stats.peeled = stats.support - stuck.numel()
-    stats.unpeeled = stuck.numel()
-    if stuck.numel():
-        if fallback == "error":
-            raise RuntimeError(
-                f"TAGC decode could not recover {stuck.numel()} of {stats.support} positions of {layout} "
-                f"(load {stats.support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
-                "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
-            )
-        if fallback == "estimate":
-            values[stuck] = (signs[stuck].double() * work[cells[stuck]]).median(dim=1).values
-            stats.estimated = stuck.numel()
-        else:
-            values[stuck] = 0.0
-            stats.raw = stuck.numel()
-            stats.raw_positions = positions[stuck]
     out = torch.zeros(layout.numel, dtype=torch.float32, device=table.device)
     out.index_copy_(0, positions, values.float())
+    rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)
+    out.index_copy_(0, rest_positions, rest_values.float())
     return out, stats
