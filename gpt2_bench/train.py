@@ -118,13 +118,29 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 # ----------------------------------------------------------------------------- one rank
 
 
+def fsdp1_wrap_policy(model):
+    """FSDP1 auto-wrap policy: every Linear (but the tied ``lm_head``) and every Block is a unit.
+
+    FSDP1 can only select whole units for compression, so the linears get units of their own;
+    ``lm_head`` stays in the root with the embedding it is tied to.
+    """
+    import torch.nn as nn
+
+    from gpt2_bench.model import Block
+
+    linears = {m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+
+    def policy(module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or module in linears or isinstance(module, Block)
+
+    return policy
+
+
 def _shard(model, cfg: TrainConfig, world: int):
     """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook)."""
     import torch
-    import torch.nn as nn
 
     import tagc
-    from gpt2_bench.model import Block
 
     hook = None
     if cfg.compression != "none" or cfg.transport == "fair":
@@ -142,13 +158,7 @@ def _shard(model, cfg: TrainConfig, world: int):
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # Linears as their own units (FSDP1 selects per unit); lm_head stays with the tied wte.
-        linears = {m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
-        model = FSDP(
-            model,
-            device_id=torch.device("cpu"),
-            auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or module in linears or isinstance(module, Block),
-        )
+        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook

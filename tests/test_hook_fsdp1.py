@@ -50,3 +50,27 @@ def hybrid(rank, world):
 
 def test_fsdp1_unsupported_strategy_is_a_clear_error():
     assert all(run_ranks(hybrid, 2))
+
+
+def unit_selection(rank, world):
+    from gpt2_bench.model import GPT, GPTConfig
+    from gpt2_bench.train import fsdp1_wrap_policy
+
+    model = GPT(GPTConfig.preset("tiny"))
+    model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
+    tagc.register_comm_hook(model, tagc.hook(select="non_attention_linear"))
+    decided = {}
+    for unit in FSDP.fsdp_modules(model):
+        (segment,) = unit._comm_hook_state.segments(1000)
+        decided[segment.name] = segment.selected
+    return decided
+
+
+def test_fsdp1_units_are_selected_by_their_full_names():
+    decided = run_ranks(unit_selection, 2)[0]
+    assert decided["transformer.h.0.attn.c_attn.weight+transformer.h.0.attn.c_attn.bias"] is False
+    assert decided["transformer.h.1.mlp.c_fc.weight+transformer.h.1.mlp.c_fc.bias"] is True
+    assert decided["transformer.h.0.attn.c_proj.weight+transformer.h.0.attn.c_proj.bias"] is True
+    assert decided["transformer.h.0.ln_1.weight+transformer.h.0.ln_1.bias+transformer.h.0.ln_2.weight+transformer.h.0.ln_2.bias"] is False
+    root = next(name for name in decided if name.startswith("transformer.wte.weight"))
+    assert decided[root] is True  # the (tied) embedding dominates the root unit

@@ -40,6 +40,8 @@ class Segment:
     start: int
     numel: int
     module: Optional[nn.Module] = dataclasses.field(default=None, compare=False, hash=False)
+    selected: Optional[bool] = None
+    """Whether to compress it, when the adapter decided already; ``None`` asks the hook's policy."""
 
 
 @dataclasses.dataclass
@@ -284,7 +286,7 @@ class TAGCHook:
         if covered > chunk:
             raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
         tail = [Segment("<padding>", covered, chunk - covered)] if covered < chunk else []
-        chosen = [s for s in segments if self.select(s.name, s.module)]
+        chosen = [s for s in segments if (self.select(s.name, s.module) if s.selected is None else s.selected)]
         compressed = sum(s.numel for s in chosen)
         if compressed < max(1, self.config.min_compress_numel):
             chosen, compressed = [], 0

@@ -27,9 +27,10 @@ its elements (a linear's bias rides along with its weight)."""
 class _UnitState:
     """Per-unit state FSDP1 passes back to the hook."""
 
-    def __init__(self, hook: TAGCHook, unit: FSDP) -> None:
+    def __init__(self, hook: TAGCHook, unit: FSDP, prefix: str = "") -> None:
         self.hook = hook
         self.unit = unit
+        self.prefix = prefix
         self.group = unit.process_group
         self._segments: dict[int, tuple[Segment, ...]] = {}
 
@@ -37,12 +38,12 @@ class _UnitState:
         if chunk not in self._segments:
             handle = self.unit._handle
             flat = handle.flat_param if handle is not None else None
-            names = list(flat._fqns) if flat is not None else []
+            names = [self.prefix + fqn for fqn in flat._fqns] if flat is not None else []
             numels = list(flat._numels) if flat is not None else []
             chosen = sum(n for name, n in zip(names, numels) if self.hook.select(name, None))
             selected = bool(numels) and chosen >= FSDP1_SELECTED_FRACTION * sum(numels)
             label = "+".join(names) or "<empty>"
-            self._segments[chunk] = (Segment(label if selected else f"plain:{label}", 0, chunk),)
+            self._segments[chunk] = (Segment(label, 0, chunk, selected=selected),)
         return self._segments[chunk]
 
 
@@ -64,6 +65,13 @@ def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
             )
         if unit._comm_hook is not None:
             raise ValueError("a communication hook is already registered on this FSDP1 model")
+    paths = {id(module): _clean(name) for name, module in model.named_modules()}
     for unit in units:  # what FSDP.register_comm_hook does, but with a state per unit
         unit._comm_hook = _tagc_fsdp1_hook
-        unit._comm_hook_state = _UnitState(hook, unit)
+        path = paths.get(id(unit), "")
+        unit._comm_hook_state = _UnitState(hook, unit, f"{path}." if path else "")
+
+
+def _clean(name: str) -> str:
+    """A module path without FSDP1's wrapper components (``_fsdp_wrapped_module``)."""
+    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
