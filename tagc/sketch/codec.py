@@ -89,13 +89,19 @@ def encode(values: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     return encode_positions(positions, flat.index_select(0, positions), layout)
 
 
+def _thrice(x: torch.Tensor) -> torch.Tensor:
+    """``[a, a, a, b, b, b, ...]``: one entry per cell of each position."""
+    return x[:, None].expand(-1, 3).reshape(-1)
+
+
 def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Peel in rounds; ``work`` (float64 table) is left holding what was not peeled.
 
     Cell-centric, like an invertible Bloom lookup table: every cell keeps how many unsettled
     positions touch it and the sum of their ids, so a cell with count 1 names its position
-    directly. A round scans the table for such cells and settles their positions; work per
-    round is one pass over the table plus the positions settled, never the ones still stuck.
+    directly. A round settles the positions of all such cells; the first round finds them by
+    scanning the table, later ones among the cells the previous round touched, so the work is
+    proportional to the positions settled, never to the ones still stuck.
     Within a round each position reads a cell only it touches, so settling all at once gives
     the values settling them one by one would.
 
@@ -106,14 +112,12 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     flat = cells.reshape(-1)
     # count << 40 | sum of ids, in one int64 per cell: one scatter maintains both
     tally = torch.zeros(work.numel(), dtype=torch.int64, device=device)
-    tally.scatter_add_(0, flat, (torch.arange(k, device=device) + _ONE_COUNT).repeat_interleave(3))
+    tally.scatter_add_(0, flat, _thrice(torch.arange(k, device=device) + _ONE_COUNT))
     values = torch.zeros(k, dtype=torch.float64, device=device)
     known = torch.zeros(k, dtype=torch.bool, device=device)
     rounds = 0
-    while True:
-        pure = ((tally >> _COUNT_SHIFT) == 1).nonzero().squeeze(1)
-        if pure.numel() == 0:
-            break
+    pure = ((tally >> _COUNT_SHIFT) == 1).nonzero().squeeze(1)
+    while pure.numel():
         rounds += 1
         owners = tally.index_select(0, pure) & (_ONE_COUNT - 1)
         settle, which = torch.unique(owners, return_inverse=True)  # a position may own several pure cells
@@ -125,7 +129,9 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
         known.index_fill_(0, settle, True)
         touched = settle_cells.reshape(-1)
         work.scatter_add_(0, touched, (-settle_signs * value[:, None]).reshape(-1))
-        tally.scatter_add_(0, touched, (-(settle + _ONE_COUNT)).repeat_interleave(3))
+        tally.scatter_add_(0, touched, _thrice(-(settle + _ONE_COUNT)))
+        # only cells touched this round can have become pure (duplicates resolve via unique)
+        pure = touched[(tally.index_select(0, touched) >> _COUNT_SHIFT) == 1]
     return values, known, rounds
 
 
