@@ -100,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     parser.prog = "python -m gpt2_bench.compare"
     parser.description = __doc__.split("\n\n")[0]
-    parser.set_defaults(link="scaled", out_dir="bench_out/compare")
+    parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=30, block_size=128, eval_interval=10)
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
     args = parser.parse_args(argv)
     base = config_from_args(args)
