@@ -215,7 +215,7 @@ class TAGCHook:
 
     def _compressed(self, rows, plan: _BucketPlan, group, world: int, summed: torch.Tensor, stats: ExchangeStats) -> None:
         start = time.perf_counter()
-        grads = [rows[:, part.columns] for part in plan.parts]
+        grads = [rows[:, part.columns].contiguous() for part in plan.parts]  # kernels want [N, S] contiguous
         locally_bad = any(not bool(torch.isfinite(grad).all()) for grad in grads)
         if any_rank(locally_bad, group):
             self._nonfinite(grads, plan, group, summed, stats)
