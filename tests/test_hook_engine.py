@@ -241,3 +241,20 @@ def test_the_hook_runs_on_the_triton_kernels():
     pytest.importorskip("triton")
     for error, unpeeled in run_ranks(triton_backend_exchange, 2, timeout_s=300):
         assert error <= 1e-6 and unpeeled == 0
+
+
+def raw_resend(rank, world):
+    hook = tagc.hook(ratio=10, sparsity=0.0, select="all", fallback="raw", min_part=1 << 16)  # dense: far above the threshold
+    torch.manual_seed(rank)
+    grad = torch.randn(world, 100_000)
+    out = exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 100_000)])
+    everyone = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(everyone, grad)
+    expected = sum(g[rank] for g in everyone)  # sparsity 0: everything is kept
+    return ((out - expected).norm() / expected.norm()).item(), hook.stats()["total"]
+
+
+def test_raw_fallback_resends_what_decode_cannot_recover():
+    for error, total in run_ranks(raw_resend, 2):
+        assert total["raw"] > 0 and total["unpeeled"] == total["raw"]
+        assert error <= 1e-6

@@ -23,7 +23,7 @@ import torch.nn as nn
 from tagc.config import TAGCConfig
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, any_rank, plain_reduce_scatter
+from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, any_rank, gather_from_owners, plain_reduce_scatter
 from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
@@ -86,7 +86,9 @@ class TAGCHook:
     Memory: the residual of a compressed bucket has the bucket's *unsharded* size (every
     rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
     gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
-    halves it at some loss of what error feedback carries).
+    halves it at some loss of what error feedback carries). ``fallback="raw"`` keeps one more
+    such copy per bucket during the exchange, to re-send what decode cannot recover exactly
+    (one small gather per part: counts, positions, then the values).
     """
 
     def __init__(
@@ -102,11 +104,6 @@ class TAGCHook:
             raise ValueError(f"nonfinite must be 'plain' (send the bucket uncompressed) or 'raise', got {nonfinite!r}")
         if residual_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
-        if config.fallback == "raw":
-            raise ValueError(
-                "the hook resolves undecodable positions with fallback='estimate' or 'error'; 'raw' (re-send) is a "
-                "codec-level policy only for now"
-            )
         if not isinstance(min_part, int) or min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
         self.config = config
@@ -224,20 +221,32 @@ class TAGCHook:
         density = self.config.density(world)
         bits = self.config.index_bits
         pending = []
+        resend = self.config.fallback == "raw"
+        accumulated = []  # with fallback="raw": grad + residual, to re-send what decode cannot recover
         for grad, residual, part in zip(grads, residuals, plan.parts):
+            if resend:
+                accumulated.append(residual.clone().add_(grad))
             index, table = compress_(grad, residual, density, part.layout, bits)
             pending.append((all_to_all_rows(index, group, self.piece_bytes), all_to_all_rows(table, group, self.piece_bytes)))
             stats.wire_bytes += pending[-1][0].sent_bytes + pending[-1][1].sent_bytes
         stats.compress_s += time.perf_counter() - start
-        for (index_x, table_x), part in zip(pending, plan.parts):
+        for i, ((index_x, table_x), part) in enumerate(zip(pending, plan.parts)):
             start = time.perf_counter()
             indexes, tables = index_x.wait(), table_x.wait()
             stats.comm_wait_s += time.perf_counter() - start
             start = time.perf_counter()
             union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
             values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
-            summed[part.columns] = values
             stats.decode_s += time.perf_counter() - start
+            if resend:  # every rank takes part, also with nothing to ask for
+                start = time.perf_counter()
+                wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64)
+                raw_values, sent = gather_from_owners(wanted, accumulated[i] - residuals[i], group)
+                values[wanted] = raw_values
+                stats.wire_bytes += sent
+                stats.raw += int(decoded.raw)
+                stats.comm_wait_s += time.perf_counter() - start
+            summed[part.columns] = values
             stats.support += int(decoded.support)
             stats.peeled += int(decoded.peeled)
             stats.unpeeled += int(decoded.unpeeled)

@@ -18,6 +18,7 @@ class ExchangeStats:
     peeled: int = 0
     unpeeled: int = 0
     estimated: int = 0
+    raw: int = 0
     compress_s: float = 0.0
     comm_wait_s: float = 0.0
     decode_s: float = 0.0

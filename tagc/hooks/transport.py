@@ -52,6 +52,33 @@ def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
     return bool(value)
 
 
+def gather_from_owners(
+    wanted: torch.Tensor, rows: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> tuple[torch.Tensor, int]:
+    """Each rank asks every rank for ``rows[me, wanted]``; returns the sum over ranks and the bytes sent.
+
+    ``wanted`` (int64 positions in this rank's chunk) may differ in length across ranks; every
+    rank must call this (with an empty ``wanted`` if it needs nothing).
+    """
+    world = rows.shape[0]
+    try:
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([wanted.numel()]), group=group)
+        sizes = [int(c) for c in counts]
+        padded = torch.zeros(max(sizes), dtype=torch.int64)
+        padded[: wanted.numel()] = wanted
+        lists = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(lists, padded, group=group)
+        send = torch.cat([rows[r].index_select(0, lists[r][: sizes[r]]).float() for r in range(world)])
+        recv = torch.empty(world * wanted.numel(), dtype=torch.float32)
+        dist.all_to_all_single(recv, send, output_split_sizes=[wanted.numel()] * world, input_split_sizes=sizes, group=group)
+    except RuntimeError as exc:
+        raise _peer_error(exc) from exc
+    me = dist.get_rank(group)
+    sent = (sum(sizes) - sizes[me]) * 4 + (world - 1) * (8 + 8 * max(sizes))
+    return recv.view(world, wanted.numel()).sum(dim=0), sent
+
+
 def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES) -> PendingExchange:
     """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``, in pieces.
 
