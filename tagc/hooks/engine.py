@@ -112,7 +112,7 @@ class TAGCHook:
         self.residual_dtype = residual_dtype
         self.min_part = min_part
         self.piece_bytes = piece_bytes
-        self.residuals: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, list[torch.Tensor]] = {}  # bucket key -> one [N, part] tensor per part
         self.step_count = 0
         self._seen_this_step: set[str] = set()
         self._verified: set[int] = set()

@@ -8,13 +8,26 @@ all-to-all split into pieces of at most :data:`PIECE_BYTES` per peer: each rank 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 PIECE_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def _peer_errors() -> Iterator[None]:
+    """Turn a collective's failure (a dead or stuck peer, after the group's timeout) into a clear error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"TAGC exchange failed: a peer rank probably died or timed out ({type(exc).__name__}: {exc}). "
+            "Check the other ranks' logs; the process group's timeout bounds this wait."
+        ) from exc
 
 
 @dataclasses.dataclass
@@ -24,31 +37,19 @@ class PendingExchange:
     recv: torch.Tensor
     works: list
     sent_bytes: int
-    on_error: Callable[[Exception], Exception]
 
     def wait(self) -> torch.Tensor:
-        try:
+        with _peer_errors():
             for work in self.works:
                 work.wait()
-        except Exception as exc:  # a dead peer surfaces here, after the group's timeout
-            raise self.on_error(exc) from exc
         return self.recv
-
-
-def _peer_error(exc: Exception) -> Exception:
-    return RuntimeError(
-        f"TAGC exchange failed: a peer rank probably died or timed out ({type(exc).__name__}: {exc}). "
-        "Check the other ranks' logs; the process group's timeout bounds this wait."
-    )
 
 
 def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``flag`` is true on any rank of ``group`` (a 4-byte all-reduce)."""
     value = torch.tensor([int(flag)], dtype=torch.int32)
-    try:
+    with _peer_errors():
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    except RuntimeError as exc:
-        raise _peer_error(exc) from exc
     return bool(value)
 
 
@@ -61,7 +62,7 @@ def gather_from_owners(
     rank must call this (with an empty ``wanted`` if it needs nothing).
     """
     world = rows.shape[0]
-    try:
+    with _peer_errors():
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([wanted.numel()]), group=group)
         sizes = [int(c) for c in counts]
@@ -72,8 +73,6 @@ def gather_from_owners(
         send = torch.cat([rows[r].index_select(0, lists[r][: sizes[r]]).float() for r in range(world)])
         recv = torch.empty(world * wanted.numel(), dtype=torch.float32)
         dist.all_to_all_single(recv, send, output_split_sizes=[wanted.numel()] * world, input_split_sizes=sizes, group=group)
-    except RuntimeError as exc:
-        raise _peer_error(exc) from exc
     me = dist.get_rank(group)
     sent = (sum(sizes) - sizes[me]) * 4 + (world - 1) * (8 + 8 * max(sizes))
     return recv.view(world, wanted.numel()).sum(dim=0), sent
@@ -90,17 +89,17 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piec
     columns = send.shape[1]
     step = max(1, piece_bytes // max(1, send.element_size()))
     works = []
-    for start in range(0, columns, step) if columns else []:
-        stop = min(columns, start + step)
-        if stop - start == columns:
-            s_piece, r_piece = send, recv
-        else:
-            s_piece, r_piece = send[:, start:stop].contiguous(), torch.empty(world, stop - start, dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(r_piece, s_piece, group=group, async_op=True)
-        works.append((work, r_piece, start, stop))
-    pending = PendingExchange(recv, [], (world - 1) * columns * send.element_size(), _peer_error)
-    pending.works = [_PieceWork(w, r, recv, a, b) for w, r, a, b in works]
-    return pending
+    with _peer_errors():
+        for start in range(0, columns, step):
+            stop = min(columns, start + step)
+            if stop - start == columns:
+                s_piece, r_piece = send, recv
+            else:
+                s_piece = send[:, start:stop].contiguous()
+                r_piece = torch.empty(world, stop - start, dtype=send.dtype, device=send.device)
+            work = dist.all_to_all_single(r_piece, s_piece, group=group, async_op=True)
+            works.append(_PieceWork(work, r_piece, recv, start, stop))
+    return PendingExchange(recv, works, (world - 1) * columns * send.element_size())
 
 
 @dataclasses.dataclass
