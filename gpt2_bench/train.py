@@ -192,7 +192,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     torch.manual_seed(cfg.seed)
     model_cfg = GPTConfig.preset(cfg.preset, **({"block_size": cfg.block_size} if cfg.block_size else {}))
     model = GPT(model_cfg)
-    n_params = model.num_params() if hasattr(model, "num_params") else sum(p.numel() for p in model.parameters())
+    n_params = model.num_params()
+    grad_mb = n_params * 4 / 2**20  # the unsharded fp32 gradient, counted before sharding
     model, hook = _shard(model, cfg, world)
     step_fn = torch.compile(model) if cfg.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -200,7 +201,6 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
     data = TokenData(data_dir)
     gen = torch.Generator().manual_seed(cfg.seed)
-    grad_mb = sum(p.numel() for p in model.parameters()) * world * 4 / 2**20  # unsharded fp32 gradient
     log = open(log_path, "w") if rank == 0 else None
     progress = None
     if rank == 0:
