@@ -1,0 +1,150 @@
+"""One flat all-gather and one reduce-scatter per unit (a transformer block, or the root).
+
+A unit's parameters are ``Shard(0)`` DTensors. Rank ``r`` holds rows
+``[r*R, min(dim0, (r+1)*R))`` of each parameter (``R = ceil(dim0 / world)``, torch.chunk's
+split, so the last ranks may hold fewer rows or none). The bucket packs every local shard,
+padded to ``R`` rows, into one chunk of ``S`` elements; row ``j`` of the gathered ``[world, S]``
+buffer is rank ``j``'s chunk — the same packed layout FSDP2 hands its reduce-scatter, so
+the TAGC hook sees one large aligned buffer per block with each parameter as a segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketEntry:
+    """One parameter's place in the packed chunk."""
+
+    fqn: str
+    shape: torch.Size
+    rows: int  # R: padded rows per rank
+    local_rows: int  # rows this rank really holds (<= R)
+    start: int  # offset in the chunk
+    numel: int  # R * prod(shape[1:])
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+def bucket_layout(fqns: Sequence[str], shapes: Sequence[torch.Size], world: int, rank: int) -> tuple[list[BucketEntry], int]:
+    """Entries of a unit's packed chunk and the chunk size ``S``."""
+    entries, start = [], 0
+    for fqn, shape in zip(fqns, shapes):
+        if len(shape) == 0:
+            raise ValueError(f"parameter {fqn!r} is 0-dimensional; SimpleFSDP shards dim 0: reshape it to shape (1,)")
+        rows = -(-shape[0] // world)
+        local_rows = max(0, min(rows, shape[0] - rank * rows))
+        numel = rows * math.prod(shape[1:])
+        entries.append(BucketEntry(fqn, torch.Size(shape), rows, local_rows, start, numel))
+        start += numel
+    return entries, start
+
+
+ReduceScatter = Callable[[torch.Tensor], torch.Tensor]
+"""``packed [world * S] -> this rank's averaged chunk [S]``."""
+
+
+class Bucket:
+    """A unit's layout, process group, dtypes and reduce-scatter (plain or a comm hook)."""
+
+    def __init__(
+        self,
+        name: str,
+        fqns: Sequence[str],
+        shapes: Sequence[torch.Size],
+        group: dist.ProcessGroup,
+        param_dtype: Optional[torch.dtype],
+        reduce_dtype: Optional[torch.dtype],
+    ) -> None:
+        self.name = name
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.entries, self.chunk = bucket_layout(fqns, shapes, self.world, self.rank)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.reduce_scatter: ReduceScatter = self.plain_reduce_scatter
+        self.regathered: Optional[list[torch.Tensor]] = None  # eager resharding's backward all-gather
+
+    def plain_reduce_scatter(self, packed: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.reduce_scatter_single(packed, "avg", 0, self.group))
+
+    # ------------------------------------------------------------------ packing
+
+    def pack_shards(self, shards: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Local shards -> this rank's chunk ``[S]`` (padded rows are zero)."""
+        flat = [
+            F.pad(shard.reshape(-1).to(dtype), (0, entry.numel - entry.local_rows * entry.row_numel))
+            for shard, entry in zip(shards, self.entries)
+        ]
+        return torch.cat(flat) if len(flat) > 1 else flat[0]
+
+    def unpack_full(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """Gathered ``[world * S]`` -> every unsharded parameter."""
+        rows = gathered.view(self.world, self.chunk)
+        return [
+            rows[:, e.start : e.start + e.numel].reshape(self.world * e.rows, *e.shape[1:])[: e.shape[0]]
+            for e in self.entries
+        ]
+
+    def pack_grads(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Unsharded gradients -> the reduce-scatter input ``[world * S]`` (row ``j`` for rank ``j``)."""
+        pieces = []
+        for grad, e in zip(grads, self.entries):
+            if grad is None:
+                pieces.append(torch.zeros(self.world, e.numel, dtype=dtype, device=device))
+                continue
+            grad = grad.to(dtype).reshape(e.shape[0], e.row_numel)
+            grad = F.pad(grad, (0, 0, 0, self.world * e.rows - e.shape[0]))
+            pieces.append(grad.reshape(self.world, e.numel))
+        return torch.cat(pieces, dim=1).reshape(-1)
+
+    def unpack_shards(self, chunk: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+        """This rank's reduced chunk ``[S]`` -> a gradient per local shard."""
+        return [
+            chunk[e.start : e.start + e.local_rows * e.row_numel].view(e.local_rows, *e.shape[1:]).to(dtype)
+            for e, dtype in zip(self.entries, dtypes)
+        ]
+
+    # ------------------------------------------------------------------ the collective pair
+
+    def gather(self, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """All-gather the unit (differentiable: its backward is this bucket's reduce-scatter)."""
+        return _GatherBucket.apply(self, *shards)
+
+    def gather_detached(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The same all-gather outside autograd (recomputed in backward when resharding)."""
+        dtype = self.param_dtype or shards[0].dtype
+        packed = self.pack_shards([s.detach() for s in shards], dtype)
+        return self.unpack_full(funcol.wait_tensor(funcol.all_gather_single(packed, 0, self.group)))
+
+
+class _GatherBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bucket: Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.bucket = bucket
+        ctx.dtypes = [s.dtype for s in shards]
+        ctx.device = shards[0].device
+        dtype = bucket.param_dtype or shards[0].dtype
+        packed = bucket.pack_shards(shards, dtype)
+        gathered = funcol.wait_tensor(funcol.all_gather_single(packed, 0, bucket.group))
+        return tuple(bucket.unpack_full(gathered))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        bucket: Bucket = ctx.bucket
+        bucket.regathered = None  # every user of the parameters is done
+        dtype = bucket.reduce_dtype or ctx.dtypes[0]
+        packed = bucket.pack_grads(grads, dtype, ctx.device)
+        reduced = bucket.reduce_scatter(packed)
+        return (None, *bucket.unpack_shards(reduced, ctx.dtypes))

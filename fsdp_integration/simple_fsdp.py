@@ -1,0 +1,208 @@
+"""SimpleFSDP: parameters as ``Shard(0)`` DTensors, all-gathered by a parametrization.
+
+After Zhang et al., *SimpleFSDP* (``../shared/seeds/simplefsdp-paper.md``): every parameter
+stays a sharded DTensor in ``module._parameters`` (so ``state_dict`` keys and DCP work
+unchanged), and the attribute ``module.weight`` becomes a property that returns the
+unsharded tensor. The all-gathers are plain functional collectives, so ``torch.compile``
+traces them (fullgraph) and Inductor can bucket and reorder them.
+
+Unlike the paper's per-parameter collectives, parameters are grouped in *units* — each
+transformer block (every child of an ``nn.ModuleList``) and the root for the rest — with
+one flat all-gather in forward and one reduce-scatter in backward per unit
+(:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is what
+``model.register_comm_hook(tagc.hook(...))`` replaces: TAGC then sees one large aligned
+buffer per block, with each parameter as a segment for its selection policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fsdp_integration.bucket import Bucket
+from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``param_dtype``: all-gather and compute dtype (``None``: the sharded parameter's, fp32).
+    ``reduce_dtype``: gradient reduce-scatter dtype (``None``: the sharded parameter's, so
+    bf16 compute still reduces in fp32)."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+
+class Unit:
+    """A group of parameters gathered and reduced together; binds them while its module runs."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]],
+                 owner_modules: list[nn.Module], bucket: Bucket, reshard: bool) -> None:
+        self.name = name
+        self.module = module
+        self.fqns = [fqn for fqn, _ in params]
+        self.params = [p for _, p in params]
+        self.owner_modules = owner_modules  # the module holding each parameter (selection policies look at it)
+        self.bucket = bucket
+        self.reshard = reshard
+        self.bound: Optional[tuple[torch.Tensor, ...]] = None
+
+    def local_shards(self) -> list[torch.Tensor]:
+        return [p.to_local() for p in self.params]
+
+    def unsharded(self, index: int) -> torch.Tensor:
+        if self.bound is not None:
+            return self.bound[index]
+        # Touched outside its unit's forward (e.g. inspecting model.lm_head.weight): gather the unit.
+        return self.bucket.gather(self.local_shards())[index]
+
+    def run(self, forward, args, kwargs):
+        with fx_traceback.annotate({GATHER_TAG: self.reshard}):
+            self.bound = self.bucket.gather(self.local_shards())
+        try:
+            if self.reshard and not torch.compiler.is_compiling():
+                with regather_saved_params(self):
+                    return forward(*args, **kwargs)
+            return forward(*args, **kwargs)
+        finally:
+            self.bound = None
+
+
+def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Each child of every ``nn.ModuleList`` (the transformer blocks), then the root."""
+    units = [
+        (f"{name}.{i}" if name else str(i), child)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for i, child in enumerate(module)
+    ]
+    return units + [("", model)]
+
+
+def _swap_class(module: nn.Module, params: dict[str, tuple[Unit, int]], unit: Optional[Unit], extra: Optional[dict] = None) -> None:
+    """Give ``module`` a subclass whose parameter attributes are unsharding properties and,
+    for a unit's module, whose ``forward`` binds the unit's gathered parameters."""
+    base = type(module)
+    namespace: dict = {
+        name: property(lambda self, u=u, i=i: u.unsharded(i)) for name, (u, i) in params.items()
+    }
+    if unit is not None:
+        def forward(self, *args, **kwargs):
+            return unit.run(super(cls, self).forward, args, kwargs)
+
+        namespace["forward"] = forward
+    namespace.update(extra or {})
+    cls = type(f"SimpleFSDP{base.__name__}", (base,), namespace)
+    module.__class__ = cls
+
+
+def simple_fsdp(
+    model: nn.Module,
+    mesh: Optional[DeviceMesh] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    reshard_after_forward: bool = True,
+    units: Optional[Sequence[str]] = None,
+) -> "SimpleFSDPModel":
+    """Shard ``model`` in place (SimpleFSDP) and return it with ``register_comm_hook``.
+
+    Args:
+        model: an ``nn.Module`` with plain (non-DTensor) parameters, identical on every rank.
+        mesh: a 1-D device mesh (default: every rank of the default group, on the
+            parameters' device type).
+        mp_policy: compute / reduction dtypes.
+        reshard_after_forward: free each block's gathered parameters after its forward and
+            all-gather them again in backward (eager: saved-tensor hooks; compiled: the
+            all-gathers are marked for recomputation, see :mod:`fsdp_integration.compile`).
+        units: module names to gather as one unit each (default: every child of every
+            ``nn.ModuleList``); the root takes the parameters no unit holds.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("simple_fsdp needs torch.distributed: call dist.init_process_group(...) first")
+    if getattr(model, "_simple_fsdp_units", None) is not None:
+        raise ValueError("this model is already wrapped by simple_fsdp")
+    device_type = next(model.parameters()).device.type
+    mesh = mesh or DeviceMesh(device_type, list(range(dist.get_world_size())))
+    if mesh.ndim != 1:
+        raise ValueError(f"simple_fsdp shards over a 1-D mesh; got a {mesh.ndim}-D mesh")
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"parameter {name!r} is already a DTensor; simple_fsdp wants plain parameters")
+
+    named = dict(model.named_modules())
+    chosen = [(n, named[n]) for n in units] if units is not None else _units_of(model)
+    if units is not None and "" not in units:
+        chosen.append(("", model))
+    owner: dict[int, str] = {}  # parameter id -> unit name (deepest unit wins; tied parameters once)
+    for unit_name, unit_module in chosen:
+        for p in unit_module.parameters():
+            owner.setdefault(id(p), unit_name)
+
+    sharded: dict[int, nn.Parameter] = {}
+    uses: dict[str, list[tuple[str, nn.Module, str, int]]] = {n: [] for n, _ in chosen}  # unit -> (fqn, module, attr, id)
+    for module_name, module in model.named_modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in sharded:
+                sharded[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad)
+                fqn = f"{module_name}.{attr}" if module_name else attr
+                uses[owner[id(p)]].append((fqn, module, attr, id(p)))
+            else:
+                uses[owner[id(p)]].append((None, module, attr, id(p)))
+            module._parameters[attr] = sharded[id(p)]
+
+    group = mesh.get_group()
+    unit_objects: list[Unit] = []
+    slots: dict[int, dict[str, tuple[Unit, int]]] = {}  # module id -> attr -> (unit, index)
+    unit_of_module: dict[int, Unit] = {}
+    for unit_name, unit_module in chosen:
+        firsts = [(fqn, module, pid) for fqn, module, _, pid in uses[unit_name] if fqn is not None]
+        if not firsts:
+            continue
+        params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
+        bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
+                        mp_policy.param_dtype, mp_policy.reduce_dtype)
+        unit = Unit(unit_name or "<root>", unit_module, params, [m for _, m, _ in firsts], bucket,
+                    reshard_after_forward and unit_name != "")
+        index = {pid: i for i, (_, _, pid) in enumerate(firsts)}
+        for _, module, attr, pid in uses[unit_name]:
+            slots.setdefault(id(module), {})[attr] = (unit, index[pid])
+        unit_objects.append(unit)
+        unit_of_module[id(unit_module)] = unit
+
+    for module in model.modules():
+        if module is model:
+            _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)), {"register_comm_hook": register_comm_hook})
+        elif id(module) in slots or id(module) in unit_of_module:
+            _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)))
+    model._simple_fsdp_units = unit_objects
+    model._simple_fsdp_mesh = mesh
+    return model
+
+
+SimpleFSDPModel = nn.Module
+"""A model returned by :func:`simple_fsdp` (its class gains ``register_comm_hook``)."""
+
+
+def units(model: nn.Module) -> list[Unit]:
+    """The units of a ``simple_fsdp`` model, in the order they were built (blocks, then root)."""
+    found = getattr(model, "_simple_fsdp_units", None)
+    if found is None:
+        raise ValueError("not a simple_fsdp model: wrap it with fsdp_integration.simple_fsdp(model) first")
+    return found
+
+
+def register_comm_hook(model: nn.Module, hook) -> nn.Module:
+    """Hand every unit's gradient reduce-scatter to ``hook`` (a :func:`tagc.hook`)."""
+    from tagc.hooks.simple import install
+
+    for unit in units(model):
+        install(hook, unit)
+    return model
