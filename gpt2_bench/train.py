@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-INTEGRATIONS = ("fsdp2", "fsdp1")
+INTEGRATIONS = ("simple", "fsdp2", "fsdp1")
 COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
 
@@ -44,7 +44,7 @@ class TrainConfig:
     """Every knob of one training run (validated in ``__post_init__``)."""
 
     preset: str = "small"
-    integration: str = "fsdp2"
+    integration: str = "simple"
     compression: str = "non-attn"
     transport: str = "fair"
     ratio: float = 10.0
@@ -63,6 +63,7 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 1337
     compile: bool = False
+    compile_backend: str = "inductor"
     world: int = 2
     threads: int = 1
     link: str = "none"
@@ -101,7 +102,7 @@ class TrainConfig:
         if self.name:
             return self.name
         algo = "fsdp" if self.compression == "none" else f"tagc-{self.compression}-r{self.ratio:g}-b{self.index_bits}"
-        return f"{self.integration}-{algo}"
+        return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -147,6 +148,13 @@ def _shard(model, cfg: TrainConfig, world: int):
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
         hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select,
                          min_compress_numel=cfg.min_compress_numel)
+    if cfg.integration == "simple":
+        from fsdp_integration import simple_fsdp
+
+        model = simple_fsdp(model)  # one unit per transformer block + the root, like the fsdp2 wrapping below
+        if hook is not None:
+            model.register_comm_hook(hook)
+        return model, hook
     if cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -162,6 +170,23 @@ def _shard(model, cfg: TrainConfig, world: int):
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook
+
+
+def _compiled(model, cfg: TrainConfig):
+    import torch
+
+    if cfg.integration == "simple":
+        from fsdp_integration import CompileSettings, compile_model
+
+        return compile_model(model, CompileSettings(backend=cfg.compile_backend))
+    return torch.compile(model, backend=cfg.compile_backend)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (the CPU stand-in for peak device memory)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int) -> float:
@@ -195,7 +220,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     n_params = model.num_params()
     grad_mb = n_params * 4 / 2**20  # the unsharded fp32 gradient, counted before sharding
     model, hook = _shard(model, cfg, world)
-    step_fn = torch.compile(model) if cfg.compile else model
+    step_fn = _compiled(model, cfg) if cfg.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
@@ -241,7 +266,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if rank == 0:
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
-        log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total}) + "\n")
+        log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
+                              "peak_rss_mb": _peak_rss_mb()}) + "\n")
         log.close()
     dist.barrier()
 
@@ -280,6 +306,7 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
     return {
         "name": cfg.run_name,
         "integration": cfg.integration,
+        "compiled": cfg.compile,
         "algorithm": "fsdp" if cfg.compression == "none" else "tagc",
         "compressed": cfg.compression,
         "transport": cfg.transport,
@@ -295,6 +322,7 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "val_loss": summary["val_loss"],
         "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
         "n_params": summary["n_params"],
+        "peak_rss_mb": summary.get("peak_rss_mb"),
         "grad_mb": summary["grad_mb"],
         "log": str(log_path),
         "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],
@@ -384,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")
+    p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
     p.add_argument("--dataset", default=defaults.dataset, help="bbc (offline default), openwebtext, or a local file")
     p.add_argument("--cache-dir", default=None)

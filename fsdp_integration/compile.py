@@ -1,0 +1,78 @@
+"""Compiling a SimpleFSDP model: every compiler setting in one place.
+
+``compile_model(model)`` is ``torch.compile(model, fullgraph=True)`` with a backend that
+
+* runs :func:`fsdp_integration.reshard.mark_all_gathers_for_recompute` on the joint graph
+  (reshard after forward: blocks' all-gathers are recomputed in the backward graph), and
+* for Inductor, turns on its all-gather / reduce-scatter bucketing passes and its
+  compute/communication reordering for the plain collectives (the hooked reduce-scatters
+  are ``tagc::reduce_scatter`` custom ops, which Inductor leaves alone: they are already
+  one per block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.nn as nn
+
+from fsdp_integration.reshard import mark_all_gathers_for_recompute
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """How :func:`compile_model` compiles.
+
+    ``backend``: ``"inductor"`` (default) or any ``torch.compile`` backend name
+    (``"aot_eager"`` traces the same graphs without code generation: quick, for checks).
+    The other fields are Inductor's (ignored by other backends).
+    """
+
+    backend: str = "inductor"
+    fullgraph: bool = True
+    bucket_all_gathers: str = "all"  # inductor.config.bucket_all_gathers_fx: none | all | only_fsdp
+    bucket_reduce_scatters: str = "all"  # inductor.config.bucket_reduce_scatters_fx: none | all
+    reorder_for_overlap: bool = True  # inductor.config.reorder_for_compute_comm_overlap
+
+    def __post_init__(self) -> None:
+        if self.bucket_all_gathers not in ("none", "all", "only_fsdp"):
+            raise ValueError(f"bucket_all_gathers must be 'none', 'all' or 'only_fsdp', got {self.bucket_all_gathers!r}")
+        if self.bucket_reduce_scatters not in ("none", "all"):
+            raise ValueError(f"bucket_reduce_scatters must be 'none' or 'all', got {self.bucket_reduce_scatters!r}")
+
+    def inductor_options(self) -> dict[str, Any]:
+        return {
+            "bucket_all_gathers_fx": self.bucket_all_gathers,
+            "bucket_reduce_scatters_fx": self.bucket_reduce_scatters,
+            "reorder_for_compute_comm_overlap": self.reorder_for_overlap,
+        }
+
+
+def with_resharding(backend: Callable) -> Callable:
+    """Wrap a ``torch.compile`` backend callable so its joint graphs get the resharding pass."""
+
+    def compile_with_resharding(gm: torch.fx.GraphModule, example_inputs):
+        with functorch_config.patch(joint_custom_pass=mark_all_gathers_for_recompute):
+            return backend(gm, example_inputs)
+
+    return compile_with_resharding
+
+
+def backend_for(settings: CompileSettings = CompileSettings()) -> Callable:
+    """The ``torch.compile`` backend :func:`compile_model` uses."""
+    if settings.backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        options = settings.inductor_options()
+        return with_resharding(lambda gm, inputs: compile_fx(gm, inputs, config_patches=options))
+    return with_resharding(torch._dynamo.lookup_backend(settings.backend))
+
+
+def compile_model(model: nn.Module, settings: CompileSettings = CompileSettings()) -> nn.Module:
+    """``torch.compile`` a :func:`~fsdp_integration.simple_fsdp` model (fullgraph by default)."""
+    if getattr(model, "_simple_fsdp_units", None) is None:
+        raise ValueError("compile_model expects a simple_fsdp model: call fsdp_integration.simple_fsdp(model) first")
+    return torch.compile(model, backend=backend_for(settings), fullgraph=settings.fullgraph)
