@@ -136,6 +136,9 @@ def simple_fsdp(
             raise ValueError(f"parameter {name!r} is already a DTensor; simple_fsdp wants plain parameters")
 
     named = dict(model.named_modules())
+    missing = [n for n in units or () if n not in named]
+    if missing:
+        raise ValueError(f"units {missing} are not modules of this model; pick names from model.named_modules()")
     chosen = [(n, named[n]) for n in units] if units is not None else _units_of(model)
     if units is not None and "" not in units:
         chosen.append(("", model))

@@ -36,7 +36,7 @@ def bbc_ready():
     return bbc_corpus_dir() is not None and whisper_bpe_path() is not None
 
 
-RUNS = [("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp2", "all", "fair"),
+RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("simple", "all", "fair"), ("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp2", "all", "fair"),
         ("fsdp1", "none", "gloo"), ("fsdp1", "non-attn", "fair"), ("fsdp1", "all", "fair")]
 
 

@@ -1,0 +1,293 @@
+"""SimpleFSDP (``fsdp_integration``) on 2 gloo ranks with a small GPT-2: gradients against a
+single-process reference and against FSDP2 + TAGC, eager and compiled (fullgraph), the
+collectives in the compiled graphs, resharding, mixed precision, DCP and bad input."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tagc
+from fsdp_integration import MixedPrecisionPolicy, simple_fsdp, units
+from fsdp_integration.bucket import Bucket, bucket_layout
+from gpt2_bench.model import GPT, GPTConfig
+from tests.distributed import run_ranks
+
+VOCAB = 101  # dim 0 of the embedding does not divide the world size: padded shards
+CONFIG = dict(vocab_size=VOCAB, n_embd=64)
+PER_RANK = 2
+
+
+def _batch(seed: int, world: int):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (PER_RANK * world, 16), generator=gen)
+    return idx, torch.randint(0, VOCAB, (PER_RANK * world, 16), generator=gen)
+
+
+def _mine(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    return tensor[PER_RANK * rank : PER_RANK * (rank + 1)]
+
+
+def _models(seed: int):
+    torch.manual_seed(seed)
+    reference = GPT(GPTConfig.preset("tiny", **CONFIG))
+    copy = GPT(GPTConfig.preset("tiny", **CONFIG))
+    copy.load_state_dict(reference.state_dict())
+    return reference, copy
+
+
+def _recording_backend(graphs: dict):
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fsdp_integration.compile import with_resharding
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs.setdefault(kind, []).append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm
+
+        return compiler
+
+    return with_resharding(aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")))
+
+
+# ----------------------------------------------------------------------------- layout (no ranks)
+
+
+def test_bucket_layout_pads_rows_like_torch_chunk():
+    entries, chunk = bucket_layout(["a", "b", "c"], [torch.Size([5, 3]), torch.Size([4]), torch.Size([1, 2])], world=4, rank=2)
+    assert [e.rows for e in entries] == [2, 1, 1]
+    assert [e.local_rows for e in entries] == [1, 1, 0]  # torch.chunk: 2, 2, 1, 0 rows of a
+    assert [e.start for e in entries] == [0, 6, 7] and chunk == 9
+    with pytest.raises(ValueError, match="0-dimensional"):
+        bucket_layout(["s"], [torch.Size([])], world=2, rank=0)
+
+
+# ----------------------------------------------------------------------------- against the reference
+
+
+def _plain_matches_reference(rank, world, compiled, reshard):
+    reference, model = _models(0)
+    model = simple_fsdp(model, reshard_after_forward=reshard)
+    graphs: dict = {}
+    forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True) if compiled else model
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    errors = []
+    for step in range(2):
+        idx, tgt = _batch(step, world)
+        forward(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+        reference(idx, tgt)[1].backward()
+        errors.append(max((p.grad.full_tensor() - q.grad).abs().max().item()
+                          for p, q in zip(model.parameters(), reference.parameters())))
+        sgd.step(), ref_sgd.step(), sgd.zero_grad(), ref_sgd.zero_grad()
+    weights = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return {"errors": errors, "weights": weights, "graphs": graphs, "keys": sorted(model.state_dict()),
+            "ref_keys": sorted(reference.state_dict()), "placements": {str(p.placements) for p in model.parameters()}}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_plain_gradients_equal_a_single_process_reference(compiled):
+    for result in run_ranks(_plain_matches_reference, 2, compiled, True, timeout_s=300):
+        assert max(result["errors"]) < 1e-6 and result["weights"] < 1e-6
+        assert result["keys"] == result["ref_keys"]  # clean state_dict keys, tied weight under both names
+        assert result["placements"] == {"(Shard(dim=0),)"}
+        if compiled:
+            assert len(result["graphs"]["forward"]) == 1  # fullgraph: one graph, no breaks, no recompiles
+
+
+def _collectives(rank, world, reshard, hooked):
+    _, model = _models(0)
+    model = simple_fsdp(model, reshard_after_forward=reshard)
+    if hooked:
+        model.register_comm_hook(tagc.hook(min_compress_numel=1024))
+    graphs: dict = {}
+    forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
+    idx, tgt = _batch(0, world)
+    forward(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+    count = lambda kind, op: sum(n == op for n in graphs[kind][0])  # noqa: E731
+    return {
+        "forward_all_gathers": count("forward", "_c10d_functional.all_gather_into_tensor.default"),
+        "backward_all_gathers": count("backward", "_c10d_functional.all_gather_into_tensor.default"),
+        "backward_reduce_scatters": count("backward", "_c10d_functional.reduce_scatter_tensor.default"),
+        "hooked": count("backward", "tagc.reduce_scatter.default"),
+        "units": len(units(model)),
+    }
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "tagc"])
+def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard, hooked):
+    result = run_ranks(_collectives, 2, reshard, hooked, timeout_s=300)[0]
+    blocks = GPTConfig.preset("tiny").n_layer
+    assert result["units"] == blocks + 1  # the blocks and the root (embeddings, final norm, tied head)
+    assert result["forward_all_gathers"] == blocks + 1
+    assert result["backward_all_gathers"] == (blocks if reshard else 0)  # the root keeps its parameters
+    assert result["hooked"] == (blocks + 1 if hooked else 0)
+    assert result["backward_reduce_scatters"] == (0 if hooked else blocks + 1)
+
+
+# ----------------------------------------------------------------------------- with the TAGC hook
+
+
+def _hooked_matches_fsdp2(rank, world, compiled):
+    from torch.distributed.fsdp import fully_shard
+
+    _, simple = _models(0)
+    _, fsdp2 = _models(0)
+    simple = simple_fsdp(simple)
+    simple_hook = tagc.hook(ratio=10, index_bits=1, min_compress_numel=1024)
+    simple.register_comm_hook(simple_hook)
+    for block in fsdp2.transformer.h:
+        fully_shard(block)
+    fully_shard(fsdp2)
+    fsdp2_hook = tagc.hook(ratio=10, index_bits=1, min_compress_numel=1024)
+    tagc.register_comm_hook(fsdp2, fsdp2_hook)
+    forward = torch.compile(simple, backend="aot_eager", fullgraph=True) if compiled else simple
+    errors = []
+    for step in range(3):  # residuals carry over: later steps check error feedback too
+        idx, tgt = _batch(10 + step, world)
+        forward(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+        fsdp2(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+        errors.append(max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item()
+                          for p, q in zip(simple.parameters(), fsdp2.parameters())))
+        for model in (simple, fsdp2):
+            model.zero_grad()
+    return errors, simple_hook.stats()["total"], fsdp2_hook.stats()["total"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tagc_gradients_equal_fsdp2_with_the_same_hook(compiled):
+    errors, simple_stats, fsdp2_stats = run_ranks(_hooked_matches_fsdp2, 2, compiled, timeout_s=300)[0]
+    assert max(errors) < 1e-6
+    assert simple_stats["compressed_buckets"] == fsdp2_stats["compressed_buckets"] == 9  # 3 units x 3 steps
+    assert simple_stats["wire_bytes"] == fsdp2_stats["wire_bytes"] < simple_stats["plain_equivalent_bytes"]
+
+
+# ----------------------------------------------------------------------------- resharding in eager mode
+
+
+def _eager_resharding(rank, world, reshard):
+    _, model = _models(0)
+    model = simple_fsdp(model, reshard_after_forward=reshard)
+    gathered, regathers = [], []
+    original_gather, original_detached = Bucket.gather, Bucket.gather_detached
+
+    def spy_gather(self, shards):
+        out = original_gather(self, shards)
+        gathered.extend((self.name, weakref.ref(t)) for t in out)
+        return out
+
+    def spy_detached(self, shards):
+        regathers.append(self.name)
+        return original_detached(self, shards)
+
+    Bucket.gather, Bucket.gather_detached = spy_gather, spy_detached
+    idx, tgt = _batch(0, world)
+    loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
+    alive_after_forward = sorted({name for name, ref in gathered if ref() is not None})
+    loss.backward()
+    return alive_after_forward, regathers, all(p.grad is not None for p in model.parameters())
+
+
+def test_eager_reshard_frees_block_parameters_and_regathers_once_per_block():
+    alive, regathers, grads = run_ranks(_eager_resharding, 2, True, timeout_s=120)[0]
+    assert alive == ["<root>"]  # blocks' gathered parameters are gone after forward
+    assert regathers == ["transformer.h.1", "transformer.h.0"]  # backward order, once each
+    assert grads
+    alive, regathers, grads = run_ranks(_eager_resharding, 2, False, timeout_s=120)[0]
+    assert alive == ["<root>", "transformer.h.0", "transformer.h.1"] and regathers == [] and grads
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+
+def _bf16_compute_fp32_reduce(rank, world):
+    reference, model = _models(0)
+    model = simple_fsdp(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    reduced = []
+    plain = [u.bucket.reduce_scatter for u in units(model)]
+    for unit, rs in zip(units(model), plain):
+        unit.bucket.reduce_scatter = lambda packed, rs=rs: (reduced.append(packed.dtype), rs(packed))[1]
+    idx, tgt = _batch(0, world)
+    loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
+    loss.backward()
+    reference(idx, tgt)[1].backward()
+    rel = max(((p.grad.full_tensor() - q.grad).norm() / q.grad.norm()).item()
+              for p, q in zip(model.parameters(), reference.parameters()))
+    return {str(p.dtype) for p in model.parameters()}, {str(p.grad.dtype) for p in model.parameters()}, set(map(str, reduced)), rel
+
+
+def test_bf16_parameters_reduce_in_fp32():
+    params, grads, reduced, rel = run_ranks(_bf16_compute_fp32_reduce, 2, timeout_s=120)[0]
+    assert params == grads == reduced == {"torch.float32"}
+    assert rel < 0.05  # bf16 compute, against the fp32 reference
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _dcp_round_trip(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    _, model = _models(0)
+    model = simple_fsdp(model)
+    hook = tagc.hook(min_compress_numel=1024)
+    model.register_comm_hook(hook)
+    idx, tgt = _batch(0, world)
+    model(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+    dcp.save({"model": model.state_dict(), "tagc": hook.state_dict()}, checkpoint_id=path)
+
+    _, fresh = _models(1)  # different weights
+    fresh = simple_fsdp(fresh)
+    fresh_hook = tagc.hook(min_compress_numel=1024)
+    fresh.register_comm_hook(fresh_hook)
+    state = {"model": fresh.state_dict(), "tagc": {**hook.state_dict()}}
+    state["tagc"] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state["tagc"].items()}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    fresh_hook.load_state_dict(state["tagc"])
+    weights = max((p.full_tensor() - q.full_tensor()).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))
+    residuals = [(k, torch.equal(v, fresh_hook.residuals[k][i])) for k, parts in hook.residuals.items() for i, v in enumerate(parts)]
+    return weights, residuals, sum(v.abs().sum().item() for parts in hook.residuals.values() for v in parts)
+
+
+def test_dcp_round_trips_parameters_and_residuals(tmp_path):
+    for weights, residuals, mass in run_ranks(_dcp_round_trip, 2, str(tmp_path / "ckpt"), timeout_s=120):
+        assert weights == 0.0
+        assert len(residuals) == 3 and all(equal for _, equal in residuals)
+        assert mass > 0  # the residuals were not trivially zero
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_input(rank, world):
+    errors = []
+    _, model = _models(0)
+    wrapped = simple_fsdp(model)
+    for action in (lambda: simple_fsdp(wrapped), lambda: wrapped.register_comm_hook(object()),
+                   lambda: simple_fsdp(torch.nn.Linear(2, 2), units=["nope"])):
+        try:
+            action()
+            errors.append(None)
+        except (ValueError, TypeError, KeyError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    return errors
+
+
+def test_bad_input_is_a_clear_error():
+    already, not_a_hook, unknown_unit = run_ranks(_bad_input, 2, timeout_s=120)[0]
+    assert "already wrapped" in already
+    assert "tagc.hook" in not_a_hook
+    assert "nope" in unknown_unit
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        simple_fsdp(torch.nn.Linear(2, 2))
