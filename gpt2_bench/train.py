@@ -182,6 +182,12 @@ def _compiled(model, cfg: TrainConfig):
     return torch.compile(model, backend=cfg.compile_backend)
 
 
+def _rss_mb() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _peak_rss_mb() -> float:
     """This process's peak resident memory (the CPU stand-in for peak device memory)."""
     import resource
@@ -240,6 +246,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         tick = time.perf_counter()
         x, y = data.get_batch("train", cfg.batch_size, model_cfg.block_size, gen, rank=rank, world_size=world)
         _, loss = step_fn(x, y)
+        if step == cfg.steps - 1:
+            forward_rss_mb = _rss_mb()  # what forward left alive for backward (resharding frees gathered weights)
         loss.backward()
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -267,7 +275,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
         log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
-                              "peak_rss_mb": _peak_rss_mb()}) + "\n")
+                              "peak_rss_mb": _peak_rss_mb(), "forward_rss_mb": forward_rss_mb}) + "\n")
         log.close()
     dist.barrier()
 
@@ -323,6 +331,7 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
         "n_params": summary["n_params"],
         "peak_rss_mb": summary.get("peak_rss_mb"),
+        "forward_rss_mb": summary.get("forward_rss_mb"),
         "grad_mb": summary["grad_mb"],
         "log": str(log_path),
         "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],

@@ -43,11 +43,13 @@ def hook(
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
-    """Install ``comm_hook`` on an FSDP2 (``fully_shard``) or FSDP1 model; returns the model."""
+    """Install ``comm_hook`` on a SimpleFSDP, FSDP2 (``fully_shard``) or FSDP1 model; returns the model."""
     from tagc.hooks.fsdp2 import register_fsdp2
 
     if not isinstance(comm_hook, TAGCHook):
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(comm_hook).__name__}")
+    if getattr(model, "_simple_fsdp_units", None) is not None:
+        return model.register_comm_hook(comm_hook)
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover
@@ -59,7 +61,7 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
         return model
     if register_fsdp2(model, comm_hook) == 0:
         raise ValueError(
-            "no FSDP module found: call fully_shard(...) (FSDP2) or wrap with FullyShardedDataParallel (FSDP1) "
-            "before registering; SimpleFSDP models use model.register_comm_hook(hook)"
+            "no FSDP module found: wrap the model first with fsdp_integration.simple_fsdp(...) (SimpleFSDP), "
+            "fully_shard(...) (FSDP2) or FullyShardedDataParallel (FSDP1)"
         )
     return model

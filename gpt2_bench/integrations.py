@@ -1,0 +1,81 @@
+"""FSDP2 eager vs SimpleFSDP eager vs SimpleFSDP compiled, each plain and with TAGC.
+
+``python -m gpt2_bench.integrations`` trains the same model on the same tokens six times on
+an unshaped link (this compares the integrations' compute and memory, not the network) and
+prints, side by side from one run: steady-state step time (median after the first fifth of
+the steps, so compilation is excluded), its ratio to FSDP2 eager, peak resident memory
+(the CPU stand-in for peak device memory; compiled runs include the compiler's own memory)
+and the resident memory right after a steady-state forward (what forward leaves for
+backward; resharding frees the blocks' gathered weights there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from gpt2_bench.train import TrainConfig, build_parser, config_from_args, run
+
+SETUPS = [  # (label, integration, compile)
+    ("FSDP2 eager", "fsdp2", False),
+    ("SimpleFSDP eager", "simple", False),
+    ("SimpleFSDP compiled", "simple", True),
+]
+
+
+def measure(base: TrainConfig) -> list[dict]:
+    """One run per setup and compression (none, then ``base.compression``)."""
+    from gpt2_bench.data import prepare
+
+    data_dir = str(prepare(base.dataset, base.cache_dir))
+    rows = []
+    for compression in ("none", base.compression):
+        for label, integration, compiled in SETUPS:
+            cfg = dataclasses.replace(base, integration=integration, compile=compiled, compression=compression,
+                                      transport="gloo" if compression == "none" else "fair", link="none", name=None)
+            rows.append({"setup": label, **run(cfg, data_dir, link="none")})
+    baseline = {row["compressed"]: row["iter_ms"] for row in rows if row["setup"] == "FSDP2 eager"}
+    for row in rows:
+        row["vs_fsdp2_eager"] = baseline[row["compressed"]] / row["iter_ms"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| setup | gradients | iter ms | speed-up vs FSDP2 eager | peak RSS MB | RSS after forward MB | val loss |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        grads = "plain (gloo reduce-scatter)" if row["algorithm"] == "fsdp" else f"TAGC {row['compressed']}"
+        lines.append(f"| {row['setup']} | {grads} | {row['iter_ms']:.0f} | {row['vs_fsdp2_eager']:.2f}x | "
+                     f"{row['peak_rss_mb']:.0f} | {row['forward_rss_mb']:.0f} | {row['val_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    parser.prog = "python -m gpt2_bench.integrations"
+    parser.description = __doc__.split("\n\n")[0]
+    parser.set_defaults(out_dir="bench_out/integrations", steps=15, block_size=128, eval_interval=10**6)
+    parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
+    args = parser.parse_args(argv)
+    base = config_from_args(args)
+    if base.compression == "none":
+        parser.error("--compression must be all or non-attn here (the plain rows are always run)")
+    rows = measure(base)
+    table = format_table(rows)
+    print(f"preset {base.preset}, {base.world} ranks, {base.steps} steps of {base.batch_size}x{base.block_size} tokens, "
+          f"unshaped loopback\n\n{table}")
+    out = Path(base.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(f"# Integrations: step time and memory\n\n{table}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
