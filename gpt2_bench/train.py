@@ -51,6 +51,7 @@ class TrainConfig:
     index_bits: int = 1
     sparsity: Any = "auto"
     min_compress_numel: int = 65536
+    dense_steps: int = 0
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -102,6 +103,8 @@ class TrainConfig:
         if self.name:
             return self.name
         algo = "fsdp" if self.compression == "none" else f"tagc-{self.compression}-r{self.ratio:g}-b{self.index_bits}"
+        if self.compression != "none" and self.dense_steps:
+            algo += f"-dense{self.dense_steps}"
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}"
 
     def to_json(self) -> str:
@@ -147,7 +150,7 @@ def _shard(model, cfg: TrainConfig, world: int):
     if cfg.compression != "none" or cfg.transport == "fair":
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
         hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select,
-                         min_compress_numel=cfg.min_compress_numel)
+                         min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps)
     if cfg.integration == "simple":
         from fsdp_integration import simple_fsdp
 
@@ -418,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
-                  "min_compress_numel"):
+                  "min_compress_numel", "dense_steps"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")

@@ -21,6 +21,7 @@ def hook(
     nonfinite: str = "plain",
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
+    dense_steps: int = 0,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -35,11 +36,17 @@ def hook(
         residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
         min_part: compressed columns are cut into pipeline parts of at least this many
             elements (part ``k+1`` is compressed while part ``k`` is on the wire).
+        dense_steps: send everything uncompressed for the first this many steps (a dense
+            warm-up, as in Deep Gradient Compression): early gradients carry the large,
+            dense moves (e.g. every vocabulary row of the LM head) that sparsification with
+            error feedback under Adam would spread over many steps. Steps are counted by
+            :meth:`TAGCHook.end_step` (or a bucket seen twice).
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``).
     """
     config = TAGCConfig(ratio=ratio, index_bits=index_bits, sparsity=sparsity, **options)
-    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part)
+    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
+                    dense_steps=dense_steps)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

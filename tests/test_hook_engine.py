@@ -215,6 +215,8 @@ def test_bad_hook_arguments():
         tagc.hook(select="attention")
     with pytest.raises(ValueError, match="nonfinite"):
         tagc.hook(nonfinite="ignore")
+    with pytest.raises(ValueError, match="dense_steps"):
+        tagc.hook(dense_steps=-1)
     with pytest.raises(TypeError):
         tagc.register_comm_hook(torch.nn.Linear(2, 2), object())
     with pytest.raises(ValueError, match="no FSDP module"):
@@ -258,3 +260,26 @@ def test_raw_fallback_resends_what_decode_cannot_recover():
     for error, total in run_ranks(raw_resend, 2):
         assert total["raw"] > 0 and total["unpeeled"] == total["raw"]
         assert error <= 1e-6
+
+
+def dense_warmup(rank, world):
+    hook = tagc.hook(ratio=10, dense_steps=2)
+    torch.manual_seed(rank)
+    results = []
+    for _ in range(3):
+        grad = torch.randn(world, CHUNK)
+        out = exchange(rank, world, hook, grad)
+        everyone = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(everyone, grad)
+        exact = sum(g[rank] for g in everyone) / world
+        hook.end_step()
+        last = hook.stats()["last_step"]
+        results.append(((out - exact).abs().max().item(), last["compressed_buckets"], last["wire_bytes"], len(hook.residuals)))
+    return results
+
+
+def test_dense_warmup_sends_the_first_steps_plain():
+    for (err0, comp0, wire0, res0), (err1, comp1, wire1, res1), (err2, comp2, wire2, res2) in run_ranks(dense_warmup, 2):
+        assert err0 < 1e-6 and err1 < 1e-6  # warm-up steps: the exact mean, nothing kept back
+        assert comp0 == comp1 == 0 and res0 == res1 == 0 and wire0 == wire1
+        assert comp2 == 1 and res2 == 1 and wire2 < wire1 / 4 and err2 > 1e-3  # then compressed (lossy vs dense)

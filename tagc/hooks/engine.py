@@ -99,6 +99,7 @@ class TAGCHook:
         residual_dtype: torch.dtype = torch.float32,
         min_part: int = MIN_PART,
         piece_bytes: int = PIECE_BYTES,
+        dense_steps: int = 0,
     ) -> None:
         if nonfinite not in ("plain", "raise"):
             raise ValueError(f"nonfinite must be 'plain' (send the bucket uncompressed) or 'raise', got {nonfinite!r}")
@@ -106,12 +107,15 @@ class TAGCHook:
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
         if not isinstance(min_part, int) or min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
+        if not isinstance(dense_steps, int) or dense_steps < 0:
+            raise ValueError(f"dense_steps must be a non-negative integer, got {dense_steps!r}")
         self.config = config
         self.select = resolve_policy(select)
         self.nonfinite = nonfinite
         self.residual_dtype = residual_dtype
         self.min_part = min_part
         self.piece_bytes = piece_bytes
+        self.dense_steps = dense_steps
         self.residuals: dict[str, list[torch.Tensor]] = {}  # bucket key -> one [N, part] tensor per part
         self.step_count = 0
         self._seen_this_step: set[str] = set()
@@ -191,6 +195,8 @@ class TAGCHook:
         self.verify(group)
         plan = self._plan(tuple(segments), chunk, world)
         self._begin_bucket(plan.key)
+        if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
+            plan = _BucketPlan(key=plan.key, chunk=chunk, plain_columns=torch.arange(chunk), parts=[])
         stats = ExchangeStats(buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4)
         summed = torch.zeros(chunk, dtype=torch.float32, device=input.device)
 
