@@ -327,6 +327,7 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "steps": len(steps),
         "tokens": steps[-1]["tokens"] if steps else 0,
         "iter_ms": median([r["iter_ms"] for r in steady]),
+        "train_s": sum(r["iter_ms"] for r in steps) / 1e3,  # every step, warm-up and dense steps included
         "exchange_ms_per_mb": median([r["exchange_ms_per_mb"] for r in steady if "exchange_ms_per_mb" in r]) if total else None,
         "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
         "plain_bytes_per_rank": (total.get("plain_equivalent_bytes", 0) / max(1, len(steps))) if total else None,

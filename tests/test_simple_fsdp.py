@@ -40,6 +40,7 @@ def _models(seed: int):
 
 
 def _recording_backend(graphs: dict):
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     from fsdp_integration.compile import with_resharding
@@ -47,7 +48,7 @@ def _recording_backend(graphs: dict):
     def record(kind):
         def compiler(gm, example_inputs):
             graphs.setdefault(kind, []).append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-            return gm
+            return make_boxed_func(gm.forward)
 
         return compiler
 
@@ -117,11 +118,11 @@ def test_inductor_compiled_gradients_equal_the_reference():
         assert error < 1e-5  # Inductor may fuse and reorder float arithmetic
 
 
-def _collectives(rank, world, reshard, hooked):
+def _collectives(rank, world, reshard, hooked, hook_options=None):
     _, model = _models(0)
     model = simple_fsdp(model, reshard_after_forward=reshard)
     if hooked:
-        model.register_comm_hook(tagc.hook(min_compress_numel=1024))
+        model.register_comm_hook(tagc.hook(min_compress_numel=1024, **(hook_options or {})))
     graphs: dict = {}
     forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
     idx, tgt = _batch(0, world)
@@ -131,7 +132,11 @@ def _collectives(rank, world, reshard, hooked):
         "forward_all_gathers": count("forward", "_c10d_functional.all_gather_into_tensor.default"),
         "backward_all_gathers": count("backward", "_c10d_functional.all_gather_into_tensor.default"),
         "backward_reduce_scatters": count("backward", "_c10d_functional.reduce_scatter_tensor.default"),
-        "hooked": count("backward", "tagc.reduce_scatter.default"),
+        "opaque": count("backward", "tagc.reduce_scatter.default"),
+        "encodes": count("backward", "tagc.encode.default"),
+        "decodes": count("backward", "tagc.decode.default"),
+        "all_to_alls": count("backward", "_c10d_functional.all_to_all_single.default"),
+        "all_reduces": count("backward", "_c10d_functional.all_reduce.default"),
         "units": len(units(model)),
     }
 
@@ -144,8 +149,64 @@ def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard,
     assert result["units"] == blocks + 1  # the blocks and the root (embeddings, final norm, tied head)
     assert result["forward_all_gathers"] == blocks + 1
     assert result["backward_all_gathers"] == (blocks if reshard else 0)  # the root keeps its parameters
-    assert result["hooked"] == (blocks + 1 if hooked else 0)
+    hooked_units = blocks + 1 if hooked else 0
+    # TAGC: per unit a NaN flag all-reduce, encode, three fixed-shape all-to-alls, decode
+    assert result["encodes"] == result["decodes"] == result["all_reduces"] == hooked_units
+    assert result["all_to_alls"] == 3 * hooked_units and result["opaque"] == 0
     assert result["backward_reduce_scatters"] == (0 if hooked else blocks + 1)
+
+
+@pytest.mark.parametrize("options", [{"dense_steps": 2}, {"fallback": "raw"}], ids=["dense-warmup", "raw-fallback"])
+def test_data_dependent_settings_compile_to_one_opaque_exchange_per_block(options):
+    result = run_ranks(_collectives, 2, True, True, options, timeout_s=300)[0]
+    assert result["opaque"] == GPTConfig.preset("tiny").n_layer + 1
+    assert result["encodes"] == result["all_to_alls"] == 0
+
+
+def _traced_halves(rank, world, poison):
+    """The traced exchange (custom ops + functional collectives, run eagerly) against the engine's."""
+    from tagc.hooks.simple import reduce_scatter, traced_reduce_scatter
+
+    results = []
+    for path in ("engine", "traced"):
+        _, model = _models(0)
+        model = simple_fsdp(model)
+        hook = tagc.hook(min_compress_numel=1024)
+        model.register_comm_hook(hook)
+        bucket = units(model)[0].bucket
+        plan = hook._plan(tuple(_segments(bucket, units(model)[0])), bucket.chunk, world)
+        first_compressed = int(torch.arange(bucket.chunk)[plan.parts[0].columns][0])
+        torch.manual_seed(100 + rank)
+        outs = []
+        for step in range(2):
+            packed = torch.randn(world * bucket.chunk)
+            if poison and step == 1 and rank == 1:
+                packed[first_compressed] = float("nan")  # bound for rank 0: every rank must still agree
+            before = {k: [p.clone() for p in v] for k, v in hook.residuals.items()}
+            exchange = traced_reduce_scatter if path == "traced" else reduce_scatter
+            outs.append(exchange(packed, bucket.hook_handle))
+        after_equal = all(torch.equal(a, b) for k, v in before.items() for a, b in zip(v, hook.residuals[k]))
+        results.append((outs, after_equal, plan.plain_columns, hook.stats()["total"]))
+    return results
+
+
+def _segments(bucket, unit):
+    from tagc.hooks.engine import Segment
+
+    return [Segment(e.fqn, e.start, e.numel, m) for e, m in zip(bucket.entries, unit.owner_modules)]
+
+
+def test_traced_exchange_equals_the_engine_and_agrees_on_nonfinite():
+    for (engine, _, _, engine_stats), (traced, _, _, traced_stats) in run_ranks(_traced_halves, 2, False, timeout_s=120):
+        assert all((a - b).abs().max() < 1e-6 for a, b in zip(engine, traced))
+        assert engine_stats["wire_bytes"] == traced_stats["wire_bytes"] and traced_stats["peel_success"] == 1.0
+    for _, (traced, residuals_kept, plain_cols, stats) in run_ranks(_traced_halves, 2, True, timeout_s=120):
+        poisoned = traced[1]
+        compressed = torch.ones_like(poisoned, dtype=torch.bool)
+        compressed[plain_cols] = False
+        assert poisoned[compressed].isnan().all()  # every rank: the compressed columns say NaN
+        assert poisoned[~compressed].isfinite().all()  # the plain ones are the exact mean as usual
+        assert residuals_kept and stats["nonfinite_buckets"] == 1
 
 
 # ----------------------------------------------------------------------------- with the TAGC hook

@@ -240,10 +240,7 @@ class TAGCHook:
             start = time.perf_counter()
             indexes, tables = index_x.wait(), table_x.wait()
             stats.comm_wait_s += time.perf_counter() - start
-            start = time.perf_counter()
-            union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
-            values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
-            stats.decode_s += time.perf_counter() - start
+            values, decoded = self._decode_part(indexes, tables, part, stats)
             if resend:  # every rank takes part, also with nothing to ask for
                 start = time.perf_counter()
                 wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64)
@@ -253,11 +250,102 @@ class TAGCHook:
                 stats.raw += int(decoded.raw)
                 stats.comm_wait_s += time.perf_counter() - start
             summed[part.columns] = values
-            stats.support += int(decoded.support)
-            stats.peeled += int(decoded.peeled)
-            stats.unpeeled += int(decoded.unpeeled)
-            stats.estimated += int(decoded.estimated)
         stats.compressed_buckets += 1
+
+    def _decode_part(self, indexes: torch.Tensor, tables: torch.Tensor, part: _Part, stats: ExchangeStats):
+        """Every rank's index and table of one part (``[N, ...]``) -> the decoded sum and its stats."""
+        start = time.perf_counter()
+        bits = self.config.index_bits
+        union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
+        values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
+        stats.decode_s += time.perf_counter() - start
+        stats.support += int(decoded.support)
+        stats.peeled += int(decoded.peeled)
+        stats.unpeeled += int(decoded.unpeeled)
+        stats.estimated += int(decoded.estimated)
+        return values, decoded
+
+    # ------------------------------------------------------------------ the exchange in halves (traced path)
+
+    def wire_shapes(self, segments: Sequence[Segment], chunk: int, world: int) -> tuple[int, int, int]:
+        """Columns per rank row of the three tensors :meth:`encode_bucket` returns: plain values,
+        index bytes, sketch cells. Fixed by the settings, so a compiled graph can hold them."""
+        plan = self._plan(tuple(segments), chunk, world)
+        plain = 0 if plan.plain_columns is None else plan.plain_columns.numel()
+        index = sum(-(-p.layout.numel * self.config.index_bits // 8) for p in plan.parts)
+        return plain, index, sum(p.layout.table_numel for p in plan.parts)
+
+    def traceable(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
+        """Whether a bucket can be exchanged in halves around fixed-shape collectives: it has
+        compressed parts, and no setting needs data-dependent sizes (``fallback="raw"``, a
+        dense warm-up) — otherwise the whole exchange stays one opaque call."""
+        return (world > 1 and self.config.fallback != "raw" and self.dense_steps == 0
+                and bool(self._plan(tuple(segments), chunk, world).parts))
+
+    def local_nonfinite(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
+        """``int32[1]``: whether this rank's compressed columns hold a NaN/Inf (all-reduce it with MAX)."""
+        self.verify(group)
+        world = dist.get_world_size(group)
+        rows = packed.view(world, -1)
+        plan = self._plan(tuple(segments), rows.shape[1], world)
+        bad = any(not bool(torch.isfinite(rows[:, part.columns]).all()) for part in plan.parts)
+        return torch.tensor([int(bad)], dtype=torch.int32, device=packed.device)
+
+    def encode_bucket(self, packed: torch.Tensor, bad: bool, group, segments: Sequence[Segment]):
+        """First half: ``(plain [N, P], index [N, B] uint8, table [N, C] float32)`` to all-to-all.
+
+        ``bad`` (a NaN/Inf on some rank) leaves the residuals untouched and sends zeros; the
+        second half then returns NaN in the compressed columns (``nonfinite="raise"`` raises).
+        """
+        world = dist.get_world_size(group)
+        rows = packed.view(world, -1)
+        plan = self._plan(tuple(segments), rows.shape[1], world)
+        self._begin_bucket(plan.key)
+        plain = rows[:, plan.plain_columns] if plan.plain_columns is not None else rows.new_empty(world, 0)
+        if bad:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
+            _, index_cols, table_cols = self.wire_shapes(segments, rows.shape[1], world)
+            return (plain, torch.zeros(world, index_cols, dtype=torch.uint8, device=packed.device),
+                    torch.zeros(world, table_cols, dtype=torch.float32, device=packed.device))
+        start = time.perf_counter()
+        grads = [rows[:, part.columns].contiguous() for part in plan.parts]
+        residuals = self._residuals(plan, grads)
+        density = self.config.density(world)
+        encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(grads, residuals, plan.parts)]
+        self._current.compress_s += time.perf_counter() - start
+        self.total.compress_s += time.perf_counter() - start
+        return plain, torch.cat([i for i, _ in encoded], dim=1), torch.cat([t for _, t in encoded], dim=1)
+
+    def decode_bucket(self, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, bad: bool, group,
+                      segments: Sequence[Segment], chunk: int, op=dist.ReduceOp.AVG) -> torch.Tensor:
+        """Second half: every rank's rows of the three tensors (row ``j`` from rank ``j``) -> this
+        rank's reduced ``chunk`` elements, in ``plain``'s dtype."""
+        world = dist.get_world_size(group)
+        plan = self._plan(tuple(segments), chunk, world)
+        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4,
+                              wire_bytes=(world - 1) * (plain[0].numel() * plain.element_size() + index.shape[1] + table.shape[1] * 4))
+        summed = torch.zeros(chunk, dtype=torch.float32, device=plain.device)
+        if plan.plain_columns is not None:
+            summed[plan.plain_columns] = plain.sum(dim=0, dtype=torch.float32)
+        index_at = table_at = 0
+        for part in plan.parts:
+            index_cols, table_cols = -(-part.layout.numel * self.config.index_bits // 8), part.layout.table_numel
+            if bad:
+                summed[part.columns] = float("nan")
+            else:
+                values, _ = self._decode_part(index[:, index_at : index_at + index_cols], table[:, table_at : table_at + table_cols], part, stats)
+                summed[part.columns] = values
+            index_at, table_at = index_at + index_cols, table_at + table_cols
+        if bad:
+            stats.nonfinite_buckets, stats.compressed_buckets = 1, 0
+        output = summed.to(plain.dtype)
+        scale = op_scale(op, world)
+        if scale != 1.0:
+            output.div_(1.0 / scale)
+        self._current.add(stats)
+        self.total.add(stats)
+        return output
 
     def _nonfinite(self, grads, plan: _BucketPlan, group, summed: torch.Tensor, stats: ExchangeStats) -> None:
         """Some rank's gradient has NaN/Inf: every rank sends this bucket plain (or raises)."""
