@@ -33,6 +33,8 @@ def hook(
         select: which parameters to compress: ``"non_attention_linear"`` (default),
             ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
         nonfinite: a NaN/Inf gradient sends its bucket uncompressed (``"plain"``) or raises.
+            In a compiled SimpleFSDP model (fixed shapes) ``"plain"`` instead returns NaN in the
+            bucket's compressed columns on every rank; either way the residuals are untouched.
         residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
         min_part: compressed columns are cut into pipeline parts of at least this many
             elements (part ``k+1`` is compressed while part ``k`` is on the wire).
