@@ -86,6 +86,19 @@ def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units + [("", model)]
 
 
+def _check_identical_across_ranks(model: nn.Module) -> None:
+    """Sharding keeps each rank's own slice, so every rank must start from the same weights."""
+    with torch.no_grad():
+        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        names = [n for (n, _), same in zip(model.named_parameters(), (low == high).tolist()) if not same]
+        raise ValueError(f"parameters differ across ranks ({names[:3]}...): seed every rank the same "
+                         "(torch.manual_seed) or broadcast the weights before simple_fsdp")
+
+
 def _swap_class(module: nn.Module, params: dict[str, tuple[Unit, int]], unit: Optional[Unit], extra: Optional[dict] = None) -> None:
     """Give ``module`` a subclass whose parameter attributes are unsharding properties and,
     for a unit's module, whose ``forward`` binds the unit's gathered parameters."""
@@ -134,6 +147,8 @@ def simple_fsdp(
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {name!r} is already a DTensor; simple_fsdp wants plain parameters")
+
+    _check_identical_across_ranks(model)
 
     named = dict(model.named_modules())
     missing = [n for n in units or () if n not in named]

@@ -348,8 +348,11 @@ def _bad_input(rank, world):
     errors = []
     _, model = _models(0)
     wrapped = simple_fsdp(model)
+    torch.manual_seed(rank)  # a different model on each rank
+    differs = torch.nn.Linear(2, 2)
+    torch.manual_seed(0)
     for action in (lambda: simple_fsdp(wrapped), lambda: wrapped.register_comm_hook(object()),
-                   lambda: simple_fsdp(torch.nn.Linear(2, 2), units=["nope"])):
+                   lambda: simple_fsdp(torch.nn.Linear(2, 2), units=["nope"]), lambda: simple_fsdp(differs)):
         try:
             action()
             errors.append(None)
@@ -359,10 +362,11 @@ def _bad_input(rank, world):
 
 
 def test_bad_input_is_a_clear_error():
-    already, not_a_hook, unknown_unit = run_ranks(_bad_input, 2, timeout_s=120)[0]
+    already, not_a_hook, unknown_unit, different = run_ranks(_bad_input, 2, timeout_s=120)[0]
     assert "already wrapped" in already
     assert "tagc.hook" in not_a_hook
     assert "nope" in unknown_unit
+    assert "differ across ranks" in different
 
 
 def test_needs_an_initialised_process_group():
