@@ -55,6 +55,29 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Two bar panels, step time and memory after forward, plain and TAGC side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [label for label, _, _ in SETUPS]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, title in ((axes[0], "iter_ms", "steady-state step (ms)"), (axes[1], "forward_rss_mb", "RSS after forward (MB)")):
+        for offset, (algorithm, colour) in enumerate((("fsdp", "tab:blue"), ("tagc", "tab:orange"))):
+            values = [next(r[key] for r in rows if r["setup"] == label and r["algorithm"] == algorithm) for label in labels]
+            ax.bar([i + 0.4 * offset for i in range(len(labels))], values, width=0.4, color=colour,
+                   label="plain" if algorithm == "fsdp" else "TAGC")
+        ax.set_xticks([i + 0.2 for i in range(len(labels))], labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     parser.prog = "python -m gpt2_bench.integrations"
@@ -71,7 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"unshaped loopback\n\n{table}")
     out = Path(base.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(f"# Integrations: step time and memory\n\n{table}\n")
+    plot(rows, out / "integrations.png")
+    (out / "report.md").write_text(f"# Integrations: step time and memory\n\n{table}\n\n![integrations](integrations.png)\n")
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=2) + "\n")
     return 0

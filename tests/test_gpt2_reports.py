@@ -1,0 +1,35 @@
+"""The benchmark reports (tables and plots) on synthetic rows: every column present, files written."""
+
+from gpt2_bench import compare, integrations
+
+
+def _row(algorithm, compressed, iter_ms, **extra):
+    return {"algorithm": algorithm, "compressed": compressed, "iter_ms": iter_ms, "train_s": iter_ms * 0.06,
+            "exchange_ms_per_mb": 7.0, "wire_bytes_per_rank": 12 * 2**20, "val_loss": 7.5, "peel_success": None
+            if algorithm == "fsdp" else 1.0, "curve": [{"step": 0, "loss": 10.0, "elapsed_s": 1.0}], **extra}
+
+
+def test_compare_table_has_a_row_per_paper_row_and_both_speedups(tmp_path):
+    plain, tagc = _row("fsdp", "all", 4000), _row("tagc", "non-attn", 3200)
+    rows = [dict(plain), dict(tagc), dict(plain, compressed="non-attn"), dict(tagc)]
+    for row in rows:
+        row["speedup"] = 4000 / row["iter_ms"]
+        row["speedup_total"] = plain["train_s"] / row["train_s"]
+        row["val_loss_vs_fsdp"] = 0.0
+    table = compare.format_table(rows, {"rate": "500mbit", "slowdown": 20, "exchange_share": 0.31})
+    lines = [line for line in table.splitlines() if line.startswith("| fsdp") or line.startswith("| tagc")]
+    assert len(lines) == 4 and "1.25x" in lines[1] and "25.2" in lines[2]  # ours beside the paper's
+    compare.plot(rows, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_integrations_table_and_plot(tmp_path):
+    rows = []
+    for label, _, _ in integrations.SETUPS:
+        for algorithm in ("fsdp", "tagc"):
+            rows.append(_row(algorithm, "non-attn", 2000 if algorithm == "fsdp" else 2500, setup=label,
+                             vs_fsdp2_eager=1.0, peak_rss_mb=1300.0, forward_rss_mb=1000.0))
+    table = integrations.format_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "TAGC non-attn" in table and "plain (gloo" in table
+    integrations.plot(rows, tmp_path / "integrations.png")
+    assert (tmp_path / "integrations.png").stat().st_size > 0
