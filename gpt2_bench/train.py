@@ -264,6 +264,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             last = hook.stats()["last_step"]
             exchange_s = last["compress_s"] + last["comm_wait_s"] + last["decode_s"]
             record.update(exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
+                          compress_ms=last["compress_s"] * 1e3, comm_wait_ms=last["comm_wait_s"] * 1e3,
+                          decode_ms=last["decode_s"] * 1e3,
                           wire_bytes=last["wire_bytes"], plain_bytes=last["plain_equivalent_bytes"],
                           peel_success=last["peel_success"], unpeeled=last["unpeeled"])
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
