@@ -43,12 +43,10 @@ class MixedPrecisionPolicy:
 class Unit:
     """A group of parameters gathered and reduced together; binds them while its module runs."""
 
-    def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]],
-                 owner_modules: list[nn.Module], bucket: Bucket, reshard: bool) -> None:
+    def __init__(self, name: str, params: list[nn.Parameter], owner_modules: list[nn.Module], bucket: Bucket,
+                 reshard: bool) -> None:
         self.name = name
-        self.module = module
-        self.fqns = [fqn for fqn, _ in params]
-        self.params = [p for _, p in params]
+        self.params = params
         self.owner_modules = owner_modules  # the module holding each parameter (selection policies look at it)
         self.bucket = bucket
         self.reshard = reshard
@@ -187,7 +185,7 @@ def simple_fsdp(
         params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
         bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
                         mp_policy.param_dtype, mp_policy.reduce_dtype)
-        unit = Unit(unit_name or "<root>", unit_module, params, [m for _, m, _ in firsts], bucket,
+        unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
                     reshard_after_forward and unit_name != "")
         index = {pid: i for i, (_, _, pid) in enumerate(firsts)}
         for _, module, attr, pid in uses[unit_name]:

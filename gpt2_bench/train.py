@@ -155,10 +155,7 @@ def _shard(model, cfg: TrainConfig, world: int):
         from fsdp_integration import simple_fsdp
 
         model = simple_fsdp(model)  # one unit per transformer block + the root, like the fsdp2 wrapping below
-        if hook is not None:
-            model.register_comm_hook(hook)
-        return model, hook
-    if cfg.integration == "fsdp2":
+    elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 

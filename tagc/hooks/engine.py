@@ -82,6 +82,13 @@ def _finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> None:
+    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order."""
+    output.copy_(summed)
+    if scale != 1.0:
+        output.div_(1.0 / scale)
+
+
 def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
     if not segments:
         return None
@@ -221,11 +228,8 @@ class TAGCHook:
             start = time.perf_counter()
             summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
             stats.comm_wait_s += time.perf_counter() - start
-        output.copy_(summed)  # round to the reduce dtype first, then scale in it: FSDP's own order
-        if scale != 1.0:
-            output.div_(1.0 / scale)
-        self._current.add(stats)
-        self.total.add(stats)
+        _scale_into(output, summed, scale)
+        self._record(stats)
 
     def _compressed(self, rows, plan: _BucketPlan, group, world: int, summed: torch.Tensor, stats: ExchangeStats) -> None:
         start = time.perf_counter()
@@ -283,8 +287,12 @@ class TAGCHook:
         index bytes, sketch cells. Fixed by the settings, so a compiled graph can hold them."""
         plan = self._plan(tuple(segments), chunk, world)
         plain = 0 if plan.plain_columns is None else plan.plain_columns.numel()
-        index = sum(-(-p.layout.numel * self.config.index_bits // 8) for p in plan.parts)
-        return plain, index, sum(p.layout.table_numel for p in plan.parts)
+        columns = [self._wire_columns(part) for part in plan.parts]
+        return plain, sum(index for index, _ in columns), sum(table for _, table in columns)
+
+    def _wire_columns(self, part: _Part) -> tuple[int, int]:
+        """(index bytes, sketch cells) a part puts in each rank row."""
+        return -(-part.layout.numel * self.config.index_bits // 8), part.layout.table_numel
 
     def traceable(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
         """Whether a bucket can be exchanged in halves around fixed-shape collectives: it has
@@ -324,8 +332,7 @@ class TAGCHook:
         residuals = self._residuals(plan, grads)
         density = self.config.density(world)
         encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(grads, residuals, plan.parts)]
-        self._current.compress_s += time.perf_counter() - start
-        self.total.compress_s += time.perf_counter() - start
+        self._record(ExchangeStats(compress_s=time.perf_counter() - start))
         return plain, torch.cat([i for i, _ in encoded], dim=1), torch.cat([t for _, t in encoded], dim=1)
 
     def decode_bucket(self, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, bad: bool, group,
@@ -341,7 +348,7 @@ class TAGCHook:
             summed[plan.plain_columns] = plain.sum(dim=0, dtype=torch.float32)
         index_at = table_at = 0
         for part in plan.parts:
-            index_cols, table_cols = -(-part.layout.numel * self.config.index_bits // 8), part.layout.table_numel
+            index_cols, table_cols = self._wire_columns(part)
             if bad:
                 summed[part.columns] = float("nan")
             else:
@@ -350,12 +357,9 @@ class TAGCHook:
             index_at, table_at = index_at + index_cols, table_at + table_cols
         if bad:
             stats.nonfinite_buckets, stats.compressed_buckets = 1, 0
-        output = summed.to(plain.dtype)
-        scale = op_scale(op, world)
-        if scale != 1.0:
-            output.div_(1.0 / scale)
-        self._current.add(stats)
-        self.total.add(stats)
+        output = plain.new_empty(chunk)
+        _scale_into(output, summed, op_scale(op, world))
+        self._record(stats)
         return output
 
     def _nonfinite(self, grads, plan: _BucketPlan, group, summed: torch.Tensor, stats: ExchangeStats) -> None:
@@ -374,6 +378,10 @@ class TAGCHook:
             stats.wire_bytes += sent
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _record(self, stats: ExchangeStats) -> None:
+        self._current.add(stats)
+        self.total.add(stats)
 
     def _residuals(self, plan: _BucketPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if plan.key not in self.residuals:

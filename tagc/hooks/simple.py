@@ -134,4 +134,4 @@ def install(hook: TAGCHook, unit: "Unit") -> None:
         return reduce_scatter(packed, handle)
 
     bucket.reduce_scatter = hooked
-    bucket.hook, bucket.hook_handle = hook, handle
+    bucket.hook_handle = handle
