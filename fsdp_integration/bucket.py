@@ -75,6 +75,7 @@ class Bucket:
         self.reduce_dtype = reduce_dtype
         self.reduce_scatter: ReduceScatter = self.plain_reduce_scatter
         self.regathered: Optional[list[torch.Tensor]] = None  # eager resharding's backward all-gather
+        self._prefetched: Optional[tuple[tuple[int, ...], torch.Tensor]] = None  # (shard versions, gather in flight)
 
     def plain_reduce_scatter(self, packed: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.reduce_scatter_single(packed, "avg", 0, self.group))
@@ -124,9 +125,29 @@ class Bucket:
 
     def gather_detached(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The same all-gather outside autograd (recomputed in backward when resharding)."""
-        dtype = self.param_dtype or shards[0].dtype
-        packed = self.pack_shards([s.detach() for s in shards], dtype)
-        return self.unpack_full(funcol.wait_tensor(funcol.all_gather_single(packed, 0, self.group)))
+        return self.unpack_full(self._all_gather([s.detach() for s in shards]))
+
+    def prefetch(self, shards: Sequence[torch.Tensor]) -> None:
+        """Start this unit's all-gather now, without waiting; the next gather of the same,
+        unchanged shards takes its result (see :mod:`fsdp_integration.prefetch`)."""
+        if self._prefetched is None:
+            packed = self.pack_shards([s.detach() for s in shards], self.param_dtype or shards[0].dtype)
+            self._prefetched = (_versions(shards), funcol.all_gather_single(packed, 0, self.group))
+
+    def _all_gather(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The gathered ``[world * S]`` buffer: the prefetched one if still valid, else gathered now."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            gathered = funcol.wait_tensor(prefetched[1])  # every rank started it: finish it either way
+            if prefetched[0] == _versions(shards):
+                return gathered
+        packed = self.pack_shards(shards, self.param_dtype or shards[0].dtype)
+        return funcol.wait_tensor(funcol.all_gather_single(packed, 0, self.group))
+
+
+def _versions(shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """In-place updates (the optimizer's) bump these: a prefetch of older values is stale."""
+    return tuple(s._version for s in shards)
 
 
 class _GatherBucket(torch.autograd.Function):
@@ -135,10 +156,7 @@ class _GatherBucket(torch.autograd.Function):
         ctx.bucket = bucket
         ctx.dtypes = [s.dtype for s in shards]
         ctx.device = shards[0].device
-        dtype = bucket.param_dtype or shards[0].dtype
-        packed = bucket.pack_shards(shards, dtype)
-        gathered = funcol.wait_tensor(funcol.all_gather_single(packed, 0, bucket.group))
-        return tuple(bucket.unpack_full(gathered))
+        return tuple(bucket.unpack_full(bucket._all_gather(shards)))
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):

@@ -54,6 +54,7 @@ def regather_saved_params(unit: "Unit"):
         bucket = saved.unit.bucket
         if bucket.regathered is None:
             bucket.regathered = bucket.gather_detached(saved.unit.local_shards())
+            saved.unit.prefetcher.backward_started(saved.unit)
         return bucket.regathered[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

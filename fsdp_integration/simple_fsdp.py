@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_integration.bucket import Bucket
+from fsdp_integration.prefetch import Prefetcher
 from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
 
 
@@ -44,12 +45,13 @@ class Unit:
     """A group of parameters gathered and reduced together; binds them while its module runs."""
 
     def __init__(self, name: str, params: list[nn.Parameter], owner_modules: list[nn.Module], bucket: Bucket,
-                 reshard: bool) -> None:
+                 reshard: bool, prefetcher: Prefetcher) -> None:
         self.name = name
         self.params = params
         self.owner_modules = owner_modules  # the module holding each parameter (selection policies look at it)
         self.bucket = bucket
         self.reshard = reshard
+        self.prefetcher = prefetcher  # shared by the model's units
         self.bound: Optional[tuple[torch.Tensor, ...]] = None
 
     def local_shards(self) -> list[torch.Tensor]:
@@ -64,13 +66,18 @@ class Unit:
     def run(self, forward, args, kwargs):
         with fx_traceback.annotate({GATHER_TAG: self.reshard}):
             self.bound = self.bucket.gather(self.local_shards())
+        eager = not torch.compiler.is_compiling()
+        if eager:
+            self.prefetcher.forward_started(self)
         try:
-            if self.reshard and not torch.compiler.is_compiling():
+            if self.reshard and eager:
                 with regather_saved_params(self):
                     return forward(*args, **kwargs)
             return forward(*args, **kwargs)
         finally:
             self.bound = None
+            if eager:
+                self.prefetcher.forward_finished(self)
 
 
 def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -120,6 +127,7 @@ def simple_fsdp(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     reshard_after_forward: bool = True,
     units: Optional[Sequence[str]] = None,
+    prefetch: bool = True,
 ) -> "SimpleFSDPModel":
     """Shard ``model`` in place (SimpleFSDP) and return it with ``register_comm_hook``.
 
@@ -133,6 +141,9 @@ def simple_fsdp(
             all-gathers are marked for recomputation, see :mod:`fsdp_integration.compile`).
         units: module names to gather as one unit each (default: every child of every
             ``nn.ModuleList``); the root takes the parameters no unit holds.
+        prefetch: in eager mode, start the next unit's all-gather while this one computes,
+            forward and backward (:mod:`fsdp_integration.prefetch`); holds up to two units'
+            parameters at once.
     """
     if not dist.is_initialized():
         raise RuntimeError("simple_fsdp needs torch.distributed: call dist.init_process_group(...) first")
@@ -175,6 +186,7 @@ def simple_fsdp(
             module._parameters[attr] = sharded[id(p)]
 
     group = mesh.get_group()
+    prefetcher = Prefetcher(enabled=prefetch)
     unit_objects: list[Unit] = []
     slots: dict[int, dict[str, tuple[Unit, int]]] = {}  # module id -> attr -> (unit, index)
     unit_of_module: dict[int, Unit] = {}
@@ -186,7 +198,7 @@ def simple_fsdp(
         bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
                         mp_policy.param_dtype, mp_policy.reduce_dtype)
         unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
-                    reshard_after_forward and unit_name != "")
+                    reshard_after_forward and unit_name != "", prefetcher)
         index = {pid: i for i, (_, _, pid) in enumerate(firsts)}
         for _, module, attr, pid in uses[unit_name]:
             slots.setdefault(id(module), {})[attr] = (unit, index[pid])

@@ -248,13 +248,16 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         _, loss = step_fn(x, y)
         if step == cfg.steps - 1:
             forward_rss_mb = _rss_mb()  # what forward left alive for backward (resharding frees gathered weights)
+        forward_s = time.perf_counter() - tick
         loss.backward()
+        backward_s = time.perf_counter() - tick - forward_s
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         iter_s = time.perf_counter() - tick
         record = {"step": step, "loss": float(loss.detach()), "lr": learning_rate(cfg, step), "iter_ms": iter_s * 1e3,
+                  "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
                   "elapsed_s": time.perf_counter() - start, "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world}
         if hook is not None:
             hook.end_step()

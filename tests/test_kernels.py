@@ -92,7 +92,7 @@ def test_import_and_reference_path_without_triton():
 def test_resolve_backend(monkeypatch):
     x = torch.zeros(3, device=DEVICE)
     monkeypatch.delenv("TAGC_BACKEND", raising=False)
-    assert dispatch.resolve_backend(x) == ("triton" if DEVICE == "cuda" else "torch")
+    assert dispatch.resolve_backend(x) == ("triton" if DEVICE == "cuda" else "numba")
     assert dispatch.resolve_backend(x, backend="triton") == "triton"
     assert dispatch.resolve_backend(x, backend="reference") == "torch"
     monkeypatch.setenv("TAGC_BACKEND", "triton")

@@ -1,12 +1,14 @@
-"""One entry point per codec operation; each picks the Triton kernels or the torch reference.
+"""One entry point per codec operation; each picks the Triton kernels, the CPU kernels or the torch reference.
 
 The back end is, in order of precedence: the ``backend=`` argument, the ``TAGC_BACKEND``
 environment variable, then ``"auto"``: Triton for CUDA tensors (when triton imports), the
-reference otherwise. ``"triton"`` forces the kernels (on CPU tensors that needs
-``TRITON_INTERPRET=1``); ``"torch"`` (alias ``"reference"``) forces the reference. Callers
-never branch: both back ends take the same arguments and return the same things.
+Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors (when numba imports), the
+reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that needs
+``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
+the reference. Callers never branch: every back end takes the same arguments and returns
+the same things.
 
-Nothing here imports triton until a Triton path is taken.
+Nothing here imports triton or numba until their path is taken.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from tagc.kernels import cpu as _cpu
 from tagc.kernels._triton import require_triton, triton_available
 from tagc.sketch import codec as _ref_codec
 from tagc.sketch import compress as _ref_compress
@@ -23,12 +26,12 @@ from tagc.sketch import sparsify as _ref_sparsify
 from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
 
-BACKENDS = ("auto", "triton", "torch", "reference")
+BACKENDS = ("auto", "triton", "numba", "torch", "reference")
 STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
 
 
 def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> str:
-    """``"triton"`` or ``"torch"``: the back end an operation on ``tensors`` will use."""
+    """``"triton"``, ``"numba"`` or ``"torch"``: the back end an operation on ``tensors`` will use."""
     choice = (backend or os.environ.get("TAGC_BACKEND") or "auto").lower()
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} (argument or TAGC_BACKEND), got {choice!r}")
@@ -36,9 +39,14 @@ def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> st
         choice = "torch"
     if choice == "auto":
         on_cuda = any(t.device.type == "cuda" for t in tensors)
-        choice = "triton" if on_cuda and triton_available() else "torch"
+        if on_cuda:
+            choice = "triton" if triton_available() else "torch"
+        else:
+            choice = "numba" if _cpu.supports(*tensors) else "torch"
     if choice == "triton":
         require_triton(*tensors)
+    if choice == "numba" and not _cpu.supports(*tensors):
+        raise RuntimeError("backend 'numba' needs numba installed (pip install numba) and CPU tensors")
     return choice
 
 
@@ -56,9 +64,7 @@ def row_thresholds(
         return row_thresholds_triton(rows, density, grad=grad)
     _ref_sparsify.check_density(density)
     x = rows.reshape(-1, rows.shape[-1])
-    if grad is not None:
-        x = x + grad.reshape(x.shape)
-    return _ref_sparsify.row_thresholds(x, density)
+    return _ref_sparsify.row_thresholds(x, density, grad=None if grad is None else grad.reshape(x.shape))
 
 
 def threshold(x: torch.Tensor, density: float, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -81,10 +87,13 @@ def compress_(
     Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)`` and updates
     ``residual`` in place. ``tau`` optionally fixes the per-chunk thresholds.
     """
-    if resolve_backend(grad, residual, backend=backend) == "triton":
+    chosen = resolve_backend(grad, residual, backend=backend)
+    if chosen == "triton":
         from tagc.kernels.compress import compress_triton
 
         return compress_triton(grad, residual, density, layout, bits, tau=tau)
+    if chosen == "numba":
+        return _cpu.compress_cpu(grad, residual, density, layout, bits, tau=tau)
     return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau)
 
 
@@ -103,10 +112,13 @@ def decode(
     the end (``DecodeStats`` holds ints), and the exact stopping-set solve runs in torch
     only when peeling left positions.
     """
-    if resolve_backend(table, index, backend=backend) == "triton":
+    chosen = resolve_backend(table, index, backend=backend)
+    if chosen == "triton":
         from tagc.kernels.peel import decode_triton
 
         return decode_triton(table, index, layout, bits, fallback)
+    if chosen == "numba":
+        return _cpu.decode_cpu(table, index, layout, bits, fallback)
     return _ref_codec.decode(table, index, layout, bits, fallback)
 
 
@@ -122,12 +134,12 @@ def decode_async(
     """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order).
 
     Triton: no host synchronisation and no exact solve (what peeling leaves gets the
-    fallback; ``"error"`` cannot raise and acts like ``"raw"``). Reference: the full
+    fallback; ``"error"`` cannot raise and acts like ``"raw"``). CPU back ends: the full
     :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
     if resolve_backend(table, index, backend=backend) == "triton":
         from tagc.kernels.peel import decode_async as _decode_async
 
         return _decode_async(table, index, layout, bits, fallback)
-    values, stats = _ref_codec.decode(table, index, layout, bits, fallback)
+    values, stats = decode(table, index, layout, bits, fallback, backend=backend)
     return values, torch.tensor([stats[f] for f in STAT_FIELDS], dtype=torch.int64, device=values.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 
@@ -36,9 +37,13 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
     The stride is irrational relative to any row length, so the sample does not alias with
     the rows or columns of the weight matrix the gradient came from.
     """
-    stride = int(numel * _GOLDEN_FRACTION) | 1
     i = torch.arange(size, dtype=torch.int64, device=device)
-    return (i * stride) % numel
+    return (i * sample_stride(numel)) % numel
+
+
+def sample_stride(numel: int) -> int:
+    """The stride of :func:`sample_positions`: odd, about ``0.618 * numel``."""
+    return int(numel * _GOLDEN_FRACTION) | 1
 
 
 def sample_size(numel: int, density: float) -> int:
@@ -47,9 +52,9 @@ def sample_size(numel: int, density: float) -> int:
     return numel if wanted >= numel else min(numel, max(MIN_SAMPLE, math.ceil(wanted)))
 
 
-def row_thresholds(rows: torch.Tensor, density: float) -> torch.Tensor:
-    """Per-row thresholds ``[N]`` of a ``[N, S]`` tensor: ~``density * S`` entries of each
-    row have ``|x| >= tau``.
+def row_thresholds(rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-row thresholds ``[N]`` of a ``[N, S]`` tensor (plus ``grad`` when given, added
+    only where sampled): ~``density * S`` entries of each row have ``|x| >= tau``.
 
     Exact (k-th largest) for rows of up to :data:`MIN_SAMPLE` elements, otherwise the same
     quantile of a spread sample sized to hold ~:data:`SAMPLE_HITS` kept entries. Stays on
@@ -61,7 +66,11 @@ def row_thresholds(rows: torch.Tensor, density: float) -> torch.Tensor:
     if density <= 0.0:
         return torch.full((n_rows,), math.inf, dtype=torch.float32, device=rows.device)
     size = sample_size(n, density)
-    sample = rows if size == n else rows[:, sample_positions(n, size, rows.device)]
+    if size == n:
+        sample = rows if grad is None else rows + grad
+    else:
+        positions = sample_positions(n, size, rows.device)
+        sample = rows[:, positions] if grad is None else rows[:, positions] + grad[:, positions]
     keep = min(size, max(1, round(density * size)))
     return sample.abs().float().kthvalue(size - keep + 1, dim=1).values
 

@@ -1,0 +1,155 @@
+"""The Numba kernels behind :mod:`tagc.kernels.cpu` (importing this module imports numba).
+
+Module-level functions, so numba's on-disk cache (``cache=True``) finds them again in every
+process: compiled once per machine, loaded in milliseconds after that.
+"""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def cell(p, j, block_rows, lane_xor, lane_bits):
+    """Flat table cell ``j`` of chunk position ``p`` (as :meth:`SketchLayout.cells`)."""
+    b = p >> lane_bits
+    return block_rows[b, j] * (1 << lane_bits) + ((p & ((1 << lane_bits) - 1)) ^ lane_xor[b])
+
+
+@njit(cache=True, nogil=True)
+def compress_rows(grad, residual, tau, block_rows, block_signs, lane_xor, lane_bits, bits, index, table):
+    """One pass per chunk: error feedback, threshold, index bit, sketch cells, residual."""
+    n_rows, numel = residual.shape
+    per_byte = 8 // bits
+    for n in range(n_rows):
+        t = tau[n]
+        for p in range(numel):
+            a = residual[n, p] + grad[n, p]
+            if a >= t or a <= -t:
+                b = p >> lane_bits
+                for j in range(3):
+                    table[n, cell(p, j, block_rows, lane_xor, lane_bits)] += block_signs[b, j] * a
+                index[n, p // per_byte] |= 1 << (bits * (p % per_byte))
+                residual[n, p] = 0
+            else:
+                residual[n, p] = a
+
+
+@njit(cache=True, nogil=True)
+def sampled_kth(grad, residual, stride, size, k):
+    """Per row: the ``k``-th smallest (1-based) of ``|residual + grad|`` over the sample positions
+    ``(i * stride) % numel``. A radix select on the float bits (non-negative floats order like
+    their int32 patterns): a histogram of the top 16 bits, then of the low 16 in the chosen bucket."""
+    n_rows, numel = residual.shape
+    out = np.empty(n_rows, dtype=np.float32)
+    sample = np.empty(size, dtype=np.float32)
+    pattern = sample.view(np.int32)
+    counts = np.empty(1 << 16, dtype=np.int64)
+    for n in range(n_rows):
+        counts[:] = 0
+        p = 0
+        for i in range(size):
+            sample[i] = abs(residual[n, p] + grad[n, p])
+            counts[pattern[i] >> 16] += 1
+            p += stride
+            if p >= numel:
+                p -= numel
+        rank = k
+        high = 0
+        while counts[high] < rank:
+            rank -= counts[high]
+            high += 1
+        counts[:] = 0
+        for i in range(size):
+            if (pattern[i] >> 16) == high:
+                counts[pattern[i] & 0xFFFF] += 1
+        low = 0
+        while counts[low] < rank:
+            rank -= counts[low]
+            low += 1
+        out[n] = np.array([(high << 16) | low], dtype=np.int32).view(np.float32)[0]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def support(index, numel, bits):
+    """Sorted positions of the non-zero fields of an index."""
+    per_byte = 8 // bits
+    field = (1 << bits) - 1
+    fields = np.zeros(256, dtype=np.int64)  # non-zero fields of every byte value
+    for v in range(256):
+        for sub in range(per_byte):
+            fields[v] += ((v >> (bits * sub)) & field) != 0
+    count = 0
+    for byte in range(index.size):
+        count += fields[index[byte]]
+    positions = np.empty(count, dtype=np.int64)
+    k = 0
+    for byte in range(index.size):
+        v = index[byte]
+        sub = 0
+        while v:
+            if v & field:
+                positions[k] = byte * per_byte + sub
+                k += 1
+            v >>= bits
+            sub += 1
+    return positions[positions < numel]  # padding bits of a corrupt index
+
+
+@njit(cache=True, nogil=True)
+def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
+    """Peel with a queue of pure cells; writes settled values into ``out`` and takes them out
+    of ``work``. Returns the settled mask and the number of generations (rounds)."""
+    k = positions.size
+    one = np.int64(1) << 40  # tally = (unsettled positions on the cell) << 40 | (sum of their ids)
+    tally = np.zeros(work.size, dtype=np.int64)
+    for i in range(k):
+        p = positions[i]
+        for j in range(3):
+            tally[cell(p, j, block_rows, lane_xor, lane_bits)] += one + i
+    known = np.zeros(k, dtype=np.bool_)
+    queue = np.empty(work.size + 3 * k, dtype=np.int64)
+    tail = 0
+    for c in range(work.size):
+        if (tally[c] >> 40) == 1:
+            queue[tail] = c
+            tail += 1
+    head = 0
+    rounds = 0
+    while head < tail:  # one generation: the cells that turned pure during the previous one
+        end = tail
+        settled = False
+        while head < end:
+            c = queue[head]
+            head += 1
+            if (tally[c] >> 40) != 1:
+                continue
+            i = tally[c] & (one - 1)
+            p = positions[i]
+            b = p >> lane_bits
+            c0 = cell(p, 0, block_rows, lane_xor, lane_bits)
+            c1 = cell(p, 1, block_rows, lane_xor, lane_bits)
+            c2 = cell(p, 2, block_rows, lane_xor, lane_bits)
+            s0, s1, s2 = block_signs[b, 0], block_signs[b, 1], block_signs[b, 2]
+            value = (s0 if c == c0 else (s1 if c == c1 else s2)) * work[c]
+            out[p] = value
+            known[i] = True
+            settled = True
+            work[c0] -= s0 * value
+            work[c1] -= s1 * value
+            work[c2] -= s2 * value
+            tally[c0] -= one + i
+            tally[c1] -= one + i
+            tally[c2] -= one + i
+            if (tally[c0] >> 40) == 1:
+                queue[tail] = c0
+                tail += 1
+            if (tally[c1] >> 40) == 1:
+                queue[tail] = c1
+                tail += 1
+            if (tally[c2] >> 40) == 1:
+                queue[tail] = c2
+                tail += 1
+        if settled:
+            rounds += 1
+    return known, rounds

@@ -1,0 +1,120 @@
+"""CPU kernels (Numba): the fused compression pass and queue-driven peeling.
+
+On a CPU the torch reference is the production path, and it is bound by its passes: the
+vectorised compress makes about fifteen passes over a part (add, sample, two compares,
+nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes several
+index operations per round. These kernels do the same arithmetic in one loop each:
+
+* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; entries with
+  ``|a| >= tau`` (``tau`` from the reference's sample, :func:`row_thresholds`) set their
+  index bit, add ``sign * a`` to their three cells and leave 0 in the residual; the rest
+  stay in the residual. Positions are visited in the reference's order, so index,
+  residual and table equal the reference's bit for bit.
+* :func:`decode_cpu` - unpack the union, count and id-sum every cell, then peel with a
+  queue of pure cells, generation by generation (``rounds`` is the reference's round
+  count). What peeling leaves goes to the reference's exact solve and fallback
+  (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
+  rounding of the order of subtractions.
+
+Both release the GIL (``nogil``), so gloo's threads and Python keep running. Numba
+compiles them once per machine (``cache=True``) and only when first called.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from tagc.sketch.codec import DecodeStats, finish_decode
+from tagc.sketch.index import check_bits, check_index, index_nbytes
+from tagc.sketch.layout import SketchLayout
+from tagc.sketch.sparsify import check_density, row_thresholds, sample_size, sample_stride
+
+
+@functools.cache
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the CPU kernels take these tensors (CPU, and numba importable)."""
+    return numba_available() and all(t.device.type == "cpu" for t in tensors)
+
+
+def _kernels():
+    from tagc.kernels import _numba
+
+    return _numba
+
+def _tables(layout: SketchLayout):
+    t = layout.tables("cpu")
+    return t.rows.numpy(), t.signs.numpy(), t.lane_xor.numpy()
+
+
+def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> torch.Tensor:
+    """:func:`tagc.sketch.sparsify.row_thresholds` of ``rows + grads``, sampling in the kernel."""
+    n = rows.shape[1]
+    if not 0.0 < density < 1.0 or sample_size(n, density) == n:  # no sample: the reference's exact path
+        return row_thresholds(rows, density, grad=grads)
+    size = sample_size(n, density)
+    keep = min(size, max(1, round(density * size)))
+    return torch.from_numpy(_kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1))
+
+
+def compress_cpu(
+    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.compress_` in one pass per chunk (same arguments, same results).
+
+    A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
+    """
+    check_density(density)
+    check_bits(bits)
+    if grad.shape != residual.shape:
+        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
+    if residual.dtype != torch.float32 or not residual.is_contiguous():
+        from tagc.sketch.compress import compress_
+
+        return compress_(grad, residual, density, layout, bits, tau=tau)
+    rows = residual.view(-1, layout.numel)
+    grads = grad.reshape(rows.shape).to(torch.float32).contiguous()
+    n_chunks = rows.shape[0]
+    if tau is None:
+        tau = _row_thresholds(rows, grads, density)
+    tau = tau.to(dtype=torch.float32).reshape(n_chunks)
+    tau = tau.clamp_min(torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps)  # never keeps a zero
+    index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
+    table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
+    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), *_tables(layout), layout.lane_bits, bits,
+                  index.numpy(), table.numpy())
+    return index, table
+
+
+def decode_cpu(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, DecodeStats]:
+    """:func:`tagc.sketch.decode` with queue-driven peeling (same arguments, same results)."""
+    from tagc.sketch.codec import FALLBACKS, check_finite
+
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
+        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
+    check_index(index, layout.numel, bits)
+    check_finite(table, "sketch table")
+    kernels = _kernels()
+    positions = kernels.support(index.contiguous().numpy(), layout.numel, bits)
+    work = table.reshape(-1).to(torch.float64, copy=True)
+    out = torch.zeros(layout.numel, dtype=torch.float32)
+    known, rounds = kernels.peel(positions, work.numpy(), out.numpy(), *_tables(layout), layout.lane_bits)
+    positions, known = torch.from_numpy(positions), torch.from_numpy(known)
+    stats = DecodeStats(support=positions.numel(), rounds=int(rounds))
+    rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)
+    out.index_copy_(0, rest_positions, rest_values.float())
+    return out, stats

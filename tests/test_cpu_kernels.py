@@ -1,0 +1,176 @@
+"""The Numba CPU kernels (:mod:`tagc.kernels.cpu`) against the torch reference.
+
+Fresh random inputs every run (the seed is printed on failure). Compression must match the
+reference bit for bit (same threshold, index, residual and table); decoding must settle the
+same positions in the same number of rounds, with values equal up to float rounding.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba", reason="numba is not installed")
+
+from tagc.kernels import cpu, dispatch  # noqa: E402
+from tagc.sketch import SketchLayout, compress_, decode, merge_index, plan_density, row_thresholds  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = torch.seed()
+    print(f"torch seed {seed}")
+    yield seed
+
+
+def _gradients(ranks: int, numel: int, zeros: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = torch.randn(ranks, numel) * torch.rand(ranks, 1)
+    residual = torch.randn(ranks, numel) * 0.1
+    grad[torch.rand(ranks, numel) < zeros] = 0  # exact zeros never enter the index
+    residual[grad == 0] = 0
+    return grad, residual
+
+
+def _both_compress(grad, residual, density, layout, bits, tau=None):
+    ref_residual, cpu_residual = residual.clone(), residual.clone()
+    expected = compress_(grad, ref_residual, density, layout, bits, tau=tau)
+    got = cpu.compress_cpu(grad, cpu_residual, density, layout, bits, tau=tau)
+    return expected, got, ref_residual, cpu_residual
+
+
+@pytest.mark.parametrize("numel", [1, 37, 1000, 65_537, 300_001])
+@pytest.mark.parametrize("bits", [1, 4])
+def test_compress_equals_reference_bit_for_bit(numel, bits):
+    layout = SketchLayout(numel, 10.0, seed=int(torch.randint(0, 2**31, ())))
+    grad, residual = _gradients(3, numel)
+    density = plan_density(10.0, 3)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, bits)
+    assert torch.equal(cpu_index, index)
+    assert torch.equal(cpu_residual, ref_residual)
+    assert torch.equal(cpu_table, table)
+    assert int(index.count_nonzero()) > 0 or numel < 8
+
+
+@settings(max_examples=25, deadline=None)
+@given(numel=st.integers(1, 5000), ranks=st.integers(1, 4), density=st.floats(0.0, 1.0),
+       ratio=st.floats(1.5, 40.0), bits=st.sampled_from([1, 4]), seed=st.integers(0, 2**31 - 1))
+def test_compress_matches_reference_on_any_shape(numel, ranks, density, ratio, bits, seed):
+    torch.manual_seed(seed)
+    layout = SketchLayout(numel, ratio, seed=seed)
+    grad, residual = _gradients(ranks, numel, zeros=0.2)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, bits)
+    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+
+
+def test_compress_with_given_thresholds_and_bf16_gradients():
+    layout = SketchLayout(20_000, 8.0)
+    grad, residual = _gradients(2, 20_000)
+    tau = torch.tensor([0.5, 1.5])
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(
+        grad.bfloat16(), residual, 0.05, layout, 1, tau=tau)
+    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+
+
+def test_bf16_residual_takes_the_reference():
+    layout = SketchLayout(5000, 8.0)
+    grad, residual = _gradients(2, 5000)
+    residual = residual.bfloat16()
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, 0.05, layout, 1)
+    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+
+
+@pytest.mark.parametrize("numel", [70_001, 1_000_003])
+@pytest.mark.parametrize("density", [0.02, 0.05])
+def test_thresholds_equal_reference(numel, density):
+    grad, residual = _gradients(2, numel)
+    assert torch.equal(cpu._row_thresholds(residual, grad, density), row_thresholds(residual, density, grad=grad))
+
+
+def test_compress_rejects_mismatched_shapes():
+    layout = SketchLayout(100, 4.0)
+    with pytest.raises(ValueError, match="one shape"):
+        cpu.compress_cpu(torch.randn(2, 100), torch.zeros(1, 100), 0.1, layout, 1)
+    with pytest.raises(ValueError, match="density"):
+        cpu.compress_cpu(torch.randn(1, 100), torch.zeros(1, 100), 1.5, layout, 1)
+
+
+def _summed(layout, ranks, density, bits):
+    """Every simulated rank's compression of fresh gradients -> (summed table, union index)."""
+    index, table = compress_(*_gradients(ranks, layout.numel), density, layout, bits)
+    union = index[0]
+    for other in index[1:]:
+        union = merge_index(union, other, bits)
+    return table.sum(dim=0), union
+
+
+@pytest.mark.parametrize("numel,ratio,overload", [(1000, 8.0, 1.0), (300_001, 10.0, 1.0), (300_001, 10.0, 2.5), (20, 10.0, 1.0)])
+@pytest.mark.parametrize("bits", [1, 4])
+def test_decode_equals_reference(numel, ratio, overload, bits):
+    """Same support, same positions settled in the same rounds, same values up to rounding —
+    also far above the peeling threshold (``overload``), where the fallback takes most."""
+    layout = SketchLayout(numel, ratio, seed=int(torch.randint(0, 2**31, ())))
+    table, union = _summed(layout, 3, min(1.0, overload * plan_density(ratio, 3)), bits)
+    for fallback in ("estimate", "raw"):
+        values, stats = decode(table, union, layout, bits, fallback=fallback)
+        cpu_values, cpu_stats = cpu.decode_cpu(table, union, layout, bits, fallback=fallback)
+        assert cpu_stats.as_dict() == stats.as_dict()
+        torch.testing.assert_close(cpu_values, values, rtol=1e-5, atol=1e-5)
+        if stats.raw_positions is None:
+            assert cpu_stats.raw_positions is None
+        else:
+            assert torch.equal(cpu_stats.raw_positions, stats.raw_positions)
+    if overload > 1:
+        assert stats.unpeeled > 0
+        with pytest.raises(RuntimeError, match="could not recover"):
+            cpu.decode_cpu(table, union, layout, bits, fallback="error")
+
+
+def test_decode_rejects_bad_input():
+    layout = SketchLayout(1000, 8.0)
+    table, union = _summed(layout, 2, 0.05, 1)
+    with pytest.raises(ValueError, match="table must have"):
+        cpu.decode_cpu(table[:-1], union, layout, 1)
+    with pytest.raises(ValueError, match="index"):
+        cpu.decode_cpu(table, union[:-1], layout, 1)
+    with pytest.raises(ValueError, match="fallback"):
+        cpu.decode_cpu(table, union, layout, 1, fallback="guess")
+    bad = table.clone()
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cpu.decode_cpu(bad, union, layout, 1)
+
+
+def test_dispatch_picks_numba_on_cpu_and_falls_back_without_it(monkeypatch):
+    monkeypatch.delenv("TAGC_BACKEND", raising=False)
+    x = torch.zeros(3)
+    assert dispatch.resolve_backend(x) == "numba"
+    assert dispatch.resolve_backend(x, backend="torch") == "torch"
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["numba"] = None  # import numba now raises ImportError
+        import torch, tagc.kernels as k
+        from tagc.sketch import SketchLayout
+        x = torch.zeros(3)
+        assert k.resolve_backend(x) == "torch"
+        try:
+            k.resolve_backend(x, backend="numba")
+        except RuntimeError as e:
+            assert "numba" in str(e)
+        else:
+            raise AssertionError("backend='numba' without numba must raise")
+        layout = SketchLayout(100, 4.0, lane=1)
+        index, table = k.compress_(torch.randn(1, 100), torch.zeros(1, 100), 0.1, layout, 1)
+        values, stats = k.decode(table[0], index[0], layout, 1)
+        assert stats.unpeeled == 0 and stats.support == 10, stats
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TAGC_BACKEND"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr
