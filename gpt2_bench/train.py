@@ -8,8 +8,8 @@ as one rank directly, unchanged.
 
 ``--link scaled`` picks the rate that keeps the TAGC paper's compute-to-communication
 ratio: these CPUs compute far slower than the paper's GPUs, so the link is slowed until the
-plain gradient exchange takes the share of a step it took in the paper, measured from a
-short unshaped calibration run.
+plain gradient exchange takes the share of a step it took in the paper, measured from two
+short calibration runs (unshaped, then shaped at a first guess; see :func:`scaled_link`).
 """
 
 from __future__ import annotations
@@ -391,24 +391,41 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
 def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
     """The link rate at which this machine's plain exchange takes the paper's share of a step.
 
-    Runs a short unshaped, uncompressed calibration with the fair plain exchange; ``rest``
-    is its step time minus the time spent exchanging gradients. The scaled rate makes the
-    plain exchange take ``PAPER_EXCHANGE_SHARE / (1 - PAPER_EXCHANGE_SHARE)`` of ``rest``.
+    Two short uncompressed calibration runs with the fair plain exchange. The step at rate
+    ``r`` is modelled as ``T(r) = A + C / r`` — compute, plus everything the link slows,
+    the all-gathers as well as the exchange — and the exchange as ``E(r) = V / r``. The
+    unshaped run gives ``A`` (its step minus its exchange) and a first guess, the rate at
+    which the exchange alone would be the paper's share; a run shaped at that guess gives
+    ``C`` and ``V``; the rate solves ``E(r) / T(r) = PAPER_EXCHANGE_SHARE``. (The guess
+    alone undershoots: shaping also slows the all-gathers, so there the exchange takes
+    less than the paper's share.)
     """
     from tagc.link import format_rate
 
+    share = PAPER_EXCHANGE_SHARE
     probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
                                 link="none", name=f"calibrate-{cfg.preset}")
-    result = run(probe, data_dir, link="none")
-    exchange_s = result["exchange_ms_per_mb"] * result["grad_mb"] / 1e3
-    rest_s = max(1e-3, result["iter_ms"] / 1e3 - exchange_s)
-    target_s = rest_s * PAPER_EXCHANGE_SHARE / (1 - PAPER_EXCHANGE_SHARE)
-    rate_bps = max(10**6, int(result["wire_bytes_per_rank"] * 8 / target_s))
-    info = {"rate": format_rate(rate_bps), "rate_bps": rate_bps, "cpu_step_ms": result["iter_ms"], "rest_ms": rest_s * 1e3,
-            "exchange_share": PAPER_EXCHANGE_SHARE, "slowdown": PAPER_LINK_BPS / rate_bps, "nominal": "10gbit"}
-    print(f"scaled link: a step here computes for {rest_s * 1e3:.0f} ms; the plain exchange of "
-          f"{result['wire_bytes_per_rank'] / 2**20:.1f} MiB/rank takes the paper's {PAPER_EXCHANGE_SHARE:.0%} of the step at "
-          f"{info['rate']} (10gbit / {info['slowdown']:.0f})", file=sys.stderr)
+
+    def measure(rate: str) -> tuple[float, float, float]:
+        result = run(probe, data_dir, link=rate)
+        return result["iter_ms"] / 1e3, result["exchange_ms_per_mb"] * result["grad_mb"] / 1e3, result["wire_bytes_per_rank"]
+
+    step_s, exchange_s, wire_bytes = measure("none")
+    compute_s = max(1e-3, step_s - exchange_s)
+    guess_bps = max(10**6, int(wire_bytes * 8 / (compute_s * share / (1 - share))))
+    shaped_step_s, shaped_exchange_s, _ = measure(format_rate(guess_bps))
+    slowed = max(0.0, shaped_step_s - compute_s) * guess_bps  # C: link-bound seconds x bit/s
+    exchange = shaped_exchange_s * guess_bps  # V
+    if exchange <= share * slowed:
+        raise RuntimeError(f"the plain exchange cannot take {share:.0%} of a step on this machine at any rate "
+                           f"(it took {shaped_exchange_s / shaped_step_s:.0%} at {format_rate(guess_bps)}): pass --link RATE")
+    rate_bps = max(10**6, int((exchange - share * slowed) / (share * compute_s)))
+    info = {"rate": format_rate(rate_bps), "rate_bps": rate_bps, "cpu_step_ms": step_s * 1e3, "rest_ms": compute_s * 1e3,
+            "exchange_share": share, "slowdown": PAPER_LINK_BPS / rate_bps, "nominal": "10gbit",
+            "first_guess": format_rate(guess_bps), "first_guess_share": shaped_exchange_s / shaped_step_s}
+    print(f"scaled link: a step here computes for {compute_s * 1e3:.0f} ms; at {info['first_guess']} the plain exchange "
+          f"took {info['first_guess_share']:.0%} of a step; it takes the paper's {share:.0%} at {info['rate']} "
+          f"(10gbit / {info['slowdown']:.0f})", file=sys.stderr)
     return info
 
 

@@ -20,10 +20,11 @@ def test_codec_quick(tmp_path, capsys):
     assert set(result) >= {"throughput", "peeling", "targets"}
 
     ops = {r["op"] for r in result["throughput"]}
-    assert ops == {"clone", "copy_", "sparsify", "build_index", "encode", "compress_", "decode"}
+    assert ops == {"clone", "copy_", "sparsify", "build_index", "encode", "compress_", "decode", "compress_ numba", "decode numba"}
     for row in result["throughput"]:
         for key in ("numel", "seconds", "gb_per_s", "x_clone", "x_copy"):
             assert _positive(row[key]), (key, row)
+        assert _positive(row["x_reference"]) if row["op"].endswith("numba") else "x_reference" not in row
 
     assert set(result["targets"]) == {"compress", "decode"}
     for target in result["targets"].values():

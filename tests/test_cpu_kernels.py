@@ -76,6 +76,17 @@ def test_compress_with_given_thresholds_and_bf16_gradients():
     assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
 
 
+def test_compress_reads_strided_gradient_views():
+    """The engine hands column slices of the packed buffer, not copies."""
+    layout = SketchLayout(30_000, 8.0)
+    packed = torch.randn(2, 50_000)
+    grad = packed[:, 7_000:37_000]
+    _, residual = _gradients(2, 30_000)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, 0.05, layout, 1)
+    assert not grad.is_contiguous()
+    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+
+
 def test_bf16_residual_takes_the_reference():
     layout = SketchLayout(5000, 8.0)
     grad, residual = _gradients(2, 5000)

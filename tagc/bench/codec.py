@@ -1,4 +1,4 @@
-"""Reference codec benchmark: throughput on this CPU and the peeling success curve.
+"""Codec benchmark: throughput on this CPU (reference, and the Numba kernels beside it) and the peeling success curve.
 
 ``python -m tagc.bench codec [--sizes 1M,16M] [--json out.json] [--plot out.png] [--quick]``
 
@@ -116,7 +116,11 @@ def union_table(numel: int, layout: SketchLayout, density: float, bits: int) -> 
 
 def throughput(sizes: list[int], ratio: float, density: float, bits: int, repeats: int) -> list[dict[str, Any]]:
     """Time every codec op at every size; one row per (size, op)."""
+    from tagc.kernels import cpu
+
     ops = ("clone", "copy_", "sparsify", "build_index", "encode", "compress_", "decode")
+    if cpu.numba_available():
+        ops += ("compress_ numba", "decode numba")
     rows = []
     bar = tqdm(total=len(sizes) * len(ops), desc="throughput", file=sys.stderr)
     for numel in sizes:
@@ -142,6 +146,9 @@ def throughput(sizes: list[int], ratio: float, density: float, bits: int, repeat
 
         residual = torch.zeros_like(x)
         times["compress_"] = median_time(lambda: compress_(x, residual, density, layout, bits), repeats, setup=residual.zero_)
+        if "compress_ numba" in ops:
+            times["compress_ numba"] = median_time(lambda: cpu.compress_cpu(x, residual, density, layout, bits), repeats,
+                                                   setup=residual.zero_)
         del residual
         bar.update()
 
@@ -149,6 +156,8 @@ def throughput(sizes: list[int], ratio: float, density: float, bits: int, repeat
         table, index = union_table(numel, layout, planned, bits)
         _, stats = decode(table, index, layout, bits)
         times["decode"] = median_time(lambda: decode(table, index, layout, bits), repeats)
+        if "decode numba" in ops:
+            times["decode numba"] = median_time(lambda: cpu.decode_cpu(table, index, layout, bits), repeats)
         bar.update()
 
         for op in ops:
@@ -160,10 +169,12 @@ def throughput(sizes: list[int], ratio: float, density: float, bits: int, repeat
                 "x_clone": times[op] / times["clone"],
                 "x_copy": times[op] / times["copy_"],
             }
-            if op == "decode":
+            if op.startswith("decode"):
                 row.update(load=stats.support / layout.table_numel, unpeeled=stats.unpeeled, density=planned)
-            elif op in ("sparsify", "compress_"):
+            elif op.startswith(("sparsify", "compress_")):
                 row.update(density=density)
+            if op.endswith("numba"):
+                row.update(x_reference=times[op] / times[op.split()[0]])
             rows.append(row)
     bar.close()
     return rows
@@ -284,15 +295,17 @@ def plot_peeling(rows: list[dict[str, Any]], path: str, ratio: float) -> None:
 
 def print_throughput(rows: list[dict[str, Any]], density: float) -> None:
     print(f"\nThroughput on this CPU, {torch.get_num_threads()} torch thread(s), GB/s of fp32 input, median:")
-    print(f"{'size':>6} {'op':<12} {'ms':>10} {'GB/s':>8} {'x clone':>9} {'x copy_':>9}")
+    print(f"{'size':>6} {'op':<15} {'ms':>10} {'GB/s':>8} {'x clone':>9} {'x copy_':>9}")
     for r in rows:
         note = ""
-        if r["op"] == "decode":
+        if r["op"].startswith("decode"):
             note = f"  union load {r['load']:.3f} (2 ranks at {r['density']:.4f}), unpeeled {r['unpeeled']}"
-        elif r["op"] in ("sparsify", "compress_"):
+        elif r["op"].startswith(("sparsify", "compress_")):
             note = f"  density {density:g}"
+        if "x_reference" in r:
+            note += f"  ({1 / r['x_reference']:.1f}x faster than the reference)"
         print(
-            f"{human(r['numel']):>6} {r['op']:<12} {r['seconds'] * 1e3:>10.2f} {r['gb_per_s']:>8.3f} "
+            f"{human(r['numel']):>6} {r['op']:<15} {r['seconds'] * 1e3:>10.2f} {r['gb_per_s']:>8.3f} "
             f"{r['x_clone']:>9.2f} {r['x_copy']:>9.2f}{note}"
         )
     print("clone allocates fresh memory (page faults included); copy_ writes into a warm preallocated buffer.")

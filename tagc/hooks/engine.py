@@ -57,7 +57,7 @@ class _Part:
 class _BucketPlan:
     key: str
     chunk: int
-    plain_columns: Optional[torch.Tensor]
+    plain_columns: Optional[slice | torch.Tensor]
     parts: list[_Part]
 
 
@@ -93,6 +93,17 @@ def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
     if not segments:
         return None
     return torch.cat([torch.arange(s.start, s.start + s.numel) for s in segments])
+
+
+def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
+    """A slice where ``columns`` are consecutive (indexing by it is a view, not a gather)."""
+    if columns.numel() > 1 and not bool((columns[1:] - columns[:-1] == 1).all()):
+        return columns
+    return slice(int(columns[0]), int(columns[-1]) + 1)
+
+
+def _count(columns: slice | torch.Tensor) -> int:
+    return columns.stop - columns.start if isinstance(columns, slice) else columns.numel()
 
 
 class TAGCHook:
@@ -214,16 +225,24 @@ class TAGCHook:
         plan = self._plan(tuple(segments), chunk, world)
         self._begin_bucket(plan.key)
         if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
-            plan = _BucketPlan(key=plan.key, chunk=chunk, plain_columns=torch.arange(chunk), parts=[])
+            plan = _BucketPlan(key=plan.key, chunk=chunk, plain_columns=slice(0, chunk), parts=[])
         stats = ExchangeStats(buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4)
         summed = torch.zeros(chunk, dtype=torch.float32, device=input.device)
 
+        grads = [rows[:, part.columns] for part in plan.parts]  # views where the part's columns are contiguous
+        bad = False
+        if grads:  # agree on NaN/Inf before the plain columns queue up on the group (the flag would wait behind them)
+            start = time.perf_counter()
+            bad = any_rank(any(not _finite(grad) for grad in grads), group)
+            stats.comm_wait_s += time.perf_counter() - start
         plain_pending = None
         if plan.plain_columns is not None:
             plain_pending = all_to_all_rows(rows[:, plan.plain_columns], group, self.piece_bytes)
             stats.wire_bytes += plain_pending.sent_bytes
-        if plan.parts:
-            self._compressed(rows, plan, group, world, summed, stats)
+        if grads and bad:
+            self._nonfinite(grads, plan, group, summed, stats)
+        elif grads:
+            self._compressed(grads, plan, group, world, summed, stats)
         if plain_pending is not None:
             start = time.perf_counter()
             summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
@@ -231,13 +250,9 @@ class TAGCHook:
         _scale_into(output, summed, scale)
         self._record(stats)
 
-    def _compressed(self, rows, plan: _BucketPlan, group, world: int, summed: torch.Tensor, stats: ExchangeStats) -> None:
+    def _compressed(self, grads: list[torch.Tensor], plan: _BucketPlan, group, world: int, summed: torch.Tensor,
+                    stats: ExchangeStats) -> None:
         start = time.perf_counter()
-        grads = [rows[:, part.columns].contiguous() for part in plan.parts]  # kernels want [N, S] contiguous
-        locally_bad = any(not _finite(grad) for grad in grads)
-        if any_rank(locally_bad, group):
-            self._nonfinite(grads, plan, group, summed, stats)
-            return
         residuals = self._residuals(plan, grads)
         density = self.config.density(world)
         bits = self.config.index_bits
@@ -286,7 +301,7 @@ class TAGCHook:
         """Columns per rank row of the three tensors :meth:`encode_bucket` returns: plain values,
         index bytes, sketch cells. Fixed by the settings, so a compiled graph can hold them."""
         plan = self._plan(tuple(segments), chunk, world)
-        plain = 0 if plan.plain_columns is None else plan.plain_columns.numel()
+        plain = 0 if plan.plain_columns is None else _count(plan.plain_columns)
         columns = [self._wire_columns(part) for part in plan.parts]
         return plain, sum(index for index, _ in columns), sum(table for _, table in columns)
 
@@ -328,7 +343,7 @@ class TAGCHook:
             return (plain, torch.zeros(world, index_cols, dtype=torch.uint8, device=packed.device),
                     torch.zeros(world, table_cols, dtype=torch.float32, device=packed.device))
         start = time.perf_counter()
-        grads = [rows[:, part.columns].contiguous() for part in plan.parts]
+        grads = [rows[:, part.columns] for part in plan.parts]
         residuals = self._residuals(plan, grads)
         density = self.config.density(world)
         encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(grads, residuals, plan.parts)]
@@ -369,7 +384,7 @@ class TAGCHook:
         stats.nonfinite_buckets += 1
         residuals = self.residuals.get(plan.key)
         for i, (grad, part) in enumerate(zip(grads, plan.parts)):
-            dense = grad.float()
+            dense = grad.to(torch.float32, copy=True)  # grad may be a view of the input
             if residuals is not None:
                 dense += residuals[i]
                 residuals[i].zero_()
@@ -419,9 +434,7 @@ class TAGCHook:
             n_parts = max(1, compressed // self.min_part)
             bounds = [round(i * compressed / n_parts) for i in range(n_parts + 1)]
             for a, b in zip(bounds, bounds[1:]):
-                cols = columns[a:b]
-                contiguous = bool((cols[1:] - cols[:-1] == 1).all()) if cols.numel() > 1 else True
-                sel = slice(int(cols[0]), int(cols[-1]) + 1) if contiguous else cols
-                parts.append(_Part(sel, SketchLayout(b - a, self.config.ratio, self.config.lane, self.config.seed)))
+                parts.append(_Part(_selector(columns[a:b]), SketchLayout(b - a, self.config.ratio, self.config.lane, self.config.seed)))
         key = "|".join(s.name for s in chosen) or "|".join(s.name for s in segments)
-        return _BucketPlan(key=f"{key}#{chunk}", chunk=chunk, plain_columns=_columns(rest), parts=parts)
+        plain = _columns(rest)
+        return _BucketPlan(key=f"{key}#{chunk}", chunk=chunk, plain_columns=None if plain is None else _selector(plain), parts=parts)

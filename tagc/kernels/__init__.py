@@ -1,13 +1,15 @@
-"""Triton kernels for the TAGC codec, and the dispatch that picks them or the reference.
+"""Triton (GPU) and Numba (CPU) kernels for the TAGC codec, and the dispatch that picks them or the reference.
 
 ``from tagc.kernels import compress_, decode, row_thresholds`` works everywhere: triton is
 imported only when a Triton path runs (CUDA tensors, ``TAGC_BACKEND=triton`` or
-``backend="triton"``). One idea per module:
+``backend="triton"``), numba only when a CPU kernel runs. One idea per module:
 
 * :mod:`~tagc.kernels.radix_select` - radix select of the magnitude threshold on the device;
 * :mod:`~tagc.kernels.compress` - fused residual / sparsify / index / sketch pass;
 * :mod:`~tagc.kernels.peel` - lane-parallel peeling with the round loop in the kernel;
 * :mod:`~tagc.kernels.ops` - the kernels registered as torch operators (``torch.compile``);
+* :mod:`~tagc.kernels.cpu` - the CPU kernels (Numba, :mod:`~tagc.kernels._numba`): one-pass
+  compress and queue-driven peeling, the production path on CPU tensors;
 * :mod:`~tagc.kernels.dispatch` - one function per operation, Triton or reference.
 """
 
