@@ -82,6 +82,11 @@ def _finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
+def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether any of a bucket's compressed parts holds a NaN/Inf on this rank."""
+    return any(not _finite(grad) for grad in grads)
+
+
 def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> None:
     """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order."""
     output.copy_(summed)
@@ -233,7 +238,7 @@ class TAGCHook:
         bad = False
         if grads:  # agree on NaN/Inf before the plain columns queue up on the group (the flag would wait behind them)
             start = time.perf_counter()
-            bad = any_rank(any(not _finite(grad) for grad in grads), group)
+            bad = any_rank(_any_nonfinite(grads), group)
             stats.comm_wait_s += time.perf_counter() - start
         plain_pending = None
         if plan.plain_columns is not None:
@@ -322,7 +327,7 @@ class TAGCHook:
         world = dist.get_world_size(group)
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
-        bad = any(not _finite(rows[:, part.columns]) for part in plan.parts)
+        bad = _any_nonfinite([rows[:, part.columns] for part in plan.parts])
         return torch.tensor([int(bad)], dtype=torch.int32, device=packed.device)
 
     def encode_bucket(self, packed: torch.Tensor, bad: bool, group, segments: Sequence[Segment]):

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
-from tagc.sketch.codec import DecodeStats, finish_decode
-from tagc.sketch.index import check_bits, check_index, index_nbytes
+from tagc.sketch.codec import DecodeStats, check_decode_args, finish_decode
+from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_density, row_thresholds, sample_size, sample_stride
+from tagc.sketch.sparsify import check_density, check_finite, positive_threshold, row_thresholds, sample_size, sample_stride
 
 
 @functools.cache
@@ -52,6 +51,7 @@ def _kernels():
 
     return _numba
 
+
 def _tables(layout: SketchLayout):
     t = layout.tables("cpu")
     return t.rows.numpy(), t.signs.numpy(), t.lane_xor.numpy()
@@ -60,9 +60,9 @@ def _tables(layout: SketchLayout):
 def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> torch.Tensor:
     """:func:`tagc.sketch.sparsify.row_thresholds` of ``rows + grads``, sampling in the kernel."""
     n = rows.shape[1]
-    if not 0.0 < density < 1.0 or sample_size(n, density) == n:  # no sample: the reference's exact path
+    size = sample_size(n, density) if 0.0 < density < 1.0 else n
+    if size == n:  # no sample: the reference's exact path
         return row_thresholds(rows, density, grad=grads)
-    size = sample_size(n, density)
     keep = min(size, max(1, round(density * size)))
     return torch.from_numpy(_kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1))
 
@@ -87,12 +87,11 @@ def compress_cpu(
     n_chunks = rows.shape[0]
     if tau is None:
         tau = _row_thresholds(rows, grads, density)
-    tau = tau.to(dtype=torch.float32).reshape(n_chunks)
-    tau = tau.clamp_min(torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps)  # never keeps a zero
+    tau = positive_threshold(tau, torch.float32).reshape(n_chunks)
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
     _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), *_tables(layout), layout.lane_bits, bits,
-                  index.numpy(), table.numpy())
+                             index.numpy(), table.numpy())
     return index, table
 
 
@@ -100,13 +99,7 @@ def decode_cpu(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
 ) -> tuple[torch.Tensor, DecodeStats]:
     """:func:`tagc.sketch.decode` with queue-driven peeling (same arguments, same results)."""
-    from tagc.sketch.codec import FALLBACKS, check_finite
-
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
-        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
-    check_index(index, layout.numel, bits)
+    check_decode_args(table, index, layout, bits, fallback)
     check_finite(table, "sketch table")
     kernels = _kernels()
     positions = kernels.support(index.contiguous().numpy(), layout.numel, bits)

@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tagc.sketch.codec import FALLBACKS, DecodeStats, decode, finish_decode
-from tagc.sketch.index import check_index
+from tagc.sketch.codec import DecodeStats, check_decode_args, decode, finish_decode
 from tagc.sketch.layout import SketchLayout
 
 PROGRAMS = 256
@@ -222,14 +221,6 @@ def launch_peel(
     return out, state, work, stats
 
 
-def _check_decode_args(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str) -> None:
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
-        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
-    check_index(index, layout.numel, bits)
-
-
 def decode_async(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +233,7 @@ def decode_async(
     """
     from tagc.kernels import ops
 
-    _check_decode_args(table, index, layout, bits, fallback)
+    check_decode_args(table, index, layout, bits, fallback)
     t = layout.tables(table.device)
     out, _state, _work, stats = ops.peel(
         table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
@@ -263,7 +254,7 @@ def decode_triton(
     from tagc.kernels import ops
     from tagc.sketch.sparsify import check_finite
 
-    _check_decode_args(table, index, layout, bits, fallback)
+    check_decode_args(table, index, layout, bits, fallback)
     check_finite(table, "sketch table")
     t = layout.tables(table.device)
     out, state, work, dev_stats = ops.peel(

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from tagc.sketch.index import index_positions
+from tagc.sketch.index import check_index, index_positions
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_finite
 
@@ -192,6 +192,15 @@ def finish_decode(
     return torch.cat([p for p, _ in written]), torch.cat([v for _, v in written])
 
 
+def check_decode_args(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str) -> None:
+    """The argument checks every decode back end makes (clear ``ValueError`` on a mismatch)."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
+        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
+    check_index(index, layout.numel, bits)
+
+
 def decode(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
 ) -> tuple[torch.Tensor, DecodeStats]:
@@ -205,10 +214,7 @@ def decode(
             ``"raw"`` writes 0 and lists them in ``stats.raw_positions`` for a re-send,
             ``"error"`` raises ``RuntimeError``.
     """
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
-        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
+    check_decode_args(table, index, layout, bits, fallback)
     check_finite(table, "sketch table")
     positions = index_positions(index, layout.numel, bits)
     cells, signs = layout.cells(positions)

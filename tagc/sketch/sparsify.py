@@ -103,14 +103,19 @@ def _scratch(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor
     return torch.empty(shape, dtype=torch.bool, device=device), torch.empty(shape, dtype=torch.bool, device=device)
 
 
+def positive_threshold(tau: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tau`` in ``dtype``, at least its smallest subnormal, so ``|x| >= tau`` never keeps an exact zero."""
+    info = torch.finfo(dtype)
+    return tau.to(dtype).clamp_min(info.tiny * info.eps)
+
+
 def keep_mask(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """``(|x| >= tau) & (x != 0)`` without a full-size ``|x|`` temporary.
 
     The result lives in a scratch buffer reused by the next call of the same shape: consume
     it (or copy it) before calling again.
     """
-    info = torch.finfo(x.dtype)
-    tau = tau.to(x.dtype).clamp_min(info.tiny * info.eps)  # the smallest subnormal: excludes exact zeros
+    tau = positive_threshold(tau, x.dtype)
     above, below = _scratch(tuple(x.shape), x.device)
     torch.ge(x, tau, out=above)
     torch.le(x, -tau, out=below)
