@@ -23,7 +23,7 @@ import torch.nn as nn
 from tagc.config import TAGCConfig
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PIECE_BYTES, PendingFlag, all_to_all_rows, any_rank, gather_from_owners, plain_reduce_scatter
+from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, any_rank, gather_from_owners, plain_reduce_scatter
 from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
@@ -122,9 +122,7 @@ class TAGCHook:
     gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
     halves it at some loss of what error feedback carries). ``fallback="raw"`` keeps one more
     such copy per bucket during the exchange, to re-send what decode cannot recover exactly
-    (one small gather per part: counts, positions, then the values). Parts compressed while
-    the ranks' NaN/Inf check is still in flight (it can wait behind earlier traffic) keep a
-    copy of their residual until it answers, so a NaN/Inf on another rank loses nothing.
+    (one small gather per part: counts, positions, then the values).
     """
 
     def __init__(
@@ -237,17 +235,19 @@ class TAGCHook:
         summed = torch.zeros(chunk, dtype=torch.float32, device=input.device)
 
         grads = [rows[:, part.columns] for part in plan.parts]  # views where the part's columns are contiguous
-        # Ask whether any rank has a NaN/Inf first (ahead of everything else this bucket queues),
-        # but compress while the answer travels: it may wait behind earlier traffic on the link.
-        flag = any_rank(_any_nonfinite(grads), group) if grads else None
+        bad = False
+        if grads:  # agree on NaN/Inf before the plain columns queue up on the group (the flag would wait behind them)
+            start = time.perf_counter()
+            bad = any_rank(_any_nonfinite(grads), group)
+            stats.comm_wait_s += time.perf_counter() - start
         plain_pending = None
         if plan.plain_columns is not None:
             plain_pending = all_to_all_rows(rows[:, plan.plain_columns], group, self.piece_bytes)
             stats.wire_bytes += plain_pending.sent_bytes
-        if grads and self._compressed(grads, plan, group, world, summed, stats, flag):
-            if plain_pending is not None and self.nonfinite == "raise":
-                plain_pending.wait()  # every rank raises with nothing left in flight
+        if grads and bad:
             self._nonfinite(grads, plan, group, summed, stats)
+        elif grads:
+            self._compressed(grads, plan, group, world, summed, stats)
         if plain_pending is not None:
             start = time.perf_counter()
             summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
@@ -256,46 +256,21 @@ class TAGCHook:
         self._record(stats)
 
     def _compressed(self, grads: list[torch.Tensor], plan: _BucketPlan, group, world: int, summed: torch.Tensor,
-                    stats: ExchangeStats, flag: PendingFlag) -> bool:
-        """Compress, exchange and decode the parts into ``summed``; ``True`` instead when some
-        rank's parts hold a NaN/Inf (then nothing is decoded and the residuals are as before).
-
-        Every rank queues every part whatever it knows, so the collectives stay matched: a part
-        compressed before the ranks have agreed keeps a copy of its residual to restore, and
-        a rank that knows of a NaN/Inf sends zeros."""
+                    stats: ExchangeStats) -> None:
         start = time.perf_counter()
         residuals = self._residuals(plan, grads)
         density = self.config.density(world)
         bits = self.config.index_bits
-        pending, snapshots = [], []
+        pending = []
         resend = self.config.fallback == "raw"
         accumulated = []  # with fallback="raw": grad + residual, to re-send what decode cannot recover
         for grad, residual, part in zip(grads, residuals, plan.parts):
-            known = flag.known()
-            if known:
-                index_cols, table_cols = self._wire_columns(part)
-                index = torch.zeros(world, index_cols, dtype=torch.uint8, device=grad.device)
-                table = torch.zeros(world, table_cols, dtype=torch.float32, device=grad.device)
-                snapshots.append(None)
-            else:
-                snapshots.append(residual.clone() if known is None else None)
-                if resend:
-                    accumulated.append(residual.clone().add_(grad))
-                index, table = compress_(grad, residual, density, part.layout, bits)
+            if resend:
+                accumulated.append(residual.clone().add_(grad))
+            index, table = compress_(grad, residual, density, part.layout, bits)
             pending.append((all_to_all_rows(index, group, self.piece_bytes), all_to_all_rows(table, group, self.piece_bytes)))
             stats.wire_bytes += pending[-1][0].sent_bytes + pending[-1][1].sent_bytes
         stats.compress_s += time.perf_counter() - start
-        start = time.perf_counter()
-        bad = flag.wait()
-        stats.comm_wait_s += time.perf_counter() - start
-        if bad:
-            for index_x, table_x in pending:
-                index_x.wait()
-                table_x.wait()
-            for residual, snapshot in zip(residuals, snapshots):
-                if snapshot is not None:
-                    residual.copy_(snapshot)
-            return True
         for i, ((index_x, table_x), part) in enumerate(zip(pending, plan.parts)):
             start = time.perf_counter()
             indexes, tables = index_x.wait(), table_x.wait()
@@ -311,7 +286,6 @@ class TAGCHook:
                 stats.comm_wait_s += time.perf_counter() - start
             summed[part.columns] = values
         stats.compressed_buckets += 1
-        return False
 
     def _decode_part(self, indexes: torch.Tensor, tables: torch.Tensor, part: _Part, stats: ExchangeStats):
         """Every rank's index and table of one part (``[N, ...]``) -> the decoded sum and its stats."""

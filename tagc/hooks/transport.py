@@ -45,32 +45,12 @@ class PendingExchange:
         return self.recv
 
 
-@dataclasses.dataclass
-class PendingFlag:
-    """A "true on any rank?" all-reduce in flight; ``local`` is this rank's own answer."""
-
-    local: bool
-    value: torch.Tensor
-    work: object
-
-    def known(self) -> Optional[bool]:
-        """The answer if it is already known without waiting (this rank's own ``True`` settles it), else ``None``."""
-        if self.local:
-            return True
-        return self.wait() if self.work.is_completed() else None
-
-    def wait(self) -> bool:
-        with _peer_errors():
-            self.work.wait()
-        return bool(self.value)
-
-
-def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> PendingFlag:
-    """Start finding whether ``flag`` is true on any rank of ``group`` (a 4-byte all-reduce)."""
+def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (a 4-byte all-reduce)."""
     value = torch.tensor([int(flag)], dtype=torch.int32)
     with _peer_errors():
-        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    return PendingFlag(bool(flag), value, work)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value)
 
 
 def gather_from_owners(
