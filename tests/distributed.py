@@ -19,13 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float,
+           all_finish: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        if all_finish:  # no rank tears gloo down (rank 0 hosts the store) while a peer still uses it
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

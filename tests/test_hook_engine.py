@@ -163,7 +163,7 @@ def run_ranks_allow_missing(fn, world):
     from tests.distributed import _entry, free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_entry, args=(world, free_port(), out, fn, (), 20.0), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, free_port(), out, fn, (), 20.0, False), nprocs=world, join=True)
         return [torch.load(os.path.join(out, f"rank{r}.pt")) if os.path.exists(os.path.join(out, f"rank{r}.pt")) else None
                 for r in range(world)]
 
