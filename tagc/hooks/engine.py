@@ -7,12 +7,6 @@ threshold, index + sketch, exact OR / count-sum index exchange, summed sketches,
 the rest go through the fair plain exchange in the same step. The compressed columns are
 cut into parts with their own layouts so part ``k+1`` is compressed while part ``k`` is on
 the wire, and part ``k`` is decoded while later parts are still in flight.
-
-A rank's own chunk never crosses the wire, so it is neither sparsified nor sketched: each
-rank compresses only the ``N-1`` chunks it sends (its residuals cover those), and the owner
-decodes the peers' summed sketch and adds its own chunk exactly - as a plain reduce-scatter
-does. That spends ``1/N`` less compression and peeling work and keeps the owner's share exact
-for the same bytes on the wire.
 """
 
 from __future__ import annotations
@@ -100,22 +94,6 @@ def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> Non
         output.div_(1.0 / scale)
 
 
-def _others(rows: torch.Tensor, me: int) -> torch.Tensor:
-    """``rows`` (``[N, ...]``) without row ``me``: a view when ``me`` is the first or last rank."""
-    if me == 0:
-        return rows[1:]
-    if me == rows.shape[0] - 1:
-        return rows[:-1]
-    return torch.cat((rows[:me], rows[me + 1 :]))
-
-
-def _with_own_row(peer_rows: torch.Tensor, me: int) -> torch.Tensor:
-    """``peer_rows`` (``[N-1, ...]``, the chunks sent to the other ranks) with a zero row ``me``
-    inserted, for the all-to-all (row ``me`` stays on this rank)."""
-    zero = peer_rows.new_zeros(1, *peer_rows.shape[1:])
-    return torch.cat((peer_rows[:me], zero, peer_rows[me:]))
-
-
 def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
     if not segments:
         return None
@@ -139,9 +117,9 @@ class TAGCHook:
     Build it with :func:`tagc.hook`; install it with :func:`tagc.register_comm_hook` (FSDP2,
     FSDP1) or ``model.register_comm_hook`` (SimpleFSDP).
 
-    Memory: the residual of a compressed bucket holds what this rank did not send to each
-    other owner, i.e. ``world_size - 1`` times the sharded gradient of the compressed
-    parameters (its own chunk is added exactly and keeps none), in ``residual_dtype`` (``torch.bfloat16``
+    Memory: the residual of a compressed bucket has the bucket's *unsharded* size (every
+    rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
+    gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
     halves it at some loss of what error feedback carries). ``fallback="raw"`` keeps one more
     such copy per bucket during the exchange, to re-send what decode cannot recover exactly
     (one small gather per part: counts, positions, then the values).
@@ -269,7 +247,7 @@ class TAGCHook:
         if grads and bad:
             self._nonfinite(grads, plan, group, summed, stats)
         elif grads:
-            self._compressed(grads, plan, group, dist.get_rank(group), summed, stats)
+            self._compressed(grads, plan, group, world, summed, stats)
         if plain_pending is not None:
             start = time.perf_counter()
             summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
@@ -277,47 +255,44 @@ class TAGCHook:
         _scale_into(output, summed, scale)
         self._record(stats)
 
-    def _compressed(self, grads: list[torch.Tensor], plan: _BucketPlan, group, me: int, summed: torch.Tensor,
+    def _compressed(self, grads: list[torch.Tensor], plan: _BucketPlan, group, world: int, summed: torch.Tensor,
                     stats: ExchangeStats) -> None:
         start = time.perf_counter()
-        sent_grads = [_others(grad, me) for grad in grads]
-        residuals = self._residuals(plan, sent_grads)
-        density = self.config.density(grads[0].shape[0])
+        residuals = self._residuals(plan, grads)
+        density = self.config.density(world)
         bits = self.config.index_bits
         pending = []
         resend = self.config.fallback == "raw"
         accumulated = []  # with fallback="raw": grad + residual, to re-send what decode cannot recover
-        for grad, residual, part in zip(sent_grads, residuals, plan.parts):
+        for grad, residual, part in zip(grads, residuals, plan.parts):
             if resend:
                 accumulated.append(residual.clone().add_(grad))
             index, table = compress_(grad, residual, density, part.layout, bits)
-            pending.append((all_to_all_rows(_with_own_row(index, me), group, self.piece_bytes),
-                            all_to_all_rows(_with_own_row(table, me), group, self.piece_bytes)))
+            pending.append((all_to_all_rows(index, group, self.piece_bytes), all_to_all_rows(table, group, self.piece_bytes)))
             stats.wire_bytes += pending[-1][0].sent_bytes + pending[-1][1].sent_bytes
         stats.compress_s += time.perf_counter() - start
         for i, ((index_x, table_x), part) in enumerate(zip(pending, plan.parts)):
             start = time.perf_counter()
             indexes, tables = index_x.wait(), table_x.wait()
             stats.comm_wait_s += time.perf_counter() - start
-            values, decoded = self._decode_part(indexes, tables, me, part, stats)
+            values, decoded = self._decode_part(indexes, tables, part, stats)
             if resend:  # every rank takes part, also with nothing to ask for
                 start = time.perf_counter()
                 wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64)
-                raw_values, sent = gather_from_owners(wanted, _with_own_row(accumulated[i] - residuals[i], me), group)
+                raw_values, sent = gather_from_owners(wanted, accumulated[i] - residuals[i], group)
                 values[wanted] = raw_values
                 stats.wire_bytes += sent
                 stats.raw += int(decoded.raw)
                 stats.comm_wait_s += time.perf_counter() - start
-            summed[part.columns] = values.add_(grads[i][me])
+            summed[part.columns] = values
         stats.compressed_buckets += 1
 
-    def _decode_part(self, indexes: torch.Tensor, tables: torch.Tensor, me: int, part: _Part, stats: ExchangeStats):
-        """Every rank's index and table of one part (``[N, ...]``, row ``me`` unused) -> the
-        decoded sum of the other ranks' kept values and its stats."""
+    def _decode_part(self, indexes: torch.Tensor, tables: torch.Tensor, part: _Part, stats: ExchangeStats):
+        """Every rank's index and table of one part (``[N, ...]``) -> the decoded sum and its stats."""
         start = time.perf_counter()
         bits = self.config.index_bits
-        union = functools.reduce(lambda a, b: merge_index(a, b, bits), _others(indexes, me).unbind(0))
-        values, decoded = decode(_others(tables, me).sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
+        union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
+        values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
         stats.decode_s += time.perf_counter() - start
         stats.support += int(decoded.support)
         stats.peeled += int(decoded.peeled)
@@ -373,23 +348,18 @@ class TAGCHook:
             return (plain, torch.zeros(world, index_cols, dtype=torch.uint8, device=packed.device),
                     torch.zeros(world, table_cols, dtype=torch.float32, device=packed.device))
         start = time.perf_counter()
-        me = dist.get_rank(group)
-        sent_grads = [_others(rows[:, part.columns], me) for part in plan.parts]
-        residuals = self._residuals(plan, sent_grads)
+        grads = [rows[:, part.columns] for part in plan.parts]
+        residuals = self._residuals(plan, grads)
         density = self.config.density(world)
-        encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(sent_grads, residuals, plan.parts)]
+        encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(grads, residuals, plan.parts)]
         self._record(ExchangeStats(compress_s=time.perf_counter() - start))
-        return (plain, _with_own_row(torch.cat([i for i, _ in encoded], dim=1), me),
-                _with_own_row(torch.cat([t for _, t in encoded], dim=1), me))
+        return plain, torch.cat([i for i, _ in encoded], dim=1), torch.cat([t for _, t in encoded], dim=1)
 
-    def decode_bucket(self, packed: torch.Tensor, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, bad: bool,
-                      group, segments: Sequence[Segment], chunk: int, op=dist.ReduceOp.AVG) -> torch.Tensor:
-        """Second half: this rank's ``packed`` input (its own chunk is added exactly) and every
-        rank's rows of the three tensors (row ``j`` from rank ``j``) -> this rank's reduced
-        ``chunk`` elements, in ``plain``'s dtype."""
+    def decode_bucket(self, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, bad: bool, group,
+                      segments: Sequence[Segment], chunk: int, op=dist.ReduceOp.AVG) -> torch.Tensor:
+        """Second half: every rank's rows of the three tensors (row ``j`` from rank ``j``) -> this
+        rank's reduced ``chunk`` elements, in ``plain``'s dtype."""
         world = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        own = packed.view(world, chunk)[me]
         plan = self._plan(tuple(segments), chunk, world)
         stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4,
                               wire_bytes=(world - 1) * (plain[0].numel() * plain.element_size() + index.shape[1] + table.shape[1] * 4))
@@ -402,9 +372,8 @@ class TAGCHook:
             if bad:
                 summed[part.columns] = float("nan")
             else:
-                values, _ = self._decode_part(index[:, index_at : index_at + index_cols], table[:, table_at : table_at + table_cols],
-                                              me, part, stats)
-                summed[part.columns] = values.add_(own[part.columns])
+                values, _ = self._decode_part(index[:, index_at : index_at + index_cols], table[:, table_at : table_at + table_cols], part, stats)
+                summed[part.columns] = values
             index_at, table_at = index_at + index_cols, table_at + table_cols
         if bad:
             stats.nonfinite_buckets, stats.compressed_buckets = 1, 0
@@ -419,11 +388,10 @@ class TAGCHook:
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         stats.nonfinite_buckets += 1
         residuals = self.residuals.get(plan.key)
-        me = dist.get_rank(group)
         for i, (grad, part) in enumerate(zip(grads, plan.parts)):
             dense = grad.to(torch.float32, copy=True)  # grad may be a view of the input
-            if residuals is not None:  # they hold what earlier steps did not send to the other ranks
-                dense[[r for r in range(dense.shape[0]) if r != me]] += residuals[i]
+            if residuals is not None:
+                dense += residuals[i]
                 residuals[i].zero_()
             result, sent = plain_reduce_scatter(dense, group, self.piece_bytes)
             summed[part.columns] = result

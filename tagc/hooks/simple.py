@@ -11,7 +11,7 @@ collectives (the wire sizes follow from the settings alone)::
     flag = all_reduce(flag, "max")
     plain, index, table = tagc::encode(packed, flag) # error feedback, threshold, index, sketch
     plain, index, table = all_to_all_single(...)    # row j to / from rank j
-    chunk = tagc::decode(packed, plain, index, table, flag)  # merge, summed sketch, peeling, + own chunk
+    chunk = tagc::decode(plain, index, table, flag) # index merge, summed sketch, peeling
 
 The data-dependent steps are ``torch.library`` custom ops with shape-only fake
 implementations; the hook state (residuals, statistics) is reached through a small
@@ -91,17 +91,15 @@ def _(packed: torch.Tensor, flag: torch.Tensor, handle: int):
 
 
 @torch.library.custom_op("tagc::decode", mutates_args=())
-def decode(packed: torch.Tensor, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, flag: torch.Tensor,
-           handle: int) -> torch.Tensor:
-    """This rank's input (its own chunk is added exactly) and every rank's rows (row ``j`` from
-    rank ``j``) -> this rank's averaged chunk."""
+def decode(plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, flag: torch.Tensor, handle: int, chunk: int) -> torch.Tensor:
+    """Every rank's rows (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
     hook, group, segments = _registry[handle]
-    return hook.decode_bucket(packed, plain, index, table, bool(flag), group, segments, packed.numel() // _world(handle))
+    return hook.decode_bucket(plain, index, table, bool(flag), group, segments, chunk)
 
 
 @decode.register_fake
-def _(packed, plain, index, table, flag, handle: int) -> torch.Tensor:
-    return plain.new_empty(packed.numel() // _world(handle))
+def _(plain, index, table, flag, handle: int, chunk: int) -> torch.Tensor:
+    return plain.new_empty(chunk)
 
 
 def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
@@ -114,7 +112,7 @@ def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     flag = funcol.wait_tensor(funcol.all_reduce(nonfinite(packed, handle), "max", group))
     plain, index, table = encode(packed, flag, handle)
     received = [_all_to_all(rows, group) for rows in (plain, index, table)]
-    return decode(packed, *received, flag, handle)
+    return decode(*received, flag, handle, packed.numel() // _world(handle))
 
 
 def install(hook: TAGCHook, unit: "Unit") -> None:
