@@ -286,7 +286,11 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
 
 
 def _worker_main(args: argparse.Namespace) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its Python stack
 
     cfg = TrainConfig(**json.loads(Path(args.config).read_text()))
     rank = int(os.environ.get("RANK", args.rank))
@@ -333,6 +337,7 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "exchange_ms_per_mb": median([r["exchange_ms_per_mb"] for r in steady if "exchange_ms_per_mb" in r]) if total else None,
         "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
         "plain_bytes_per_rank": (total.get("plain_equivalent_bytes", 0) / max(1, len(steps))) if total else None,
+        "wire_bytes_per_step": median([r["wire_bytes"] for r in steady if "wire_bytes" in r]) if total else None,  # steady steps
         "val_loss": summary["val_loss"],
         "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
         "n_params": summary["n_params"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -21,6 +22,7 @@ def free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float,
            all_finish: bool = True) -> None:
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints where it was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

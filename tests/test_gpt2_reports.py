@@ -19,6 +19,7 @@ def test_compare_table_has_a_row_per_paper_row_and_both_speedups(tmp_path):
     table = compare.format_table(rows, {"rate": "500mbit", "slowdown": 20, "exchange_share": 0.31})
     lines = [line for line in table.splitlines() if line.startswith("| fsdp") or line.startswith("| tagc")]
     assert len(lines) == 4 and "1.25x" in lines[1] and "25.2" in lines[2]  # ours beside the paper's
+    assert all("| - |" in line for line in lines)  # no bytes model without per-step wire bytes
     compare.plot(rows, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").stat().st_size > 0
 
@@ -33,3 +34,11 @@ def test_integrations_table_and_plot(tmp_path):
     assert table.count("\n") == len(rows) + 1 and "TAGC non-attn" in table and "plain (gloo" in table
     integrations.plot(rows, tmp_path / "integrations.png")
     assert (tmp_path / "integrations.png").stat().st_size > 0
+
+
+def test_bytes_model_subtracts_the_bytes_saved_at_the_link_rate():
+    # 40 MB fewer per step over 320 Mbit/s (40 MB/s) saves one second of a 4 s step
+    assert compare.bytes_model_ms(4000.0, 50e6, 10e6, 320 * 10**6) == 3000.0
+    assert compare.bytes_model_ms(4000.0, 50e6, 50e6, 320 * 10**6) == 4000.0
+    assert compare.bytes_model_ms(4000.0, 50e6, 10e6, None) is None  # unshaped: no link to model
+    assert compare.bytes_model_ms(4000.0, None, 10e6, 10**9) is None  # plain run without the fair transport's counts
