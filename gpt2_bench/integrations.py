@@ -35,7 +35,8 @@ def measure(base: TrainConfig) -> list[dict]:
     for compression in ("none", base.compression):
         for label, integration, compiled in SETUPS:
             cfg = dataclasses.replace(base, integration=integration, compile=compiled, compression=compression,
-                                      transport="gloo" if compression == "none" else "fair", link="none", name=None)
+                                      transport="gloo" if compression == "none" else "fair", link="none", name=None,
+                                      keep_freed_memory=False)  # RSS after forward must show what resharding freed
             rows.append({"setup": label, **run(cfg, data_dir, link="none")})
     baseline = {row["compressed"]: row["iter_ms"] for row in rows if row["setup"] == "FSDP2 eager"}
     for row in rows:

@@ -19,6 +19,24 @@ def test_warmup_then_cosine_to_min_lr():
     assert all(a >= b for a, b in zip(mids, mids[1:]))
 
 
+def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():
+    import platform
+    import subprocess
+    import sys
+
+    from gpt2_bench.train import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])).keep_freed_memory
+    assert not config_from_args(build_parser().parse_args(["--return-freed-memory"])).keep_freed_memory
+    # process-wide allocator setting: try it in a fresh interpreter, then allocate and free under it
+    code = ("import torch; from gpt2_bench.train import keep_freed_memory; ok = keep_freed_memory(); "
+            "[torch.ones(1 << 22).sum() for _ in range(3)]; print(ok)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out in ("True", "False")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert out == "True"
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"integration": "ddp"}, "integration"), ({"compression": "half"}, "compression"), ({"preset": "gpt5"}, "preset"),
