@@ -53,6 +53,68 @@ def bucket_layout(fqns: Sequence[str], shapes: Sequence[torch.Size], world: int,
 ReduceScatter = Callable[[torch.Tensor], torch.Tensor]
 """``packed [world * S] -> this rank's averaged chunk [S]``."""
 
+ReduceScatterStart = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
+"""``packed [world * S] -> finish``: launches the reduce-scatter; ``finish()`` returns this rank's averaged chunk."""
+
+
+class PendingGradients:
+    """Reduce-scatters launched in backward, finished in a final callback of the same backward pass.
+
+    A unit's backward launches its reduce-scatter and returns no gradient for its shards
+    (autograd leaves ``.grad`` alone); the callback, queued once per backward pass, finishes
+    the exchanges oldest first and accumulates each shard's gradient into its parameter's
+    ``.grad`` (a ``Shard(0)`` DTensor), as autograd would have: so gradient accumulation over
+    several backward passes is unchanged, and everything is in place when ``backward()``
+    returns. Post-accumulate-grad hooks of the parameters do not run for these gradients.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple["Bucket", Callable[[], torch.Tensor], list[torch.dtype]]] = []
+        self._task = None
+
+    def add(self, bucket: "Bucket", finish: Callable[[], torch.Tensor], dtypes: list[torch.dtype]) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first launch of this backward pass
+            self._drain(accumulate=False)  # a backward pass that failed left these: finish the collectives, drop the values
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._items.append((bucket, finish, dtypes))
+
+    def finish(self) -> None:
+        """Finish every exchange launched in this backward pass and accumulate the gradients."""
+        self._task = None
+        self._drain(accumulate=True)
+
+    def _drain(self, accumulate: bool) -> None:
+        items, self._items = self._items, []
+        error = None
+        for bucket, finish, dtypes in items:  # finish all, even after an error: no collective is left behind
+            try:
+                chunk = finish()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+                continue
+            if accumulate:
+                with torch.no_grad():
+                    for param, grad in zip(bucket.params, bucket.unpack_shards(chunk, dtypes)):
+                        _accumulate(param, grad)
+        if error is not None:
+            raise error
+
+
+def _accumulate(param: torch.Tensor, local_grad: torch.Tensor) -> None:
+    """``param.grad += local_grad`` for a ``Shard(0)`` DTensor parameter (``=`` when it has none)."""
+    if not param.requires_grad:
+        return
+    from torch.distributed.tensor import DTensor
+
+    grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
 
 class Bucket:
     """A unit's layout, process group, dtypes and reduce-scatter (plain or a comm hook)."""
@@ -65,6 +127,7 @@ class Bucket:
         group: dist.ProcessGroup,
         param_dtype: Optional[torch.dtype],
         reduce_dtype: Optional[torch.dtype],
+        pending: Optional[PendingGradients] = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -74,11 +137,18 @@ class Bucket:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.reduce_scatter: ReduceScatter = self.plain_reduce_scatter
+        self.pending = pending  # shared by a model's buckets; None: every reduce-scatter blocks in its backward
+        self.reduce_scatter_start: Optional[ReduceScatterStart] = self.plain_reduce_scatter_start if pending else None
+        self.params: list[torch.Tensor] = []  # the unit's DTensor parameters (the overlapped path sets their .grad)
         self.regathered: Optional[list[torch.Tensor]] = None  # eager resharding's backward all-gather
         self._prefetched: Optional[tuple[tuple[int, ...], torch.Tensor]] = None  # (shard versions, gather in flight)
 
     def plain_reduce_scatter(self, packed: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.reduce_scatter_single(packed, "avg", 0, self.group))
+
+    def plain_reduce_scatter_start(self, packed: torch.Tensor) -> Callable[[], torch.Tensor]:
+        reduced = funcol.reduce_scatter_single(packed, "avg", 0, self.group)
+        return lambda: funcol.wait_tensor(reduced)
 
     # ------------------------------------------------------------------ packing
 
@@ -164,5 +234,8 @@ class _GatherBucket(torch.autograd.Function):
         bucket.regathered = None  # every user of the parameters is done
         dtype = bucket.reduce_dtype or ctx.dtypes[0]
         packed = bucket.pack_grads(grads, dtype, ctx.device)
+        if bucket.pending is not None and bucket.reduce_scatter_start is not None and not torch.compiler.is_compiling():
+            bucket.pending.add(bucket, bucket.reduce_scatter_start(packed), ctx.dtypes)
+            return (None,) * (1 + len(grads))  # the final callback sets the shards' .grad
         reduced = bucket.reduce_scatter(packed)
         return (None, *bucket.unpack_shards(reduced, ctx.dtypes))

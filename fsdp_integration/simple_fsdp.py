@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fsdp_integration.bucket import Bucket
+from fsdp_integration.bucket import Bucket, PendingGradients
 from fsdp_integration.prefetch import Prefetcher
 from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
 
@@ -128,6 +128,7 @@ def simple_fsdp(
     reshard_after_forward: bool = True,
     units: Optional[Sequence[str]] = None,
     prefetch: bool = True,
+    overlap: bool = True,
 ) -> "SimpleFSDPModel":
     """Shard ``model`` in place (SimpleFSDP) and return it with ``register_comm_hook``.
 
@@ -144,6 +145,11 @@ def simple_fsdp(
         prefetch: in eager mode, start the next unit's all-gather while this one computes,
             forward and backward (:mod:`fsdp_integration.prefetch`); holds up to two units'
             parameters at once.
+        overlap: in eager mode, launch each unit's reduce-scatter in its backward and finish
+            them all in a final callback of the backward pass (the exchange overlaps the
+            backward of the units before it; :class:`~fsdp_integration.bucket.PendingGradients`);
+            ``False`` waits for each unit's reduce-scatter in its backward. A comm hook may
+            decline to overlap (``tagc.hook(overlap=False)``).
     """
     if not dist.is_initialized():
         raise RuntimeError("simple_fsdp needs torch.distributed: call dist.init_process_group(...) first")
@@ -187,6 +193,7 @@ def simple_fsdp(
 
     group = mesh.get_group()
     prefetcher = Prefetcher(enabled=prefetch)
+    pending = PendingGradients() if overlap else None
     unit_objects: list[Unit] = []
     slots: dict[int, dict[str, tuple[Unit, int]]] = {}  # module id -> attr -> (unit, index)
     unit_of_module: dict[int, Unit] = {}
@@ -196,7 +203,8 @@ def simple_fsdp(
             continue
         params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
         bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
-                        mp_policy.param_dtype, mp_policy.reduce_dtype)
+                        mp_policy.param_dtype, mp_policy.reduce_dtype, pending)
+        bucket.params = [p for _, p in params]
         unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
                     reshard_after_forward and unit_name != "", prefetcher)
         index = {pid: i for i, (_, _, pid) in enumerate(firsts)}

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,8 @@ class TrainConfig:
     timeout_s: float = 600.0
     keep_freed_memory: bool = True
     """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
+    overlap: bool = True
+    """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
 
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
@@ -107,7 +110,7 @@ class TrainConfig:
         algo = "fsdp" if self.compression == "none" else f"tagc-{self.compression}-r{self.ratio:g}-b{self.index_bits}"
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
-        return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}"
+        return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -152,11 +155,12 @@ def _shard(model, cfg: TrainConfig, world: int):
     if cfg.compression != "none" or cfg.transport == "fair":
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
         hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select,
-                         min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps)
+                         min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                         codec="plain" if cfg.compression == "none" else "tagc", overlap=cfg.overlap)
     if cfg.integration == "simple":
         from fsdp_integration import simple_fsdp
 
-        model = simple_fsdp(model)  # one unit per transformer block + the root, like the fsdp2 wrapping below
+        model = simple_fsdp(model, overlap=cfg.overlap)  # one unit per transformer block + the root, like fsdp2 below
     elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -239,6 +243,14 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, HEAP_KEEP_BYTES)) and bool(mallopt(m_trim_threshold, 4 * HEAP_KEEP_BYTES))
 
 
+def timeline(start: float, backward: float, backward_end: float, end: float, units: list[dict]) -> dict:
+    """One step's spans in ms from its start: forward, backward, optimizer, and per unit its wire
+    and its codec / wait spans on the training thread (from :meth:`tagc.TAGCHook.stats`)."""
+    ms = lambda t: round((t - start) * 1e3, 2)  # noqa: E731
+    return {"forward": [0.0, ms(backward)], "backward": [ms(backward), ms(backward_end)], "optimizer": [ms(backward_end), ms(end)],
+            "units": [{"unit": u["unit"], "events": [[kind, ms(a), ms(b)] for kind, a, b in u["events"]]} for u in units]}
+
+
 def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str) -> None:
     """Train on one rank (process group already initialised); rank 0 writes the log."""
     import torch
@@ -291,13 +303,18 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
                   "elapsed_s": time.perf_counter() - start, "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world}
         if hook is not None:
             hook.end_step()
-            last = hook.stats()["last_step"]
-            exchange_s = last["compress_s"] + last["comm_wait_s"] + last["decode_s"]
+            stats = hook.stats()
+            last = stats["last_step"]
+            exchange_s = last["compress_s"] + last["exposed_s"] + last["decode_s"]  # the step's time on the exchange
             record.update(exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
-                          compress_ms=last["compress_s"] * 1e3, comm_wait_ms=last["comm_wait_s"] * 1e3,
-                          decode_ms=last["decode_s"] * 1e3,
+                          compress_ms=last["compress_s"] * 1e3, exposed_ms=last["exposed_s"] * 1e3,
+                          wire_ms=last["wire_s"] * 1e3, decode_ms=last["decode_s"] * 1e3,
                           wire_bytes=last["wire_bytes"], plain_bytes=last["plain_equivalent_bytes"],
-                          peel_success=last["peel_success"], unpeeled=last["unpeeled"])
+                          peel_success=last["peel_success"], unpeeled=last["unpeeled"],
+                          units={u["unit"]: {"wire_ms": u["wire_s"] * 1e3, "exposed_ms": u["exposed_s"] * 1e3,
+                                             "bytes": u["wire_bytes"]} for u in stats["units"]})
+            if step == cfg.steps - 2:  # a steady step's timeline, for the picture
+                record["timeline"] = timeline(tick, tick + forward_s, tick + forward_s + backward_s, tick + iter_s, stats["units"])
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
             val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size)
             record["val_loss"] = val_loss
@@ -368,6 +385,11 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
         "plain_bytes_per_rank": (total.get("plain_equivalent_bytes", 0) / max(1, len(steps))) if total else None,
         "wire_bytes_per_step": median([r["wire_bytes"] for r in steady if "wire_bytes" in r]) if total else None,  # steady steps
+        "overlap": cfg.overlap,
+        "exposed_ms": median([r["exposed_ms"] for r in steady if "exposed_ms" in r]) if total else None,
+        "wire_ms": median([r["wire_ms"] for r in steady if "wire_ms" in r]) if total else None,
+        "units": _unit_medians(steady),
+        "timeline": next((r["timeline"] for r in steps if "timeline" in r), None),
         "val_loss": summary["val_loss"],
         "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
         "n_params": summary["n_params"],
@@ -377,6 +399,13 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "log": str(log_path),
         "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],
     }
+
+
+def _unit_medians(steps: list[dict]) -> dict:
+    """Per unit, the median over ``steps`` of its wire ms, exposed ms and bytes."""
+    names = {name for r in steps for name in r.get("units", {})}
+    return {name: {field: statistics.median(r["units"][name][field] for r in steps if name in r.get("units", {}))
+                   for field in ("wire_ms", "exposed_ms", "bytes")} for name in sorted(names)}
 
 
 def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None) -> dict:
@@ -439,7 +468,7 @@ def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
 
     share = PAPER_EXCHANGE_SHARE
     probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
-                                link="none", name=f"calibrate-{cfg.preset}")
+                                link="none", name=f"calibrate-{cfg.preset}", overlap=False)  # the share of a non-overlapped step
 
     def measure(rate: str) -> tuple[float, float, float]:
         result = run(probe, data_dir, link=rate)
@@ -482,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
                         "measures live memory); by default the ranks keep it for reuse")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of the "
+                        "units before it and all finish at the end of backward)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")
     p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")

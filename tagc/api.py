@@ -18,7 +18,9 @@ def hook(
     sparsity: Union[float, str] = "auto",
     select: Union[str, SelectPolicy] = "non_attention_linear",
     *,
-    nonfinite: str = "plain",
+    codec: str = "tagc",
+    overlap: bool = True,
+    nonfinite: str = "propagate",
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
     dense_steps: int = 0,
@@ -32,9 +34,16 @@ def hook(
         sparsity: fraction of each chunk zeroed before encoding, or ``"auto"``.
         select: which parameters to compress: ``"non_attention_linear"`` (default),
             ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
-        nonfinite: a NaN/Inf gradient sends its bucket uncompressed (``"plain"``) or raises.
-            In a compiled SimpleFSDP model (fixed shapes) ``"plain"`` instead returns NaN in the
-            bucket's compressed columns on every rank; either way the residuals are untouched.
+        codec: how the selected columns cross the wire: ``"tagc"`` (index + count sketch,
+            error feedback) or ``"plain"`` (the fair uncompressed reduce-scatter, for baselines);
+            the unselected columns always go plain (:mod:`tagc.hooks.codecs`).
+        overlap: launch each bucket's exchange as soon as its gradient is packed and finish
+            them all at the end of the backward pass (SimpleFSDP eager, FSDP2), decoding
+            whatever has arrived while later blocks compute; ``False`` blocks per bucket.
+        nonfinite: ``"propagate"`` (NaN/Inf reach the owners: plain columns where they are, a
+            compressed part NaN as a whole; residuals are never poisoned) or ``"raise"``
+            (``FloatingPointError`` on every rank once the exchange is complete). The same in
+            eager and compiled models.
         residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
         min_part: compressed columns are cut into pipeline parts of at least this many
             elements (part ``k+1`` is compressed while part ``k`` is on the wire).
@@ -48,7 +57,7 @@ def hook(
     """
     config = TAGCConfig(ratio=ratio, index_bits=index_bits, sparsity=sparsity, **options)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
-                    dense_steps=dense_steps)
+                    dense_steps=dense_steps, codec=codec, overlap=overlap)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

@@ -36,7 +36,7 @@ def lossless_transport(rank, world, bits):
     (key, parts), = residual.items()
     plan = hook._plan(tuple(segments()), CHUNK, world)
     kept = grad.clone()
-    for part, res in zip(plan.parts, parts):
+    for part, res in zip(plan.compressed_parts, parts):
         kept[:, part.columns] -= res  # residual + kept == gradient
         assert ((kept[:, part.columns] == 0) | (res == 0)).all()
     everyone = [torch.empty_like(kept) for _ in range(world)]
@@ -172,6 +172,7 @@ def nonfinite(rank, world, policy):
     hook = tagc.hook(ratio=10, nonfinite=policy)
     grad = torch.randn(world, CHUNK)
     exchange(rank, world, hook, grad)  # a normal step leaves a residual
+    (before,) = [[p.clone() for p in parts] for parts in hook.residuals.values()]
     grad = torch.randn(world, CHUNK)
     if rank == 1:
         grad[0, 5] = float("nan")
@@ -181,13 +182,17 @@ def nonfinite(rank, world, policy):
         return None
     out = exchange(rank, world, hook, grad)
     (parts,) = hook.residuals.values()
-    return out, hook.stats()["total"]["nonfinite_buckets"], all(bool(torch.isfinite(p).all()) for p in parts)
+    return out, hook.stats()["total"]["nonfinite_parts"], all(bool(torch.isfinite(p).all()) for p in parts), before, parts
 
 
-def test_nonfinite_gradient_goes_plain_everywhere_or_raises():
-    results = run_ranks(nonfinite, 2, "plain")
+def test_nonfinite_gradient_reaches_every_owner_or_raises():
+    results = run_ranks(nonfinite, 2, "propagate")
     assert torch.isnan(results[0][0][5])  # the NaN reaches its owner, as plain FSDP would
-    assert all(r[1] == 1 and r[2] for r in results)  # residuals are not poisoned
+    for out, count, finite_residuals, _, _ in results:  # the compressed part is NaN on every owner; the plain bias is not
+        assert count == 1 and finite_residuals
+        assert torch.isnan(out[: CHUNK - 1000 - 150_000]).all() and torch.isfinite(out[CHUNK - 1000 - 150_000 : CHUNK - 150_000]).all()
+    (_, _, _, before1, after1) = results[1]
+    assert all(torch.equal(a, b) for a, b in zip(before1, after1))  # the rank with the NaN keeps its residual as it was
     run_ranks(nonfinite, 2, "raise")
 
 

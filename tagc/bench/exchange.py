@@ -146,7 +146,7 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
                 methods.append(dict(
                     method=f"tagc r{ratio:g} i{bits} {'pipe' if overlap else 'serial'}", kind="tagc", dtype="fp32",
                     ratio=ratio, index_bits=bits, overlap=overlap, hook=hook, prepare=prepare, run=run,
-                    n_parts=len(hook._plan(tuple(segs), chunk, world).parts),
+                    n_parts=len(hook._plan(tuple(segs), chunk, world).compressed_parts),
                     formula_wire_bytes=(world - 1) / world * n * (bits + 32 / ratio) / 8,
                     wire_source="counted: hook.stats wire_bytes",
                 ))
@@ -224,15 +224,15 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         deltas = m["deltas"]
         steps = len(deltas)
         # per-rep times, median (robust to load spikes on a shared machine), then the slowest rank
-        per_step = {k: statistics.median(d[k] for d in deltas) for k in ("compress_s", "decode_s", "comm_wait_s")}
-        worst = torch.tensor([per_step["compress_s"], per_step["decode_s"], per_step["comm_wait_s"]], dtype=torch.float64)
+        per_step = {k: statistics.median(d[k] for d in deltas) for k in ("compress_s", "decode_s", "exposed_s")}
+        worst = torch.tensor([per_step["compress_s"], per_step["decode_s"], per_step["exposed_s"]], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         counts = torch.tensor([sum(d[k] for d in deltas) for k in ("support", "peeled", "unpeeled", "estimated")], dtype=torch.float64)
         dist.all_reduce(counts)
         support, peeled, unpeeled, estimated = (float(c) for c in counts)
         row.update(
             ratio=m["ratio"], index_bits=m["index_bits"], overlap=m["overlap"], n_parts=m["n_parts"],
-            compress_s=float(worst[0]), decode_s=float(worst[1]), comm_wait_s=float(worst[2]),
+            compress_s=float(worst[0]), decode_s=float(worst[1]), exposed_s=float(worst[2]),
             compute_s=float(worst[0] + worst[1]), formula_wire_bytes=m["formula_wire_bytes"],
             peel_success=peeled / support if support else 1.0, unpeeled=unpeeled, estimated=estimated,
             support_fraction=support / (steps * n) if steps else 0.0,

@@ -1,18 +1,28 @@
-"""The compressed reduce-scatter (DESIGN.md §2 items 1-9) behind every FSDP adapter.
+"""The exchange engine behind every FSDP adapter: one path, eager or traced, blocking or overlapped.
 
-An adapter hands :meth:`TAGCHook.reduce_scatter` the packed input (``[N, S]``: row ``j`` is
+An adapter hands the hook a bucket: the packed reduce-scatter input (``[N, S]``: row ``j`` is
 rank ``j``'s chunk), the output shard, the group, FSDP's reduce op, and the *segments* of a
-chunk (each parameter's padded shard). Selected segments are compressed (error feedback,
-threshold, index + sketch, exact OR / count-sum index exchange, summed sketches, decode);
-the rest go through the fair plain exchange in the same step. The compressed columns are
-cut into parts with their own layouts so part ``k+1`` is compressed while part ``k`` is on
-the wire, and part ``k`` is decoded while later parts are still in flight.
+chunk (each parameter's padded shard). The bucket is cut into *parts*: the columns the
+``select`` policy leaves alone go to the plain codec, the selected ones to the hook's codec
+(:mod:`tagc.hooks.codecs`), in pieces of at least ``min_part`` elements so part ``k+1`` is
+encoded while part ``k`` is on the wire.
+
+* :meth:`TAGCHook.start` encodes every part, launches its all-to-all and returns a
+  :class:`PendingBucket` at once; the bytes travel while the caller computes (the rest of the
+  backward pass). Each later :meth:`~TAGCHook.start` first decodes the parts of earlier buckets
+  whose bytes have arrived (interleaved with the backward pass, on the caller's thread);
+  :meth:`PendingBucket.wait` decodes what is left and writes the output.
+* :meth:`TAGCHook.reduce_scatter` is ``start(...).wait()``: the blocking exchange.
+* :meth:`TAGCHook.encode_bucket` / :meth:`TAGCHook.decode_bucket` are the same per-part encode
+  and decode around fixed-shape collectives, for a compiled graph (:mod:`tagc.hooks.simple`).
+
+Bytes are counted once, from the codecs' wire shapes, the same for every path.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import time
 from typing import Optional, Sequence, Union
 
@@ -21,18 +31,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tagc.config import TAGCConfig
+from tagc.hooks.codecs import Codec, PlainCodec, Wire, make_codec
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PIECE_BYTES, all_to_all_rows, any_rank, gather_from_owners, plain_reduce_scatter
-from tagc.kernels.dispatch import compress_, decode
-from tagc.sketch import SketchLayout
-from tagc.sketch.index import merge_index
+from tagc.hooks.transport import PIECE_BYTES, PendingExchange, all_to_all_rows
 
 MIN_PART = 1 << 20
 """Compressed columns are split into pipeline parts of at least this many elements. Each part
 samples its own threshold (:func:`tagc.sketch.sparsify.row_thresholds`, ~4096/density
 entries per row), so parts much smaller than that sample pay a full selection each: 2^20
 measured 30% cheaper compression than 2^18 on GPT-2 small, with the same step time at 2^21-2^22."""
+
+NONFINITE = ("propagate", "raise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +60,52 @@ class Segment:
 @dataclasses.dataclass
 class _Part:
     columns: slice | torch.Tensor
-    layout: SketchLayout
+    numel: int
+    codec: Codec
+    key: str  # the codec's state key: the bucket's parameters and the part's place
 
 
 @dataclasses.dataclass
 class _BucketPlan:
     key: str
     chunk: int
-    plain_columns: Optional[slice | torch.Tensor]
-    parts: list[_Part]
+    parts: list[_Part]  # the plain columns first (if any), then the compressed parts
+
+    @property
+    def compressed_parts(self) -> list[_Part]:
+        return [part for part in self.parts if part.codec.compresses]
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.compressed_parts)
+
+
+@dataclasses.dataclass
+class UnitTiming:
+    """One bucket's exchange in one step, in ``time.perf_counter()`` seconds.
+
+    ``wire_s`` runs from the first launch to the last byte received; ``exposed_s`` is how long
+    the caller blocked waiting for those bytes (the rest of ``wire_s`` was hidden behind other
+    work); ``events`` are ``(kind, start, end)`` spans on the caller's thread (``compress``,
+    ``decode``, ``wait``) and ``wire`` spans of the parts, for a timeline picture.
+    """
+
+    unit: str
+    wire_bytes: int = 0
+    launched: float = 0.0
+    arrived: float = 0.0
+    exposed_s: float = 0.0
+    compress_s: float = 0.0
+    decode_s: float = 0.0
+    events: list = dataclasses.field(default_factory=list)
+
+    @property
+    def wire_s(self) -> float:
+        return max(0.0, self.arrived - self.launched)
+
+    def as_dict(self) -> dict:
+        return {"unit": self.unit, "wire_bytes": self.wire_bytes, "wire_s": self.wire_s, "exposed_s": self.exposed_s, "compress_s": self.compress_s,
+                "decode_s": self.decode_s, "events": list(self.events)}
 
 
 def op_scale(op, world_size: int) -> float:
@@ -72,19 +119,6 @@ def op_scale(op, world_size: int) -> float:
         factor = op.factor
         return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
-
-
-def _finite(x: torch.Tensor) -> bool:
-    """No NaN/Inf in ``x``: one min/max pass (NaN propagates), no mask the size of ``x``."""
-    if x.numel() == 0:
-        return True
-    low, high = torch.aminmax(x)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
-def _any_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether any of a bucket's compressed parts holds a NaN/Inf on this rank."""
-    return any(not _finite(grad) for grad in grads)
 
 
 def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> None:
@@ -107,12 +141,60 @@ def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
     return slice(int(columns[0]), int(columns[-1]) + 1)
 
 
-def _count(columns: slice | torch.Tensor) -> int:
-    return columns.stop - columns.start if isinstance(columns, slice) else columns.numel()
+class PendingBucket:
+    """One bucket's exchange in flight; :meth:`wait` returns the output shard once it is reduced."""
+
+    def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: float, group,
+                 stats: ExchangeStats, timing: UnitTiming) -> None:
+        self.hook = hook
+        self.plan = plan
+        self.output = output
+        self.scale = scale
+        self.group = group
+        self.stats = stats
+        self.timing = timing
+        self.summed = torch.zeros(plan.chunk, dtype=torch.float32, device=output.device)
+        self._in_flight: collections.deque[tuple[_Part, list[PendingExchange]]] = collections.deque()
+        self.done = False
+
+    def poll(self) -> None:
+        """Decode the parts whose bytes have all arrived, in order, without blocking."""
+        while self._in_flight and all(x.is_completed() for x in self._in_flight[0][1]):
+            self._decode_next()
+
+    def wait(self) -> torch.Tensor:
+        """Block until every part arrived, decode, write and return the output shard."""
+        if self.done:
+            return self.output
+        while self._in_flight:
+            self._decode_next()
+        self.done = True
+        self.hook._finished(self)
+        self.timing.arrived = max(self.timing.arrived, self.timing.launched)
+        self.stats.wire_s += self.timing.wire_s
+        self.timing.wire_bytes = self.stats.wire_bytes
+        _scale_into(self.output, self.summed, self.scale)
+        self.hook._record(self.stats, self.timing)
+        if self.stats.nonfinite_parts and self.hook.nonfinite == "raise":
+            raise FloatingPointError(f"a gradient in TAGC bucket {self.plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
+        return self.output
+
+    def _decode_next(self) -> None:
+        part, exchanges = self._in_flight.popleft()
+        start = time.perf_counter()
+        received = [x.wait() for x in exchanges]
+        waited = time.perf_counter()
+        self.stats.exposed_s += waited - start
+        self.timing.exposed_s += waited - start
+        self.timing.arrived = max([self.timing.arrived] + [x.arrived or waited for x in exchanges])
+        if waited - start > 1e-4:
+            self.timing.events.append(("wait", start, waited))
+        self.timing.events.append(("wire", exchanges[0].launched, max(x.arrived or waited for x in exchanges)))
+        self.summed[part.columns] = self.hook._decode_part(part, received, self.group, self.stats, self.timing)
 
 
 class TAGCHook:
-    """One TAGC comm hook: settings, error-feedback residuals and statistics.
+    """One comm hook: settings, the codecs (and their error-feedback state), statistics.
 
     Build it with :func:`tagc.hook`; install it with :func:`tagc.register_comm_hook` (FSDP2,
     FSDP1) or ``model.register_comm_hook`` (SimpleFSDP).
@@ -121,28 +203,36 @@ class TAGCHook:
     rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
     gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
     halves it at some loss of what error feedback carries). ``fallback="raw"`` keeps one more
-    such copy per bucket during the exchange, to re-send what decode cannot recover exactly
-    (one small gather per part: counts, positions, then the values).
+    such copy per bucket during the exchange, to re-send what decode cannot recover exactly.
+    With ``overlap=True`` the exchanges of a backward pass are in flight together: their wire
+    tensors (about ``1/ratio`` of each compressed bucket, all of a plain one) live until the
+    backward pass ends.
     """
 
     def __init__(
         self,
         config: TAGCConfig,
         select: Union[str, SelectPolicy] = "non_attention_linear",
-        nonfinite: str = "plain",
+        nonfinite: str = "propagate",
         residual_dtype: torch.dtype = torch.float32,
         min_part: int = MIN_PART,
         piece_bytes: int = PIECE_BYTES,
         dense_steps: int = 0,
+        codec: str = "tagc",
+        overlap: bool = True,
     ) -> None:
-        if nonfinite not in ("plain", "raise"):
-            raise ValueError(f"nonfinite must be 'plain' (send the bucket uncompressed) or 'raise', got {nonfinite!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE} (see tagc.hooks.codecs), got {nonfinite!r}")
         if residual_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
-        if not isinstance(min_part, int) or min_part < 1:
+        if isinstance(min_part, bool) or not isinstance(min_part, int) or min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
-        if not isinstance(dense_steps, int) or dense_steps < 0:
+        if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be a positive integer, got {piece_bytes!r}")
+        if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer, got {dense_steps!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.config = config
         self.select = resolve_policy(select)
         self.nonfinite = nonfinite
@@ -150,271 +240,230 @@ class TAGCHook:
         self.min_part = min_part
         self.piece_bytes = piece_bytes
         self.dense_steps = dense_steps
-        self.residuals: dict[str, list[torch.Tensor]] = {}  # bucket key -> one [N, part] tensor per part
+        self.overlap = overlap
+        self.codec = make_codec(codec, config, residual_dtype)
+        self.plain = PlainCodec()
         self.step_count = 0
         self._seen_this_step: set[str] = set()
         self._verified: set[int] = set()
+        self._plans: dict[tuple, _BucketPlan] = {}
+        self._in_flight: list[PendingBucket] = []
         self.last_step = ExchangeStats()
         self._current = ExchangeStats()
         self.total = ExchangeStats()
+        self.last_units: list[UnitTiming] = []
+        self._units: list[UnitTiming] = []
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict:
-        """``{"step": n, "last_step": {...}, "total": {...}}``: bytes this rank put on the wire
-        next to what a plain reduce-scatter would send, peel success, fallbacks, times."""
-        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict()}
+        """``{"step": n, "last_step": {...}, "total": {...}, "units": [...]}``: bytes this rank put on
+        the wire next to what a plain reduce-scatter would send, peel success, NaN/Inf parts, and
+        times (codec, wire, exposed) in all and, for the last step, per unit."""
+        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(),
+                "units": [unit.as_dict() for unit in self.last_units]}
+
+    @property
+    def residuals(self) -> dict[str, list[torch.Tensor]]:
+        """The codec's error-feedback residuals, ``{bucket key: [one [N, part] tensor per part]}``."""
+        grouped: dict[str, list[torch.Tensor]] = {}
+        for key, value in sorted(getattr(self.codec, "residuals", {}).items(), key=lambda kv: _part_order(kv[0])):
+            grouped.setdefault(key.rsplit("/part", 1)[0], []).append(value)
+        return grouped
+
+    def settings(self) -> dict:
+        """Every setting that changes what crosses the wire, or when: must agree across ranks."""
+        select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
+        return {"config": self.config.fingerprint(), "codec": self.codec.name, "select": select, "min_part": self.min_part,
+                "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite}
 
     def state_dict(self) -> dict:
-        """Residuals (this rank's, keyed by bucket and rank) and the step counter."""
+        """The codec's state (this rank's residuals, keyed by rank, bucket and part) and the step counter."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return {
-            "step": self.step_count,
-            "config": repr(self.config.fingerprint()),
-            **{
-                f"residual.rank{rank}.{key}.part{i}": part
-                for key, parts in self.residuals.items()
-                for i, part in enumerate(parts)
-            },
-        }
+        return {"step": self.step_count, "config": repr(self.config.fingerprint()),
+                **{f"residual.rank{rank}.{key}": value for key, value in self.codec.state_dict().items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != repr(self.config.fingerprint()):
             raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {self.config}")
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"residual.rank{rank}."
-        residuals: dict[str, list[torch.Tensor]] = {}
-        for name, value in sorted(state.items(), key=lambda kv: kv[0]):
-            if name.startswith(prefix):
-                key, part = name[len(prefix) :].rsplit(".part", 1)
-                residuals.setdefault(key, []).insert(int(part), value.clone())
+        self.codec.load_state_dict({name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)})
         self.step_count = int(state["step"])
-        self.residuals = residuals
 
     def verify(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Check once per group that every rank has the same settings (clear error otherwise)."""
+        """Check once per group that every rank has the same settings (a clear error otherwise)."""
         if id(group) in self._verified or not dist.is_initialized():
             return
         world = dist.get_world_size(group)
         if self.config.index_bits == 4 and world > 15:
             raise ValueError(f"index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this group has {world}: use index_bits=1")
-        mine = (self.config.fingerprint(), self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select))
+        mine = self.settings()
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         for rank, theirs in enumerate(everyone):
-            if theirs != mine:
-                raise ValueError(f"TAGC settings differ across ranks: this rank has {mine}, rank {rank} has {theirs}")
+            differ = [f"{name} (this rank {mine[name]!r}, rank {rank} {theirs.get(name)!r})" for name in mine if theirs.get(name) != mine[name]]
+            if differ:
+                raise ValueError(f"TAGC settings differ across ranks: {'; '.join(differ)}")
         self._verified.add(id(group))
 
     # ------------------------------------------------------------------ the exchange
 
-    def reduce_scatter(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        group: Optional[dist.ProcessGroup],
-        op,
-        segments: Sequence[Segment],
-    ) -> None:
-        """Write into ``output`` (one chunk) FSDP's reduce op over ranks of ``input``'s chunk."""
-        world = dist.get_world_size(group)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
+                       segments: Sequence[Segment], unit: Optional[str] = None) -> None:
+        """Write into ``output`` (one chunk) FSDP's reduce op over ranks of ``input``'s chunk (blocking)."""
+        self.start(output, input, group, op, segments, unit).wait()
+
+    def start(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
+              segments: Sequence[Segment], unit: Optional[str] = None) -> PendingBucket:
+        """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
+
+        Earlier buckets' parts whose bytes have arrived are decoded first. Every rank must start
+        the same buckets in the same order (FSDP's backward order is the same on every rank).
+        """
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
         if chunk * world != input.numel() or output.numel() != chunk:
             raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
-        scale = op_scale(op, world)
-        rows = input.view(world, chunk)
-        if world == 1:
-            output.copy_(rows[0] * scale)
-            return
         self.verify(group)
+        self.poll()
         plan = self._plan(tuple(segments), chunk, world)
         self._begin_bucket(plan.key)
         if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
-            plan = _BucketPlan(key=plan.key, chunk=chunk, plain_columns=slice(0, chunk), parts=[])
-        stats = ExchangeStats(buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4)
-        summed = torch.zeros(chunk, dtype=torch.float32, device=input.device)
+            plan = self._plain_plan(plan.key, chunk)
+        stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=(world - 1) * chunk * 4)
+        timing = UnitTiming(unit or plan.key)
+        pending = PendingBucket(self, plan, output, op_scale(op, world), group, stats, timing)
+        rows = input.view(world, chunk)
+        if world == 1:
+            pending.summed.copy_(rows[0])
+        else:
+            for part in plan.parts:
+                wires = self._encode_part(part, rows[:, part.columns], group, timing)
+                exchanges = [all_to_all_rows(w, group, self.piece_bytes) for w in wires]
+                timing.launched = timing.launched or exchanges[0].launched
+                stats.wire_bytes += sum(x.sent_bytes for x in exchanges)
+                pending._in_flight.append((part, exchanges))
+        self._in_flight.append(pending)
+        return pending
 
-        grads = [rows[:, part.columns] for part in plan.parts]  # views where the part's columns are contiguous
-        bad = False
-        if grads:  # agree on NaN/Inf before the plain columns queue up on the group (the flag would wait behind them)
-            start = time.perf_counter()
-            bad = any_rank(_any_nonfinite(grads), group)
-            stats.comm_wait_s += time.perf_counter() - start
-        plain_pending = None
-        if plan.plain_columns is not None:
-            plain_pending = all_to_all_rows(rows[:, plan.plain_columns], group, self.piece_bytes)
-            stats.wire_bytes += plain_pending.sent_bytes
-        if grads and bad:
-            self._nonfinite(grads, plan, group, summed, stats)
-        elif grads:
-            self._compressed(grads, plan, group, world, summed, stats)
-        if plain_pending is not None:
-            start = time.perf_counter()
-            summed[plan.plain_columns] = plain_pending.wait().sum(dim=0, dtype=torch.float32)
-            stats.comm_wait_s += time.perf_counter() - start
-        _scale_into(output, summed, scale)
-        self._record(stats)
+    def poll(self) -> None:
+        """Decode every part (of buckets in flight) whose bytes have arrived, without blocking.
 
-    def _compressed(self, grads: list[torch.Tensor], plan: _BucketPlan, group, world: int, summed: torch.Tensor,
-                    stats: ExchangeStats) -> None:
+        Codecs whose decode is a collective (``fallback="raw"``) decode only in ``wait()``,
+        where every rank decodes in the same order."""
+        for pending in list(self._in_flight):
+            if pending.plan.parts and not all(part.codec.overlappable() for part in pending.plan.parts):
+                return
+            pending.poll()
+
+    def wait_all(self) -> None:
+        """Finish every exchange in flight, oldest first."""
+        for pending in list(self._in_flight):
+            pending.wait()
+
+    def _finished(self, pending: PendingBucket) -> None:
+        self._in_flight.remove(pending)
+
+    def _encode_part(self, part: _Part, grad: torch.Tensor, group, timing: UnitTiming) -> tuple[torch.Tensor, ...]:
         start = time.perf_counter()
-        residuals = self._residuals(plan, grads)
-        density = self.config.density(world)
-        bits = self.config.index_bits
-        pending = []
-        resend = self.config.fallback == "raw"
-        accumulated = []  # with fallback="raw": grad + residual, to re-send what decode cannot recover
-        for grad, residual, part in zip(grads, residuals, plan.parts):
-            if resend:
-                accumulated.append(residual.clone().add_(grad))
-            index, table = compress_(grad, residual, density, part.layout, bits)
-            pending.append((all_to_all_rows(index, group, self.piece_bytes), all_to_all_rows(table, group, self.piece_bytes)))
-            stats.wire_bytes += pending[-1][0].sent_bytes + pending[-1][1].sent_bytes
-        stats.compress_s += time.perf_counter() - start
-        for i, ((index_x, table_x), part) in enumerate(zip(pending, plan.parts)):
-            start = time.perf_counter()
-            indexes, tables = index_x.wait(), table_x.wait()
-            stats.comm_wait_s += time.perf_counter() - start
-            values, decoded = self._decode_part(indexes, tables, part, stats)
-            if resend:  # every rank takes part, also with nothing to ask for
-                start = time.perf_counter()
-                wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64)
-                raw_values, sent = gather_from_owners(wanted, accumulated[i] - residuals[i], group)
-                values[wanted] = raw_values
-                stats.wire_bytes += sent
-                stats.raw += int(decoded.raw)
-                stats.comm_wait_s += time.perf_counter() - start
-            summed[part.columns] = values
-        stats.compressed_buckets += 1
+        wires = part.codec.encode(grad, part.key, group)
+        if part.codec.compresses:
+            end = time.perf_counter()
+            timing.compress_s += end - start
+            timing.events.append(("compress", start, end))
+        return wires
 
-    def _decode_part(self, indexes: torch.Tensor, tables: torch.Tensor, part: _Part, stats: ExchangeStats):
-        """Every rank's index and table of one part (``[N, ...]``) -> the decoded sum and its stats."""
+    def _decode_part(self, part: _Part, received: Sequence[torch.Tensor], group, stats: ExchangeStats,
+                     timing: Optional[UnitTiming] = None) -> torch.Tensor:
         start = time.perf_counter()
-        bits = self.config.index_bits
-        union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
-        values, decoded = decode(tables.sum(dim=0), union, part.layout, bits, fallback=self.config.fallback)
-        stats.decode_s += time.perf_counter() - start
-        stats.support += int(decoded.support)
-        stats.peeled += int(decoded.peeled)
-        stats.unpeeled += int(decoded.unpeeled)
-        stats.estimated += int(decoded.estimated)
-        return values, decoded
+        values = part.codec.decode(received, part.numel, part.key, group, stats)
+        if part.codec.compresses:
+            end = time.perf_counter()
+            stats.decode_s += end - start
+            if timing is not None:
+                timing.decode_s += end - start
+                timing.events.append(("decode", start, end))
+        return values
 
     # ------------------------------------------------------------------ the exchange in halves (traced path)
 
-    def wire_shapes(self, segments: Sequence[Segment], chunk: int, world: int) -> tuple[int, int, int]:
-        """Columns per rank row of the three tensors :meth:`encode_bucket` returns: plain values,
-        index bytes, sketch cells. Fixed by the settings, so a compiled graph can hold them."""
-        plan = self._plan(tuple(segments), chunk, world)
-        plain = 0 if plan.plain_columns is None else _count(plan.plain_columns)
-        columns = [self._wire_columns(part) for part in plan.parts]
-        return plain, sum(index for index, _ in columns), sum(table for _, table in columns)
+    def wire_dtypes(self, segments: Sequence[Segment], chunk: int, world: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        """``(dtype, columns per rank row)`` of each tensor :meth:`encode_bucket` returns: the parts'
+        wire tensors joined by dtype, in order of first use. Fixed by the settings, so a compiled
+        graph can hold them."""
+        joined: dict[torch.dtype, int] = {}
+        for wire in self._wires(self._plan(tuple(segments), chunk, world), world, dtype):
+            joined[wire.dtype] = joined.get(wire.dtype, 0) + wire.columns
+        return list(joined.items())
 
-    def _wire_columns(self, part: _Part) -> tuple[int, int]:
-        """(index bytes, sketch cells) a part puts in each rank row."""
-        return -(-part.layout.numel * self.config.index_bits // 8), part.layout.table_numel
+    def _wires(self, plan: _BucketPlan, world: int, dtype: torch.dtype) -> list[Wire]:
+        return [wire for part in plan.parts for wire in part.codec.wire(part.numel, world, dtype)]
 
     def traceable(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
         """Whether a bucket can be exchanged in halves around fixed-shape collectives: it has
         compressed parts, and no setting needs data-dependent sizes (``fallback="raw"``, a
         dense warm-up) — otherwise the whole exchange stays one opaque call."""
-        return (world > 1 and self.config.fallback != "raw" and self.dense_steps == 0
-                and bool(self._plan(tuple(segments), chunk, world).parts))
+        plan = self._plan(tuple(segments), chunk, world)
+        return world > 1 and self.dense_steps == 0 and plan.compressed and all(p.codec.traceable() for p in plan.parts)
 
-    def local_nonfinite(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
-        """``int32[1]``: whether this rank's compressed columns hold a NaN/Inf (all-reduce it with MAX)."""
+    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """First half: every part encoded, its wire tensors joined by dtype (see :meth:`wire_dtypes`)."""
         self.verify(group)
         world = dist.get_world_size(group)
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
-        bad = _any_nonfinite([rows[:, part.columns] for part in plan.parts])
-        return torch.tensor([int(bad)], dtype=torch.int32, device=packed.device)
-
-    def encode_bucket(self, packed: torch.Tensor, bad: bool, group, segments: Sequence[Segment]):
-        """First half: ``(plain [N, P], index [N, B] uint8, table [N, C] float32)`` to all-to-all.
-
-        ``bad`` (a NaN/Inf on some rank) leaves the residuals untouched and sends zeros; the
-        second half then returns NaN in the compressed columns (``nonfinite="raise"`` raises).
-        """
-        world = dist.get_world_size(group)
-        rows = packed.view(world, -1)
-        plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
-        plain = rows[:, plan.plain_columns] if plan.plain_columns is not None else rows.new_empty(world, 0)
-        if bad:
-            if self.nonfinite == "raise":
-                raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
-            _, index_cols, table_cols = self.wire_shapes(segments, rows.shape[1], world)
-            return (plain, torch.zeros(world, index_cols, dtype=torch.uint8, device=packed.device),
-                    torch.zeros(world, table_cols, dtype=torch.float32, device=packed.device))
-        start = time.perf_counter()
-        grads = [rows[:, part.columns] for part in plan.parts]
-        residuals = self._residuals(plan, grads)
-        density = self.config.density(world)
-        encoded = [compress_(g, r, density, part.layout, self.config.index_bits) for g, r, part in zip(grads, residuals, plan.parts)]
-        self._record(ExchangeStats(compress_s=time.perf_counter() - start))
-        return plain, torch.cat([i for i, _ in encoded], dim=1), torch.cat([t for _, t in encoded], dim=1)
+        timing = UnitTiming(plan.key)
+        joined: dict[torch.dtype, list[torch.Tensor]] = {}
+        for part in plan.parts:
+            for wire in self._encode_part(part, rows[:, part.columns], group, timing):
+                joined.setdefault(wire.dtype, []).append(wire)
+        self._record(ExchangeStats(compress_s=timing.compress_s), None)
+        return [torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0].contiguous() for tensors in joined.values()]
 
-    def decode_bucket(self, plain: torch.Tensor, index: torch.Tensor, table: torch.Tensor, bad: bool, group,
-                      segments: Sequence[Segment], chunk: int, op=dist.ReduceOp.AVG) -> torch.Tensor:
-        """Second half: every rank's rows of the three tensors (row ``j`` from rank ``j``) -> this
-        rank's reduced ``chunk`` elements, in ``plain``'s dtype."""
+    def decode_bucket(self, received: Sequence[torch.Tensor], group, segments: Sequence[Segment], chunk: int,
+                      dtype: torch.dtype, op=dist.ReduceOp.AVG) -> torch.Tensor:
+        """Second half: every rank's rows of the joined wire tensors (row ``j`` from rank ``j``) ->
+        this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's)."""
         world = dist.get_world_size(group)
         plan = self._plan(tuple(segments), chunk, world)
+        by_dtype = {tensor.dtype: tensor for tensor in received}
+        offsets = {dtype: 0 for dtype in by_dtype}
         stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4,
-                              wire_bytes=(world - 1) * (plain[0].numel() * plain.element_size() + index.shape[1] + table.shape[1] * 4))
-        summed = torch.zeros(chunk, dtype=torch.float32, device=plain.device)
-        if plan.plain_columns is not None:
-            summed[plan.plain_columns] = plain.sum(dim=0, dtype=torch.float32)
-        index_at = table_at = 0
+                              wire_bytes=(world - 1) * sum(t.shape[1] * t.element_size() for t in received))
+        summed = torch.zeros(chunk, dtype=torch.float32, device=received[0].device)
         for part in plan.parts:
-            index_cols, table_cols = self._wire_columns(part)
-            if bad:
-                summed[part.columns] = float("nan")
-            else:
-                values, _ = self._decode_part(index[:, index_at : index_at + index_cols], table[:, table_at : table_at + table_cols], part, stats)
-                summed[part.columns] = values
-            index_at, table_at = index_at + index_cols, table_at + table_cols
-        if bad:
-            stats.nonfinite_buckets, stats.compressed_buckets = 1, 0
-        output = plain.new_empty(chunk)
+            part_received = []
+            for wire in part.codec.wire(part.numel, world, dtype):
+                at = offsets[wire.dtype]
+                part_received.append(by_dtype[wire.dtype][:, at : at + wire.columns])
+                offsets[wire.dtype] = at + wire.columns
+            summed[part.columns] = self._decode_part(part, part_received, group, stats)
+        output = torch.empty(chunk, dtype=dtype, device=summed.device)
         _scale_into(output, summed, op_scale(op, world))
-        self._record(stats)
-        return output
-
-    def _nonfinite(self, grads, plan: _BucketPlan, group, summed: torch.Tensor, stats: ExchangeStats) -> None:
-        """Some rank's gradient has NaN/Inf: every rank sends this bucket plain (or raises)."""
-        if self.nonfinite == "raise":
+        self._record(stats, None)
+        if stats.nonfinite_parts and self.nonfinite == "raise":
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
-        stats.nonfinite_buckets += 1
-        residuals = self.residuals.get(plan.key)
-        for i, (grad, part) in enumerate(zip(grads, plan.parts)):
-            dense = grad.to(torch.float32, copy=True)  # grad may be a view of the input
-            if residuals is not None:
-                dense += residuals[i]
-                residuals[i].zero_()
-            result, sent = plain_reduce_scatter(dense, group, self.piece_bytes)
-            summed[part.columns] = result
-            stats.wire_bytes += sent
+        return output
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _record(self, stats: ExchangeStats) -> None:
+    def _record(self, stats: ExchangeStats, timing: Optional[UnitTiming]) -> None:
         self._current.add(stats)
         self.total.add(stats)
-
-    def _residuals(self, plan: _BucketPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        if plan.key not in self.residuals:
-            self.residuals[plan.key] = [torch.zeros(g.shape, dtype=self.residual_dtype, device=g.device) for g in grads]
-        return self.residuals[plan.key]
+        if timing is not None:
+            self._units.append(timing)
 
     def end_step(self) -> None:
-        """Close this step's statistics (``stats()["last_step"]``). Optional: a bucket seen twice
-        also starts a new step, but calling this after ``optimizer.step()`` is exact, e.g. with
-        gradient accumulation."""
+        """Close this step's statistics (``stats()["last_step"]``, ``stats()["units"]``). Optional: a
+        bucket seen twice also starts a new step, but calling this after ``optimizer.step()`` is
+        exact, e.g. with gradient accumulation."""
         self.step_count += 1
         self.last_step = self._current
+        self.last_units = self._units
         self._current = ExchangeStats()
+        self._units = []
         self._seen_this_step.clear()
 
     def _begin_bucket(self, key: str) -> None:
@@ -422,24 +471,41 @@ class TAGCHook:
             self.end_step()
         self._seen_this_step.add(key)
 
-    @functools.lru_cache(maxsize=1024)
+    def _plain_plan(self, key: str, chunk: int) -> _BucketPlan:
+        return _BucketPlan(key=key, chunk=chunk, parts=[_Part(slice(0, chunk), chunk, self.plain, f"{key}/plain")])
+
     def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
+        cache_key = (segments, chunk, world)
+        if cache_key not in self._plans:
+            self._plans[cache_key] = self._make_plan(segments, chunk)
+        return self._plans[cache_key]
+
+    def _make_plan(self, segments: tuple[Segment, ...], chunk: int) -> _BucketPlan:
         covered = sum(s.numel for s in segments)
         if covered > chunk:
             raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
         tail = [Segment("<padding>", covered, chunk - covered)] if covered < chunk else []
-        chosen = [s for s in segments if (self.select(s.name, s.module) if s.selected is None else s.selected)]
+        chosen = []
+        if self.codec.compresses:
+            chosen = [s for s in segments if (self.select(s.name, s.module) if s.selected is None else s.selected)]
         compressed = sum(s.numel for s in chosen)
         if compressed < max(1, self.config.min_compress_numel):
             chosen, compressed = [], 0
         rest = [s for s in segments if s not in chosen] + tail
+        key = f"{'|'.join(s.name for s in chosen) or '|'.join(s.name for s in segments)}#{chunk}"
         parts = []
+        plain = _columns(rest)
+        if plain is not None:
+            parts.append(_Part(_selector(plain), plain.numel(), self.plain, f"{key}/plain"))
         if chosen:
             columns = _columns(chosen)
             n_parts = max(1, compressed // self.min_part)
             bounds = [round(i * compressed / n_parts) for i in range(n_parts + 1)]
-            for a, b in zip(bounds, bounds[1:]):
-                parts.append(_Part(_selector(columns[a:b]), SketchLayout(b - a, self.config.ratio, self.config.lane, self.config.seed)))
-        key = "|".join(s.name for s in chosen) or "|".join(s.name for s in segments)
-        plain = _columns(rest)
-        return _BucketPlan(key=f"{key}#{chunk}", chunk=chunk, plain_columns=None if plain is None else _selector(plain), parts=parts)
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                parts.append(_Part(_selector(columns[a:b]), b - a, self.codec, f"{key}/part{i}"))
+        return _BucketPlan(key=key, chunk=chunk, parts=parts)
+
+
+def _part_order(key: str) -> tuple[str, int]:
+    bucket, _, index = key.rpartition("/part")
+    return bucket, int(index) if index.isdigit() else -1

@@ -5,7 +5,8 @@ so one parameter may span several ranks' chunks; selection is therefore per unit
 compressed when the policy selects (nearly) all of its elements — wrap the layers you want
 compressed as their own units, e.g. an auto-wrap policy over the linears. FSDP1
 calls a registered hook instead of its reduce-scatter and applies no divide factors
-around it, so the hook averages itself.
+around it, so the hook averages itself. The exchange blocks (``overlap`` does not apply):
+FSDP1 reads the output as soon as the hook returns, to accumulate or cast the sharded gradient.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class _UnitState:
 
 def _tagc_fsdp1_hook(state: _UnitState, grad: torch.Tensor, output: torch.Tensor) -> None:
     """FSDP1 comm hook: ``grad`` is the padded flat gradient, ``output`` this rank's shard."""
-    state.hook.reduce_scatter(output, grad, state.group, dist.ReduceOp.AVG, state.segments(output.numel()))
+    state.hook.reduce_scatter(output, grad, state.group, dist.ReduceOp.AVG, state.segments(output.numel()),
+                              state.prefix.rstrip(".") or "<root>")
 
 
 def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:

@@ -11,7 +11,7 @@ class ExchangeStats:
 
     buckets: int = 0
     compressed_buckets: int = 0
-    nonfinite_buckets: int = 0
+    nonfinite_parts: int = 0
     wire_bytes: int = 0
     plain_equivalent_bytes: int = 0
     support: int = 0
@@ -20,7 +20,10 @@ class ExchangeStats:
     estimated: int = 0
     raw: int = 0
     compress_s: float = 0.0
-    comm_wait_s: float = 0.0
+    exposed_s: float = 0.0
+    """Time the caller blocked waiting for bytes: the exchange time not hidden behind other work."""
+    wire_s: float = 0.0
+    """Per bucket, first launch to last byte received, summed over buckets."""
     decode_s: float = 0.0
 
     def add(self, other: "ExchangeStats") -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Iterator, Optional
 
 import torch
@@ -32,25 +33,41 @@ def _peer_errors() -> Iterator[None]:
 
 @dataclasses.dataclass
 class PendingExchange:
-    """An all-to-all in flight: ``wait()`` returns the ``[N, C]`` rows received (row j from rank j)."""
+    """An all-to-all in flight: ``wait()`` returns the ``[N, C]`` rows received (row j from rank j).
+
+    ``launched`` and ``arrived`` are ``time.perf_counter()`` stamps of the launch and of the last
+    piece's completion (set by the collective's future, so it is known without blocking).
+    """
 
     recv: torch.Tensor
     works: list
     sent_bytes: int
+    launched: float = 0.0
+    arrived: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        remaining = [len(self.works)]
+
+        def piece_done(_future) -> None:  # runs where the collective completes, under the GIL
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.arrived = time.perf_counter()
+
+        for piece in self.works:
+            future = getattr(piece.work, "get_future", None)
+            if future is None:
+                return
+            future().add_done_callback(piece_done)
+
+    def is_completed(self) -> bool:
+        """Whether every piece has arrived (never blocks)."""
+        return all(piece.work.is_completed() for piece in self.works)
 
     def wait(self) -> torch.Tensor:
         with _peer_errors():
             for work in self.works:
                 work.wait()
         return self.recv
-
-
-def any_rank(flag: bool, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether ``flag`` is true on any rank of ``group`` (a 4-byte all-reduce)."""
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    with _peer_errors():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value)
 
 
 def gather_from_owners(
@@ -89,6 +106,7 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piec
     columns = send.shape[1]
     step = max(1, piece_bytes // max(1, send.element_size()))
     works = []
+    launched = time.perf_counter()
     with _peer_errors():
         for start in range(0, columns, step):
             stop = min(columns, start + step)
@@ -99,7 +117,7 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piec
                 r_piece = torch.empty(world, stop - start, dtype=send.dtype, device=send.device)
             work = dist.all_to_all_single(r_piece, s_piece, group=group, async_op=True)
             works.append(_PieceWork(work, r_piece, recv, start, stop))
-    return PendingExchange(recv, works, (world - 1) * columns * send.element_size())
+    return PendingExchange(recv, works, (world - 1) * columns * send.element_size(), launched)
 
 
 @dataclasses.dataclass
