@@ -24,6 +24,25 @@ def test_compare_table_has_a_row_per_paper_row_and_both_speedups(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+def test_overlap_columns_ceiling_and_timeline(tmp_path):
+    line = {"forward": [0, 100], "backward": [100, 400], "optimizer": [400, 420],
+            "units": [{"unit": "h.1", "events": [["wire", 150, 250]]}, {"unit": "h.0", "events": [["wire", 250, 380]]},
+                      {"unit": "<root>", "events": [["wire", 390, 600], ["wait", 400, 600]]}]}
+    units = {"h.1": {"wire_ms": 100, "exposed_ms": 0, "bytes": 1}, "h.0": {"wire_ms": 130, "exposed_ms": 30, "bytes": 1},
+             "<root>": {"wire_ms": 210, "exposed_ms": 200, "bytes": 2}}
+    serial = _row("fsdp", "-", 800, units=units, timeline=line, wire_ms=440, exposed_ms=440)
+    plain = _row("fsdp", "all", 720, units=units, timeline=line, wire_ms=440, exposed_ms=230)
+    assert compare.block_hidden(plain) == 1 - 30 / 230
+    info = compare.overlap_summary(plain, serial, compare.TrainConfig(preset="tiny"))
+    # the blocks' 230 ms of wire could hide behind the 250 ms of backward after the first launch, less 200 ms of waiting
+    assert info["compute_after_ms"] == 250 - 200 and info["ceiling_ms"] == 50
+    assert info["measured_speedup"] == 800 / 720 and set(info["shares"]) == {"tiny", "gpt2-untied"}
+    text = compare.format_overlap({"overlap": info, "exchange_share": 0.31})
+    assert "gpt2-untied" in text and "ceiling" in text and "1.111x" in text
+    compare.plot_timeline([plain, serial], tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
 def test_integrations_table_and_plot(tmp_path):
     rows = []
     for label, _, _ in integrations.SETUPS:

@@ -105,17 +105,24 @@ class _Deferred:
 
     def add(self, comm: TAGCReduceScatter, pending: PendingBucket) -> None:
         task = torch._C._current_graph_task_id()
-        if task != self._task:
+        if task != self._task:  # the first deferral of this backward pass
+            self._drain(fill=False)  # a backward pass that failed left these: finish the collectives, drop the values
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         self._items.append((comm, pending))
 
     def finish(self) -> None:
-        items, self._items, self._task = self._items, [], None
+        self._task = None
+        self._drain(fill=True)
+
+    def _drain(self, fill: bool) -> None:
+        items, self._items = self._items, []
         error = None
         for comm, pending in items:  # finish all, even after an error: no collective is left behind
             try:
-                comm.fill_grads(pending.wait())
+                output = pending.wait()
+                if fill:
+                    comm.fill_grads(output)
             except Exception as exc:  # noqa: BLE001 - re-raised below
                 error = error or exc
         if error is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from typing import Iterator, Optional
 
@@ -46,11 +47,10 @@ class PendingExchange:
     arrived: Optional[float] = None
 
     def __post_init__(self) -> None:
-        remaining = [len(self.works)]
+        done = itertools.count(1)  # next() on it is atomic: the callbacks may run on several threads
 
-        def piece_done(_future) -> None:  # runs where the collective completes, under the GIL
-            remaining[0] -= 1
-            if remaining[0] == 0:
+        def piece_done(_future) -> None:  # runs where the collective completes
+            if next(done) == len(self.works):
                 self.arrived = time.perf_counter()
 
         for piece in self.works:
