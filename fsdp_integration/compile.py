@@ -36,6 +36,9 @@ class CompileSettings:
     bucket_all_gathers: str = "all"  # inductor.config.bucket_all_gathers_fx: none | all | only_fsdp
     bucket_reduce_scatters: str = "all"  # inductor.config.bucket_reduce_scatters_fx: none | all
     reorder_for_overlap: bool = True  # inductor.config.reorder_for_compute_comm_overlap
+    overlap_passes: tuple[str, ...] = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
+    """inductor.config.reorder_for_compute_comm_overlap_passes: empty by default in torch 2.13, which makes
+    ``reorder_for_overlap`` a no-op; these move each launch up to its input and each wait down to its first use."""
 
     def __post_init__(self) -> None:
         if self.bucket_all_gathers not in ("none", "all", "only_fsdp"):
@@ -48,6 +51,7 @@ class CompileSettings:
             "bucket_all_gathers_fx": self.bucket_all_gathers,
             "bucket_reduce_scatters_fx": self.bucket_reduce_scatters,
             "reorder_for_compute_comm_overlap": self.reorder_for_overlap,
+            "reorder_for_compute_comm_overlap_passes": list(self.overlap_passes),
         }
 
 

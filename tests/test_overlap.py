@@ -192,3 +192,37 @@ def test_bad_overlap_argument():
         tagc.hook(codec="zip")
     with pytest.raises(ValueError, match="nonfinite"):
         tagc.hook(nonfinite="plain")
+
+
+def _inductor_order(rank, world):
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from fsdp_integration import compile_model
+
+    _, model = _models(0)
+    model = simple_fsdp(model)
+    model.register_comm_hook(tagc.hook(min_compress_numel=1024))
+    compiled = compile_model(model)
+    idx, tgt = _batch(0, world)
+    _, codes = run_and_get_code(lambda: compiled(_mine(idx, rank), _mine(tgt, rank))[1].backward())
+    call = codes[-1][codes[-1].index("def call("):]
+    order = []  # per all-to-all: how many compute kernels ran between its launch and its wait
+    open_launches: dict[str, int] = {}
+    for line in call.splitlines():
+        launch = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single", line)
+        wait = re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line)
+        if launch:
+            open_launches[launch.group(1)] = 0
+        elif wait and wait.group(1) in open_launches:
+            order.append(open_launches.pop(wait.group(1)))
+        elif re.search(r"cpp_fused|extern_kernels\.", line):
+            open_launches = {name: n + 1 for name, n in open_launches.items()}
+    return order
+
+
+def test_inductor_moves_each_blocks_wait_past_later_backward_compute():
+    order = run_ranks(_inductor_order, 2, timeout_s=300)[0]
+    assert len(order) == 3  # one all-to-all per unit
+    assert order[0] >= 5  # the last block's exchange waits until the block before it has computed its backward

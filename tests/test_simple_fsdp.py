@@ -150,10 +150,10 @@ def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard,
     assert result["forward_all_gathers"] == blocks + 1
     assert result["backward_all_gathers"] == (blocks if reshard else 0)  # the root keeps its parameters
     hooked_units = blocks + 1 if hooked else 0
-    # TAGC: per unit encode, two fixed-shape all-to-alls (float32: plain columns + sketch; uint8: index), decode;
+    # TAGC: per unit encode, one fixed-shape all-to-all of bytes (plain columns, index, sketch), decode;
     # no flag all-reduce (the NaN/Inf policy needs none)
     assert result["encodes"] == result["decodes"] == hooked_units and result["all_reduces"] == 0
-    assert result["all_to_alls"] == 2 * hooked_units and result["opaque"] == 0
+    assert result["all_to_alls"] == hooked_units and result["opaque"] == 0
     assert result["backward_reduce_scatters"] == (0 if hooked else blocks + 1)
 
 

@@ -388,14 +388,10 @@ class TAGCHook:
 
     # ------------------------------------------------------------------ the exchange in halves (traced path)
 
-    def wire_dtypes(self, segments: Sequence[Segment], chunk: int, world: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
-        """``(dtype, columns per rank row)`` of each tensor :meth:`encode_bucket` returns: the parts'
-        wire tensors joined by dtype, in order of first use. Fixed by the settings, so a compiled
-        graph can hold them."""
-        joined: dict[torch.dtype, int] = {}
-        for wire in self._wires(self._plan(tuple(segments), chunk, world), world, dtype):
-            joined[wire.dtype] = joined.get(wire.dtype, 0) + wire.columns
-        return list(joined.items())
+    def wire_row_bytes(self, segments: Sequence[Segment], chunk: int, world: int, dtype: torch.dtype) -> int:
+        """Bytes per rank row of the one tensor :meth:`encode_bucket` returns (every part's wire
+        tensors side by side, as bytes). Fixed by the settings, so a compiled graph can hold it."""
+        return sum(wire.row_bytes for wire in self._wires(self._plan(tuple(segments), chunk, world), world, dtype))
 
     def _wires(self, plan: _BucketPlan, world: int, dtype: torch.dtype) -> list[Wire]:
         return [wire for part in plan.parts for wire in part.codec.wire(part.numel, world, dtype)]
@@ -407,38 +403,35 @@ class TAGCHook:
         plan = self._plan(tuple(segments), chunk, world)
         return world > 1 and self.dense_steps == 0 and plan.compressed and all(p.codec.traceable() for p in plan.parts)
 
-    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> list[torch.Tensor]:
-        """First half: every part encoded, its wire tensors joined by dtype (see :meth:`wire_dtypes`)."""
+    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
+        """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
+        one all-to-all per bucket, whose wait a compiler can move past later compute."""
         self.verify(group)
         world = dist.get_world_size(group)
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
         timing = UnitTiming(plan.key)
-        joined: dict[torch.dtype, list[torch.Tensor]] = {}
-        for part in plan.parts:
-            for wire in self._encode_part(part, rows[:, part.columns], group, timing):
-                joined.setdefault(wire.dtype, []).append(wire)
+        wires = [w.contiguous().view(torch.uint8) for part in plan.parts
+                 for w in self._encode_part(part, rows[:, part.columns], group, timing)]
         self._record(ExchangeStats(compress_s=timing.compress_s), None)
-        return [torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0].contiguous() for tensors in joined.values()]
+        return torch.cat(wires, dim=1)
 
-    def decode_bucket(self, received: Sequence[torch.Tensor], group, segments: Sequence[Segment], chunk: int,
+    def decode_bucket(self, received: torch.Tensor, group, segments: Sequence[Segment], chunk: int,
                       dtype: torch.dtype, op=dist.ReduceOp.AVG) -> torch.Tensor:
-        """Second half: every rank's rows of the joined wire tensors (row ``j`` from rank ``j``) ->
-        this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's)."""
+        """Second half: every rank's row of :meth:`encode_bucket`'s bytes (row ``j`` from rank ``j``)
+        -> this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's)."""
         world = dist.get_world_size(group)
         plan = self._plan(tuple(segments), chunk, world)
-        by_dtype = {tensor.dtype: tensor for tensor in received}
-        offsets = {dtype: 0 for dtype in by_dtype}
         stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4,
-                              wire_bytes=(world - 1) * sum(t.shape[1] * t.element_size() for t in received))
-        summed = torch.zeros(chunk, dtype=torch.float32, device=received[0].device)
+                              wire_bytes=(world - 1) * received.shape[1])
+        summed = torch.zeros(chunk, dtype=torch.float32, device=received.device)
+        at = 0
         for part in plan.parts:
             part_received = []
             for wire in part.codec.wire(part.numel, world, dtype):
-                at = offsets[wire.dtype]
-                part_received.append(by_dtype[wire.dtype][:, at : at + wire.columns])
-                offsets[wire.dtype] = at + wire.columns
+                part_received.append(received[:, at : at + wire.row_bytes].contiguous().view(wire.dtype))
+                at += wire.row_bytes
             summed[part.columns] = self._decode_part(part, part_received, group, stats)
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
         _scale_into(output, summed, op_scale(op, world))

@@ -11,9 +11,12 @@ segments and gives the unit's bucket the hook's exchange:
 * under ``torch.compile`` the exchange is traced in halves around fixed-shape functional
   collectives (the wire sizes follow from the settings alone)::
 
-    wires = tagc::encode(packed)                # every part encoded, joined by wire dtype
-    wires = [all_to_all_single(w) for w in wires]  # row j to / from rank j
-    chunk = tagc::decode(wires, chunk, dtype)  # index merge, summed sketch, peeling
+    wire = tagc::encode(packed)             # every part encoded, its wire tensors side by side as bytes
+    wire = all_to_all_single(wire)          # row j to / from rank j: one collective per bucket
+    chunk = tagc::decode(wire, chunk, dtype)  # index merge, summed sketch, peeling
+
+One collective per bucket lets Inductor's ``sink_waits`` move its wait past the next block's
+backward compute (it does not sink a wait past a later collective).
 
 The data-dependent steps are ``torch.library`` custom ops with shape-only fake
 implementations; the hook state (residuals, statistics) is reached through a small
@@ -59,30 +62,30 @@ def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("tagc::encode", mutates_args=())
-def encode(packed: torch.Tensor, handle: int) -> list[torch.Tensor]:
-    """Rows for the all-to-alls: every part's wire tensors, joined by dtype (updates the residuals)."""
+def encode(packed: torch.Tensor, handle: int) -> torch.Tensor:
+    """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals)."""
     hook, group, segments, _ = _registry[handle]
     return hook.encode_bucket(packed, group, segments)
 
 
 @encode.register_fake
-def _(packed: torch.Tensor, handle: int) -> list[torch.Tensor]:
+def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
     hook, _, segments, _ = _registry[handle]
     world = _world(handle)
-    return [packed.new_empty(world, columns, dtype=dtype)
-            for dtype, columns in hook.wire_dtypes(segments, packed.numel() // world, world, packed.dtype)]
+    return packed.new_empty(world, hook.wire_row_bytes(segments, packed.numel() // world, world, packed.dtype),
+                            dtype=torch.uint8)
 
 
 @torch.library.custom_op("tagc::decode", mutates_args=())
-def decode(received: list[torch.Tensor], handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """Every rank's rows (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
+def decode(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
     hook, group, segments, _ = _registry[handle]
     return hook.decode_bucket(received, group, segments, chunk, dtype)
 
 
 @decode.register_fake
-def _(received: list[torch.Tensor], handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    return received[0].new_empty(chunk, dtype=dtype)
+def _(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    return received.new_empty(chunk, dtype=dtype)
 
 
 def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
@@ -92,7 +95,7 @@ def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
 def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """The exchange as custom ops around functional collectives (fixed shapes; see the module docstring)."""
     _, group, _, _ = _registry[handle]
-    received = [_all_to_all(rows, group) for rows in encode(packed, handle)]
+    received = _all_to_all(encode(packed, handle), group)
     return decode(received, handle, packed.numel() // _world(handle), packed.dtype)
 
 
