@@ -56,7 +56,7 @@ class Wire:
 
     @property
     def row_bytes(self) -> int:
-        return self.columns * torch.empty(0, dtype=self.dtype).element_size()
+        return self.columns * self.dtype.itemsize
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +168,8 @@ class TAGCCodec(Codec):
             self._accumulated.pop(key, None)
             values = torch.full((numel,), float("nan"), dtype=torch.float32, device=tables.device)
             if self.config.fallback == "raw":  # every rank takes part in the re-send round, asking nothing
-                gather_from_owners(torch.zeros(0, dtype=torch.int64), torch.zeros(indexes.shape[0], 0), group)
+                gather_from_owners(torch.zeros(0, dtype=torch.int64, device=tables.device),
+                                   torch.zeros(indexes.shape[0], 0, device=tables.device), group)
             return values
         bits = self.config.index_bits
         union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
@@ -178,7 +179,7 @@ class TAGCCodec(Codec):
         stats.unpeeled += int(decoded.unpeeled)
         stats.estimated += int(decoded.estimated)
         if self.config.fallback == "raw":  # every rank takes part, also with nothing to ask for
-            wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64)
+            wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64, device=summed.device)
             sent_values = self._accumulated.pop(key) - self.residuals[key]
             raw_values, sent = gather_from_owners(wanted, sent_values, group)
             values[wanted] = raw_values
