@@ -154,9 +154,10 @@ def _shard(model, cfg: TrainConfig, world: int):
     hook = None
     if cfg.compression != "none" or cfg.transport == "fair":
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
-        hook = tagc.hook(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity, select=select,
-                         min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
-                         codec="plain" if cfg.compression == "none" else "tagc", overlap=cfg.overlap)
+        codec = "plain" if cfg.compression == "none" else "tagc"
+        tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if codec == "tagc" else {}
+        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                         codec=codec, overlap=cfg.overlap, **tagc_settings)
     if cfg.integration == "simple":
         from fsdp_integration import simple_fsdp
 

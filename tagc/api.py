@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Union
+import dataclasses
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 
 from tagc.config import TAGCConfig
+from tagc.hooks.codec_registry import codec_names, spec
 from tagc.hooks.engine import MIN_PART, TAGCHook
 from tagc.hooks.selection import SelectPolicy
 
 
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
+_SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
+
+
 def hook(
-    ratio: float = 10,
-    index_bits: int = 1,
-    sparsity: Union[float, str] = "auto",
+    ratio: Optional[float] = None,
+    index_bits: Optional[int] = None,
+    sparsity: Union[float, str, None] = None,
     select: Union[str, SelectPolicy] = "non_attention_linear",
     *,
     codec: str = "tagc",
@@ -29,14 +35,17 @@ def hook(
     """A TAGC comm hook.
 
     Args:
-        ratio: count-sketch compression ratio (> 1).
-        index_bits: 1 (exact OR of bitmaps) or 4 (rank counts, <= 15 ranks).
-        sparsity: fraction of each chunk zeroed before encoding, or ``"auto"``.
+        ratio: count-sketch compression ratio (> 1; default 10). Like ``index_bits``,
+            ``sparsity`` and the other :class:`TAGCConfig` fields, it applies to the codecs
+            that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
+        index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
+        sparsity: fraction of each chunk zeroed before encoding, or ``"auto"`` (default).
         select: which parameters to compress: ``"non_attention_linear"`` (default),
             ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
-        codec: how the selected columns cross the wire: ``"tagc"`` (index + count sketch,
-            error feedback) or ``"plain"`` (the fair uncompressed reduce-scatter, for baselines);
-            the unselected columns always go plain (:mod:`tagc.hooks.codecs`).
+        codec: how the selected columns cross the wire, one of
+            :func:`tagc.hooks.codec_registry.codec_names`: ``"tagc"`` (index + count sketch,
+            error feedback), ``"plain"`` (the fair uncompressed reduce-scatter, for baselines),
+            or a peer codec; the unselected columns always go plain (:mod:`tagc.hooks.codecs`).
         overlap: launch each bucket's exchange as soon as its gradient is packed and finish
             them all at the end of the backward pass (SimpleFSDP eager, FSDP2), decoding
             whatever has arrived while later blocks compute; ``False`` blocks per bucket.
@@ -53,11 +62,22 @@ def hook(
             error feedback under Adam would spread over many steps. Steps are counted by
             :meth:`TAGCHook.end_step` (or a bucket seen twice).
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
-            ``min_compress_numel``).
+            ``min_compress_numel``), or the codec's own options
+            (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``).
     """
-    config = TAGCConfig(ratio=ratio, index_bits=index_bits, sparsity=sparsity, **options)
+    codec_spec = spec(codec)
+    given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
+    config_args = {name: value for name, value in given.items() if value is not None}
+    config_args.update({name: options.pop(name) for name in list(options) if name in _CONFIG_FIELDS})
+    misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS))
+    if misplaced and not codec_spec.uses_config:
+        takes = [name for name in codec_names() if spec(name).uses_config]
+        own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
+        verb = "applies" if len(misplaced) == 1 else "apply"
+        raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
+    config = TAGCConfig(**config_args)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
-                    dense_steps=dense_steps, codec=codec, overlap=overlap)
+                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

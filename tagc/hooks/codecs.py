@@ -43,10 +43,6 @@ from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
 
-CODECS: tuple[str, ...] = ("tagc", "plain")
-"""Codec names :func:`tagc.hook` accepts."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """One tensor a part sends: ``columns`` per rank row, of ``dtype``."""
@@ -193,11 +189,3 @@ class TAGCCodec(Codec):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.residuals = {key: value.clone() for key, value in state.items()}
 
-
-def make_codec(name: str, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32) -> Codec:
-    """The codec called ``name`` (one of :data:`CODECS`)."""
-    if name == "tagc":
-        return TAGCCodec(config, residual_dtype)
-    if name == "plain":
-        return PlainCodec()
-    raise ValueError(f"codec must be one of {CODECS}, got {name!r}")

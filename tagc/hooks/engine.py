@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codecs import Codec, PlainCodec, Wire, make_codec
+from tagc.hooks.codec_registry import make_codec, resolve_options
+from tagc.hooks.codecs import Codec, PlainCodec, Wire
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import PIECE_BYTES, PendingExchange, all_to_all_rows
@@ -220,6 +221,7 @@ class TAGCHook:
         dense_steps: int = 0,
         codec: str = "tagc",
         overlap: bool = True,
+        codec_options: Optional[dict] = None,
     ) -> None:
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE} (see tagc.hooks.codecs), got {nonfinite!r}")
@@ -241,7 +243,8 @@ class TAGCHook:
         self.piece_bytes = piece_bytes
         self.dense_steps = dense_steps
         self.overlap = overlap
-        self.codec = make_codec(codec, config, residual_dtype)
+        self.codec_options = resolve_options(codec, codec_options)
+        self.codec = make_codec(codec, config, residual_dtype, self.codec_options)
         self.plain = PlainCodec()
         self.step_count = 0
         self._seen_this_step: set[str] = set()
@@ -274,7 +277,8 @@ class TAGCHook:
     def settings(self) -> dict:
         """Every setting that changes what crosses the wire, or when: must agree across ranks."""
         select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
-        return {"config": self.config.fingerprint(), "codec": self.codec.name, "select": select, "min_part": self.min_part,
+        return {"config": self.config.fingerprint(), "codec": self.codec.name,
+                "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
                 "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite}
 
     def state_dict(self) -> dict:
