@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import os
-import socket
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,7 +73,18 @@ class TrainConfig:
     cache_dir: Optional[str] = None
     out_dir: str = "bench_out/gpt2"
     name: Optional[str] = None
-    timeout_s: float = 600.0
+    group_timeout_s: float = 600.0
+    """How long a rank waits on a collective before it gives up (detects hangs and dead peers;
+    not a limit on the run)."""
+    max_time_s: Optional[float] = None
+    """Stop cleanly (checkpointing first, when checkpoints are on) once a run has trained this long; None: no limit."""
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    """Write a sharded checkpoint (:mod:`gpt2_bench.checkpoint`) every this many steps (0: never)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``checkpoint_dir`` (from scratch if there is none)."""
+    fault_step: Optional[int] = None
+    """Fault drill: the last rank kills itself (SIGKILL) in the middle of this step."""
     keep_freed_memory: bool = True
     """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
     overlap: bool = True
@@ -98,6 +109,14 @@ class TrainConfig:
             import tagc
 
             tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
+        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
+            raise ValueError(f"checkpoint_every must be >= 0 and needs checkpoint_dir, got {self.checkpoint_every!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
+        for field in ("group_timeout_s", "max_time_s"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
         if self.link not in ("none", "scaled"):
             from tagc.link import parse_rate
 
@@ -275,15 +294,18 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
     data = TokenData(data_dir)
     gen = torch.Generator().manual_seed(cfg.seed)
-    log = open(log_path, "w") if rank == 0 else None
+    first_step = _restore(cfg, model, opt, hook, gen)
+    log = _open_log(log_path, first_step) if rank == 0 else None
     progress = None
     if rank == 0:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=cfg.steps, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False)
+        progress = tqdm(total=cfg.steps, initial=first_step, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False)
     start = time.perf_counter()
     val_loss = float("nan")
-    for step in range(cfg.steps):
+    forward_rss_mb = None
+    stopped_at = None
+    for step in range(first_step, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
         tick = time.perf_counter()
@@ -291,6 +313,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         _, loss = step_fn(x, y)
         if step == cfg.steps - 1:
             forward_rss_mb = _rss_mb()  # what forward left alive for backward (resharding frees gathered weights)
+        if step == cfg.fault_step and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         forward_s = time.perf_counter() - tick
         loss.backward()
         backward_s = time.perf_counter() - tick - forward_s
@@ -324,13 +348,58 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             log.flush()
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['iter_ms']:.0f}")
+        out_of_time = cfg.max_time_s is not None and _any_rank(time.perf_counter() - start > cfg.max_time_s)
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or out_of_time):
+            from gpt2_bench import checkpoint
+
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, gen)
+        if out_of_time:
+            stopped_at = step + 1
+            break
     if rank == 0:
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
         log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
-                              "peak_rss_mb": _peak_rss_mb(), "forward_rss_mb": forward_rss_mb}) + "\n")
+                              "peak_rss_mb": _peak_rss_mb(), "forward_rss_mb": forward_rss_mb, "first_step": first_step,
+                              "stopped_at": stopped_at}) + "\n")
         log.close()
     dist.barrier()
+
+
+def _restore(cfg: TrainConfig, model, opt, hook, gen) -> int:
+    """With ``resume``, load the newest complete checkpoint; returns the first step to train."""
+    if not cfg.resume:
+        return 0
+    from gpt2_bench import checkpoint
+
+    path = checkpoint.latest(cfg.checkpoint_dir)
+    if path is None:
+        print(f"no complete checkpoint in {cfg.checkpoint_dir}: training from step 0", file=sys.stderr)
+        return 0
+    first_step = checkpoint.load(path, model, opt, hook, gen)
+    print(f"resumed from {path} (step {first_step})", file=sys.stderr)
+    return first_step
+
+
+def _open_log(log_path: str, first_step: int):
+    """The step log, for appending: a resumed run keeps the records of the steps it does not redo."""
+    if first_step == 0:
+        return open(log_path, "w")
+    path = Path(log_path)
+    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+            if line.strip() and json.loads(line).get("step", math.inf) < first_step]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(log_path, "a")
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank (a collective: every rank decides alike)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value)
 
 
 def _worker_main(args: argparse.Namespace) -> None:
@@ -343,9 +412,11 @@ def _worker_main(args: argparse.Namespace) -> None:
     cfg = TrainConfig(**json.loads(Path(args.config).read_text()))
     rank = int(os.environ.get("RANK", args.rank))
     world = int(os.environ.get("WORLD_SIZE", cfg.world))
-    if "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s))
+    timeout = timedelta(seconds=cfg.group_timeout_s)
+    if args.rendezvous:  # launched by run(): a file store, no port to race for
+        dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=rank, world_size=world, timeout=timeout)
+    else:  # torchrun: env://
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         worker(cfg, rank, world, args.data_dir, args.log)
     finally:
@@ -363,12 +434,6 @@ def exit_without_teardown() -> None:
 
 
 # ----------------------------------------------------------------------------- launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
@@ -402,6 +467,8 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "units": _unit_medians(steady),
         "timeline": next((r["timeline"] for r in steps if "timeline" in r), None),
         "val_loss": summary["val_loss"],
+        "resumed_from_step": summary.get("first_step") or None,
+        "stopped_at": summary.get("stopped_at"),
         "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
         "n_params": summary["n_params"],
         "peak_rss_mb": summary.get("peak_rss_mb"),
@@ -434,33 +501,77 @@ def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = 
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.to_json())
-        port = _free_port()
-        argvs = [[sys.executable, "-m", "gpt2_bench.train", "--worker", "--rank", str(r), "--port", str(port),
+        rendezvous = Path(tmp) / "rendezvous"  # a FileStore: no port to pick, so no race for one
+        argvs = [[sys.executable, "-m", "gpt2_bench.train", "--worker", "--rank", str(r), "--rendezvous", str(rendezvous),
                   "--config", str(config_path), "--data-dir", data_dir, "--log", str(log_path)] for r in range(cfg.world)]
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
         if link == "none":
             procs = [subprocess.Popen(a, env=env) for a in argvs]
-            _wait(procs, cfg.timeout_s)
+            _wait(procs, cfg)
         else:
             with ShapedLink(link, world=cfg.world) as shaped:
-                _wait(shaped.launch(argvs, env=env), cfg.timeout_s)
+                _wait(shaped.launch(argvs, env=env), cfg)
     return _summarise(cfg, log_path, link)
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+class RankFailed(RuntimeError):
+    """A training rank exited with an error or was killed; says which, and where to resume from."""
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> Optional[tuple[int, int]]:
+    """``(rank, exit code)`` of a failed rank, a signal's victim before a rank that exited with an
+    error (within one poll, the others' errors are usually the dead peer's consequence)."""
+    failed = [(rank, proc.returncode) for rank, proc in enumerate(procs) if proc.returncode not in (None, 0)]
+    return min(failed, key=lambda rc: (rc[1] > 0, rc[0])) if failed else None
+
+
+def _wait(procs: list[subprocess.Popen], cfg: TrainConfig, poll_s: float = 0.2) -> None:
+    """Wait for every rank. When one fails, the others get the group timeout to notice and exit
+    with their own error, then are killed; the error names the first rank that failed and the
+    newest complete checkpoint. With ``max_time_s`` the ranks stop themselves; a backstop kills
+    them a group timeout later."""
+    deadline = None if cfg.max_time_s is None else time.monotonic() + cfg.max_time_s + cfg.group_timeout_s + 60
+    first_failure: Optional[tuple[int, int]] = None
+    failed_at = 0.0
     try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"training ranks did not finish within {timeout_s:.0f} s") from None
+        while any(proc.poll() is None for proc in procs):
+            now = time.monotonic()
+            if first_failure is None:
+                first_failure = _first_failure(procs)
+                failed_at = now
+            if first_failure is not None and now - failed_at > cfg.group_timeout_s:
+                break
+            if deadline is not None and now > deadline:
+                raise RankFailed(f"training ranks did not stop within --max-time {cfg.max_time_s:.0f} s "
+                                 f"plus the group timeout ({cfg.group_timeout_s:.0f} s)")
+            time.sleep(poll_s)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        raise RuntimeError(f"a training rank failed (exit codes {codes}); see its traceback above")
+                proc.wait()
+    if first_failure is None:
+        first_failure = _first_failure(procs)
+    if first_failure is not None:
+        rank, code = first_failure
+        codes = ", ".join(f"rank {r}: {_exit_reason(p.returncode) if p.returncode else 'ok'}" for r, p in enumerate(procs))
+        resume = "no checkpoints were asked for (--checkpoint-dir, --checkpoint-every)"
+        if cfg.checkpoint_dir:
+            from gpt2_bench import checkpoint
+
+            newest = checkpoint.latest(cfg.checkpoint_dir)
+            resume = (f"newest complete checkpoint: {newest}; rerun with --resume to continue from it" if newest
+                      else f"no complete checkpoint in {cfg.checkpoint_dir} yet")
+        raise RankFailed(f"training rank {rank} failed first ({_exit_reason(code)}; {codes}); see its traceback above. {resume}")
 
 
 def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
@@ -519,6 +630,15 @@ def build_parser() -> argparse.ArgumentParser:
                   "min_compress_numel", "dense_steps"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
+                   help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)")
+    p.add_argument("--max-time", dest="max_time_s", type=float, default=None,
+                   help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
+                        "default: no limit")
+    p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
                         "measures live memory); by default the ranks keep it for reuse")
@@ -535,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     # internal: one rank
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
+    p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     p.add_argument("--log", help=argparse.SUPPRESS)

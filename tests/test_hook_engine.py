@@ -131,15 +131,48 @@ def test_checkpoint_restart_gives_the_identical_next_step():
             assert identical and step >= 1
 
 
+# every setting that changes what crosses the wire, or when: (name in the error, rank 0's and rank 1's hook arguments)
+MISMATCHES = [
+    ("ratio", dict(ratio=10.0), dict(ratio=5.0)),
+    ("index_bits", dict(index_bits=1), dict(index_bits=4)),
+    ("sparsity", dict(sparsity="auto"), dict(sparsity=0.9)),
+    ("lane", dict(lane=None), dict(lane=256)),
+    ("seed", dict(seed=0), dict(seed=1)),
+    ("fallback", dict(fallback="estimate"), dict(fallback="raw")),
+    ("min_compress_numel", dict(min_compress_numel=65536), dict(min_compress_numel=1024)),
+    ("codec", dict(codec="tagc"), dict(codec="plain")),
+    ("select", dict(select="all"), dict(select="non_attention_linear")),
+    ("min_part", dict(min_part=1 << 17), dict(min_part=1 << 18)),
+    ("dense_steps", dict(dense_steps=0), dict(dense_steps=2)),
+    ("nonfinite", dict(nonfinite="propagate"), dict(nonfinite="raise")),
+]
+
+
 def mismatched(rank, world):
-    hook = tagc.hook(ratio=10 if rank == 0 else 5)
-    with pytest.raises(ValueError, match="settings differ"):
-        exchange(rank, world, hook, torch.randn(world, CHUNK))
-    return True
+    """Every mismatch, one after another in the same group: each a ValueError on both ranks naming
+    the setting and both values, and the group still usable after it (no hang, no abort)."""
+    messages = []
+    for name, mine, theirs in MISMATCHES:
+        hook = tagc.hook(**(mine if rank == 0 else theirs))
+        with pytest.raises(ValueError, match="settings differ") as error:
+            exchange(rank, world, hook, torch.randn(world, CHUNK))
+        messages.append(str(error.value))
+    piece = tagc.hook()
+    piece.piece_bytes = 1 << 20 if rank == 0 else 1 << 19
+    with pytest.raises(ValueError, match="piece_bytes"):
+        exchange(rank, world, piece, torch.randn(world, CHUNK))
+    agreed = exchange(rank, world, tagc.hook(), torch.randn(world, CHUNK))  # the group still works
+    return messages, bool(torch.isfinite(agreed).all())
 
 
-def test_mismatched_settings_are_a_clear_error():
-    assert all(run_ranks(mismatched, 2))
+def test_every_mismatched_setting_is_a_clear_error_on_every_rank():
+    results = run_ranks(mismatched, 2)
+    assert all(still_works and len(messages) == len(MISMATCHES) for messages, still_works in results)
+    rank0_messages = results[0][0]
+    shown = {"all": "select_all"}  # a policy is named by its function
+    for (name, mine, theirs), message in zip(MISMATCHES, rank0_messages):
+        a, b = (shown.get(v, v) if isinstance(v, str) else v for v in (mine[name], theirs[name]))
+        assert f"{name} (this rank {a!r}, rank 1 {b!r})" in message, message
 
 
 def dying_rank(rank, world):
@@ -160,10 +193,10 @@ def test_a_dead_rank_is_a_clear_error_not_a_hang():
 def run_ranks_allow_missing(fn, world):
     import torch.multiprocessing as mp
 
-    from tests.distributed import _entry, free_port
+    from tests.distributed import _entry
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_entry, args=(world, free_port(), out, fn, (), 20.0, False), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, out, fn, (), 20.0, False), nprocs=world, join=True)
         return [torch.load(os.path.join(out, f"rank{r}.pt")) if os.path.exists(os.path.join(out, f"rank{r}.pt")) else None
                 for r in range(world)]
 
