@@ -35,6 +35,14 @@ def test_forward_backward_shapes():
     assert logits.shape == (2, 1, model.config.vocab_size) and loss is None
 
 
+def test_shifted_targets_need_not_be_contiguous():
+    model = tiny()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 17))
+    _, loss = model(tokens[:, :-1], tokens[:, 1:])  # a strided view, as nanoGPT's callers write it
+    _, expected = model(tokens[:, :-1], tokens[:, 1:].contiguous())
+    assert torch.equal(loss, expected)
+
+
 def test_loss_at_init_is_log_vocab():
     model = tiny()
     idx = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
