@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods
 from gpt2_bench.train import TrainConfig, run, scaled_link
 from tagc.link import parse_rate
 
@@ -63,7 +64,7 @@ def compare(base: TrainConfig) -> tuple[list[dict], dict]:
         rows.append({**plain, "compressed": compressed})
         rows.append(runs[compressed])
     if serial is not plain:
-        rows.append({**serial, "algorithm": "fsdp no-overlap", "compressed": "-"})
+        rows.append({**serial, "algorithm": "fsdp no-overlap", "compressed": "-", "method": "fsdp-no-overlap"})
     rate_bps = parse_rate(link_info["rate"])
     for row in rows:
         row["speedup"] = plain["iter_ms"] / row["iter_ms"]
@@ -71,6 +72,13 @@ def compare(base: TrainConfig) -> tuple[list[dict], dict]:
         row["bytes_model_speedup"] = None if model_ms is None or model_ms <= 0 else plain["iter_ms"] / model_ms
         row["speedup_total"] = plain["train_s"] / row["train_s"]
         row["val_loss_vs_fsdp"] = row["val_loss"] / plain["val_loss"] - 1
+        # the columns every compare's JSON rows share (see methods_report)
+        row["method"] = row["method"] if "method" in row else ("fsdp" if row["algorithm"] == "fsdp" else f"tagc-{row['compressed']}")
+        row["bytes_model"] = row["bytes_model_speedup"]
+        row["val_loss_delta"] = row["val_loss_vs_fsdp"]
+        row["speedup_vs_fsdp_bf16"] = None
+        wire = row.get("wire_bytes_per_step")
+        row["bits_per_param"] = None if wire is None else wire * 8 / row["n_params"]
     return rows, link_info
 
 
@@ -242,6 +250,267 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- every method, at several shares
+
+
+def _pooled_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds: int, data_dir: str) -> tuple[list[dict], dict]:
+    """Every method on one scaled link, ``rounds`` rounds, every other one in reverse order (so a
+    drift over the session lands on every method alike); a method's step time is the median of
+    its steady steps pooled over the rounds. Returns (one row per method, link info)."""
+    cfg = dataclasses.replace(base, link_share=share)
+    link_info = scaled_link(cfg, data_dir) if base.link == "scaled" else {"rate": base.link, "exchange_share": None}
+    runs: dict[str, list[dict]] = {method: [] for method in methods}
+    for round_index in range(rounds):
+        order = list(methods) if round_index % 2 == 0 else list(reversed(methods))
+        for method in order:
+            method_cfg = dataclasses.replace(method_config(cfg, method),
+                                             out_dir=str(Path(base.out_dir) / f"share-{share:g}" / f"round-{round_index + 1}"))
+            runs[method].append(run(method_cfg, data_dir, link=link_info["rate"]))
+    rows = []
+    for method in methods:
+        last = runs[method][-1]
+        row = {**last, "method": method, "share": share, "link": link_info["rate"], "rounds": rounds,
+               "iter_ms": _pooled_median([ms for result in runs[method] for ms in result["steady_iter_ms"]]),
+               "iter_ms_per_round": [result["iter_ms"] for result in runs[method]]}
+        rows.append(row)
+    return rows, link_info
+
+
+def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str) -> dict[str, dict]:
+    """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link."""
+    eval_interval = max(1, min(base.eval_interval, steps // 8))
+    results = {}
+    for method in methods:
+        cfg = dataclasses.replace(method_config(base, method), steps=steps, link="none", eval_interval=eval_interval,
+                                  out_dir=str(Path(base.out_dir) / "quality"))
+        results[method] = run(cfg, data_dir, link="none")
+    return results
+
+
+def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optional[dict[str, dict]] = None) -> list[dict]:
+    """Speed-ups against ``fsdp`` and ``fsdp-bf16``, the bytes model, bits per parameter and the
+    val loss (from the quality runs when given) against ``fsdp``'s, for one share's rows."""
+    by_method = {row["method"]: row for row in rows}
+    plain, bf16 = by_method.get("fsdp"), by_method.get("fsdp-bf16")
+    for row in rows:
+        if quality and row["method"] in quality:
+            row["val_loss"] = quality[row["method"]]["val_loss"]
+            row["curve"] = quality[row["method"]]["curve"]
+            row["val_loss_steps"] = quality[row["method"]]["steps"]
+        wire = row.get("wire_bytes_per_step")
+        row["bits_per_param"] = None if wire is None else wire * 8 / row["n_params"]
+        row["speedup"] = plain["iter_ms"] / row["iter_ms"] if plain else None
+        row["speedup_vs_fsdp_bf16"] = bf16["iter_ms"] / row["iter_ms"] if bf16 else None
+        model_ms = None if plain is None else bytes_model_ms(plain["iter_ms"], plain.get("wire_bytes_per_step"), wire, rate_bps)
+        row["bytes_model"] = None if model_ms is None or model_ms <= 0 else plain["iter_ms"] / model_ms
+        row["bytes_model_ms"] = model_ms
+    plain_loss = quality["fsdp"]["val_loss"] if quality and "fsdp" in quality else (plain or {}).get("val_loss")
+    for row in rows:
+        row["val_loss_delta"] = None if plain_loss is None else row["val_loss"] / plain_loss - 1
+    return rows
+
+
+LOSS_TOLERANCE = 0.01
+"""A method counts as keeping plain FSDP's loss within this relative val-loss gap."""
+
+
+def winner(rows: list[dict]) -> Optional[dict]:
+    """The fastest row whose val loss is within :data:`LOSS_TOLERANCE` of ``fsdp``'s."""
+    eligible = [row for row in rows if row.get("val_loss_delta") is not None and row["val_loss_delta"] <= LOSS_TOLERANCE]
+    return min(eligible, key=lambda row: row["iter_ms"]) if eligible else None
+
+
+def explain_gap(row: dict, other: dict) -> str:
+    """``row``'s step time against ``other``'s, split into bytes (the bytes model's difference),
+    codec time on the training thread, and the rest; plus the loss difference."""
+    total = row["iter_ms"] - other["iter_ms"]
+    parts = []
+    if row.get("bytes_model_ms") is not None and other.get("bytes_model_ms") is not None:
+        parts.append(f"bytes {row['bytes_model_ms'] - other['bytes_model_ms']:+.0f} ms")
+    codec = (row.get("codec_ms") or 0.0) - (other.get("codec_ms") or 0.0)
+    parts.append(f"codec {codec:+.0f} ms")
+    loss = ""
+    if row.get("val_loss_delta") is not None and other.get("val_loss_delta") is not None:
+        loss = f"; val loss {100 * (row['val_loss_delta'] - other['val_loss_delta']):+.2f} points"
+    return f"{total:+.0f} ms ({', '.join(parts)}){loss}"
+
+
+def format_methods_table(rows: list[dict]) -> str:
+    """One share's methods: time, speed-ups, bytes, codec time and loss."""
+    lines = ["| method | compressed | iter ms | vs fsdp | vs fsdp-bf16 | bytes model | wire MB/step | bits/param | "
+             "codec ms | exposed ms | val loss | vs fsdp |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda value, spec, suffix="": "-" if value is None else f"{value:{spec}}{suffix}"  # noqa: E731
+    for row in rows:
+        wire = row.get("wire_bytes_per_step")
+        delta = row.get("val_loss_delta")
+        lines.append(
+            f"| {row['method']} | {row['compressed'] if row['algorithm'] != 'fsdp' else '-'} | {row['iter_ms']:.0f} | "
+            f"{fmt(row.get('speedup'), '.2f', 'x')} | {fmt(row.get('speedup_vs_fsdp_bf16'), '.2f', 'x')} | "
+            f"{fmt(row.get('bytes_model'), '.2f', 'x')} | {fmt(None if wire is None else wire / 1e6, '.2f')} | "
+            f"{fmt(row.get('bits_per_param'), '.2f')} | {fmt(row.get('codec_ms'), '.0f')} | {fmt(row.get('exposed_ms'), '.0f')} | "
+            f"{row['val_loss']:.4f} | {fmt(None if delta is None else 100 * delta, '+.2f', '%')} |")
+    return "\n".join(lines)
+
+
+def format_verdict(rows: list[dict]) -> str:
+    """The share's winner, and where TAGC stands against it, ``fsdp`` and ``fsdp-bf16``."""
+    best = winner(rows)
+    by_method = {row["method"]: row for row in rows}
+    lines = []
+    if best is None:
+        lines.append(f"- No method kept val loss within {LOSS_TOLERANCE:.0%} of fsdp's.")
+    else:
+        lines.append(f"- Fastest within {LOSS_TOLERANCE:.0%} of fsdp's val loss: **{best['method']}** "
+                     f"({best['iter_ms']:.0f} ms, {best['speedup']:.2f}x over fsdp"
+                     + (f", {best['speedup_vs_fsdp_bf16']:.2f}x over fsdp-bf16" if best.get("speedup_vs_fsdp_bf16") else "")
+                     + f", val loss {100 * best['val_loss_delta']:+.2f}%).")
+    for name in ("tagc-non-attn", "tagc-all"):
+        row = by_method.get(name)
+        if row is None:
+            continue
+        text = f"- `{name}`: {row['speedup']:.2f}x over fsdp" if row.get("speedup") else f"- `{name}`"
+        if row.get("speedup_vs_fsdp_bf16"):
+            text += f", {row['speedup_vs_fsdp_bf16']:.2f}x over fsdp-bf16"
+        if best is not None and best is not row:
+            text += f"; against {best['method']}: {explain_gap(row, best)}"
+        faster = [other["method"] for other in rows if other is not row and other["iter_ms"] < row["iter_ms"]
+                  and (other.get("val_loss_delta") or 0) <= (row.get("val_loss_delta") or 0)]
+        text += f". Dominated by {', '.join(faster)} (faster, and no worse in loss)." if faster else ". Not dominated."
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def _label_colors(methods: Sequence[str]) -> dict:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return {method: cmap(i % 10) for i, method in enumerate(methods)}
+
+
+def plot_pareto(rows: list[dict], path: Path) -> None:
+    """Step time against val loss, one point per method per share (lower left is better)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    shares = sorted({row["share"] for row in rows})
+    colors, markers = _label_colors(methods), "osD^v<>"
+    fig, axes = plt.subplots(1, len(shares), figsize=(5.5 * len(shares), 4.2), squeeze=False)
+    for ax, share in zip(axes[0], shares):
+        for row in (r for r in rows if r["share"] == share):
+            ax.scatter(row["iter_ms"], row["val_loss"], color=colors[row["method"]], marker=markers[methods.index(row["method"]) % 7], s=50)
+            ax.annotate(row["method"], (row["iter_ms"], row["val_loss"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set(xlabel="median step (ms)", ylabel="val loss", title=f"share {share:g}: time against loss")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_speedup_vs_share(rows: list[dict], path: Path) -> None:
+    """One line per method: its speed-up over fsdp against the plain exchange's share of a step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    colors = _label_colors(methods)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method in methods:
+        points = sorted((row["share"], row["speedup"]) for row in rows if row["method"] == method and row.get("speedup"))
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method, color=colors[method])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set(xlabel="plain exchange's share of a non-overlapped plain step", ylabel="speed-up over fsdp", title="speed-up against share")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_method_losses(rows: list[dict], path: Path) -> None:
+    """Every method's training loss (and val loss points) against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen: dict[str, dict] = {}
+    for row in rows:
+        seen.setdefault(row["method"], row)
+    colors = _label_colors(list(seen))
+    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, row in seen.items():
+        curve = row["curve"]
+        train_ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=method, color=colors[method], lw=0.9)
+        vals = [c for c in curve if c.get("val_loss") is not None]
+        val_ax.plot([c["step"] for c in vals], [c["val_loss"] for c in vals], marker="o", label=method, color=colors[method])
+    train_ax.set(xlabel="step", ylabel="training loss", title="training loss")
+    val_ax.set(xlabel="step", ylabel="val loss", title="val loss")
+    for ax in (train_ax, val_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_share_arithmetic(link_info: dict) -> str:
+    """How the scaled link gives the plain exchange its share of a step."""
+    if not link_info.get("rate_bps"):
+        return f"- link {link_info['rate']} (not scaled)"
+    return (f"- share {link_info['exchange_share']:g}: a plain step computes {link_info['rest_ms']:.0f} ms here; the link is "
+            f"{link_info['rate']} (10gbit / {link_info['slowdown']:.0f}), at which the plain exchange is "
+            f"{link_info['exchange_share']:.0%} of a non-overlapped plain step (first guess {link_info['first_guess']} gave "
+            f"{link_info['first_guess_share']:.0%}).")
+
+
+def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int) -> tuple[list[dict], str]:
+    """Time every method at every share (and measure its loss once, unshaped); returns the rows and
+    a Markdown report, with plots written next to it."""
+    from gpt2_bench.data import prepare
+
+    data_dir = str(prepare(base.dataset, base.cache_dir))
+    quality = quality_runs(base, methods, quality_steps, data_dir) if quality_steps else None
+    rows, sections = [], []
+    for share in shares:
+        share_rows, link_info = time_methods(base, methods, share, rounds, data_dir)
+        add_method_columns(share_rows, parse_rate(link_info["rate"]), quality)
+        rows.extend(share_rows)
+        sections.append(f"## Share {share:g}\n\n{format_share_arithmetic(link_info)}\n\n{format_methods_table(share_rows)}\n\n"
+                        f"{format_verdict(share_rows)}\n")
+    out = Path(base.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_pareto(rows, out / "pareto.png")
+    plot_method_losses(rows, out / "losses.png")
+    pictures = "![pareto](pareto.png)\n\n![losses](losses.png)\n"
+    if len(shares) > 1:
+        plot_speedup_vs_share(rows, out / "speedup_vs_share.png")
+        pictures += "\n![speed-up against share](speedup_vs_share.png)\n"
+    loss_source = (f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the link)"
+                   if quality else f"val loss from the timed runs ({base.steps} steps)")
+    report = (f"# GPT-2: the methods users would pick, on one engine and one link\n\n"
+              f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} tokens per "
+              f"rank and step, integration `{base.integration}`, seed {base.seed}; timed runs of {base.steps} steps, "
+              f"{rounds} round(s) per share, every other round in reverse order, step time = median of the steady steps "
+              f"pooled over rounds (dense warm-up steps excluded); {loss_source}. TAGC and top-k at ratio {base.ratio:g}; "
+              f"error-feedback codecs dense for the first {base.dense_steps} steps.\n\n"
+              f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; `bits/param`: "
+              f"wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); `codec ms`: encode + decode "
+              f"on the training thread per step.\n\n" + "\n".join(sections) + "\n" + pictures)
+    (out / "methods.md").write_text(report)
+    return rows, report
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from gpt2_bench.train import build_parser, config_from_args
 
@@ -252,8 +521,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # plain top-k from step 0: +11% val loss at 30 steps, the early LM-head moves that error feedback spreads out).
     parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20, dense_steps=10)
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
+    parser.add_argument("--methods", default="paper",
+                        help=f"comma-separated methods: {', '.join(METHODS)}; 'peers' for all of them; "
+                             f"default 'paper' ({', '.join(PAPER_METHODS)}, in the paper's table)")
+    parser.add_argument("--shares", default=None,
+                        help="comma-separated shares to sweep (e.g. 0.31,0.6,0.9): one scaled link per share, every method "
+                             "timed on each, and a speed-up-against-share plot")
+    parser.add_argument("--rounds", type=int, default=2, help="timing rounds per share, every other one in reverse (default 2)")
+    parser.add_argument("--quality-steps", type=int, default=0,
+                        help="measure each method's loss once, unshaped, over this many steps (0: from the timed runs)")
     args = parser.parse_args(argv)
+    try:
+        methods = parse_methods(args.methods)
+        shares = [float(x) for x in args.shares.split(",")] if args.shares else [args.link_share]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1 or args.quality_steps < 0:
+        parser.error("--rounds must be >= 1 and --quality-steps >= 0")
     base = config_from_args(args)
+    if methods != PAPER_METHODS or args.shares or args.quality_steps:
+        rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps)
+        print(report)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps([{k: v for k, v in row.items() if k not in ("curve", "steady_iter_ms")}
+                                                   for row in rows], indent=2) + "\n")
+        print(f"\nreport: {Path(base.out_dir) / 'methods.md'}", file=sys.stderr)
+        return 0
     rows, link_info = compare(base)
     table = format_table(rows, link_info)
     print(table)
@@ -278,7 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"step.\n\n## What overlap can hide here\n\n{format_overlap(link_info)}\n\n![loss](loss.png)\n\n"
         f"![timeline](timeline.png)\n"
     )
-    public = [{k: v for k, v in row.items() if k != "curve"} for row in rows]
+    public = [{k: v for k, v in row.items() if k not in ("curve", "steady_iter_ms")} for row in rows]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(public, indent=2) + "\n")

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 INTEGRATIONS = ("simple", "fsdp2", "fsdp1")
 COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
+REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 
 PAPER_LINK_BPS = 10 * 10**9
 PAPER_EXCHANGE_SHARE = 0.31
@@ -48,6 +49,14 @@ class TrainConfig:
     integration: str = "simple"
     compression: str = "non-attn"
     transport: str = "fair"
+    codec: str = "tagc"
+    """How the selected (``compression``) columns cross the wire: a name of
+    :func:`tagc.hooks.codec_registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
+    codec_options: dict = dataclasses.field(default_factory=dict)
+    """The codec's own options, e.g. ``{"block": 128}`` for ``int4``."""
+    reduce_dtype: Optional[str] = None
+    """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
+    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
     ratio: float = 10.0
     index_bits: int = 1
     sparsity: Any = "auto"
@@ -69,6 +78,9 @@ class TrainConfig:
     world: int = 2
     threads: int = 1
     link: str = "none"
+    link_share: float = PAPER_EXCHANGE_SHARE
+    """With ``link="scaled"``: the share of a non-overlapped plain step the plain exchange takes on
+    the scaled link (the paper's 0.31 by default; about 0.9 for an H100-class GPU over 10 GbE)."""
     dataset: str = "bbc"
     cache_dir: Optional[str] = None
     out_dir: str = "bench_out/gpt2"
@@ -106,9 +118,15 @@ class TrainConfig:
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
         if self.compression != "none":
-            import tagc
+            from tagc.hooks.codec_registry import resolve_options, spec
 
-            tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
+            if spec(self.codec).uses_config:
+                import tagc
+
+                tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
+            resolve_options(self.codec, self.codec_options)
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
             raise ValueError(f"checkpoint_every must be >= 0 and needs checkpoint_dir, got {self.checkpoint_every!r}")
         if self.resume and not self.checkpoint_dir:
@@ -117,6 +135,8 @@ class TrainConfig:
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+        if not 0 < self.link_share < 1:
+            raise ValueError(f"link_share must be a fraction in (0, 1), got {self.link_share!r}")
         if self.link not in ("none", "scaled"):
             from tagc.link import parse_rate
 
@@ -126,7 +146,17 @@ class TrainConfig:
     def run_name(self) -> str:
         if self.name:
             return self.name
-        algo = "fsdp" if self.compression == "none" else f"tagc-{self.compression}-r{self.ratio:g}-b{self.index_bits}"
+        from tagc.hooks.codec_registry import spec
+
+        if self.compression == "none":
+            algo = "fsdp"
+        elif spec(self.codec).uses_config:
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc" else "")
+        else:
+            algo = f"{self.codec}-{self.compression}"
+        algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
+        if self.reduce_dtype:
+            algo += f"-reduce-{self.reduce_dtype}"
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
@@ -173,26 +203,33 @@ def _shard(model, cfg: TrainConfig, world: int):
     hook = None
     if cfg.compression != "none" or cfg.transport == "fair":
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
-        codec = "plain" if cfg.compression == "none" else "tagc"
-        tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if codec == "tagc" else {}
-        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
-                         codec=codec, overlap=cfg.overlap, **tagc_settings)
-    if cfg.integration == "simple":
-        from fsdp_integration import simple_fsdp
+        from tagc.hooks.codec_registry import spec
 
-        model = simple_fsdp(model, overlap=cfg.overlap)  # one unit per transformer block + the root, like fsdp2 below
+        codec = "plain" if cfg.compression == "none" else cfg.codec
+        tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
+        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                         codec=codec, overlap=cfg.overlap, **tagc_settings, **cfg.codec_options)
+    reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
+    if cfg.integration == "simple":
+        from fsdp_integration import MixedPrecisionPolicy, simple_fsdp
+
+        # one unit per transformer block + the root, like fsdp2 below
+        model = simple_fsdp(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), overlap=cfg.overlap)
     elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
 
-        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
+        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model),
+                     mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None)
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook
@@ -440,14 +477,17 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "step" in r]
     summary = next(r for r in records if r.get("summary"))
-    steady = steps[min(len(steps) - 1, max(1, len(steps) // 5)) :]  # drop warm-up steps
+    first_steady = max(1, len(steps) // 5, cfg.dense_steps + 1 if cfg.compression != "none" else 0)
+    steady = steps[min(len(steps) - 1, first_steady) :]  # drop warm-up steps and the dense warm-up
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     total = summary.get("hook_total") or {}
     return {
         "name": cfg.run_name,
         "integration": cfg.integration,
         "compiled": cfg.compile,
-        "algorithm": "fsdp" if cfg.compression == "none" else "tagc",
+        "algorithm": "fsdp" if cfg.compression == "none" else cfg.codec,
+        "codec": None if cfg.compression == "none" else cfg.codec,
+        "reduce_dtype": cfg.reduce_dtype,
         "compressed": cfg.compression,
         "transport": cfg.transport,
         "ratio": cfg.ratio if cfg.compression != "none" else None,
@@ -456,6 +496,8 @@ def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "steps": len(steps),
         "tokens": steps[-1]["tokens"] if steps else 0,
         "iter_ms": median([r["iter_ms"] for r in steady]),
+        "steady_iter_ms": [r["iter_ms"] for r in steady],
+        "codec_ms": median([r.get("compress_ms", 0.0) + r.get("decode_ms", 0.0) for r in steady]) if total else None,
         "train_s": sum(r["iter_ms"] for r in steps) / 1e3,  # every step, warm-up and dense steps included
         "exchange_ms_per_mb": median([r["exchange_ms_per_mb"] for r in steady if "exchange_ms_per_mb" in r]) if total else None,
         "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
@@ -588,9 +630,9 @@ def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
     """
     from tagc.link import format_rate
 
-    share = PAPER_EXCHANGE_SHARE
-    probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
-                                link="none", name=f"calibrate-{cfg.preset}", overlap=False)  # the share of a non-overlapped step
+    share = cfg.link_share
+    probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6, reduce_dtype=None,
+                                link="none", name=f"calibrate-{cfg.preset}", overlap=False, checkpoint_every=0, resume=False)  # the share of a non-overlapped step
 
     def measure(rate: str) -> tuple[float, float, float]:
         result = run(probe, data_dir, link=rate)
@@ -610,7 +652,7 @@ def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
             "exchange_share": share, "slowdown": PAPER_LINK_BPS / rate_bps, "nominal": "10gbit",
             "first_guess": format_rate(guess_bps), "first_guess_share": shaped_exchange_s / shaped_step_s}
     print(f"scaled link: a step here computes for {compute_s * 1e3:.0f} ms; at {info['first_guess']} the plain exchange "
-          f"took {info['first_guess_share']:.0%} of a step; it takes the paper's {share:.0%} at {info['rate']} "
+          f"took {info['first_guess_share']:.0%} of a step; it takes {share:.0%} at {info['rate']} "
           f"(10gbit / {info['slowdown']:.0f})", file=sys.stderr)
     return info
 
@@ -623,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS)
     p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
                    help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter")
+    p.add_argument("--codec", default=defaults.codec,
+                   help="how the --compression columns cross the wire: tagc (default), topk, bf16, fp8, int4, sign, powersgd")
+    p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
+                   help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
+    p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
+                   help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=defaults.ratio)
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
@@ -648,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")
     p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
+    p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,
+                   help="--link scaled: the plain exchange's share of a non-overlapped plain step on the scaled link "
+                        "(default %(default)s, the paper's; 0.9 for an H100-class GPU over 10 GbE)")
     p.add_argument("--dataset", default=defaults.dataset, help="bbc (offline default), openwebtext, or a local file")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default=defaults.out_dir)
@@ -667,7 +718,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["sparsity"] = sparsity
+    values["codec_options"] = parse_codec_options(args.codec_options)
     return TrainConfig(**values)
+
+
+def parse_codec_options(pairs: Sequence[str]) -> dict:
+    """``["block=128", "stochastic=true"]`` -> ``{"block": 128, "stochastic": True}``."""
+    options = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--codec-option takes NAME=VALUE, got {pair!r}")
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            options[name] = lowered == "true"
+        else:
+            try:
+                options[name] = int(text)
+            except ValueError:
+                try:
+                    options[name] = float(text)
+                except ValueError:
+                    options[name] = text
+    return options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -61,3 +61,45 @@ def test_bytes_model_subtracts_the_bytes_saved_at_the_link_rate():
     assert compare.bytes_model_ms(4000.0, 50e6, 50e6, 320 * 10**6) == 4000.0
     assert compare.bytes_model_ms(4000.0, 50e6, 10e6, None) is None  # unshaped: no link to model
     assert compare.bytes_model_ms(4000.0, None, 10e6, 10**9) is None  # plain run without the fair transport's counts
+
+
+def _method_row(method, iter_ms, val_loss, wire, codec_ms=0.0, share=0.31):
+    algorithm = "fsdp" if method.startswith("fsdp") else method.split("-")[0]
+    return {"method": method, "algorithm": algorithm, "compressed": "all", "iter_ms": iter_ms, "val_loss": val_loss,
+            "wire_bytes_per_step": wire, "n_params": 1_000_000, "codec_ms": codec_ms, "exposed_ms": 10.0, "share": share,
+            "steps": 20, "curve": [{"step": 0, "loss": 10.0, "elapsed_s": 1.0}, {"step": 9, "loss": 8.0, "elapsed_s": 9.0, "val_loss": val_loss}]}
+
+
+def test_methods_table_names_the_fastest_method_within_one_percent_and_places_tagc(tmp_path):
+    rows = [_method_row("fsdp", 4000, 6.00, 2_000_000), _method_row("fsdp-bf16", 3000, 6.01, 1_000_000),
+            _method_row("int4", 2500, 6.10, 250_000, codec_ms=50),  # fastest, but 1.7% worse: not the winner
+            _method_row("topk", 2600, 6.02, 200_000, codec_ms=100),
+            _method_row("tagc-non-attn", 2900, 6.03, 500_000, codec_ms=300)]
+    compare.add_method_columns(rows, rate_bps=8 * 10**6)  # 1 MB/s: a byte saved is a microsecond
+    by = {row["method"]: row for row in rows}
+    assert by["fsdp"]["bits_per_param"] == 16.0 and by["int4"]["bits_per_param"] == 2.0
+    assert by["topk"]["speedup"] == 4000 / 2600 and by["topk"]["speedup_vs_fsdp_bf16"] == 3000 / 2600
+    assert by["tagc-non-attn"]["bytes_model_ms"] == 4000 - 1500 and abs(by["int4"]["val_loss_delta"] - 0.1 / 6) < 1e-12
+    assert compare.winner(rows)["method"] == "topk"
+    gap = compare.explain_gap(by["tagc-non-attn"], by["topk"])
+    assert gap.startswith("+300 ms") and "bytes +300 ms" in gap and "codec +200 ms" in gap and "+0.17 points" in gap
+    verdict = compare.format_verdict(rows)
+    assert "**topk**" in verdict and "Dominated by topk (faster" in verdict
+    table = compare.format_methods_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "| int4 | all | 2500 | 1.60x | 1.20x |" in table
+    for share_rows in ([dict(r, share=0.31) for r in rows] + [dict(r, share=0.9, speedup=2 * r["speedup"]) for r in rows],):
+        compare.plot_pareto(share_rows, tmp_path / "pareto.png")
+        compare.plot_speedup_vs_share(share_rows, tmp_path / "share.png")
+        compare.plot_method_losses(share_rows, tmp_path / "losses.png")
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("pareto.png", "share.png", "losses.png"))
+
+
+def test_method_names_are_checked_and_expand():
+    import pytest
+
+    from gpt2_bench.methods import METHODS, PAPER_METHODS, parse_methods
+
+    assert parse_methods("peers") == tuple(METHODS) and parse_methods("paper") == PAPER_METHODS
+    assert parse_methods("fsdp, int4,fsdp") == ("fsdp", "int4")
+    with pytest.raises(ValueError, match="unknown method 'zip'.*fsdp-bf16"):
+        parse_methods("fsdp,zip")

@@ -1,0 +1,70 @@
+"""The methods the compare puts side by side: what a user would pick instead of TAGC.
+
+Each method is a :class:`~gpt2_bench.train.TrainConfig` change on the same model, tokens, seed,
+integration and fair overlapped transport, so only the gradient codec differs:
+
+* ``fsdp`` - plain fp32 reduce-scatter (the fair all-to-all transport);
+* ``fsdp-bf16`` - FSDP's own ``reduce_dtype=torch.bfloat16``: the gradient is cast to bf16 before
+  the reduce-scatter and the reduced shard stays bf16 (the reference for our ``bf16``);
+* ``bf16``, ``fp8``, ``int4`` - low-precision transports on every layer, summed in fp32 at
+  the owner (``int4``: ZeRO++ qgZ-style blockwise);
+* ``sign`` - 1 bit per element and a scale per block, error feedback (1-bit Adam's compressor);
+* ``powersgd`` - rank-r PowerSGD with error feedback on every matrix;
+* ``topk`` - TAGC's own selection and error feedback on the non-attention layers, the kept
+  values sent as a list instead of a sketch (TAGC without its sketch);
+* ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears.
+
+Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, since
+it serves all of them alike; the others have nothing to warm up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpt2_bench.train import TrainConfig
+
+METHODS: dict[str, dict] = {
+    "fsdp": dict(compression="none"),
+    "fsdp-bf16": dict(compression="none", reduce_dtype="bf16"),
+    "bf16": dict(compression="all", codec="bf16"),
+    "fp8": dict(compression="all", codec="fp8"),
+    "int4": dict(compression="all", codec="int4"),
+    "topk": dict(compression="non-attn", codec="topk"),
+    "sign": dict(compression="all", codec="sign"),
+    "powersgd": dict(compression="all", codec="powersgd"),
+    "tagc-all": dict(compression="all", codec="tagc"),
+    "tagc-non-attn": dict(compression="non-attn", codec="tagc"),
+}
+"""Method name -> the :class:`TrainConfig` fields it sets."""
+
+PAPER_METHODS = ("fsdp", "tagc-all", "tagc-non-attn")
+"""The TAGC paper's three runs: the compare's default."""
+
+ERROR_FEEDBACK = ("topk", "sign", "powersgd", "tagc")
+"""Codecs with error-feedback state: the ones a dense warm-up serves."""
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """``"fsdp,int4"`` -> ``("fsdp", "int4")``; ``"peers"`` means every method, ``"paper"`` the paper's three."""
+    names: list[str] = []
+    for name in (part.strip() for part in text.split(",")):
+        expanded = tuple(METHODS) if name == "peers" else PAPER_METHODS if name == "paper" else (name,)
+        for method in expanded:
+            if method not in METHODS:
+                raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}, or 'peers' (all), 'paper'")
+            if method not in names:
+                names.append(method)
+    if not names:
+        raise ValueError("--methods is empty")
+    return tuple(names)
+
+
+def method_config(base: TrainConfig, method: str) -> TrainConfig:
+    """``base`` with ``method``'s codec settings (and its own run name)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, **METHODS[method]}
+    if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
+        fields["dense_steps"] = 0
+    return dataclasses.replace(base, name=method, **fields)
