@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 pytest.importorskip("numba", reason="numba is not installed")
 
 from tagc.kernels import cpu, dispatch  # noqa: E402
-from tagc.sketch import SketchLayout, compress_, decode, merge_index, plan_density, row_thresholds  # noqa: E402
+from tagc.sketch import SketchLayout, compress_, decode, keep_limit, merge_index, plan_density, row_thresholds  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +54,24 @@ def test_compress_equals_reference_bit_for_bit(numel, bits):
     assert torch.equal(cpu_residual, ref_residual)
     assert torch.equal(cpu_table, table)
     assert int(index.count_nonzero()) > 0 or numel < 8
+
+
+@pytest.mark.parametrize("numel", [1000, 300_001])
+@pytest.mark.parametrize("values", ["integer", "pm1", "equal"])
+def test_compress_under_ties_equals_reference_bit_for_bit(numel, values):
+    """Ties at the threshold: at most the limit kept, the first ones in index order, as the reference."""
+    grad = torch.randint(-4, 5, (2, numel)).float()
+    if values == "pm1":
+        grad = grad.sign() + (grad == 0)
+    elif values == "equal":
+        grad = torch.full((2, numel), 0.25)
+    residual = torch.randint(-1, 2, (2, numel)).float() * 0.5
+    layout = SketchLayout(numel, 10.0)
+    density = plan_density(10.0, 2)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, 1)
+    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+    kept = ((grad + residual) != cpu_residual).sum(1)
+    assert (kept <= keep_limit(numel, density) * 1.05).all(), kept
 
 
 @settings(max_examples=25, deadline=None)

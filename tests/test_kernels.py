@@ -23,7 +23,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from tagc.kernels import dispatch, ops  # noqa: E402
-from tagc.kernels.peel import STAT_FIELDS  # noqa: E402
+from tagc.kernels.peel import PEEL_STATS, STAT_FIELDS  # noqa: E402
 from tagc.sketch import (  # noqa: E402
     SketchLayout,
     build_index,
@@ -32,6 +32,7 @@ from tagc.sketch import (  # noqa: E402
     encode,
     index_to_mask,
     merge_index,
+    keep_limit,
     plan_density,
     row_thresholds,
 )
@@ -169,6 +170,21 @@ def test_compress_matches_reference(numel, bits, dtypes):
     assert index.any() and table.abs().sum() > 0  # something was kept
 
 
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("bits", [1, 4])
+def test_compress_under_ties_matches_reference(numel, bits):
+    """Integer gradients and residuals: massive ties at the threshold, broken identically (the
+    first in index order, across program blocks), at most the limit kept; sums are exact, so
+    the table matches bit for bit too."""
+    layout = _layout(numel)
+    grad = torch.randint(-3, 4, (3, numel), device=DEVICE).float()
+    residual = torch.randint(-1, 2, (3, numel), device=DEVICE).float()
+    (index, table), (index_r, table_r), res_k, res_r = _compress_both(grad, residual, 0.06, layout, bits)
+    assert torch.equal(index, index_r) and torch.equal(res_k, res_r) and torch.equal(table, table_r)
+    kept = ((grad + residual) != res_k).sum(1)
+    assert (kept <= keep_limit(numel, 0.06)).all(), kept
+
+
 @pytest.mark.parametrize("bits", [1, 4])
 def test_compress_with_explicit_tau(bits):
     layout = _layout(2500)
@@ -277,10 +293,10 @@ def test_ops_fake_implementations():
     with FakeTensorMode(allow_non_fake_inputs=True):
         grad, residual = torch.empty(2, 1000), torch.empty(2, 1000)
         assert ops.row_thresholds(residual, grad, 0.1).shape == (2,)
-        index, table = ops.compress_(grad, residual, torch.empty(2), t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 4)
+        index, table = ops.compress_(grad, residual, torch.empty(2), t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 4, 100)
         assert index.shape == (2, 500) and index.dtype == torch.uint8 and table.shape == (2, layout.table_numel)
         out, state, work, stats = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4, 0)
-        assert out.shape == (1000,) and work.dtype == torch.float64 and stats.shape == (len(STAT_FIELDS),)
+        assert out.shape == (1000,) and work.dtype == torch.float64 and stats.shape == (len(PEEL_STATS),)
 
 
 def test_ops_under_torch_compile():
@@ -289,7 +305,8 @@ def test_ops_under_torch_compile():
 
     def step(grad, residual):
         tau = torch.ops.tagc.row_thresholds(residual, grad, 0.05)
-        return torch.ops.tagc.compress(grad, residual, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 1)
+        return torch.ops.tagc.compress(grad, residual, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 1,
+                                       keep_limit(1000, 0.05))
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     grad = torch.randn(2, 1000, device=DEVICE)
@@ -324,9 +341,10 @@ def test_kernels_compile_for_sm90():
             for p in (0, 1):
                 build(radix_select._radix_hist_kernel, dict(res_ptr="*fp32", grad_ptr=grad, hist_ptr="*i32", prefix_ptr="*i32", numel="i32", size="i32", stride="i32"), dict(HAS_GRAD=True, SAMPLED=p == 1, PASS=p, BLOCK=1024))
             for bits in (1, 4):
-                build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
+                build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", counts_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
+                build(compress._ties_kernel, dict(res_ptr=grad, tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", counts_ptr="*i32", before_ptr="*i32", room_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
         for bits, fallback, lane_bits, group in ((1, 0, 10, 4), (4, 1, 0, 1)):
-            build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32"), dict(LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=1024 // group, TILE=1024, FALLBACK=fallback))
+            build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32", table_rows="i32"), dict(LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=1024 // group, TILE=1024, FALLBACK=fallback))
         print("OK")
         """
     )

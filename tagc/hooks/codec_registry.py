@@ -15,7 +15,10 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from tagc.config import TAGCConfig
+from tagc.hooks import quantized
 from tagc.hooks.codecs import Codec, PlainCodec, TAGCCodec
+from tagc.hooks.powersgd import DEFAULT_RANK, PowerSGDCodec
+from tagc.hooks.topk import TopKCodec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,20 @@ register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(con
                    "error feedback, threshold, exact index and count sketch (the paper's method)"))
 register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, False,
                    "the columns as they are, summed in float32 at the owner (a fair reduce-scatter)"))
+register(CodecSpec("powersgd", lambda config, residual_dtype, options: PowerSGDCodec(options["rank"], options["warm_start"], residual_dtype),
+                   {"rank": DEFAULT_RANK, "warm_start": True}, False, "rank-r PowerSGD of each weight matrix, error feedback, warm start (4 rounds)"))
+register(CodecSpec("bf16", lambda config, residual_dtype, options: quantized.BF16Codec(), {}, False,
+                   "values cast to bfloat16, summed in float32 at the owner"))
+register(CodecSpec("fp8", lambda config, residual_dtype, options: quantized.FP8Codec(**options), {"block": 128}, False,
+                   "float8 e4m3, one float32 scale (absmax / 448) per block"))
+register(CodecSpec("int4", lambda config, residual_dtype, options: quantized.Int4Codec(**options),
+                   {"block": 128, "stochastic": False}, False,
+                   "ZeRO++ qgZ-style symmetric int4, one float32 scale per block"))
+register(CodecSpec("sign", lambda config, residual_dtype, options: quantized.SignCodec(residual_dtype=residual_dtype,
+                                                                                       **options),
+                   {"block": 1024}, False, "1 bit per element and a mean-|a| scale per block, with error feedback"))
+register(CodecSpec("topk", lambda config, residual_dtype, options: TopKCodec(config, residual_dtype), {}, True,
+                   "TAGC's threshold and error feedback, kept values sent as a position/value list"))
 
 
 def codec_names() -> tuple[str, ...]:

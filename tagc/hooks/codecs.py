@@ -12,6 +12,13 @@ each part to a codec:
 * :meth:`Codec.decode` - every rank's row for this rank (``[N, columns]`` per wire tensor,
   row ``j`` from rank ``j``) -> the float32 sum over ranks of this rank's ``n`` columns.
 
+A codec may take more than one exchange round (``rounds > 1``, e.g. PowerSGD's P then Q):
+:meth:`Codec.next_round` turns what round ``k-1`` received into round ``k``'s wire tensors,
+and :meth:`Codec.decode` gets what the last round received. Such a codec is not traceable.
+A codec that needs whole parameters (their shapes) sets ``whole_segments``: the engine then
+gives it one part per bucket holding every selected segment, and tells it their places once,
+through :meth:`Codec.prepare`.
+
 The same two calls serve the eager pipeline (one all-to-all per part, launched as soon as
 the part is encoded) and the traced halves of a compiled model (one all-to-all per wire
 dtype), so both give the same values, the same bytes and the same NaN/Inf behaviour.
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +49,9 @@ from tagc.hooks.transport import gather_from_owners
 from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
+
+if TYPE_CHECKING:
+    from tagc.hooks.engine import Segment
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
@@ -69,6 +79,20 @@ class Codec:
     name: str = ""
     compresses: bool = False
     """Whether the hook's ``select`` policy routes columns to this codec (the plain codec takes the rest)."""
+    rounds: int = 1
+    """Exchange rounds per part: round 0 sends :meth:`encode`'s tensors, round ``k`` :meth:`next_round`'s."""
+    whole_segments: bool = False
+    """Whether a part must hold whole segments (one part per bucket, described by :meth:`prepare`)."""
+
+    def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
+        """For ``whole_segments`` codecs, once per part when a bucket is planned: the part's
+        segments, their ``start`` relative to the part's columns."""
+
+    def next_round(self, round: int, received: Sequence[torch.Tensor], key: str,
+                   group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
+        """Round ``round``'s wire tensors (row ``j`` to rank ``j``) from what round ``round - 1``
+        received (row ``j`` from rank ``j``). Only for ``rounds > 1``."""
+        raise NotImplementedError
 
     def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
         raise NotImplementedError
@@ -85,8 +109,9 @@ class Codec:
         return True
 
     def traceable(self) -> bool:
-        """Whether encode/decode keep the wire shapes of :meth:`wire` (a compiled graph can hold them)."""
-        return True
+        """Whether encode/decode keep the wire shapes of :meth:`wire` (a compiled graph can hold them);
+        a codec with ``rounds > 1`` is not."""
+        return self.rounds == 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}

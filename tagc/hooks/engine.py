@@ -12,6 +12,11 @@ encoded while part ``k`` is on the wire.
   backward pass). Each later :meth:`~TAGCHook.start` first decodes the parts of earlier buckets
   whose bytes have arrived (interleaved with the backward pass, on the caller's thread);
   :meth:`PendingBucket.wait` decodes what is left and writes the output.
+* A codec with several rounds (``powersgd``: P, then Q) moves each part one round on at every
+  later :meth:`~TAGCHook.start` and finishes the rest in :meth:`PendingBucket.wait`: points every
+  rank reaches in the same order, never on local arrival (which differs between ranks), so every
+  rank issues the same all-to-alls in the same order. Round ``k`` of a bucket travels during
+  the next block's backward.
 * :meth:`TAGCHook.reduce_scatter` is ``start(...).wait()``: the blocking exchange.
 * :meth:`TAGCHook.encode_bucket` / :meth:`TAGCHook.decode_bucket` are the same per-part encode
   and decode around fixed-shape collectives, for a compiled graph (:mod:`tagc.hooks.simple`).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Optional, Sequence, Union
 
@@ -56,6 +62,10 @@ class Segment:
     module: Optional[nn.Module] = dataclasses.field(default=None, compare=False, hash=False)
     selected: Optional[bool] = None
     """Whether to compress it, when the adapter decided already; ``None`` asks the hook's policy."""
+    shape: Optional[tuple[int, ...]] = None
+    """The unsharded parameter's shape, where the concatenation over ranks of this segment starts
+    with the parameter flattened (dim-0 sharding); ``None`` where unknown. Codecs that work on
+    whole matrices (``powersgd``) need it and send the segment plain without it."""
 
 
 @dataclasses.dataclass
@@ -64,6 +74,19 @@ class _Part:
     numel: int
     codec: Codec
     key: str  # the codec's state key: the bucket's parameters and the part's place
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A part's current exchange round on the wire."""
+
+    part: _Part
+    round: int
+    exchanges: list[PendingExchange]
+
+    @property
+    def last(self) -> bool:
+        return self.round == self.part.codec.rounds - 1
 
 
 @dataclasses.dataclass
@@ -155,19 +178,29 @@ class PendingBucket:
         self.stats = stats
         self.timing = timing
         self.summed = torch.zeros(plan.chunk, dtype=torch.float32, device=output.device)
-        self._in_flight: collections.deque[tuple[_Part, list[PendingExchange]]] = collections.deque()
+        self._in_flight: collections.deque[_Flight] = collections.deque()
         self.done = False
 
     def poll(self) -> None:
-        """Decode the parts whose bytes have all arrived, in order, without blocking."""
-        while self._in_flight and all(x.is_completed() for x in self._in_flight[0][1]):
+        """Decode the parts whose last round has arrived, in order, without blocking (never launches)."""
+        while self._in_flight and self._in_flight[0].last and all(x.is_completed() for x in self._in_flight[0].exchanges):
             self._decode_next()
+
+    def advance(self) -> None:
+        """Move every part with rounds left one round on: wait for its current round and launch the
+        next. Called only where every rank calls it in the same order (:meth:`TAGCHook.start`,
+        :meth:`wait`), never on local arrival, so the collectives of all buckets stay matched."""
+        for flight in self._in_flight:
+            if not flight.last:
+                self._next_round(flight)
 
     def wait(self) -> torch.Tensor:
         """Block until every part arrived, decode, write and return the output shard."""
         if self.done:
             return self.output
         while self._in_flight:
+            while not self._in_flight[0].last:
+                self._next_round(self._in_flight[0])
             self._decode_next()
         self.done = True
         self.hook._finished(self)
@@ -180,8 +213,7 @@ class PendingBucket:
             raise FloatingPointError(f"a gradient in TAGC bucket {self.plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return self.output
 
-    def _decode_next(self) -> None:
-        part, exchanges = self._in_flight.popleft()
+    def _receive(self, exchanges: list[PendingExchange]) -> list[torch.Tensor]:
         start = time.perf_counter()
         received = [x.wait() for x in exchanges]
         waited = time.perf_counter()
@@ -190,8 +222,20 @@ class PendingBucket:
         self.timing.arrived = max([self.timing.arrived] + [x.arrived or waited for x in exchanges])
         if waited - start > 1e-4:
             self.timing.events.append(("wait", start, waited))
-        self.timing.events.append(("wire", exchanges[0].launched, max(x.arrived or waited for x in exchanges)))
-        self.summed[part.columns] = self.hook._decode_part(part, received, self.group, self.stats, self.timing)
+        if exchanges:
+            self.timing.events.append(("wire", exchanges[0].launched, max(x.arrived or waited for x in exchanges)))
+        return received
+
+    def _decode_next(self) -> None:
+        flight = self._in_flight.popleft()
+        received = self._receive(flight.exchanges)
+        self.summed[flight.part.columns] = self.hook._decode_part(flight.part, received, self.group, self.stats, self.timing)
+
+    def _next_round(self, flight: _Flight) -> None:
+        received = self._receive(flight.exchanges)
+        flight.round += 1
+        wires = self.hook._encode_part(flight.part, received, self.group, self.timing, flight.round)
+        flight.exchanges = self.hook._launch(wires, self.group, self.stats, self.timing)
 
 
 class TAGCHook:
@@ -277,7 +321,7 @@ class TAGCHook:
     def settings(self) -> dict:
         """Every setting that changes what crosses the wire, or when: must agree across ranks."""
         select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
-        return {"config": self.config.fingerprint(), "codec": self.codec.name,
+        return {**dataclasses.asdict(self.config), "codec": self.codec.name,
                 "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
                 "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite}
 
@@ -322,8 +366,9 @@ class TAGCHook:
               segments: Sequence[Segment], unit: Optional[str] = None) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
-        Earlier buckets' parts whose bytes have arrived are decoded first. Every rank must start
-        the same buckets in the same order (FSDP's backward order is the same on every rank).
+        Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
+        parts move one round on. Every rank must start the same buckets in the same order (FSDP's
+        backward order is the same on every rank).
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
@@ -331,6 +376,8 @@ class TAGCHook:
             raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
         self.verify(group)
         self.poll()
+        for earlier in list(self._in_flight):  # the same point, the same order on every rank
+            earlier.advance()
         plan = self._plan(tuple(segments), chunk, world)
         self._begin_bucket(plan.key)
         if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
@@ -344,10 +391,7 @@ class TAGCHook:
         else:
             for part in plan.parts:
                 wires = self._encode_part(part, rows[:, part.columns], group, timing)
-                exchanges = [all_to_all_rows(w, group, self.piece_bytes) for w in wires]
-                timing.launched = timing.launched or exchanges[0].launched
-                stats.wire_bytes += sum(x.sent_bytes for x in exchanges)
-                pending._in_flight.append((part, exchanges))
+                pending._in_flight.append(_Flight(part, 0, self._launch(wires, group, stats, timing)))
         self._in_flight.append(pending)
         return pending
 
@@ -369,9 +413,17 @@ class TAGCHook:
     def _finished(self, pending: PendingBucket) -> None:
         self._in_flight.remove(pending)
 
-    def _encode_part(self, part: _Part, grad: torch.Tensor, group, timing: UnitTiming) -> tuple[torch.Tensor, ...]:
+    def _launch(self, wires: Sequence[torch.Tensor], group, stats: ExchangeStats, timing: UnitTiming) -> list[PendingExchange]:
+        exchanges = [all_to_all_rows(w, group, self.piece_bytes) for w in wires]
+        if exchanges:
+            timing.launched = timing.launched or exchanges[0].launched
+        stats.wire_bytes += sum(x.sent_bytes for x in exchanges)
+        return exchanges
+
+    def _encode_part(self, part: _Part, grad, group, timing: UnitTiming, round: int = 0) -> tuple[torch.Tensor, ...]:
+        """Round 0: ``grad`` is this rank's rows; a later round: what the previous round received."""
         start = time.perf_counter()
-        wires = part.codec.encode(grad, part.key, group)
+        wires = part.codec.encode(grad, part.key, group) if round == 0 else part.codec.next_round(round, grad, part.key, group)
         if part.codec.compresses:
             end = time.perf_counter()
             timing.compress_s += end - start
@@ -474,10 +526,10 @@ class TAGCHook:
     def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
         cache_key = (segments, chunk, world)
         if cache_key not in self._plans:
-            self._plans[cache_key] = self._make_plan(segments, chunk)
+            self._plans[cache_key] = self._make_plan(segments, chunk, world)
         return self._plans[cache_key]
 
-    def _make_plan(self, segments: tuple[Segment, ...], chunk: int) -> _BucketPlan:
+    def _make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
         covered = sum(s.numel for s in segments)
         if covered > chunk:
             raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
@@ -494,7 +546,11 @@ class TAGCHook:
         plain = _columns(rest)
         if plain is not None:
             parts.append(_Part(_selector(plain), plain.numel(), self.plain, f"{key}/plain"))
-        if chosen:
+        if chosen and self.codec.whole_segments:  # one part: every selected parameter, whole
+            at = [0] + list(itertools.accumulate(s.numel for s in chosen))
+            self.codec.prepare(f"{key}/part0", [dataclasses.replace(s, start=a) for s, a in zip(chosen, at)], world)
+            parts.append(_Part(_selector(_columns(chosen)), compressed, self.codec, f"{key}/part0"))
+        elif chosen:
             columns = _columns(chosen)
             n_parts = max(1, compressed // self.min_part)
             bounds = [round(i * compressed / n_parts) for i in range(n_parts + 1)]

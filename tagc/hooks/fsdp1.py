@@ -44,7 +44,8 @@ class _UnitState:
             chosen = sum(n for name, n in zip(names, numels) if self.hook.select(name, None))
             selected = bool(numels) and chosen >= FSDP1_SELECTED_FRACTION * sum(numels)
             label = "+".join(names) or "<empty>"
-            self._segments[chunk] = (Segment(label, 0, chunk, selected=selected),)
+            shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it
+            self._segments[chunk] = (Segment(label, 0, chunk, selected=selected, shape=shape),)
         return self._segments[chunk]
 
 

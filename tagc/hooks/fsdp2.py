@@ -50,7 +50,8 @@ class TAGCReduceScatter(ReduceScatter):
                 numel = fsdp_param.padded_sharded_param_size.numel()
                 info = fsdp_param._module_info
                 name = fsdp_param._param_fqn or f"{type(info.module).__name__}.{info.param_name}"
-                segments.append(Segment(name, start, numel, info.module))
+                shape = tuple(fsdp_param._orig_size) if fsdp_param.fsdp_placement.dim == 0 else None  # Shard(k>0): chunks are transposed
+                segments.append(Segment(name, start, numel, info.module, shape=shape))
                 start += numel
             self._segments = tuple(segments)
         return self._segments

@@ -105,7 +105,7 @@ def install(hook: TAGCHook, unit: "Unit") -> None:
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
     segments = tuple(
-        Segment(entry.fqn, entry.start, entry.numel, module)
+        Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
         for entry, module in zip(bucket.entries, unit.owner_modules)
     )
     handle = next(_handles)

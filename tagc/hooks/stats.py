@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 @dataclasses.dataclass
 class ExchangeStats:
@@ -19,6 +21,8 @@ class ExchangeStats:
     unpeeled: int = 0
     estimated: int = 0
     raw: int = 0
+    overflow: int = 0
+    """``topk``: kept entries that did not fit the fixed-size list (left in the residual, sent later)."""
     compress_s: float = 0.0
     exposed_s: float = 0.0
     """Time the caller blocked waiting for bytes: the exchange time not hidden behind other work."""
@@ -31,7 +35,12 @@ class ExchangeStats:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
     def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
+        # a codec may count on the device (a 0-d tensor, no host sync in decode): read here
+        out = {field.name: _number(getattr(self, field.name)) for field in dataclasses.fields(self)}
         out["peel_success"] = self.peeled / self.support if self.support else 1.0
         out["wire_ratio"] = self.wire_bytes / self.plain_equivalent_bytes if self.plain_equivalent_bytes else 1.0
         return out
+
+
+def _number(value):
+    return value.item() if isinstance(value, torch.Tensor) else value

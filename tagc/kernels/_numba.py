@@ -16,22 +16,45 @@ def cell(p, j, block_rows, lane_xor, lane_bits):
 
 
 @njit(cache=True, nogil=True)
-def compress_rows(grad, residual, tau, block_rows, block_signs, lane_xor, lane_bits, bits, index, table):
-    """One pass per chunk: error feedback, threshold, index bit, sketch cells, residual."""
+def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor, lane_bits, bits, index, table):
+    """Per chunk, error feedback and the selection rule of :mod:`tagc.sketch.sparsify`
+    (``|a| > tau``, plus the first ``limit - count(|a| > tau)`` ties ``|a| == tau`` in index
+    order), then index bits, sketch cells and residual.
+
+    One pass over the chunk writes ``a`` into the residual and lists the candidates
+    ``|a| >= tau`` (one compare per entry on the hot path); a second walk over that short
+    list, in position order, keeps them or not now that the count above ``tau`` is known,
+    so cells receive their values in the reference's order (bit-identical table).
+    """
     n_rows, numel = residual.shape
     per_byte = 8 // bits
+    candidates = np.empty(numel, dtype=np.int64)  # pages are touched only as far as it fills
     for n in range(n_rows):
         t = tau[n]
+        count = 0
+        above = 0
         for p in range(numel):
             a = residual[n, p] + grad[n, p]
+            residual[n, p] = a
             if a >= t or a <= -t:
-                b = p >> lane_bits
-                for j in range(3):
-                    table[n, cell(p, j, block_rows, lane_xor, lane_bits)] += block_signs[b, j] * a
-                index[n, p // per_byte] |= 1 << (bits * (p % per_byte))
-                residual[n, p] = 0
-            else:
-                residual[n, p] = a
+                candidates[count] = p
+                count += 1
+                if a > t or a < -t:
+                    above += 1
+        room = limit - above
+        rank = 0
+        for i in range(count):
+            p = candidates[i]
+            a = residual[n, p]
+            if a == t or a == -t:  # a tie: kept while its rank is within the room
+                rank += 1
+                if rank > room:
+                    continue
+            b = p >> lane_bits
+            for j in range(3):
+                table[n, cell(p, j, block_rows, lane_xor, lane_bits)] += block_signs[b, j] * a
+            index[n, p // per_byte] |= 1 << (bits * (p % per_byte))
+            residual[n, p] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -99,7 +122,9 @@ def support(index, numel, bits):
 @njit(cache=True, nogil=True)
 def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
     """Peel with a queue of pure cells; writes settled values into ``out`` and takes them out
-    of ``work``. Returns the settled mask and the number of generations (rounds)."""
+    of ``work``. Returns the settled mask, the number of generations (rounds) and the number
+    of cells no position maps to that are non-zero (the consistency check of
+    :func:`tagc.sketch.codec.decode`)."""
     k = positions.size
     one = np.int64(1) << 40  # tally = (unsettled positions on the cell) << 40 | (sum of their ids)
     tally = np.zeros(work.size, dtype=np.int64)
@@ -110,10 +135,13 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
     known = np.zeros(k, dtype=np.bool_)
     queue = np.empty(work.size + 3 * k, dtype=np.int64)
     tail = 0
+    inconsistent = 0
     for c in range(work.size):
         if (tally[c] >> 40) == 1:
             queue[tail] = c
             tail += 1
+        elif tally[c] == 0 and work[c] != 0:
+            inconsistent += 1
     head = 0
     rounds = 0
     while head < tail:  # one generation: the cells that turned pure during the previous one
@@ -152,4 +180,4 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
                 tail += 1
         if settled:
             rounds += 1
-    return known, rounds
+    return known, rounds, inconsistent

@@ -5,16 +5,18 @@ vectorised compress makes about fifteen passes over a part (add, sample, two com
 nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes several
 index operations per round. These kernels do the same arithmetic in one loop each:
 
-* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; entries with
-  ``|a| >= tau`` (``tau`` from the reference's sample, :func:`row_thresholds`) set their
-  index bit, add ``sign * a`` to their three cells and leave 0 in the residual; the rest
-  stay in the residual. Positions are visited in the reference's order, so index,
-  residual and table equal the reference's bit for bit.
+* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; the entries the
+  selection rule keeps (``|a| > tau``, plus ties ``|a| == tau`` in index order up to
+  :func:`~tagc.sketch.sparsify.keep_limit`; ``tau`` from the reference's sample,
+  :func:`row_thresholds`) set their index bit, add ``sign * a`` to their three cells and
+  leave 0 in the residual; the rest stay in the residual. A second walk over the short
+  list of candidates settles the ties. Positions are added in the reference's order, so
+  index, residual and table equal the reference's bit for bit.
 * :func:`decode_cpu` - unpack the union, count and id-sum every cell, then peel with a
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback
   (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
-  rounding of the order of subtractions.
+  rounding of the order of subtractions. The same index/table consistency check.
 
 Both release the GIL (``nogil``), so gloo's threads and Python keep running. Numba
 compiles them once per machine (``cache=True``) and only when first called.
@@ -26,10 +28,18 @@ import functools
 
 import torch
 
-from tagc.sketch.codec import DecodeStats, check_decode_args, finish_decode
+from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
+from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_density, check_finite, positive_threshold, row_thresholds, sample_size, sample_stride
+from tagc.sketch.sparsify import (
+    check_finite,
+    keep_limit,
+    positive_threshold,
+    row_thresholds,
+    sample_size,
+    sample_stride,
+)
 
 
 @functools.cache
@@ -63,7 +73,7 @@ def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> 
     size = sample_size(n, density) if 0.0 < density < 1.0 else n
     if size == n:  # no sample: the reference's exact path
         return row_thresholds(rows, density, grad=grads)
-    keep = min(size, max(1, round(density * size)))
+    keep = keep_limit(size, density)
     return torch.from_numpy(_kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1))
 
 
@@ -74,10 +84,8 @@ def compress_cpu(
 
     A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
     """
-    check_density(density)
+    check_compress_args(grad, residual, density)
     check_bits(bits)
-    if grad.shape != residual.shape:
-        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
     if residual.dtype != torch.float32 or not residual.is_contiguous():
         from tagc.sketch.compress import compress_
 
@@ -90,8 +98,8 @@ def compress_cpu(
     tau = positive_threshold(tau, torch.float32).reshape(n_chunks)
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
-    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), *_tables(layout), layout.lane_bits, bits,
-                             index.numpy(), table.numpy())
+    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), keep_limit(layout.numel, density),
+                             *_tables(layout), layout.lane_bits, bits, index.numpy(), table.numpy())
     return index, table
 
 
@@ -105,7 +113,8 @@ def decode_cpu(
     positions = kernels.support(index.contiguous().numpy(), layout.numel, bits)
     work = table.reshape(-1).to(torch.float64, copy=True)
     out = torch.zeros(layout.numel, dtype=torch.float32)
-    known, rounds = kernels.peel(positions, work.numpy(), out.numpy(), *_tables(layout), layout.lane_bits)
+    known, rounds, inconsistent = kernels.peel(positions, work.numpy(), out.numpy(), *_tables(layout), layout.lane_bits)
+    check_consistent(int(inconsistent), layout)
     positions, known = torch.from_numpy(positions), torch.from_numpy(known)
     stats = DecodeStats(support=positions.numel(), rounds=int(rounds))
     rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)

@@ -19,7 +19,7 @@ import torch
 
 from tagc.kernels._triton import interpreting
 from tagc.kernels.compress import launch_compress
-from tagc.kernels.peel import STAT_FIELDS, launch_peel
+from tagc.kernels.peel import PEEL_STATS, launch_peel
 from tagc.kernels.radix_select import launch_row_thresholds
 from tagc.sketch.index import index_nbytes
 
@@ -60,12 +60,13 @@ def _compress_op(
     lane_bits: int,
     table_numel: int,
     bits: int,
+    limit: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, wrap=_wrap)
+    return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, wrap=_wrap)
 
 
 @_compress_op.register_fake
-def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits):
+def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit):
     n_rows, numel = residual.shape
     index = residual.new_empty(n_rows, index_nbytes(numel, bits), dtype=torch.uint8)
     return index, residual.new_empty(n_rows, table_numel, dtype=torch.float32)
@@ -92,7 +93,7 @@ def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback):
         table.new_empty(numel, dtype=torch.float32),
         table.new_empty(numel, dtype=torch.int8),
         table.new_empty(table.numel(), dtype=torch.float64),
-        table.new_empty(len(STAT_FIELDS), dtype=torch.int64),
+        table.new_empty(len(PEEL_STATS), dtype=torch.int64),
     )
 
 
@@ -101,9 +102,10 @@ def row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density
     return torch.ops.tagc.row_thresholds(residual, grad, density)
 
 
-def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_numel: int, bits: int):
-    """``torch.ops.tagc.compress``: the fused kernel (updates ``residual``)."""
-    return torch.ops.tagc.compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits)
+def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_numel: int, bits: int, limit: int):
+    """``torch.ops.tagc.compress``: the fused kernels (updates ``residual``); ``tau`` positive, ``limit``
+    from :func:`tagc.sketch.sparsify.keep_limit`."""
+    return torch.ops.tagc.compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit)
 
 
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int):

@@ -7,7 +7,9 @@ lanes, else one) and runs, with no host involvement:
 
 1. setup: scan its candidates, keep those the union index selects (compacted with a
    prefix sum into a list of pending positions, ``state = 1``), and count how many
-   support positions hit every cell (atomics);
+   support positions hit every cell (atomics); then the consistency check of
+   :func:`tagc.sketch.decode`: count its cells that no position hits yet are non-zero
+   (the program owns every cell of its columns, so no other program's atomics matter);
 2. rounds, until one peels nothing, over the pending list only, each in two phases
    separated by a barrier so a round sees the table as it was at its start, exactly as the
    reference's vectorised rounds do:
@@ -20,7 +22,8 @@ lanes, else one) and runs, with no host involvement:
    (``fallback="estimate"``) or nothing (``"raw"`` / ``"error"``, left as 0).
 
 Counts (support, peeled, unpeeled, estimated, raw, rounds) are accumulated on the device
-into an int64 ``stats`` tensor in :class:`~tagc.sketch.DecodeStats` field order.
+into an int64 ``stats`` tensor in :class:`~tagc.sketch.DecodeStats` field order, followed
+by the count of inconsistent cells (:data:`PEEL_STATS`).
 
 **The exact linear solve of stopping sets stays in torch** (the reference's
 ``finish_decode``, shared with it), after the kernel, in :func:`decode_triton`: it needs the stuck
@@ -39,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tagc.sketch.codec import DecodeStats, check_decode_args, decode, finish_decode
+from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, decode, finish_decode
 from tagc.sketch.layout import SketchLayout
 
 PROGRAMS = 256
@@ -47,6 +50,8 @@ PROGRAMS = 256
 TILE = 1024
 """Positions per tile on the GPU; the interpreter, whose cost is per operation, takes 8192."""
 STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
+PEEL_STATS = STAT_FIELDS + ("inconsistent",)
+"""The kernel's stats: :data:`STAT_FIELDS`, then the non-zero cells no support position maps to."""
 FALLBACK_CODES = {"estimate": 0, "raw": 1, "error": 2}
 
 
@@ -78,6 +83,7 @@ def _peel_kernel(
     xor_ptr,
     numel,
     blocks,
+    table_rows,
     LANE_BITS: tl.constexpr,
     BITS: tl.constexpr,
     G: tl.constexpr,
@@ -115,6 +121,14 @@ def _peel_kernel(
         active += tl.sum(flat_on)
     support = active
     tl.debug_barrier()
+    inconsistent = 0  # cells of these columns no support position hits, yet non-zero
+    for r0 in range(0, table_rows, BLOCK_B):
+        r = r0 + tl.arange(0, BLOCK_B)
+        cell = (r.to(tl.int64) << LANE_BITS)[:, None] + c[None, :]
+        rm = (r < table_rows)[:, None] & (c[None, :] >= 0)
+        hits = tl.load(counts_ptr + cell, mask=rm, other=1, volatile=True)
+        held = tl.load(work_ptr + cell, mask=rm, other=0.0)
+        inconsistent += tl.sum(tl.sum(((hits == 0) & (held != 0.0)).to(tl.int32), axis=1), axis=0)
 
     # 2. Peeling rounds over the compact list of pending positions, each a read phase and a
     #    write phase, until a round peels nothing. The survivors go to the other list.
@@ -185,6 +199,7 @@ def _peel_kernel(
     if FALLBACK == 1:
         tl.atomic_add(stats_ptr + 5, active.to(tl.int64))
     tl.atomic_max(stats_ptr + 6, rounds.to(tl.int64))
+    tl.atomic_add(stats_ptr + 7, inconsistent.to(tl.int64))
 
 
 def launch_peel(
@@ -200,13 +215,13 @@ def launch_peel(
     wrap: Callable = lambda k: k,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the peeling kernel. Returns ``(values f32 [numel], state i8 [numel], work f64
-    [table], stats i64 [7])``; ``state == 1`` marks positions peeling did not recover and
-    ``work`` is the table with every peeled value subtracted."""
+    [table], stats i64 [8])`` (:data:`PEEL_STATS`); ``state == 1`` marks positions peeling
+    did not recover and ``work`` is the table with every peeled value subtracted."""
     work = table.reshape(-1).to(torch.float64, copy=True)
     counts = torch.zeros(work.numel(), dtype=torch.int32, device=work.device)
     out = torch.zeros(numel, dtype=torch.float32, device=work.device)
     state = torch.zeros(numel, dtype=torch.int8, device=work.device)
-    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.int64, device=work.device)
+    stats = torch.zeros(len(PEEL_STATS), dtype=torch.int64, device=work.device)
     lanes, blocks = 1 << lane_bits, rows.shape[0]
     if blocks * lanes >= 2**31:
         raise ValueError(f"chunks of 2**31 or more elements are not supported by the peeling kernel (got {numel})")
@@ -215,7 +230,7 @@ def launch_peel(
     block_b = min(triton.next_power_of_2(blocks), max(1, tile // group))
     lists = torch.empty(2 * blocks * lanes, dtype=torch.int32, device=work.device)
     wrap(_peel_kernel)[(lanes // group,)](
-        work, counts, index, out, state, stats, lists, rows, signs, lane_xor, numel, blocks,
+        work, counts, index, out, state, stats, lists, rows, signs, lane_xor, numel, blocks, work.numel() >> lane_bits,
         LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=block_b, TILE=tile, FALLBACK=fallback,
     )
     return out, state, work, stats
@@ -229,7 +244,9 @@ def decode_async(
     ``stats`` is an int64 device tensor in :data:`STAT_FIELDS` order. No exact solve of
     stopping sets: what peeling leaves gets the fallback directly (``"error"`` cannot be
     raised without a sync, so it behaves like ``"raw"`` here, and is not counted as raw).
-    Does not check the table for NaN/Inf (that would sync).
+    Does not check the table for NaN/Inf, nor raise on an inconsistent table and index
+    (that would sync): the latter's count is not part of ``stats``; :func:`decode_triton`
+    checks both.
     """
     from tagc.kernels import ops
 
@@ -239,7 +256,7 @@ def decode_async(
         table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
         FALLBACK_CODES[fallback],
     )
-    return out, stats
+    return out, stats[: len(STAT_FIELDS)]
 
 
 def decode_triton(
@@ -261,7 +278,8 @@ def decode_triton(
         table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
         FALLBACK_CODES[fallback],
     )
-    host = dict(zip(STAT_FIELDS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
+    host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
+    check_consistent(host["inconsistent"], layout)
     stats = DecodeStats(support=host["support"], rounds=host["rounds"])
     stuck = (state == 1).nonzero().squeeze(1) if host["unpeeled"] else torch.empty(0, dtype=torch.int64, device=out.device)
     rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tagc.kernels.fp import round_to_dtype
-from tagc.sketch.sparsify import _GOLDEN_FRACTION, check_density, row_thresholds, sample_size
+from tagc.sketch.sparsify import _GOLDEN_FRACTION, check_density, keep_limit, row_thresholds, sample_size
 
 HIGH_BINS = 1 << 15  # top 16 bits of a non-negative float32: the sign bit is always 0
 LOW_BINS = 1 << 16
@@ -90,7 +90,7 @@ def _select_bin(hist: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
 def sample_plan(numel: int, density: float) -> tuple[int, int, int]:
     """``(size, stride, keep)``: the reference's sample size, golden stride and rank."""
     size = sample_size(numel, density)
-    keep = min(size, max(1, round(density * size)))
+    keep = keep_limit(size, density)
     return size, int(numel * _GOLDEN_FRACTION) | 1, keep
 
 

@@ -5,6 +5,10 @@ gradient. ``decode`` recovers the summed chunk from that table and the union sup
 peeling first (vectorised rounds, each settling every position that owns a cell no other
 position touches), then an exact linear solve of the small stopping sets peeling leaves,
 then the fallback policy for whatever is still undetermined.
+
+The precision contract (exact support, values within float32 rounding of the magnitudes
+summed into their cells, float32/bf16/fp16 input only, index/table consistency) is stated
+once, in :func:`decode`.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import torch
 
 from tagc.sketch.index import check_index, index_positions
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_finite
+from tagc.sketch.sparsify import check_finite, check_sketch_dtype
 
 EXACT_SOLVE_LIMIT = 256
 """Stopping sets with more positions than this are left to the fallback (a dense solve of
 that size is slower than re-sending them; above the peeling threshold they are huge)."""
 
 FALLBACKS = ("estimate", "raw", "error")
+
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+"""``u`` of the precision contract (:func:`decode`)."""
 
 _COUNT_SHIFT = 40
 _ONE_COUNT = 1 << _COUNT_SHIFT  # position ids stay below 2**40
@@ -58,9 +65,26 @@ class DecodeStats:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "raw_positions"}
 
 
+class InconsistentSketchError(RuntimeError):
+    """The summed table and the union index do not describe one set of values (see :func:`decode`)."""
+
+
+def check_consistent(inconsistent: int, layout: SketchLayout) -> None:
+    """Raise :class:`InconsistentSketchError` if ``inconsistent`` cells no support position
+    maps to are non-zero (the consistency check of :func:`decode`)."""
+    if inconsistent:
+        raise InconsistentSketchError(
+            f"TAGC decode: the sketch table and the union index disagree: {inconsistent} of {layout.table_numel} "
+            f"table cells of {layout} hold values although no indexed position maps to them (an index left out "
+            "of the merge, or tables and indexes of different chunks, layouts or seeds); the decoded values "
+            "would be wrong"
+        )
+
+
 def _check_values(values: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     if not isinstance(values, torch.Tensor) or not values.is_floating_point():
         raise ValueError(f"values must be a floating-point tensor, got {getattr(values, 'dtype', type(values))}")
+    check_sketch_dtype(values, "values to encode")
     if values.numel() != layout.numel:
         raise ValueError(f"values have {values.numel()} elements but the layout is for {layout.numel}")
     return values.reshape(-1)
@@ -69,7 +93,8 @@ def _check_values(values: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
 def encode_positions(
     positions: torch.Tensor, values: torch.Tensor, layout: SketchLayout, table: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Add ``values`` at chunk ``positions`` into a (new or given) float32 table."""
+    """Add ``values`` (float32, bfloat16 or float16) at chunk ``positions`` into a (new or given) float32 table."""
+    check_sketch_dtype(values, "values to encode")
     if table is None:
         table = torch.zeros(layout.table_numel, dtype=torch.float32, device=values.device)
     cells, signs = layout.cells(positions)
@@ -81,7 +106,8 @@ def encode(values: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     """The count sketch (float32, ``[layout.table_numel]``) of a chunk.
 
     Only non-zeros are added. Linear: ``encode(a) + encode(b) == encode(a + b)`` up to
-    float rounding. Raises ``ValueError`` on NaN/Inf or a size that does not match.
+    float rounding. ``values`` are float32, bfloat16 or float16 (converted exactly);
+    raises ``ValueError`` on float64 (cast it), NaN/Inf or a size that does not match.
     """
     flat = _check_values(values, layout)
     check_finite(flat, "values to encode")
@@ -105,7 +131,8 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     Within a round each position reads a cell only it touches, so settling all at once gives
     the values settling them one by one would.
 
-    Returns the values of all positions, a bool mask of those settled, and the round count.
+    Returns the values of all positions, a bool mask of those settled, the round count,
+    and how many cells no position maps to are non-zero (the consistency check).
     """
     k = cells.shape[0]
     device = work.device
@@ -113,6 +140,7 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     # count << 40 | sum of ids, in one int64 per cell: one scatter maintains both
     tally = torch.zeros(work.numel(), dtype=torch.int64, device=device)
     tally.scatter_add_(0, flat, _thrice(torch.arange(k, device=device) + _ONE_COUNT))
+    inconsistent = int(((tally == 0) & (work != 0)).sum())
     values = torch.zeros(k, dtype=torch.float64, device=device)
     known = torch.zeros(k, dtype=torch.bool, device=device)
     rounds = 0
@@ -132,7 +160,7 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
         tally.scatter_add_(0, touched, _thrice(-(settle + _ONE_COUNT)))
         # only cells touched this round can have become pure (duplicates resolve via unique)
         pure = touched[(tally.index_select(0, touched) >> _COUNT_SHIFT) == 1]
-    return values, known, rounds
+    return values, known, rounds, inconsistent
 
 
 def _solve_stopping_sets(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,19 +235,71 @@ def decode(
     """Recover a chunk (float32, ``[layout.numel]``) from its summed table and union index.
 
     Args:
-        table: the (summed) count sketch, ``[layout.table_numel]``.
+        table: the (summed) count sketch, ``[layout.table_numel]`` (float32 as
+            :func:`encode` and :func:`compress_` make it; any float dtype is read exactly).
         index: the (merged) union index of ``bits`` bits per element.
         fallback: for positions neither peeling nor the exact solve recovers:
             ``"estimate"`` writes the median of the three signed residual cells,
             ``"raw"`` writes 0 and lists them in ``stats.raw_positions`` for a re-send,
             ``"error"`` raises ``RuntimeError``.
+
+    Raises:
+        ValueError: sizes or arguments that do not match, NaN/Inf in the table.
+        InconsistentSketchError: table and index disagree (check 4 below).
+
+    **Precision contract** (every back end). Rank ``r`` sends values ``v[r, p]`` (float32,
+    or bfloat16/float16, which float32 holds exactly); the sum is ``x[p] = sum_r v[r, p]``,
+    ``u = 2**-24`` (float32 unit roundoff), ``gamma(n) = n*u / (1 - n*u)``. For a table
+    cell ``c`` let ``A[c] = sum |v[r, q]|`` over every rank's entries ``q`` in ``c`` (before
+    any cancellation between ranks) and ``n[c]`` the number of float32 additions that made
+    it (those entries plus the number of ranks summed).
+
+    1. *The support is exact.* The merged index is exactly the union of the ranks' kept
+       positions; every position outside it decodes to exactly 0. A position inside it may
+       decode to 0 (its ranks' values cancel).
+    2. *Values are within float32 rounding of the magnitudes that share their cells.* A
+       position ``p`` read from cell ``c`` (when every other position of ``c`` was already
+       settled) decodes to ``x^[p]`` with::
+
+           |x^[p] - x[p]| <= E[p] + u * (|x[p]| + E[p])
+           E[p] = gamma(n[c]) * A[c] + sum of E[q] over the other positions q of c
+
+       (plus float64 rounding of the peeling arithmetic, ~2**-52 of the same magnitudes).
+       In particular, if the other positions of ``c`` were read exactly,
+       ``|x^[p] - x[p]| <= u*|x[p]| + gamma(n[c]) * n[c] * M[c]`` with ``M[c]`` the largest
+       magnitude any rank put into ``c``: a 1.0 sharing a cell with 1e20 may decode to
+       anything within ~1e20 * 2**-24 * n, and so may positions peeled through it; x and
+       -x+eps on two ranks sum to eps within ~|x| * 2**-24 * n. Positions sharing no cell
+       with anything larger are exact to ``u`` of their own size. This holds for every
+       position peeling settles (``stats.unpeeled == 0`` means all of them); positions of
+       the exact stopping-set solve (``stats.solved``) get the same error amplified by the
+       conditioning of their small system; estimated positions have no bound.
+    3. *Dtypes.* Tables are float32 and :func:`encode` / :func:`compress_` take float32,
+       bfloat16 and float16 (converted exactly). float64 is rejected with a ``ValueError``
+       (cast it): rounding it silently would flush values below ~1.4e-45 to 0 while the
+       index still marks them, overflow values above ~3.4e38 to inf, and round the rest.
+    4. *Table and index agree, or decode raises.* A cell that no indexed position maps to
+       must be exactly 0: each rank adds only into cells of positions in its own index,
+       which the union contains, and a float32 sum of nothing is 0; so this check never
+       fires on a legitimate table, whatever its values, ties or cancellation. If such a
+       cell is non-zero, :class:`InconsistentSketchError` is raised (an index left out of
+       the merge, tables and indexes of different chunks or layouts). A missing position
+       is caught when one of its three cells has no other support position: about one in
+       three at the planned load (more at lower loads), so ``m`` missing positions escape
+       with probability about ``(2/3)**m`` and a rank's missing index (hundreds of
+       positions) is caught for all practical purposes. A table missing values its index
+       marks is the table of another gradient on the same support: not detectable. The
+       check costs one pass over the cell counts peeling builds anyway, and no extra host
+       synchronisation (:func:`tagc.kernels.decode_async` skips it, as it skips the NaN
+       check).
     """
     check_decode_args(table, index, layout, bits, fallback)
     check_finite(table, "sketch table")
     positions = index_positions(index, layout.numel, bits)
     cells, signs = layout.cells(positions)
     work = table.reshape(-1).to(torch.float64, copy=True)
-    values, known, rounds = _peel(work, cells, signs)
+    values, known, rounds, inconsistent = _peel(work, cells, signs)
+    check_consistent(inconsistent, layout)
     stats = DecodeStats(support=positions.numel(), rounds=rounds)
     out = torch.zeros(layout.numel, dtype=torch.float32, device=table.device)
     out.index_copy_(0, positions, values.float())

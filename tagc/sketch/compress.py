@@ -1,10 +1,11 @@
 """The whole per-step compression of a bucket in one pass (DESIGN.md §2 items 1-5).
 
 A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
-chunk: add the gradient into the error-feedback residual, threshold it, take the entries
-above the threshold out of the residual, and build their index and count sketch. The
-composition of :func:`sparsify`, :func:`build_index` and :func:`encode`, without
-materialising the dense kept tensor.
+chunk: add the gradient into the error-feedback residual, threshold it, take the selected
+entries out of the residual (at most :func:`keep_limit` of them unless more are strictly
+above the threshold: ties are broken by index, see :mod:`tagc.sketch.sparsify`), and build
+their index and count sketch. The composition of :func:`sparsify`, :func:`build_index` and
+:func:`encode`, without materialising the dense kept tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import torch
 
 from tagc.sketch.index import pack_mask
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_density, keep_mask, row_thresholds
+from tagc.sketch.sparsify import check_density, check_sketch_dtype, keep_limit, keep_mask, row_thresholds
+
+
+def check_compress_args(grad: torch.Tensor, residual: torch.Tensor, density: float) -> None:
+    """The argument checks every compress back end makes (clear ``ValueError``)."""
+    check_density(density)
+    if grad.shape != residual.shape:
+        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
+    check_sketch_dtype(grad, "the gradient")
+    check_sketch_dtype(residual, "the residual")
 
 
 def compress_(
@@ -29,9 +39,11 @@ def compress_(
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
     Args:
-        grad: ``[N, S]`` (or ``[S]``) gradient, any float dtype.
-        residual: float tensor of the same shape, updated in place: on return it holds
-            ``grad + residual`` with the sent entries zeroed.
+        grad: ``[N, S]`` (or ``[S]``) gradient: float32, bfloat16 or float16 (float64 is
+            rejected with a ``ValueError``: cast it).
+        residual: tensor of the same shape (float32, bfloat16 or float16), updated in
+            place: on return it holds ``grad + residual`` (rounded to its dtype) with the
+            sent entries zeroed.
         density: fraction of each chunk to keep.
         layout: the sketch layout of one chunk (``layout.numel == S``).
         bits: index bits per element (1 or 4).
@@ -42,14 +54,12 @@ def compress_(
         ``(index, table)``: uint8 ``[N, index_nbytes(S, bits)]`` and float32
         ``[N, layout.table_numel]``; row ``s`` goes to the owner of chunk ``s``.
     """
-    check_density(density)
+    check_compress_args(grad, residual, density)
     rows = residual.view(-1, layout.numel)
-    if grad.shape != residual.shape:
-        raise ValueError(f"grad {tuple(grad.shape)} and residual {tuple(residual.shape)} must have one shape")
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
     tau = row_thresholds(rows, density) if tau is None else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
-    mask = keep_mask(rows, tau[:, None])
+    mask = keep_mask(rows, tau[:, None], keep_limit(layout.numel, density))
     positions = mask.view(-1).nonzero().squeeze(1)
     chunk, local = positions // layout.numel, positions % layout.numel
     table = torch.zeros(n_chunks * layout.table_numel, dtype=torch.float32, device=rows.device)

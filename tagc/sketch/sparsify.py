@@ -1,4 +1,19 @@
-"""Dynamic magnitude threshold and sparsification (DESIGN.md §2 items 2-3)."""
+"""Dynamic magnitude threshold and sparsification (DESIGN.md §2 items 2-3).
+
+**The selection rule** (every back end: this reference, the Numba and the Triton kernels).
+A row (chunk) ``a`` of ``numel`` entries with threshold ``tau`` (:func:`row_thresholds`,
+made positive by :func:`positive_threshold`) and limit ``k = keep_limit(numel, density)``
+keeps
+
+* every entry with ``|a| > tau`` (all of them, even if there are more than ``k``: the
+  sampled threshold may overshoot the planned count by its sampling error), and
+* of the entries with ``|a| == tau`` (ties), the first ``k - count(|a| > tau)`` in index
+  order (none if that is ``<= 0``).
+
+So ties can never push a row past ``k``: integer, +-1, 0/1 or bf16-rounded gradients keep
+``k`` entries, not every entry equal to the threshold. Every entry is either kept or stays
+in the residual (error feedback), never both and never neither.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +61,23 @@ def sample_stride(numel: int) -> int:
     return int(numel * _GOLDEN_FRACTION) | 1
 
 
+def keep_limit(numel: int, density: float) -> int:
+    """The planned count of a row of ``numel`` at ``density``: ``k = min(numel, max(1,
+    round(density * numel)))`` for ``0 < density < 1``, ``numel`` at ``density >= 1``, ``0`` at
+    ``density <= 0``.
+
+    The one definition of the count: it is the rank :func:`row_thresholds` selects (applied
+    to the sample size), and the most entries ties may fill a row up to (the selection rule
+    in the module docstring). Unsampled rows thus keep exactly their ``k`` largest
+    magnitudes, ties broken by index.
+    """
+    if density >= 1.0:
+        return numel
+    if density <= 0.0 or numel == 0:
+        return 0
+    return min(numel, max(1, round(density * numel)))
+
+
 def sample_size(numel: int, density: float) -> int:
     """How many entries :func:`row_thresholds` samples from a row of ``numel`` at ``density``."""
     wanted = SAMPLE_HITS / density  # a float: inf for denormal densities
@@ -71,7 +103,7 @@ def row_thresholds(rows: torch.Tensor, density: float, grad: Optional[torch.Tens
     else:
         positions = sample_positions(n, size, rows.device)
         sample = rows[:, positions] if grad is None else rows[:, positions] + grad[:, positions]
-    keep = min(size, max(1, round(density * size)))
+    keep = keep_limit(size, density)
     return sample.abs().float().kthvalue(size - keep + 1, dim=1).values
 
 
@@ -88,19 +120,42 @@ def check_density(density: float) -> None:
 def sparsify(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``x`` into its ~``density`` largest-magnitude entries and the rest.
 
+    ``x`` is one row (flattened): the selection rule of the module docstring, with ties at
+    the threshold broken by flat index, at most ``keep_limit(x.numel(), density)`` of them.
     Returns ``(kept, residual)`` with ``kept + residual == x`` exactly (every entry lands in
     exactly one of them). Raises ``ValueError`` on NaN/Inf.
     """
     check_density(density)
     check_finite(x)
-    keep = keep_mask(x, threshold(x, density))
+    rows = x.reshape(1, -1)
+    keep = keep_mask(rows, row_thresholds(rows, density)[:, None], keep_limit(x.numel(), density)).view(x.shape)
     return x.where(keep, 0), x.where(~keep, 0)
 
 
+SKETCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes a sketch takes: all convert to the float32 table losslessly."""
+
+
+def check_sketch_dtype(x: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is float32, bfloat16 or float16.
+
+    The table is float32, and the support is exact only if every entry the index marks has
+    a finite non-zero float32 value: float64 would be rounded (values below ~1.4e-45 flush
+    to 0 while the index still marks them, values above ~3.4e38 become inf, the rest lose
+    29 mantissa bits), so it is rejected rather than converted silently.
+    """
+    if x.dtype not in SKETCH_DTYPES:
+        hint = " (cast it: .float())" if x.is_floating_point() else ""
+        raise ValueError(
+            f"{what} is {x.dtype}; TAGC sketches hold float32 and take float32, bfloat16 or float16 input, "
+            f"which convert to float32 exactly{hint}"
+        )
+
+
 @functools.lru_cache(maxsize=8)
-def _scratch(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two reusable bool buffers per shape: fresh large allocations page-fault on every call."""
-    return torch.empty(shape, dtype=torch.bool, device=device), torch.empty(shape, dtype=torch.bool, device=device)
+def _scratch(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reusable bool buffers per shape: fresh large allocations page-fault on every call."""
+    return tuple(torch.empty(shape, dtype=torch.bool, device=device) for _ in range(3))
 
 
 def positive_threshold(tau: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,14 +164,24 @@ def positive_threshold(tau: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tau.to(dtype).clamp_min(info.tiny * info.eps)
 
 
-def keep_mask(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """``(|x| >= tau) & (x != 0)`` without a full-size ``|x|`` temporary.
+def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int) -> torch.Tensor:
+    """The kept entries (bool ``[N, S]``) of ``rows`` ``[N, S]`` under thresholds ``tau``
+    (``[N, 1]`` or a scalar) and the per-row limit ``limit`` (:func:`keep_limit`): the
+    selection rule of the module docstring.
 
-    The result lives in a scratch buffer reused by the next call of the same shape: consume
-    it (or copy it) before calling again.
+    No host synchronisation (ties are ranked with a cumulative sum). The result lives in a
+    scratch buffer reused by the next call of the same shape: consume it (or copy it)
+    before calling again.
     """
-    tau = positive_threshold(tau, x.dtype)
-    above, below = _scratch(tuple(x.shape), x.device)
-    torch.ge(x, tau, out=above)
-    torch.le(x, -tau, out=below)
-    return above.logical_or_(below)
+    tau = positive_threshold(tau, rows.dtype)
+    keep, tie, other = _scratch(tuple(rows.shape), rows.device)
+    torch.ge(rows, tau, out=keep)  # |a| >= tau, never 0 (tau > 0)
+    torch.le(rows, -tau, out=other)
+    keep.logical_or_(other)
+    torch.eq(rows, tau, out=tie)
+    torch.eq(rows, -tau, out=other)
+    tie.logical_or_(other)
+    rank = tie.cumsum(dim=-1, dtype=torch.int32)  # 1-based rank of each tie in its row
+    room = limit - (keep.sum(dim=-1, keepdim=True, dtype=torch.int32) - rank[..., -1:])  # limit - count(|a| > tau)
+    torch.gt(rank, room, out=other)
+    return keep.logical_and_(other.logical_and_(tie).logical_not_())

@@ -1,0 +1,254 @@
+"""PowerSGD (Vogels et al., 2019) under FSDP's reduce-scatter: a rank-``r`` approximation of each
+selected weight matrix, with error feedback and a warm-started ``Q``.
+
+The algorithm of PyTorch's DDP hook (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``),
+on the full (unsharded) matrix each rank contributes, read from the packed ``[N, S]`` input:
+the concatenation over ranks of the parameter's segment starts with the parameter
+(:attr:`tagc.hooks.engine.Segment.shape`). Per matrix ``(m, n)`` (a tensor of more dimensions
+is viewed as ``(shape[0], -1)``, as the DDP hook does):
+
+1. ``M = grad + residual`` (float32); ``P = M @ orthonormal(Q)``;
+2. sum ``P`` over ranks; ``P = orthonormal(P)`` (QR in float32 of the same bits on every rank);
+3. ``Q = M.T @ P``; sum ``Q`` over ranks;
+4. the summed approximation ``P @ Q.T``; each owner keeps its shard (the engine applies
+   FSDP's op scale). Error feedback as the DDP hook's: ``residual = M - P @ (Q / N).T``, this
+   rank's own ``M`` minus the averaged approximation (summed over ranks, the residuals hold
+   exactly what the summed approximation missed). ``Q / N`` is kept for the next step's
+   warm start.
+
+Each sum over ranks is an all-reduce built from two all-to-all rounds (a reduce-scatter of
+``ceil(len / N)`` float32 per rank row, then every owner sends its summed slice to every rank):
+``2 (N-1)/N`` of the vector per rank, a ring all-reduce's volume, and every rank adds the same
+values in the same order, so the orthonormalisation sees identical input everywhere. Four
+rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments without a known matrix shape
+(biases, FSDP1's multi-parameter units) ride plain in round 0.
+
+Bytes this rank sends per bucket: ``(N-1) * (8 ceil(sum m r / N) + 8 ceil(sum n r / N)
++ plain columns * reduce itemsize)``.
+
+NaN/Inf: the approximation of a matrix whose summed ``Q`` is not finite reaches every owner as
+NaN (as a plain reduce-scatter would); its residual and ``Q`` stay as they were on every rank.
+Without a host read these parts are not counted (``nonfinite="raise"`` does not see them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tagc.hooks.codecs import Codec, finite
+from tagc.hooks.stats import ExchangeStats
+
+if TYPE_CHECKING:
+    from tagc.hooks.engine import Segment
+
+DEFAULT_RANK = 4
+"""Vogels et al. train their language model at rank 4 (ResNet at 2); the DDP hook's default 1
+is its most aggressive setting, which its docs say to raise (1, 2, 4, ...) when accuracy
+suffers. A GPT-2 small MLP matrix (768 x 3072) at rank 4 still sends ~75x fewer bytes than
+its plain reduce-scatter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Matrix:
+    """One parameter compressed as a matrix: its place in the part and its shape."""
+
+    name: str
+    start: int
+    numel: int  # columns per rank row (the padded shard)
+    rows: int
+    cols: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A part: its matrices and the (start, numel) column ranges it sends plain."""
+
+    world: int
+    matrices: tuple[_Matrix, ...]
+    plain: tuple[tuple[int, int], ...]
+
+    @property
+    def p_sizes(self) -> list[int]:
+        return [m.rows * m.rank for m in self.matrices]
+
+    @property
+    def q_sizes(self) -> list[int]:
+        return [m.cols * m.rank for m in self.matrices]
+
+
+@dataclasses.dataclass
+class _Step:
+    """One part's exchange between rounds: this rank's ``M``, the ``Q`` it used, the summed parts."""
+
+    ms: list[torch.Tensor]
+    qs: list[torch.Tensor]
+    ps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    plain: Optional[torch.Tensor] = None
+
+
+def orthonormal(matrix: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``matrix``'s (reduced QR, float32; zero columns stay finite)."""
+    return torch.linalg.qr(matrix.float()).Q
+
+
+def _owner_rows(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """``flat`` zero-padded and cut into ``world`` rows: row ``j`` is the slice rank ``j`` sums."""
+    columns = -(-flat.numel() // world)
+    padded = flat.new_zeros(world * columns)
+    padded[: flat.numel()] = flat
+    return padded.view(world, columns)
+
+
+def _flat(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+class PowerSGDCodec(Codec):
+    """Rank-``rank`` PowerSGD with error feedback; four all-to-all rounds per bucket.
+
+    State per matrix, keyed by its part and name: the residual ``[m, n]`` (``residual_dtype``)
+    and the warm-start ``Q`` ``[n, rank]`` (float32; with ``warm_start=False`` a draw counter
+    instead, for a fresh ``Q`` every step), all in :meth:`state_dict`. Memory: the residuals
+    are the matrices' unsharded size (as TAGC's); a bucket in flight holds one more float32
+    copy of its matrices (this rank's ``M``) until its last round is decoded.
+    """
+
+    name = "powersgd"
+    compresses = True
+    rounds = 4
+    whole_segments = True
+
+    def __init__(self, rank: int = DEFAULT_RANK, warm_start: bool = True,
+                 residual_dtype: torch.dtype = torch.float32) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"powersgd warm_start must be True or False, got {warm_start!r}")
+        self.rank = rank
+        self.warm_start = warm_start
+        self.residual_dtype = residual_dtype
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.qs: dict[str, torch.Tensor] = {}
+        self.draws: dict[str, int] = {}
+        self._layouts: dict[str, _Layout] = {}
+        self._steps: dict[str, _Step] = {}
+
+    # ------------------------------------------------------------------ plan
+
+    def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
+        matrices, plain = [], []
+        for s in segments:
+            if s.shape is None or len(s.shape) < 2 or math.prod(s.shape) == 0:
+                plain.append((s.start, s.numel))
+                continue
+            rows, cols = s.shape[0], math.prod(s.shape[1:])
+            if rows * cols > world * s.numel:
+                raise ValueError(f"segment {s.name!r} of {s.numel} elements per rank cannot hold a parameter of shape "
+                                 f"{tuple(s.shape)} over {world} ranks")
+            if self.rank > min(rows, cols):
+                raise ValueError(f"powersgd rank={self.rank} exceeds the smaller side of parameter {s.name!r} of shape "
+                                 f"{tuple(s.shape)} (as a {rows} x {cols} matrix): lower rank or leave it out of select")
+            matrices.append(_Matrix(s.name, s.start, s.numel, rows, cols, self.rank))
+        self._layouts[key] = _Layout(world, tuple(matrices), tuple(plain))
+
+    def wire(self, numel, world, dtype):
+        raise NotImplementedError("powersgd's wire follows the parameters' shapes and takes 4 rounds: it is not traceable")
+
+    def traceable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ rounds
+
+    def encode(self, grad, key, group):
+        """Round 0: this rank's ``P = M Q`` of every matrix, cut into owner slices; the plain columns."""
+        layout = self._layouts[key]
+        ms, qs = [], []
+        for mat in layout.matrices:
+            name = f"{key}/{mat.name}"
+            full = grad[:, mat.start : mat.start + mat.numel].reshape(-1)[: mat.rows * mat.cols]
+            m = full.view(mat.rows, mat.cols).to(torch.float32, copy=True)  # the input buffer may be reused
+            residual = self.residuals.get(name)
+            if residual is not None:
+                m.add_(residual)
+            ms.append(m)
+            qs.append(orthonormal(self._q(name, mat, m.device)))
+        self._steps[key] = _Step(ms, qs)
+        plain = [grad[:, start : start + numel] for start, numel in layout.plain]
+        plain_wire = torch.cat(plain, dim=1) if plain else grad.new_zeros(grad.shape[0], 0)
+        return _owner_rows(_flat([m @ q for m, q in zip(ms, qs)], grad.device), layout.world), plain_wire
+
+    def next_round(self, round, received, key, group):
+        """Rounds 1 and 3 finish an all-reduce (sum this rank's slice, send it to all); round 2
+        orthonormalises the summed ``P`` and sends this rank's ``Q = M.T P``."""
+        layout, step = self._layouts[key], self._steps[key]
+        if round == 1:
+            step.plain = received[1].sum(dim=0, dtype=torch.float32)
+        if round in (1, 3):
+            return (received[0].sum(dim=0).expand(layout.world, -1),)
+        summed = received[0].reshape(-1)[: sum(layout.p_sizes)]
+        step.ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed.split(layout.p_sizes), layout.matrices)]
+        return (_owner_rows(_flat([m.T @ p for m, p in zip(step.ms, step.ps)], summed.device), layout.world),)
+
+    def decode(self, received, numel, key, group, stats: ExchangeStats):
+        """The summed approximation's columns of this rank (and the plain ones); new residuals and ``Q``."""
+        layout, step = self._layouts[key], self._steps.pop(key)
+        me = dist.get_rank(group)
+        summed = received[0].reshape(-1)[: sum(layout.q_sizes)]
+        values = torch.zeros(numel, dtype=torch.float32, device=received[0].device)
+        for mat, m, q_used, p, q in zip(layout.matrices, step.ms, step.qs, step.ps, summed.split(layout.q_sizes)):
+            name = f"{key}/{mat.name}"
+            q = q.view(mat.cols, mat.rank)
+            approx = p @ q.T
+            ok = finite(q)
+            old = self.residuals.get(name)
+            residual = m - approx / layout.world  # the DDP hook's: own M minus the averaged approximation
+            self.residuals[name] = torch.where(ok, residual, old if old is not None else 0.0).to(self.residual_dtype)
+            if self.warm_start:
+                self.qs[name] = torch.where(ok, q / layout.world, self.qs.get(name, q_used))
+            low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
+            if high > low:
+                values[mat.start : mat.start + high - low] = approx.reshape(-1)[low:high]
+        at = 0
+        for start, count in layout.plain:
+            values[start : start + count] = step.plain[at : at + count]
+            at += count
+        return values
+
+    def _q(self, name: str, mat: _Matrix, device: torch.device) -> torch.Tensor:
+        """The warm-start ``Q``, or a draw from a seed that depends only on the name (and the draw)."""
+        if self.warm_start and name in self.qs:
+            return self.qs[name]
+        draw = self.draws.get(name, 0)
+        self.draws[name] = draw + 1
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (draw << 32))
+        return torch.randn(mat.cols, mat.rank, generator=generator).to(device)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"{name}/residual": value for name, value in self.residuals.items()}
+        state.update({f"{name}/q": value for name, value in self.qs.items()})
+        state.update({f"{name}/draws": torch.tensor(value) for name, value in self.draws.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals, self.qs, self.draws = {}, {}, {}
+        for key, value in state.items():
+            name, _, kind = key.rpartition("/")
+            if kind == "residual":
+                self.residuals[name] = value.clone()
+            elif kind == "q":
+                self.qs[name] = value.clone()
+            elif kind == "draws":
+                self.draws[name] = int(value)
+            else:
+                raise ValueError(f"unknown powersgd state entry {key!r}")
