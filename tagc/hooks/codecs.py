@@ -23,8 +23,9 @@ The same two calls serve the eager pipeline (one all-to-all per part, launched a
 the part is encoded) and the traced halves of a compiled model (one all-to-all per wire
 dtype), so both give the same values, the same bytes and the same NaN/Inf behaviour.
 
-**NaN/Inf policy (every codec, eager and compiled alike).** Nothing extra is exchanged to
-agree on it. A value that is not finite reaches its owner: the plain codec sends it as it
+**NaN/Inf policy (every codec, eager and compiled alike).** No extra exchange agrees on it
+(at most a flag travels inside a codec's own wire: ``bf16``'s one byte per row, the sign bit
+of ``fp8``/``int4``'s scales). A value that is not finite reaches its owner: the plain codec sends it as it
 is, so the owner's sum is NaN/Inf where plain FSDP's would be; TAGC cannot place a value
 outside its sketch, so a rank whose part holds a NaN/Inf sends a table of NaN and every
 owner's whole part comes out NaN (count: ``nonfinite_parts``). Residuals are never

@@ -209,7 +209,7 @@ class PendingBucket:
         self.timing.wire_bytes = self.stats.wire_bytes
         _scale_into(self.output, self.summed, self.scale)
         self.hook._record(self.stats, self.timing)
-        if self.stats.nonfinite_parts and self.hook.nonfinite == "raise":
+        if self.hook.nonfinite == "raise" and self.stats.nonfinite_parts:  # no host read under "propagate"
             raise FloatingPointError(f"a gradient in TAGC bucket {self.plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return self.output
 
@@ -492,7 +492,7 @@ class TAGCHook:
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
         _scale_into(output, summed, op_scale(op, world))
         self._record(stats, None)
-        if stats.nonfinite_parts and self.nonfinite == "raise":
+        if self.nonfinite == "raise" and stats.nonfinite_parts:  # no host read under "propagate"
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return output
 
