@@ -486,7 +486,8 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
         share_rows, link_info = time_methods(base, methods, share, rounds, data_dir)
         add_method_columns(share_rows, parse_rate(link_info["rate"]), quality)
         rows.extend(share_rows)
-        sections.append(f"## Share {share:g}\n\n{format_share_arithmetic(link_info)}\n\n{format_methods_table(share_rows)}\n\n"
+        title = f"Share {share:g}" if link_info.get("rate_bps") else f"Link {link_info['rate']}"
+        sections.append(f"## {title}\n\n{format_share_arithmetic(link_info)}\n\n{format_methods_table(share_rows)}\n\n"
                         f"{format_verdict(share_rows)}\n")
     out = Path(base.out_dir)
     out.mkdir(parents=True, exist_ok=True)

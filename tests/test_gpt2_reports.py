@@ -103,3 +103,27 @@ def test_method_names_are_checked_and_expand():
     assert parse_methods("fsdp, int4,fsdp") == ("fsdp", "int4")
     with pytest.raises(ValueError, match="unknown method 'zip'.*fsdp-bf16"):
         parse_methods("fsdp,zip")
+
+
+def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
+    """Two methods, one round, unshaped: rows with every JSON column, the report and its plots."""
+    import json
+
+    import pytest
+
+    from tests.test_gpt2_train import bbc_ready
+
+    if not bbc_ready():
+        pytest.skip("offline assets missing")
+    rows_path = tmp_path / "rows.json"
+    compare.main(["--preset", "tiny", "--methods", "fsdp,int4", "--steps", "4", "--rounds", "1", "--link", "none",
+                  "--block-size", "32", "--eval-interval", "2", "--min-compress-numel", "2048", "--out-dir", str(tmp_path),
+                  "--json", str(rows_path)])
+    rows = json.loads(rows_path.read_text())
+    assert [row["method"] for row in rows] == ["fsdp", "int4"]
+    for row in rows:
+        for column in ("method", "algorithm", "compressed", "wire_bytes_per_step", "bits_per_param", "speedup",
+                       "speedup_vs_fsdp_bf16", "bytes_model", "val_loss", "val_loss_delta"):
+            assert column in row
+    assert rows[0]["bits_per_param"] == pytest.approx(16.0, rel=1e-3) and rows[1]["bits_per_param"] < 4.5
+    assert (tmp_path / "methods.md").read_text().count("| int4 |") == 1 and (tmp_path / "pareto.png").exists()

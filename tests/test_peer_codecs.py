@@ -450,3 +450,17 @@ def test_bad_codec_options_are_clear_errors(monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(ValueError, match=r"float8_e4m3fn.*use codec 'bf16' or 'int4'"):
         tagc.hook(codec="fp8")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_topk_sends_at_most_0_55x_tagc_bytes_at_equal_density(world):
+    """The same kept values as a list (16-bit offsets, fp32 values, capacity with slack) against
+    TAGC's bitmap index and fp32 sketch, on the compressed columns (ratio 10, planned density)."""
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codec_registry import make_codec
+
+    numel = 1 << 22
+    tagc_bytes = sum(w.row_bytes for w in make_codec("tagc", TAGCConfig()).wire(numel, world, torch.float32))
+    topk_bytes = sum(w.row_bytes for w in make_codec("topk", TAGCConfig()).wire(numel, world, torch.float32))
+    assert topk_bytes <= 0.55 * tagc_bytes
+    assert topk_bytes >= TAGCConfig().density(world) * numel * 6  # every planned value and its offset fit
