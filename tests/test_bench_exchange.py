@@ -120,6 +120,7 @@ def test_quick_unshaped_run_writes_json_rows(tmp_path):
     assert all(r["lo_bytes_per_rank"] is None for r in rows)  # not in a private namespace: not counted
 
 
+@pytest.mark.slow
 def test_quick_shaped_run_is_really_shaped(tmp_path):
     open_or_skip(ShapedLink("100mbit")).close()
     path = tmp_path / "rows.json"

