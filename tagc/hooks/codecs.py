@@ -52,7 +52,7 @@ from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
 
 if TYPE_CHECKING:
-    from tagc.hooks.engine import Segment
+    from tagc.hooks.segment import Segment
 
 @dataclasses.dataclass(frozen=True)
 class Wire:

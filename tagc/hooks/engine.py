@@ -34,11 +34,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from tagc.config import TAGCConfig
 from tagc.hooks.codec_registry import make_codec, resolve_options
 from tagc.hooks.codecs import Codec, PlainCodec, Wire
+from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import PIECE_BYTES, PendingExchange, all_to_all_rows
@@ -50,22 +50,6 @@ entries per row), so parts much smaller than that sample pay a full selection ea
 measured 30% cheaper compression than 2^18 on GPT-2 small, with the same step time at 2^21-2^22."""
 
 NONFINITE = ("propagate", "raise")
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One parameter's padded shard inside every rank's chunk."""
-
-    name: str
-    start: int
-    numel: int
-    module: Optional[nn.Module] = dataclasses.field(default=None, compare=False, hash=False)
-    selected: Optional[bool] = None
-    """Whether to compress it, when the adapter decided already; ``None`` asks the hook's policy."""
-    shape: Optional[tuple[int, ...]] = None
-    """The unsharded parameter's shape, where the concatenation over ranks of this segment starts
-    with the parameter flattened (dim-0 sharding); ``None`` where unknown. Codecs that work on
-    whole matrices (``powersgd``) need it and send the segment plain without it."""
 
 
 @dataclasses.dataclass

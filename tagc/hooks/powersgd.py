@@ -45,7 +45,7 @@ from tagc.hooks.codecs import Codec, finite
 from tagc.hooks.stats import ExchangeStats
 
 if TYPE_CHECKING:
-    from tagc.hooks.engine import Segment
+    from tagc.hooks.segment import Segment
 
 DEFAULT_RANK = 4
 """Vogels et al. train their language model at rank 4 (ResNet at 2); the DDP hook's default 1
