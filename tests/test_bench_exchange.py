@@ -114,23 +114,40 @@ def check_rows(rows, links):
 
 def test_quick_unshaped_run_writes_json_rows(tmp_path):
     path = tmp_path / "rows.json"
-    exchange.main(["--quick", "--link", "none", "--sizes", "128K", "--json", str(path), "--no-progress", "--timeout", "120"])
+    exchange.main(["--quick", "--link", "none", "--sizes", "128K", "--json", str(path), "--no-progress", "--timeout", "120",
+                   "--codecs", CODECS])
     rows = json.loads(path.read_text())
     check_rows(rows, ["none"])
     assert all(r["lo_bytes_per_rank"] is None for r in rows)  # not in a private namespace: not counted
+    check_codec_rows(rows)
 
 
-@pytest.mark.slow
+CODECS = "bf16,fp8,int4,sign,topk,powersgd"
+
+
+def check_codec_rows(rows):
+    """Every peer codec ran, and (one-round codecs) counted exactly the bytes its wire shapes give."""
+    codec_rows = {r["method"]: r for r in rows if r["kind"] == "codec"}
+    assert set(codec_rows) == {f"codec {name}" for name in CODECS.split(",")}
+    for row in codec_rows.values():
+        assert 0 < row["wire_bytes_per_rank"] < row["plain_fp32_bytes_per_rank"]
+        if row["formula_wire_bytes"] is not None:
+            assert row["wire_bytes_per_rank"] == row["formula_wire_bytes"], row["method"]
+    assert codec_rows["codec powersgd"]["formula_wire_bytes"] is None  # several rounds: counted only
+
+
 def test_quick_shaped_run_is_really_shaped(tmp_path):
     open_or_skip(ShapedLink("100mbit")).close()
     path = tmp_path / "rows.json"
-    exchange.main(["--quick", "--link", "100mbit", "--sizes", "512K", "--json", str(path), "--no-progress", "--timeout", "120"])
+    exchange.main(["--quick", "--link", "100mbit", "--sizes", "512K", "--json", str(path), "--no-progress", "--timeout", "120",
+                   "--codecs", CODECS])
     rows = json.loads(path.read_text())
     check_rows(rows, ["100mbit"])
+    check_codec_rows(rows)
     fair = next(r for r in rows if r["method"] == "fair fp32")
     wire_s = 8 * fair["wire_bytes_per_rank"] / 1e8
     assert fair["median_s"] >= 0.8 * wire_s  # 2 MB at 100 Mbit: ~170 ms; unshaped it is a few ms
-    for row in rows:  # the loopback's own counter agrees with the counted bytes (headers and timing traffic aside)
+    for row in rows:  # the loopback's own counter agrees with the counted bytes (headers and timing traffic aside), every codec
         assert row["lo_bytes_per_rank"] == pytest.approx(row["wire_bytes_per_rank"], rel=0.1, abs=20_000)
     assert not [n for n in ShapedLink.list_netns() if n.startswith(f"tagc-{os.getpid()}-")]
 

@@ -150,7 +150,31 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
                     formula_wire_bytes=(world - 1) / world * n * (bits + 32 / ratio) / 8,
                     wire_source="counted: hook.stats wire_bytes",
                 ))
+    for name in args.codecs:  # the peer codecs on the same engine, every column selected
+        shaped = [Segment(seg.name, seg.start, seg.numel, shape=_matrix_shape(seg.numel * world)) for seg in segs]
+        codec_hook = tagc.hook(codec=name, select="all")
+        codec_inp = torch.empty_like(grad)
+
+        def prepare_codec(inp=codec_inp) -> None:
+            inp.copy_(grad)
+
+        def run_codec(hook=codec_hook, inp=codec_inp, shaped=shaped) -> int:
+            before = hook.total.wire_bytes
+            hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, shaped)
+            return hook.total.wire_bytes - before
+
+        single_round = codec_hook.codec.rounds == 1
+        methods.append(dict(
+            method=f"codec {name}", kind="codec", dtype="fp32", hook=codec_hook, prepare=prepare_codec, run=run_codec,
+            formula_wire_bytes=(world - 1) * codec_hook.wire_row_bytes(shaped, chunk, world, torch.float32) if single_round else None,
+            wire_source="counted: hook.stats wire_bytes",
+        ))
     return methods
+
+
+def _matrix_shape(numel: int) -> tuple[int, ...]:
+    """A 2-D shape for a synthetic parameter (rows x 64 where it divides), for codecs that need matrices."""
+    return (numel // 64, 64) if numel % 64 == 0 and numel >= 64 * 64 else (numel,)
 
 
 def _worker(args) -> None:
@@ -220,6 +244,8 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         lo_bytes_per_rank=(statistics.median(m["lo"]) / world) if m["lo"] else None,
         plain_fp32_bytes_per_rank=(world - 1) * chunk * 4,
     )
+    if m["kind"] == "codec":
+        row["formula_wire_bytes"] = m["formula_wire_bytes"]
     if m["kind"] == "tagc":
         deltas = m["deltas"]
         steps = len(deltas)
@@ -255,6 +281,8 @@ def _worker_argv(args, rank: int, port: int, out: str, link_name: str, count_lo:
             "--ratios", ",".join(f"{r:g}" for r in args.ratios), "--bits", ",".join(map(str, args.bits)),
             "--overlap", ",".join("on" if o else "off" for o in args.overlap), "--reps", str(args.reps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout)]
+    if args.codecs:
+        argv += ["--codecs", ",".join(args.codecs)]
     if count_lo:
         argv.append("--count-lo")
     if args.no_progress:
@@ -440,6 +468,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=_csv(float), default=None, help="TAGC ratios (default 2,5,10)")
     p.add_argument("--bits", type=_csv(int), default=None, help="index bits (default 1,4)")
     p.add_argument("--overlap", type=_csv(_overlap), default=None, help="pipelining on/off (default on,off)")
+    p.add_argument("--codecs", type=_csv(str), default=[],
+                   help="peer codecs to run beside TAGC on the same engine, e.g. bf16,fp8,int4,sign,topk,powersgd")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 5, --quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -467,6 +497,11 @@ def _defaults(args) -> None:
     args.overlap = args.overlap or [True, False]
     args.reps = args.reps if args.reps is not None else (2 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else 1
+    from tagc.hooks.codec_registry import codec_names
+
+    unknown = [name for name in args.codecs if name not in codec_names()]
+    if unknown:
+        raise SystemExit(f"exchange: unknown codec(s) {', '.join(unknown)}: choose from {', '.join(codec_names())}")
     if args.world < 2:
         raise SystemExit("exchange: --world must be >= 2 (a reduce-scatter over one rank moves nothing)")
     if args.reps < 1 or args.warmup < 0:
