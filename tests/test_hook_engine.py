@@ -321,3 +321,16 @@ def test_dense_warmup_sends_the_first_steps_plain():
         assert err0 < 1e-6 and err1 < 1e-6  # warm-up steps: the exact mean, nothing kept back
         assert comp0 == comp1 == 0 and res0 == res1 == 0 and wire0 == wire1
         assert comp2 == 1 and res2 == 1 and wire2 < wire1 / 4 and err2 > 1e-3  # then compressed (lossy vs dense)
+
+
+def codec_times(rank, world):
+    hook = tagc.hook(ratio=10, min_part=1 << 17)
+    exchange(rank, world, hook, torch.randn(world, CHUNK))
+    hook.end_step()
+    last, (unit,) = hook.stats()["last_step"], hook.stats()["units"]
+    return last["compress_s"], unit["compress_s"], last["decode_s"]
+
+
+def test_step_stats_carry_the_encode_and_decode_time():
+    for step_compress, unit_compress, decode_s in run_ranks(codec_times, 2):
+        assert step_compress == unit_compress > 0 and decode_s > 0

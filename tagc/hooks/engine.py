@@ -191,6 +191,7 @@ class PendingBucket:
         self.timing.arrived = max(self.timing.arrived, self.timing.launched)
         self.stats.wire_s += self.timing.wire_s
         self.timing.wire_bytes = self.stats.wire_bytes
+        self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit only)
         _scale_into(self.output, self.summed, self.scale)
         self.hook._record(self.stats, self.timing)
         if self.hook.nonfinite == "raise" and self.stats.nonfinite_parts:  # no host read under "propagate"
