@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods
-from gpt2_bench.train import TrainConfig, run, scaled_link
+from gpt2_bench.train import TrainConfig, run, scaled_link, summarise
 from tagc.link import parse_rate
 
 PAPER = [  # TAGC paper, GPT-2 ~162M, 2 nodes x RTX 3080, 10 Gbit
@@ -282,13 +282,28 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
 
 
 def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str) -> dict[str, dict]:
-    """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link."""
+    """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link.
+
+    Runs live in ``<out_dir>/quality``, each beside the settings it ran with. A finished run
+    with the same settings is read back instead of trained again, so the long quality runs are
+    made once (in the background, or over several sessions) and the timed sweeps added later.
+    """
     eval_interval = max(1, min(base.eval_interval, steps // 8))
     results = {}
     for method in methods:
         cfg = dataclasses.replace(method_config(base, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(Path(base.out_dir) / "quality"))
+        settings, log = Path(cfg.out_dir) / f"{cfg.run_name}.config.json", Path(cfg.out_dir) / f"{cfg.run_name}.jsonl"
+        if settings.exists() and log.exists() and settings.read_text() == cfg.to_json():
+            try:
+                results[method] = summarise(cfg, log, "none")
+                print(f"quality: {method}: reusing the finished run in {log}", file=sys.stderr)
+                continue
+            except (StopIteration, ValueError, KeyError):  # an unfinished log: train again
+                pass
+        settings.unlink(missing_ok=True)
         results[method] = run(cfg, data_dir, link="none")
+        settings.write_text(cfg.to_json())
     return results
 
 

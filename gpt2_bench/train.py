@@ -473,7 +473,7 @@ def exit_without_teardown() -> None:
 # ----------------------------------------------------------------------------- launcher
 
 
-def _summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
+def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "step" in r]
     summary = next(r for r in records if r.get("summary"))
@@ -553,7 +553,7 @@ def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = 
         else:
             with ShapedLink(link, world=cfg.world) as shaped:
                 _wait(shaped.launch(argvs, env=env), cfg)
-    return _summarise(cfg, log_path, link)
+    return summarise(cfg, log_path, link)
 
 
 class RankFailed(RuntimeError):

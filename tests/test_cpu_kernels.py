@@ -203,3 +203,88 @@ def test_dispatch_picks_numba_on_cpu_and_falls_back_without_it(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "TAGC_BACKEND"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr
+
+
+# ----------------------------------------------------------------------------- the topk peer's lists
+
+
+def _both_lists(grad, residual, density, cap, tau=None):
+    from tagc.sketch.kept_list import list_kept_
+
+    ref_residual, cpu_residual = residual.clone(), residual.clone()
+    expected = list_kept_(grad, ref_residual, density, cap, tau=tau)
+    got = cpu.list_kept_cpu(grad, cpu_residual, density, cap, tau=tau)
+    return expected, got, ref_residual, cpu_residual
+
+
+def _tie_gradients(kind: str, ranks: int, numel: int) -> torch.Tensor:
+    if kind == "integer":
+        return torch.randint(-3, 4, (ranks, numel)).float()
+    if kind == "pm1":
+        return torch.where(torch.rand(ranks, numel) < 0.5, -1.0, 1.0)
+    if kind == "equal":
+        return torch.full((ranks, numel), 0.25)
+    return torch.randn(ranks, numel) * torch.logspace(-30, 30, numel)[torch.randperm(numel)]  # mixed magnitudes
+
+
+@pytest.mark.parametrize("numel", [1, 37, 1000, 65_536, 65_537, 300_001])
+@pytest.mark.parametrize("kind", ["randn", "integer", "pm1", "equal", "mixed"])
+def test_kept_lists_equal_reference_bit_for_bit(numel, kind):
+    from tagc.sketch.kept_list import capacity
+
+    ranks = 3
+    grad, residual = _gradients(ranks, numel) if kind == "randn" else (_tie_gradients(kind, ranks, numel), torch.zeros(ranks, numel))
+    density = plan_density(10.0, ranks)
+    cap = capacity(numel, density)
+    expected, got, ref_residual, cpu_residual = _both_lists(grad, residual, density, cap)
+    for e, g in zip(expected, got):
+        assert e.dtype == g.dtype and torch.equal(e, g)
+    assert torch.equal(cpu_residual, ref_residual)
+    counts, _, values = got
+    listed = counts[:, :-1].sum(dim=1)
+    assert (listed <= cap).all() and (listed >= ((grad + residual) != 0).any(dim=1).int()).all()
+    assert torch.equal((values != 0).sum(dim=1), listed)  # a kept value is never 0: the threshold is positive
+    sent = grad + residual - cpu_residual
+    assert torch.equal(torch.sort(sent[sent != 0].abs()).values, torch.sort(values[values != 0].abs()).values)
+
+
+@pytest.mark.parametrize("numel", [5000, 200_000])
+def test_kept_lists_overflow_and_strided_gradients_equal_reference(numel):
+    ranks = 2
+    packed = torch.randn(ranks, 2 * numel)
+    grad = packed[:, ::2]  # a strided view, as a part of a packed bucket can be
+    residual = torch.randn(ranks, numel) * 0.01
+    density = 0.05
+    cap = int(density * numel) // 2  # half the planned count: every row overflows
+    tau = torch.zeros(ranks)  # keep every non-zero entry: all of them are above the threshold
+    expected, got, ref_residual, cpu_residual = _both_lists(grad, residual, density, cap, tau=tau)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+    assert torch.equal(cpu_residual, ref_residual)
+    assert torch.equal(got[0][:, -1], torch.full((ranks,), numel - cap, dtype=torch.int32))
+
+
+def test_kept_lists_leave_the_residual_of_a_nonfinite_gradient_alone():
+    grad, residual = _gradients(2, 3000)
+    grad[1, 7] = float("inf")
+    expected, got, ref_residual, cpu_residual = _both_lists(grad, residual, 0.05, 200)
+    assert torch.equal(cpu_residual, residual) and torch.equal(ref_residual, residual)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g) or (e.isnan().all() and g.isnan().all())
+    assert got[2].isnan().all() and not got[0].any()
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 65_536 * 3 + 17])
+def test_summed_lists_equal_reference_bit_for_bit(numel):
+    from tagc.sketch.kept_list import capacity, sum_lists
+
+    ranks = 4
+    density = plan_density(10.0, ranks)
+    cap = capacity(numel, density)
+    lists = [cpu.list_kept_cpu(*_gradients(1, numel)[::-1], density, cap) for _ in range(ranks)]
+    counts, offsets, values = (torch.cat(parts) for parts in zip(*lists))
+    values = values * torch.logspace(-20, 20, ranks)[:, None]  # mixed magnitudes: the order of the sum shows
+    assert torch.equal(cpu.sum_lists_cpu(counts, offsets, values, numel), sum_lists(counts, offsets, values, numel))
+    corrupt = counts.clone()
+    corrupt[:, 0] += cap  # more entries claimed than the list holds: both stop at the capacity
+    assert torch.equal(cpu.sum_lists_cpu(corrupt, offsets, values, numel), sum_lists(corrupt, offsets, values, numel))

@@ -127,3 +127,24 @@ def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
             assert column in row
     assert rows[0]["bits_per_param"] == pytest.approx(16.0, rel=1e-3) and rows[1]["bits_per_param"] < 4.5
     assert (tmp_path / "methods.md").read_text().count("| int4 |") == 1 and (tmp_path / "pareto.png").exists()
+
+
+def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypatch):
+    """A finished quality run is reused, not trained again; changed settings train again."""
+    import pytest
+
+    from tests.test_gpt2_train import bbc_ready
+
+    if not bbc_ready():
+        pytest.skip("offline assets missing")
+    from gpt2_bench.data import prepare
+
+    base = compare.TrainConfig(preset="tiny", block_size=32, min_compress_numel=2048, out_dir=str(tmp_path))
+    data_dir = str(prepare(base.dataset, base.cache_dir))
+    first = compare.quality_runs(base, ["fsdp"], 3, data_dir)
+    trained = []
+    monkeypatch.setattr(compare, "run", lambda cfg, *a, **k: trained.append(cfg) or first["fsdp"])
+    again = compare.quality_runs(base, ["fsdp"], 3, data_dir)
+    assert trained == [] and again["fsdp"]["val_loss"] == first["fsdp"]["val_loss"]
+    compare.quality_runs(compare.dataclasses.replace(base, lr=1e-3), ["fsdp"], 3, data_dir)
+    assert [cfg.lr for cfg in trained] == [1e-3]

@@ -181,3 +181,64 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
         if settled:
             rounds += 1
     return known, rounds, inconsistent
+
+
+@njit(cache=True, nogil=True)
+def list_rows(grad, residual, tau, limit, block_bits, counts, offsets, values):
+    """Per row, error feedback and the selection rule of :func:`compress_rows`, the kept entries
+    written into the lists of :mod:`tagc.sketch.kept_list` (``counts`` per block of
+    ``1 << block_bits`` positions, then the overflow; ``offsets``; ``values``) instead of a
+    sketch. Listed entries leave 0 in the residual; kept entries past the capacity stay."""
+    n_rows, numel = residual.shape
+    cap = offsets.shape[1]
+    overflow_at = counts.shape[1] - 1
+    mask = (1 << block_bits) - 1
+    candidates = np.empty(numel, dtype=np.int64)
+    for n in range(n_rows):
+        t = tau[n]
+        count = 0
+        above = 0
+        for p in range(numel):
+            a = residual[n, p] + grad[n, p]
+            residual[n, p] = a
+            if a >= t or a <= -t:
+                candidates[count] = p
+                count += 1
+                if a > t or a < -t:
+                    above += 1
+        room = limit - above
+        rank = 0
+        listed = 0
+        for i in range(count):
+            p = candidates[i]
+            a = residual[n, p]
+            if a == t or a == -t:
+                rank += 1
+                if rank > room:
+                    continue
+            if listed == cap:
+                counts[n, overflow_at] += 1
+                continue
+            counts[n, p >> block_bits] += 1
+            offsets[n, listed] = p & mask
+            values[n, listed] = a
+            listed += 1
+            residual[n, p] = 0
+
+
+@njit(cache=True, nogil=True)
+def sum_lists(counts, offsets, values, block_bits, out):
+    """Adds every row's list into ``out`` (rank order, then list order): the owner's decode."""
+    n_rows, cap = offsets.shape
+    numel = out.size
+    for n in range(n_rows):
+        k = 0
+        for b in range(counts.shape[1] - 1):
+            base = b << block_bits
+            for _ in range(counts[n, b]):
+                if k == cap:
+                    break
+                p = base + offsets[n, k]
+                if p < numel:
+                    out[p] += values[n, k]
+                k += 1

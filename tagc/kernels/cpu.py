@@ -17,6 +17,9 @@ index operations per round. These kernels do the same arithmetic in one loop eac
   count). What peeling leaves goes to the reference's exact solve and fallback
   (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
   rounding of the order of subtractions. The same index/table consistency check.
+* :func:`list_kept_cpu` / :func:`sum_lists_cpu` - the ``topk`` peer: the same pass as
+  :func:`compress_cpu` writing the kept entries into lists (:mod:`tagc.sketch.kept_list`)
+  instead of a sketch, and the owner's scatter-add. Bit-identical to the reference.
 
 Both release the GIL (``nogil``), so gloo's threads and Python keep running. Numba
 compiles them once per machine (``cache=True``) and only when first called.
@@ -31,6 +34,7 @@ import torch
 from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
+from tagc.sketch.kept_list import POSITION_BLOCK, check_list_args, finite, position_blocks
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import (
     check_finite,
@@ -120,3 +124,37 @@ def decode_cpu(
     rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)
     out.index_copy_(0, rest_positions, rest_values.float())
     return out, stats
+
+
+def list_kept_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int,
+                  tau=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.kept_list.list_kept_` in one pass per row (same arguments, same results).
+
+    A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
+    """
+    check_list_args(grad, residual, density, cap)
+    if residual.dtype != torch.float32 or not residual.is_contiguous():
+        from tagc.sketch.kept_list import list_kept_
+
+        return list_kept_(grad, residual, density, cap, tau=tau)
+    n_rows, numel = residual.shape
+    counts = torch.zeros(n_rows, position_blocks(numel) + 1, dtype=torch.int32)
+    offsets = torch.zeros(n_rows, cap, dtype=torch.uint16)
+    values = torch.zeros(n_rows, cap, dtype=torch.float32)
+    if not bool(finite(grad)):  # the residual stays as it was; the owner sees NaN
+        return counts, offsets, values.fill_(float("nan"))
+    grads = grad.to(torch.float32)
+    if tau is None:
+        tau = _row_thresholds(residual, grads, density)
+    tau = positive_threshold(tau, torch.float32).reshape(n_rows)
+    _kernels().list_rows(grads.numpy(), residual.numpy(), tau.numpy(), keep_limit(numel, density),
+                         POSITION_BLOCK.bit_length() - 1, counts.numpy(), offsets.numpy(), values.numpy())
+    return counts, offsets, values
+
+
+def sum_lists_cpu(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`tagc.sketch.kept_list.sum_lists` in one walk (same arguments, same results)."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    _kernels().sum_lists(counts.contiguous().numpy(), offsets.contiguous().numpy(), values.float().contiguous().numpy(),
+                         POSITION_BLOCK.bit_length() - 1, out.numpy())
+    return out

@@ -22,6 +22,7 @@ from tagc.kernels import cpu as _cpu
 from tagc.kernels._triton import require_triton, triton_available
 from tagc.sketch import codec as _ref_codec
 from tagc.sketch import compress as _ref_compress
+from tagc.sketch import kept_list as _ref_kept_list
 from tagc.sketch import sparsify as _ref_sparsify
 from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
@@ -95,6 +96,36 @@ def compress_(
     if chosen == "numba":
         return _cpu.compress_cpu(grad, residual, density, layout, bits, tau=tau)
     return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau)
+
+
+def list_kept_(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    density: float,
+    cap: int,
+    *,
+    tau: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error feedback + TAGC's selection, the kept entries as position lists; see
+    :func:`tagc.sketch.kept_list.list_kept_`.
+
+    Returns ``(counts [N, nb + 1] int32, offsets [N, cap] uint16, values [N, cap] float32)``
+    and updates ``residual`` in place. On CUDA the reference runs (vectorised, no host reads);
+    a fused Triton kernel is future work.
+    """
+    if resolve_backend(grad, residual, backend=backend) == "numba":
+        return _cpu.list_kept_cpu(grad, residual, density, cap, tau=tau)
+    return _ref_kept_list.list_kept_(grad, residual, density, cap, tau=tau)
+
+
+def sum_lists(
+    counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int, *, backend: Optional[str] = None
+) -> torch.Tensor:
+    """Every rank's list scatter-added, in rank order; see :func:`tagc.sketch.kept_list.sum_lists`."""
+    if resolve_backend(counts, offsets, values, backend=backend) == "numba":
+        return _cpu.sum_lists_cpu(counts, offsets, values, numel)
+    return _ref_kept_list.sum_lists(counts, offsets, values, numel)
 
 
 def decode(
