@@ -281,17 +281,20 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     return rows, link_info
 
 
-def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str) -> dict[str, dict]:
+def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str,
+                 dense_steps: Optional[int] = None) -> dict[str, dict]:
     """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link.
+    ``dense_steps`` (default: the timed runs') is the error-feedback codecs' dense warm-up here.
 
     Runs live in ``<out_dir>/quality``, each beside the settings it ran with. A finished run
     with the same settings is read back instead of trained again, so the long quality runs are
     made once (in the background, or over several sessions) and the timed sweeps added later.
     """
-    eval_interval = max(1, min(base.eval_interval, steps // 8))
+    eval_interval = max(1, steps // 15)  # from the steps alone: the timed runs' settings do not change it
     results = {}
     for method in methods:
-        cfg = dataclasses.replace(method_config(base, method), steps=steps, link="none", eval_interval=eval_interval,
+        warm = base if dense_steps is None else dataclasses.replace(base, dense_steps=dense_steps)
+        cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(Path(base.out_dir) / "quality"))
         settings, log = Path(cfg.out_dir) / f"{cfg.run_name}.config.json", Path(cfg.out_dir) / f"{cfg.run_name}.jsonl"
         if settings.exists() and log.exists() and settings.read_text() == cfg.to_json():
@@ -489,13 +492,14 @@ def format_share_arithmetic(link_info: dict) -> str:
             f"{link_info['first_guess_share']:.0%}).")
 
 
-def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int) -> tuple[list[dict], str]:
+def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int,
+                   quality_dense_steps: Optional[int] = None) -> tuple[list[dict], str]:
     """Time every method at every share (and measure its loss once, unshaped); returns the rows and
     a Markdown report, with plots written next to it."""
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir))
-    quality = quality_runs(base, methods, quality_steps, data_dir) if quality_steps else None
+    quality = quality_runs(base, methods, quality_steps, data_dir, quality_dense_steps) if quality_steps else None
     rows, sections = [], []
     for share in shares:
         share_rows, link_info = time_methods(base, methods, share, rounds, data_dir)
@@ -512,7 +516,9 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
     if len(shares) > 1:
         plot_speedup_vs_share(rows, out / "speedup_vs_share.png")
         pictures += "\n![speed-up against share](speedup_vs_share.png)\n"
-    loss_source = (f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the link)"
+    quality_dense = base.dense_steps if quality_dense_steps is None else quality_dense_steps
+    loss_source = (f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the "
+                   f"link; error-feedback codecs dense for its first {quality_dense} steps)"
                    if quality else f"val loss from the timed runs ({base.steps} steps)")
     report = (f"# GPT-2: the methods users would pick, on one engine and one link\n\n"
               f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} tokens per "
@@ -545,18 +551,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "timed on each, and a speed-up-against-share plot")
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds per share, every other one in reverse (default 2)")
     parser.add_argument("--quality-steps", type=int, default=0,
-                        help="measure each method's loss once, unshaped, over this many steps (0: from the timed runs)")
+                        help="measure each method's loss once, unshaped, over this many steps (0: from the timed runs); "
+                             "finished runs with the same settings are read back")
+    parser.add_argument("--quality-only", action="store_true",
+                        help="run (or read back) the quality runs and print their val losses; no timed runs")
+    parser.add_argument("--quality-dense-steps", type=int, default=None,
+                        help="the quality runs' dense warm-up for error-feedback codecs (default: --dense-steps)")
     args = parser.parse_args(argv)
     try:
         methods = parse_methods(args.methods)
         shares = [float(x) for x in args.shares.split(",")] if args.shares else [args.link_share]
     except ValueError as error:
         parser.error(str(error))
-    if args.rounds < 1 or args.quality_steps < 0:
-        parser.error("--rounds must be >= 1 and --quality-steps >= 0")
+    if args.rounds < 1 or args.quality_steps < 0 or (args.quality_dense_steps or 0) < 0:
+        parser.error("--rounds must be >= 1, --quality-steps and --quality-dense-steps >= 0")
     base = config_from_args(args)
+    if args.quality_only:
+        if not args.quality_steps:
+            parser.error("--quality-only needs --quality-steps")
+        from gpt2_bench.data import prepare
+
+        quality = quality_runs(base, methods, args.quality_steps, str(prepare(base.dataset, base.cache_dir)),
+                               args.quality_dense_steps)
+        plain = quality.get("fsdp", {}).get("val_loss")
+        for method, result in quality.items():
+            delta = f" ({result['val_loss'] / plain - 1:+.2%} vs fsdp)" if plain else ""
+            print(f"{method}: val loss {result['val_loss']:.4f} after {args.quality_steps} steps{delta}")
+        return 0
     if methods != PAPER_METHODS or args.shares or args.quality_steps:
-        rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps)
+        rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps, args.quality_dense_steps)
         print(report)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

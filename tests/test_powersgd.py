@@ -212,6 +212,26 @@ def test_a_nonfinite_matrix_reaches_every_owner_and_poisons_no_state():
         assert matrix_nan and others_finite and kept and finite_state
 
 
+def _nonfinite_raises(rank, world):
+    hook = powersgd_hook(nonfinite="raise")
+    exchange(hook, pack(random_grads(rank), world), world)  # a finite step passes
+    grads = random_grads(10 + rank)
+    if rank == 0:
+        grads["b.weight"][0, 1] = float("inf")
+    try:
+        exchange(hook, pack(grads, world), world)
+    except FloatingPointError as error:
+        raised = "NaN/Inf" in str(error)
+    else:
+        raised = False
+    out = exchange(hook, pack(random_grads(20 + rank), world), world)  # the group is still in step
+    return raised, bool(torch.isfinite(out).all())
+
+
+def test_nonfinite_raise_raises_on_every_rank_and_the_next_step_runs():
+    assert run_ranks(_nonfinite_raises, 2) == [(True, True), (True, True)]
+
+
 # ----------------------------------------------------------------------------- overlapped = blocking
 
 

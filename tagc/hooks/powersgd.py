@@ -28,7 +28,8 @@ Bytes this rank sends per bucket: ``(N-1) * (8 ceil(sum m r / N) + 8 ceil(sum n 
 
 NaN/Inf: the approximation of a matrix whose summed ``Q`` is not finite reaches every owner as
 NaN (as a plain reduce-scatter would); its residual and ``Q`` stay as they were on every rank.
-Without a host read these parts are not counted (``nonfinite="raise"`` does not see them).
+Every rank counts it in ``nonfinite_parts`` (a device count: no host read), so
+``nonfinite="raise"`` raises on every rank. NaN/Inf in the plain columns reaches the owner as it is.
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ class PowerSGDCodec(Codec):
             name = f"{key}/{mat.name}"
             q = q.view(mat.cols, mat.rank)
             approx = p @ q.T
-            ok = finite(q)
+            ok = finite(q)  # the summed Q: the same on every rank
+            stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
             old = self.residuals.get(name)
             residual = m - approx / layout.world  # the DDP hook's: own M minus the averaged approximation
             self.residuals[name] = torch.where(ok, residual, old if old is not None else 0.0).to(self.residual_dtype)
