@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -52,10 +53,10 @@ def compare(base: TrainConfig) -> tuple[list[dict], dict]:
     runs = {}
     for compression in ("none", "all", "non-attn"):
         cfg = dataclasses.replace(base, compression=compression, name=None)
-        runs[compression] = run(cfg, data_dir, link=link_info["rate"])
+        runs[compression] = run(cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS)
     plain = runs["none"]
     serial = plain if not base.overlap else run(dataclasses.replace(base, compression="none", name=None, overlap=False),
-                                                  data_dir, link=link_info["rate"])
+                                                  data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS)
     if serial.get("exchange_ms_per_mb") is not None:  # the calibration's definition: share of a non-overlapped step
         link_info["measured_share"] = serial["exchange_ms_per_mb"] * serial["grad_mb"] / serial["iter_ms"]
     link_info["overlap"] = overlap_summary(plain, serial, base)
@@ -253,6 +254,12 @@ def plot(rows: list[dict], path: Path) -> None:
 # ----------------------------------------------------------------------------- every method, at several shares
 
 
+RUN_ATTEMPTS = 3
+"""Every run the compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.train.run`."""
+QUALITY_CHECKPOINTS = 6
+"""A quality run checkpoints this many times, so a crash costs at most a sixth of it."""
+
+
 def _pooled_median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else float("nan")
@@ -270,7 +277,7 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
         for method in order:
             method_cfg = dataclasses.replace(method_config(cfg, method),
                                              out_dir=str(Path(base.out_dir) / f"share-{share:g}" / f"round-{round_index + 1}"))
-            runs[method].append(run(method_cfg, data_dir, link=link_info["rate"]))
+            runs[method].append(run(method_cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS))
     rows = []
     for method in methods:
         last = runs[method][-1]
@@ -279,6 +286,16 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
                "iter_ms_per_round": [result["iter_ms"] for result in runs[method]]}
         rows.append(row)
     return rows, link_info
+
+
+HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "resume", "max_time_s", "group_timeout_s", "fault_step")
+"""Settings that change how a run is carried out, not its losses."""
+
+
+def _same_math(recorded: dict, wanted: dict) -> bool:
+    """Whether two runs' settings give the same losses (they may differ in :data:`HOW_NOT_WHAT`)."""
+    strip = lambda settings: {k: v for k, v in settings.items() if k not in HOW_NOT_WHAT}  # noqa: E731
+    return strip(recorded) == strip(wanted)
 
 
 def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str,
@@ -294,10 +311,12 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
     results = {}
     for method in methods:
         warm = base if dense_steps is None else dataclasses.replace(base, dense_steps=dense_steps)
+        out = Path(base.out_dir) / "quality"
         cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
-                                  out_dir=str(Path(base.out_dir) / "quality"))
-        settings, log = Path(cfg.out_dir) / f"{cfg.run_name}.config.json", Path(cfg.out_dir) / f"{cfg.run_name}.jsonl"
-        if settings.exists() and log.exists() and settings.read_text() == cfg.to_json():
+                                  out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
+                                  checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS))
+        settings, log = out / f"{cfg.run_name}.config.json", out / f"{cfg.run_name}.jsonl"
+        if settings.exists() and log.exists() and _same_math(json.loads(settings.read_text()), json.loads(cfg.to_json())):
             try:
                 results[method] = summarise(cfg, log, "none")
                 print(f"quality: {method}: reusing the finished run in {log}", file=sys.stderr)
@@ -305,7 +324,8 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
             except (StopIteration, ValueError, KeyError):  # an unfinished log: train again
                 pass
         settings.unlink(missing_ok=True)
-        results[method] = run(cfg, data_dir, link="none")
+        shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # another run's checkpoints must not be resumed
+        results[method] = run(cfg, data_dir, link="none", attempts=RUN_ATTEMPTS)
         settings.write_text(cfg.to_json())
     return results
 

@@ -528,8 +528,31 @@ def _unit_medians(steps: list[dict]) -> dict:
                    for field in ("wire_ms", "exposed_ms", "bytes")} for name in sorted(names)}
 
 
-def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None) -> dict:
-    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary."""
+def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None, attempts: int = 1) -> dict:
+    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary.
+
+    With ``attempts > 1`` a run whose rank dies (:class:`RankFailed`) is started again, up to
+    ``attempts`` times in all: from its newest complete checkpoint when ``cfg.checkpoint_dir``
+    is set (the steps it does not redo keep their records; a resumed run repeats the
+    uninterrupted losses bit for bit), from scratch otherwise. Benchmarks use it so that one
+    rare crash (see the README's "Known problems") costs minutes, not the whole sweep.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run_once(cfg, data_dir, link)
+        except RankFailed as error:
+            if attempt == attempts:
+                raise
+            again = "from its newest checkpoint" if cfg.checkpoint_dir else "from scratch"
+            print(f"{cfg.run_name}: {error}\n{cfg.run_name}: starting again {again} (attempt {attempt + 1} of {attempts})",
+                  file=sys.stderr)
+            cfg = dataclasses.replace(cfg, resume=bool(cfg.checkpoint_dir), fault_step=None)  # a fault drill fires once
+    raise AssertionError("unreachable")
+
+
+def _run_once(cfg: TrainConfig, data_dir: Optional[str], link: Optional[str]) -> dict:
     from gpt2_bench.data import prepare
     from tagc.link import ShapedLink
 

@@ -104,6 +104,9 @@ def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_
     assert result["resumed_from_step"] == 4
     assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")  # TAGC residuals, Adam, data and RNG all restored
     assert latest(checkpoints).name == "step-6"
+    retried = run(_resume_config(tmp_path, "retried", checkpoint_dir=str(tmp_path / "again"), checkpoint_every=2, fault_step=4),
+                  attempts=2)  # what the benchmarks do: the same, without a person
+    assert retried["resumed_from_step"] == 4 and _losses(tmp_path, "retried") == _losses(tmp_path, "whole")
 
 
 @pytest.mark.parametrize("kwargs, message", [({"checkpoint_every": 2}, "checkpoint_dir"), ({"resume": True}, "checkpoint_dir"),
