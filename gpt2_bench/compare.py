@@ -330,6 +330,20 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
     return results
 
 
+def losses_from(path: str) -> dict[str, dict]:
+    """The val losses of another compare's JSON rows (``--json``), per method: e.g. the small
+    preset's quality runs for a timing-only sweep of ``gpt2-untied``."""
+    rows = json.loads(Path(path).read_text())
+    found = {}
+    for row in rows:
+        if row.get("method") and row.get("val_loss") is not None:
+            found[row["method"]] = {"val_loss": row["val_loss"], "steps": row.get("val_loss_steps") or row.get("steps"),
+                                    "preset": row.get("preset")}
+    if not found:
+        raise ValueError(f"{path} holds no rows with a method and a val_loss (write one with --json)")
+    return found
+
+
 def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optional[dict[str, dict]] = None) -> list[dict]:
     """Speed-ups against ``fsdp`` and ``fsdp-bf16``, the bytes model, bits per parameter and the
     val loss (from the quality runs when given) against ``fsdp``'s, for one share's rows."""
@@ -338,7 +352,7 @@ def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optio
     for row in rows:
         if quality and row["method"] in quality:
             row["val_loss"] = quality[row["method"]]["val_loss"]
-            row["curve"] = quality[row["method"]]["curve"]
+            row["curve"] = quality[row["method"]].get("curve") or []
             row["val_loss_steps"] = quality[row["method"]]["steps"]
         wire = row.get("wire_bytes_per_step")
         row["bits_per_param"] = None if wire is None else wire * 8 / row["n_params"]
@@ -502,6 +516,14 @@ def plot_method_losses(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+SHARE_ARITHMETIC = (
+    "Where the shares come from. **0.31** is the paper's: TAGC cut its exchange from 0.76 to 0.51 ms/MB (x0.67) and "
+    "its iteration from 25.2 to 22.6, so the exchange was 2.6 / (1 - 0.67) = 7.9 of 25.2 units. **0.9** is an "
+    "H100-class GPU over 10 GbE: GPT-2 (124M) on 16 x 1024 tokens per GPU is 6 x 124e6 x 16384 = 1.2e13 FLOP, "
+    "30 ms at 400 TFLOP/s (40% of bf16 peak), while its fp32 gradient reduce-scatter moves ~(N-1)/N x 496 MB, "
+    "~0.4 s at 1.25 GB/s: 0.4 / (0.4 + 0.03) = 0.93 of a non-overlapped step.")
+
+
 def format_share_arithmetic(link_info: dict) -> str:
     """How the scaled link gives the plain exchange its share of a step."""
     if not link_info.get("rate_bps"):
@@ -513,13 +535,18 @@ def format_share_arithmetic(link_info: dict) -> str:
 
 
 def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int,
-                   quality_dense_steps: Optional[int] = None) -> tuple[list[dict], str]:
+                   quality_dense_steps: Optional[int] = None, loss_from: Optional[str] = None) -> tuple[list[dict], str]:
     """Time every method at every share (and measure its loss once, unshaped); returns the rows and
     a Markdown report, with plots written next to it."""
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir))
     quality = quality_runs(base, methods, quality_steps, data_dir, quality_dense_steps) if quality_steps else None
+    if loss_from:
+        quality = losses_from(loss_from)
+        missing = [m for m in methods if m not in quality]
+        if missing:
+            raise ValueError(f"--loss-from {loss_from} has no val loss for {', '.join(missing)}")
     rows, sections = [], []
     for share in shares:
         share_rows, link_info = time_methods(base, methods, share, rounds, data_dir)
@@ -537,7 +564,8 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
         plot_speedup_vs_share(rows, out / "speedup_vs_share.png")
         pictures += "\n![speed-up against share](speedup_vs_share.png)\n"
     quality_dense = base.dense_steps if quality_dense_steps is None else quality_dense_steps
-    loss_source = (f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the "
+    loss_source = (f"val loss from {loss_from} (its own runs: the loss does not depend on the link)" if loss_from else
+                   f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the "
                    f"link; error-feedback codecs dense for its first {quality_dense} steps)"
                    if quality else f"val loss from the timed runs ({base.steps} steps)")
     report = (f"# GPT-2: the methods users would pick, on one engine and one link\n\n"
@@ -548,7 +576,7 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
               f"error-feedback codecs dense for the first {base.dense_steps} steps.\n\n"
               f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; `bits/param`: "
               f"wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); `codec ms`: encode + decode "
-              f"on the training thread per step.\n\n" + "\n".join(sections) + "\n" + pictures)
+              f"on the training thread per step.\n\n{SHARE_ARITHMETIC}\n\n" + "\n".join(sections) + "\n" + pictures)
     (out / "methods.md").write_text(report)
     return rows, report
 
@@ -573,6 +601,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quality-steps", type=int, default=0,
                         help="measure each method's loss once, unshaped, over this many steps (0: from the timed runs); "
                              "finished runs with the same settings are read back")
+    parser.add_argument("--loss-from", default=None,
+                        help="take each method's val loss from another compare's --json rows (e.g. the small preset's "
+                             "quality runs, for a timing-only sweep of gpt2-untied)")
     parser.add_argument("--quality-only", action="store_true",
                         help="run (or read back) the quality runs and print their val losses; no timed runs")
     parser.add_argument("--quality-dense-steps", type=int, default=None,
@@ -598,8 +629,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             delta = f" ({result['val_loss'] / plain - 1:+.2%} vs fsdp)" if plain else ""
             print(f"{method}: val loss {result['val_loss']:.4f} after {args.quality_steps} steps{delta}")
         return 0
-    if methods != PAPER_METHODS or args.shares or args.quality_steps:
-        rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps, args.quality_dense_steps)
+    if args.loss_from and args.quality_steps:
+        parser.error("--loss-from and --quality-steps are two sources of the loss: give one")
+    if methods != PAPER_METHODS or args.shares or args.quality_steps or args.loss_from:
+        rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps, args.quality_dense_steps,
+                                      args.loss_from)
         print(report)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

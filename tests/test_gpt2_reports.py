@@ -148,3 +148,24 @@ def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypa
     assert trained == [] and again["fsdp"]["val_loss"] == first["fsdp"]["val_loss"]
     compare.quality_runs(compare.dataclasses.replace(base, lr=1e-3), ["fsdp"], 3, data_dir)
     assert [cfg.lr for cfg in trained] == [1e-3]
+
+
+def test_losses_can_come_from_another_compares_rows(tmp_path):
+    import json
+
+    import pytest
+
+    rows = tmp_path / "small.json"
+    rows.write_text(json.dumps([{"method": "fsdp", "val_loss": 6.5, "val_loss_steps": 300},
+                                {"method": "int4", "val_loss": 6.52, "val_loss_steps": 300}, {"method": "x"}]))
+    found = compare.losses_from(str(rows))
+    assert set(found) == {"fsdp", "int4"} and found["int4"]["val_loss"] == 6.52 and found["fsdp"]["steps"] == 300
+    timed = [{"method": "fsdp", "iter_ms": 100.0, "n_params": 10, "wire_bytes_per_step": 80, "val_loss": 9.0},
+             {"method": "int4", "iter_ms": 50.0, "n_params": 10, "wire_bytes_per_step": 10, "val_loss": 9.9}]
+    compare.add_method_columns(timed, None, found)
+    assert [r["val_loss"] for r in timed] == [6.5, 6.52] and timed[1]["val_loss_delta"] == pytest.approx(0.02 / 6.5)
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match="no rows with a method and a val_loss"):
+        compare.losses_from(str(tmp_path / "empty.json"))
+    with pytest.raises(SystemExit):
+        compare.main(["--methods", "fsdp", "--loss-from", str(rows), "--quality-steps", "3"])
