@@ -535,7 +535,7 @@ def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = 
     ``attempts`` times in all: from its newest complete checkpoint when ``cfg.checkpoint_dir``
     is set (the steps it does not redo keep their records; a resumed run repeats the
     uninterrupted losses bit for bit), from scratch otherwise. Benchmarks use it so that one
-    rare crash (see the README's "Known problems") costs minutes, not the whole sweep.
+    rare crash (the README's "Known problem: a rare heap abort on gloo") costs minutes, not the whole sweep.
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
