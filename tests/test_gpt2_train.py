@@ -114,3 +114,31 @@ def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_
 def test_checkpoint_and_time_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("share, share_of", [(0.31, "exchange"), (0.9, "link")])
+def test_scaled_link_gives_the_share_to_the_exchange_or_past_its_reach_to_the_link(monkeypatch, share, share_of):
+    """A step modelled as compute A + link time C/r, the exchange V/r of it (the all-gathers the
+    other 2V): the calibrated rate gives the exchange ``share`` of a step while it can (V/C = 1/3
+    of the link's time), and the link-bound time ``share`` past that."""
+    import gpt2_bench.train as train
+    from tagc.link import parse_rate
+
+    compute_s, wire_bytes = 0.8, 1e6
+    volume = wire_bytes * 8  # bit: the exchange at rate r takes volume / r seconds
+
+    def fake_run(cfg, data_dir, link=None, attempts=1):
+        if link == "none":
+            step_s, exchange_s = 1.0, 0.2
+        else:
+            rate = parse_rate(link)
+            step_s, exchange_s = compute_s + 3 * volume / rate, volume / rate
+        return {"iter_ms": step_s * 1e3, "exchange_ms_per_mb": exchange_s * 1e3, "grad_mb": 1.0, "wire_bytes_per_rank": wire_bytes}
+
+    monkeypatch.setattr(train, "run", fake_run)
+    info = train.scaled_link(TrainConfig(link_share=share), "unused")
+    rate = parse_rate(info["rate"])
+    step_s = compute_s + 3 * volume / rate
+    measured = (volume / rate if share_of == "exchange" else 3 * volume / rate) / step_s
+    assert info["share_of"] == share_of and measured == pytest.approx(share, rel=0.01)
+    assert info["modelled_exchange_share"] == pytest.approx(volume / rate / step_s, rel=0.01)
