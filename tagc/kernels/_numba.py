@@ -15,6 +15,24 @@ def cell(p, j, block_rows, lane_xor, lane_bits):
     return block_rows[b, j] * (1 << lane_bits) + ((p & ((1 << lane_bits) - 1)) ^ lane_xor[b])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def accumulate_row(grad, residual, n, t, candidates):
+    """Row ``n``: ``a = residual + grad`` written into the residual, the positions with
+    ``|a| >= t`` listed in ``candidates`` (one compare per entry on the hot path).
+    Returns (how many were listed, how many of them are strictly above ``t``)."""
+    count = 0
+    above = 0
+    for p in range(residual.shape[1]):
+        a = residual[n, p] + grad[n, p]
+        residual[n, p] = a
+        if a >= t or a <= -t:
+            candidates[count] = p
+            count += 1
+            if a > t or a < -t:
+                above += 1
+    return count, above
+
+
 @njit(cache=True, nogil=True)
 def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor, lane_bits, bits, index, table):
     """Per chunk, error feedback and the selection rule of :mod:`tagc.sketch.sparsify`
@@ -31,16 +49,7 @@ def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor,
     candidates = np.empty(numel, dtype=np.int64)  # pages are touched only as far as it fills
     for n in range(n_rows):
         t = tau[n]
-        count = 0
-        above = 0
-        for p in range(numel):
-            a = residual[n, p] + grad[n, p]
-            residual[n, p] = a
-            if a >= t or a <= -t:
-                candidates[count] = p
-                count += 1
-                if a > t or a < -t:
-                    above += 1
+        count, above = accumulate_row(grad, residual, n, t, candidates)
         room = limit - above
         rank = 0
         for i in range(count):
@@ -196,16 +205,7 @@ def list_rows(grad, residual, tau, limit, block_bits, counts, offsets, values):
     candidates = np.empty(numel, dtype=np.int64)
     for n in range(n_rows):
         t = tau[n]
-        count = 0
-        above = 0
-        for p in range(numel):
-            a = residual[n, p] + grad[n, p]
-            residual[n, p] = a
-            if a >= t or a <= -t:
-                candidates[count] = p
-                count += 1
-                if a > t or a < -t:
-                    above += 1
+        count, above = accumulate_row(grad, residual, n, t, candidates)
         room = limit - above
         rank = 0
         listed = 0
