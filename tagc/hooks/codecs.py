@@ -49,6 +49,7 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import gather_from_owners
 from tagc.kernels.dispatch import compress_, decode
 from tagc.sketch import SketchLayout
+from tagc.sketch.kept_list import finite  # noqa: F401  (the one finite check; the codecs import it from here)
 from tagc.sketch.index import merge_index
 
 if TYPE_CHECKING:
@@ -64,14 +65,6 @@ class Wire:
     @property
     def row_bytes(self) -> int:
         return self.columns * self.dtype.itemsize
-
-
-def finite(x: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: no NaN/Inf in ``x`` (one min/max pass, NaN propagates; no host read)."""
-    if x.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=x.device)
-    low, high = torch.aminmax(x)
-    return torch.isfinite(low) & torch.isfinite(high)
 
 
 class Codec:
