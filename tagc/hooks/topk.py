@@ -18,9 +18,9 @@ import torch
 from tagc.config import TAGCConfig
 from tagc.hooks.codecs import Codec, Wire, finite
 from tagc.kernels.dispatch import list_kept_, sum_lists
-from tagc.sketch.kept_list import POSITION_BLOCK, capacity, compact, position_blocks
+from tagc.sketch.kept_list import capacity, position_blocks
 
-__all__ = ["POSITION_BLOCK", "TopKCodec", "capacity", "compact"]
+__all__ = ["TopKCodec", "capacity"]
 
 
 class TopKCodec(Codec):
