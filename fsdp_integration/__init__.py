@@ -1,9 +1,12 @@
 """Our SimpleFSDP: sharded parameters all-gathered through a parametrization, traced and
-bucketed by ``torch.compile``, with ``model.register_comm_hook(tagc.hook(...))``.
+bucketed by ``torch.compile``, with a reduce-scatter hook point per unit
+(``model.register_comm_hook(hook)``) through which TAGC installs itself:
 
-    model = simple_fsdp(GPT(config))                 # Shard(0) DTensors, one bucket per block
-    model.register_comm_hook(tagc.hook(ratio=10))    # TAGC on the non-attention linears
-    model = compile_model(model)                     # optional: fullgraph, Inductor bucketing
+    model = simple_fsdp(GPT(config))                            # Shard(0) DTensors, one bucket per block
+    tagc.register_comm_hook(model, tagc.hook(ratio=10))         # TAGC on the non-attention linears
+    model = compile_model(model)                                # optional: fullgraph, Inductor bucketing
+
+This package depends on torch only: it never imports ``tagc``.
 """
 
 from fsdp_integration.compile import CompileSettings, compile_model

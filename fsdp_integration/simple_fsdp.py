@@ -1,23 +1,25 @@
 """SimpleFSDP: parameters as ``Shard(0)`` DTensors, all-gathered by a parametrization.
 
-After Zhang et al., *SimpleFSDP* (``../shared/seeds/simplefsdp-paper.md``): every parameter
-stays a sharded DTensor in ``module._parameters`` (so ``state_dict`` keys and DCP work
-unchanged), and the attribute ``module.weight`` becomes a property that returns the
-unsharded tensor. The all-gathers are plain functional collectives, so ``torch.compile``
+After Zhang et al., *SimpleFSDP: Simpler Fully Sharded Data Parallel with torch.compile*
+(2024): every parameter stays a sharded DTensor in ``module._parameters`` (so ``state_dict``
+keys and DCP work unchanged), and the attribute ``module.weight`` becomes a property that
+returns the unsharded tensor. The all-gathers are plain functional collectives, so ``torch.compile``
 traces them (fullgraph) and Inductor can bucket and reorder them.
 
 Unlike the paper's per-parameter collectives, parameters are grouped in *units* — each
 transformer block (every child of an ``nn.ModuleList``) and the root for the rest — with
 one flat all-gather in forward and one reduce-scatter in backward per unit
-(:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is what
-``model.register_comm_hook(tagc.hook(...))`` replaces: TAGC then sees one large aligned
-buffer per block, with each parameter as a segment for its selection policy.
+(:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is the hook point:
+``model.register_comm_hook(hook)`` hands each unit to ``hook``, which returns the unit's
+reduce-scatter (:data:`CommHook`); ``tagc.register_comm_hook(model, tagc.hook(...))``
+installs TAGC through it, which then sees one large aligned buffer per block, with each
+parameter as a segment for its selection policy. This package never imports ``tagc``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fsdp_integration.bucket import Bucket, PendingGradients
+from fsdp_integration.bucket import Bucket, PendingGradients, ReduceScatter, ReduceScatterStart
 from fsdp_integration.prefetch import Prefetcher
 from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
 
@@ -149,7 +151,7 @@ def simple_fsdp(
             them all in a final callback of the backward pass (the exchange overlaps the
             backward of the units before it; :class:`~fsdp_integration.bucket.PendingGradients`);
             ``False`` waits for each unit's reduce-scatter in its backward. A comm hook may
-            decline to overlap (``tagc.hook(overlap=False)``).
+            decline to overlap (it returns no ``start``; e.g. ``tagc.hook(overlap=False)``).
     """
     if not dist.is_initialized():
         raise RuntimeError("simple_fsdp needs torch.distributed: call dist.init_process_group(...) first")
@@ -235,10 +237,23 @@ def units(model: nn.Module) -> list[Unit]:
     return found
 
 
-def register_comm_hook(model: nn.Module, hook) -> nn.Module:
-    """Hand every unit's gradient reduce-scatter to ``hook`` (a :func:`tagc.hook`)."""
-    from tagc.hooks.simple import install
+CommHook = Callable[[Unit], tuple[ReduceScatter, Optional[ReduceScatterStart]]]
+"""A unit -> its gradient reduce-scatter and, optionally, the launcher that overlaps it.
 
+``reduce_scatter(packed)`` gets the unit's packed gradients ``[world * S]`` (row ``j`` for rank
+``j``, laid out as ``unit.bucket.entries`` say) and returns this rank's averaged chunk ``[S]``;
+it also runs under ``torch.compile``. ``start(packed)`` (eager, ``overlap=True``) launches the
+same exchange and returns the function that finishes it; ``None`` makes every backward wait for
+its unit's ``reduce_scatter``."""
+
+
+def register_comm_hook(model: nn.Module, hook: CommHook) -> nn.Module:
+    """The reduce-scatter hook point: route every unit's gradient reduce-scatter through
+    ``hook(unit)`` (:data:`CommHook`; TAGC installs itself here through
+    ``tagc.register_comm_hook(model, tagc.hook(...))``)."""
+    if not callable(hook):
+        raise TypeError(f"a SimpleFSDP comm hook is a callable unit -> (reduce_scatter, start), got "
+                        f"{type(hook).__name__}; for TAGC: tagc.register_comm_hook(model, tagc.hook(...))")
     for unit in units(model):
-        install(hook, unit)
+        unit.bucket.reduce_scatter, unit.bucket.reduce_scatter_start = hook(unit)
     return model

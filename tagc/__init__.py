@@ -1,7 +1,7 @@
 """TAGC: compressed gradient reduce-scatter for sharded training over slow networks.
 
-``model.register_comm_hook(tagc.hook(ratio=10, index_bits=1))`` (SimpleFSDP) or
-``tagc.register_comm_hook(model, tagc.hook(...))`` (FSDP2 / FSDP1).
+``tagc.register_comm_hook(model, tagc.hook(ratio=10, index_bits=1))`` on a SimpleFSDP, FSDP2
+or FSDP1 model. The design: ``docs/design.md``.
 """
 
 from tagc.api import hook, register_comm_hook

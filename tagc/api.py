@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Union
 
 import torch
@@ -86,8 +87,10 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
 
     if not isinstance(comm_hook, TAGCHook):
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(comm_hook).__name__}")
-    if getattr(model, "_simple_fsdp_units", None) is not None:
-        return model.register_comm_hook(comm_hook)
+    if getattr(model, "_simple_fsdp_units", None) is not None:  # SimpleFSDP: through its reduce-scatter hook point
+        from tagc.hooks.simple import bind
+
+        return model.register_comm_hook(functools.partial(bind, comm_hook))
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover

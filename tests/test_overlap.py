@@ -35,7 +35,7 @@ def _simple(rank, world, overlap, codec, micro_batches):
     hook = None
     if codec is not None:
         hook = tagc.hook(min_compress_numel=1024, codec=codec, overlap=overlap)
-        model.register_comm_hook(hook)
+        tagc.register_comm_hook(model, hook)
     return _train(model, rank, world, micro_batches, hook=hook)
 
 
@@ -83,7 +83,7 @@ def _compiled(rank, world, micro_batches):
         _, model = _models(0)
         model = simple_fsdp(model)
         hook = tagc.hook(min_compress_numel=1024)
-        model.register_comm_hook(hook)
+        tagc.register_comm_hook(model, hook)
         forward = compile_model(model, CompileSettings(backend="aot_eager")) if compiled else None
         results.append(_train(model, rank, world, micro_batches, forward=forward, hook=hook))
     return results
@@ -136,7 +136,7 @@ def _slow_link(rank, world, overlap):
         block.register_forward_hook(slow_backward)
     model = simple_fsdp(model, overlap=overlap)
     hook = tagc.hook(min_compress_numel=1024, overlap=overlap)
-    model.register_comm_hook(hook)
+    tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     for _ in range(2):  # the second step is timed
         loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
@@ -166,7 +166,7 @@ def _failed_backward(rank, world):
     _, model = _models(0)
     model = simple_fsdp(model)
     hook = tagc.hook(min_compress_numel=1024, nonfinite="raise")
-    model.register_comm_hook(hook)
+    tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
     raised = False
@@ -203,7 +203,7 @@ def _inductor_order(rank, world):
 
     _, model = _models(0)
     model = simple_fsdp(model)
-    model.register_comm_hook(tagc.hook(min_compress_numel=1024))
+    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))
     compiled = compile_model(model)
     idx, tgt = _batch(0, world)
     _, codes = run_and_get_code(lambda: compiled(_mine(idx, rank), _mine(tgt, rank))[1].backward())

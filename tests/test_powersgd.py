@@ -271,7 +271,7 @@ def _simple_fsdp(rank, world):
         _, model = _models(0)
         model = simple_fsdp(model, overlap=overlap)
         hook = tagc.hook(codec="powersgd", min_compress_numel=1024, overlap=overlap)
-        model.register_comm_hook(hook)
+        tagc.register_comm_hook(model, hook)
         forward = compile_model(model, CompileSettings(backend="aot_eager")) if compiled else model
         idx, tgt = _batch(0, world)
         forward(_mine(idx, rank), _mine(tgt, rank))[1].backward()

@@ -122,7 +122,7 @@ def _collectives(rank, world, reshard, hooked, hook_options=None):
     _, model = _models(0)
     model = simple_fsdp(model, reshard_after_forward=reshard)
     if hooked:
-        model.register_comm_hook(tagc.hook(min_compress_numel=1024, **(hook_options or {})))
+        tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024, **(hook_options or {})))
     graphs: dict = {}
     forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
     idx, tgt = _batch(0, world)
@@ -173,9 +173,10 @@ def _traced_halves(rank, world, poison):
         _, model = _models(0)
         model = simple_fsdp(model)
         hook = tagc.hook(min_compress_numel=1024)
-        model.register_comm_hook(hook)
+        tagc.register_comm_hook(model, hook)
         bucket = units(model)[0].bucket
-        plan = hook._plan(_registry[bucket.hook_handle][2], bucket.chunk, world)
+        handle = bucket.reduce_scatter.handle
+        plan = hook._plan(_registry[handle].segments, bucket.chunk, world)
         first_compressed = int(torch.arange(bucket.chunk)[plan.compressed_parts[0].columns][0])
         (plain_columns,) = [part.columns for part in plan.parts if not part.codec.compresses]
         torch.manual_seed(100 + rank)
@@ -186,7 +187,7 @@ def _traced_halves(rank, world, poison):
                 packed[first_compressed] = float("nan")  # bound for rank 0: every rank must still agree
             before = {k: [p.clone() for p in v] for k, v in hook.residuals.items()}
             exchange = traced_reduce_scatter if path == "traced" else reduce_scatter
-            outs.append(exchange(packed, bucket.hook_handle))
+            outs.append(exchange(packed, handle))
         after_equal = all(torch.equal(a, b) for k, v in before.items() for a, b in zip(v, hook.residuals[k]))
         results.append((outs, after_equal, plain_columns, hook.stats()["total"]))
     return results
@@ -218,7 +219,7 @@ def _hooked_matches_fsdp2(rank, world, compiled):
     _, fsdp2 = _models(0)
     simple = simple_fsdp(simple)
     simple_hook = tagc.hook(ratio=10, index_bits=1, min_compress_numel=1024)
-    simple.register_comm_hook(simple_hook)
+    tagc.register_comm_hook(simple, simple_hook)
     for block in fsdp2.transformer.h:
         fully_shard(block)
     fully_shard(fsdp2)
@@ -331,6 +332,46 @@ def test_prefetching_overlaps_gathers_and_changes_nothing():
         assert fresh
 
 
+# ----------------------------------------------------------------------------- the hook point
+
+
+def _generic_hook_point(rank, world):
+    """Any ``unit -> (reduce_scatter, start)`` goes in through ``model.register_comm_hook``; TAGC's
+    registry entries go with the reduce-scatter that holds them (a hook over it, or the model)."""
+    import gc
+
+    from tagc.hooks.simple import _registry
+
+    _, model = _models(0)
+    model = simple_fsdp(model)
+    seen = []
+
+    def counting(unit):
+        plain = unit.bucket.plain_reduce_scatter
+        return (lambda packed: (seen.append(unit.name), plain(packed))[1]), None
+
+    model.register_comm_hook(counting)
+    idx, tgt = _batch(0, world)
+    model(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+    names = sorted(unit.name for unit in units(model))
+    gc.collect()
+    before = len(_registry)
+    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))
+    installed = len(_registry) - before
+    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))  # over the first: its entries go
+    gc.collect()
+    replaced = len(_registry) - before
+    del model
+    gc.collect()
+    return sorted(seen) == names, installed, replaced, len(_registry) - before
+
+
+def test_generic_hook_point_and_registry_release():
+    for every_unit, installed, replaced, dropped in run_ranks(_generic_hook_point, 2, timeout_s=120):
+        assert every_unit and installed == GPTConfig.preset("tiny").n_layer + 1
+        assert replaced == installed and dropped == 0
+
+
 # ----------------------------------------------------------------------------- mixed precision
 
 
@@ -365,7 +406,7 @@ def _dcp_round_trip(rank, world, path):
     _, model = _models(0)
     model = simple_fsdp(model)
     hook = tagc.hook(min_compress_numel=1024)
-    model.register_comm_hook(hook)
+    tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     model(_mine(idx, rank), _mine(tgt, rank))[1].backward()
     dcp.save({"model": model.state_dict(), "tagc": hook.state_dict()}, checkpoint_id=path)
@@ -373,7 +414,7 @@ def _dcp_round_trip(rank, world, path):
     _, fresh = _models(1)  # different weights
     fresh = simple_fsdp(fresh)
     fresh_hook = tagc.hook(min_compress_numel=1024)
-    tagc.register_comm_hook(fresh, fresh_hook)  # the generic entry point reaches SimpleFSDP too
+    tagc.register_comm_hook(fresh, fresh_hook)
     state = {"model": fresh.state_dict(), "tagc": {**hook.state_dict()}}
     state["tagc"] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state["tagc"].items()}
     dcp.load(state, checkpoint_id=path)

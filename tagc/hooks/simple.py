@@ -18,41 +18,59 @@ segments and gives the unit's bucket the hook's exchange:
 One collective per bucket lets Inductor's ``sink_waits`` move its wait past the next block's
 backward compute (it does not sink a wait past a later collective).
 
+The adapter installs itself through SimpleFSDP's reduce-scatter hook point
+(``model.register_comm_hook``, :data:`fsdp_integration.simple_fsdp.CommHook`), which
+:func:`tagc.register_comm_hook` calls with :func:`bind`; it reads a unit by duck typing
+and never imports ``fsdp_integration``.
+
 The data-dependent steps are ``torch.library`` custom ops with shape-only fake
 implementations; the hook state (residuals, statistics) is reached through a small
-registry keyed by an integer, since custom ops take only tensors and scalars. Settings
+registry keyed by an integer, since custom ops take only tensors and scalars. The registry
+holds its entries weakly: an entry lives as long as the unit's installed reduce-scatter
+(which holds it), and goes when the model (or a hook installed over it) lets that go. Settings
 with data-dependent sizes (``fallback="raw"``, ``dense_steps``) and buckets with nothing to
 compress run the whole exchange as the single op ``tagc::reduce_scatter`` instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Callable
+import weakref
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from tagc.hooks.engine import Segment, TAGCHook
+from tagc.hooks.engine import TAGCHook
+from tagc.hooks.segment import Segment
 
-if TYPE_CHECKING:
-    from fsdp_integration.simple_fsdp import Unit
 
-_registry: dict[int, tuple[TAGCHook, dist.ProcessGroup, tuple[Segment, ...], str]] = {}
+@dataclasses.dataclass(eq=False)
+class _Binding:
+    """What the custom ops reach through a handle: one unit's hook, group and segments."""
+
+    hook: TAGCHook
+    group: dist.ProcessGroup
+    segments: tuple[Segment, ...]
+    unit: str
+
+
+_registry: "weakref.WeakValueDictionary[int, _Binding]" = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
 
 def _world(handle: int) -> int:
-    return dist.get_world_size(_registry[handle][1])
+    return dist.get_world_size(_registry[handle].group)
 
 
 @torch.library.custom_op("tagc::reduce_scatter", mutates_args=())
 def reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """The averaged chunk of this rank from ``packed`` (``[world * S]``), through a TAGC hook."""
-    hook, group, segments, unit = _registry[handle]
-    output = packed.new_empty(packed.numel() // dist.get_world_size(group))
-    hook.reduce_scatter(output, packed, group, dist.ReduceOp.AVG, segments, unit)
+    binding = _registry[handle]
+    output = packed.new_empty(packed.numel() // dist.get_world_size(binding.group))
+    binding.hook.reduce_scatter(output, packed, binding.group, dist.ReduceOp.AVG, binding.segments, binding.unit)
     return output
 
 
@@ -64,23 +82,23 @@ def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
 @torch.library.custom_op("tagc::encode", mutates_args=())
 def encode(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals)."""
-    hook, group, segments, _ = _registry[handle]
-    return hook.encode_bucket(packed, group, segments)
+    binding = _registry[handle]
+    return binding.hook.encode_bucket(packed, binding.group, binding.segments)
 
 
 @encode.register_fake
 def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
-    hook, _, segments, _ = _registry[handle]
+    binding = _registry[handle]
     world = _world(handle)
-    return packed.new_empty(world, hook.wire_row_bytes(segments, packed.numel() // world, world, packed.dtype),
+    return packed.new_empty(world, binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype),
                             dtype=torch.uint8)
 
 
 @torch.library.custom_op("tagc::decode", mutates_args=())
 def decode(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
-    hook, group, segments, _ = _registry[handle]
-    return hook.decode_bucket(received, group, segments, chunk, dtype)
+    binding = _registry[handle]
+    return binding.hook.decode_bucket(received, binding.group, binding.segments, chunk, dtype)
 
 
 @decode.register_fake
@@ -94,13 +112,22 @@ def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
 
 def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """The exchange as custom ops around functional collectives (fixed shapes; see the module docstring)."""
-    _, group, _, _ = _registry[handle]
+    group = _registry[handle].group
+    return _traced(packed, handle, group, dist.get_world_size(group))
+
+
+def _traced(packed: torch.Tensor, handle: int, group, world: int) -> torch.Tensor:
     received = _all_to_all(encode(packed, handle), group)
-    return decode(received, handle, packed.numel() // _world(handle), packed.dtype)
+    return decode(received, handle, packed.numel() // world, packed.dtype)
 
 
-def install(hook: TAGCHook, unit: "Unit") -> None:
-    """Route ``unit``'s gradient reduce-scatter through ``hook``."""
+def bind(hook: TAGCHook, unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                         Optional[Callable[[torch.Tensor], Callable[[], torch.Tensor]]]]:
+    """SimpleFSDP's comm hook for ``unit`` through ``hook``: ``(reduce_scatter, start)``.
+
+    ``unit`` is a SimpleFSDP unit: its ``name``, ``owner_modules`` (one module per parameter)
+    and ``bucket`` (``entries`` with ``fqn``/``start``/``numel``/``shape``, ``group``, ``chunk``,
+    ``world``). The returned ``reduce_scatter`` carries its registry ``handle``."""
     if not isinstance(hook, TAGCHook):
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
@@ -109,18 +136,19 @@ def install(hook: TAGCHook, unit: "Unit") -> None:
         for entry, module in zip(bucket.entries, unit.owner_modules)
     )
     handle = next(_handles)
-    _registry[handle] = (hook, bucket.group, segments, unit.name)
+    binding = _Binding(hook, bucket.group, segments, unit.name)
+    _registry[handle] = binding
     traced = hook.traceable(segments, bucket.chunk, bucket.world)
 
     def hooked(packed: torch.Tensor) -> torch.Tensor:
         if traced and torch.compiler.is_compiling():
-            return traced_reduce_scatter(packed, handle)
+            return _traced(packed, handle, bucket.group, bucket.world)  # no registry look-up in traced code
         return reduce_scatter(packed, handle)
 
     def hooked_start(packed: torch.Tensor) -> Callable[[], torch.Tensor]:
         output = packed.new_empty(bucket.chunk)
         return hook.start(output, packed, bucket.group, dist.ReduceOp.AVG, segments, unit.name).wait
 
-    bucket.reduce_scatter = hooked
-    bucket.reduce_scatter_start = hooked_start if hook.overlap else None
-    bucket.hook_handle = handle
+    hooked.handle = handle
+    hooked.binding = binding  # the registry's entry lives as long as this function
+    return hooked, (hooked_start if hook.overlap else None)
