@@ -22,8 +22,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not 1", allow_module_level=True)
 
-from tagc.kernels import dispatch, ops  # noqa: E402
-from tagc.kernels.peel import PEEL_STATS, STAT_FIELDS  # noqa: E402
+from tagc.kernels import STAT_FIELDS, dispatch, ops  # noqa: E402
+from tagc.kernels.peel import PEEL_STATS  # noqa: E402
 from tagc.sketch import (  # noqa: E402
     SketchLayout,
     build_index,

@@ -20,7 +20,8 @@ so a program owns whole index bytes), with a tiny scan between them; no host syn
 
 The per-block rows / signs / lane-xor tables are loaded from :meth:`SketchLayout.tables`,
 so the cells are exactly the reference's. The threshold ``tau`` comes from
-:mod:`tagc.kernels.radix_select` (or is given). The only difference from the reference
+:mod:`tagc.kernels.radix_select` (or is given); :func:`tagc.kernels.ops.compress_triton` is
+the entry point that runs both. The only difference from the reference
 :func:`tagc.sketch.compress_` is the order of the float atomics in the table (so the table
 matches to float rounding, exactly where the sums are exact; index and residual match bit
 for bit).
@@ -28,17 +29,14 @@ for bit).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from tagc.kernels.fp import round_to_dtype
-from tagc.sketch.compress import check_compress_args
-from tagc.sketch.index import check_bits, index_nbytes
-from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import keep_limit, positive_threshold
+from tagc.sketch.index import index_nbytes
 
 BLOCK = 1024
 
@@ -182,76 +180,3 @@ def launch_compress(
             LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
         )
     return index, table
-
-
-def compress_triton(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    layout: SketchLayout,
-    bits: int,
-    tau: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`tagc.sketch.compress_` (same arguments, same results).
-
-    ``tau`` (``[N]`` float32 on the device) skips the threshold selection; by default it
-    is :func:`tagc.kernels.radix_select.row_thresholds_triton` of ``residual + grad``, which
-    equals the reference's threshold. No host synchronisation.
-    """
-    from tagc.kernels import ops
-
-    check_compress_args(grad, residual, density)
-    check_bits(bits)
-    if not residual.is_contiguous():
-        raise ValueError("residual must be contiguous (it is updated in place)")
-    rows = residual.view(-1, layout.numel)
-    g = grad.reshape(rows.shape).contiguous()
-    if tau is None:
-        tau = ops.row_thresholds(rows, g, float(density))
-    tau = tau.to(device=rows.device, dtype=torch.float32).reshape(rows.shape[0])
-    # compared as the reference does, in the residual's dtype, never below its smallest subnormal
-    tau = positive_threshold(tau, rows.dtype).to(torch.float32).contiguous()
-    t = layout.tables(rows.device)
-    return ops.compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, bits,
-                         keep_limit(layout.numel, float(density)))
-
-
-# ----------------------------------------------------------------------------------------
-# Reference cross-check and benchmark
-# ----------------------------------------------------------------------------------------
-
-
-def check(n_rows: int = 2, numel: int = 4096 + 13, ratio: float = 8.0, density: float = 0.05, bits: int = 1,
-          device: str = "cpu") -> None:
-    """Assert kernel and reference agree (same tau): index and residual exactly, table closely."""
-    from tagc.sketch.compress import compress_
-
-    layout = SketchLayout(numel, ratio, lane=2)
-    grad = torch.randn(n_rows, numel, device=device)
-    res = torch.randn(n_rows, numel, device=device) * 0.1
-    res_ref = res.clone()
-    index, table = compress_triton(grad, res, density, layout, bits)
-    index_ref, table_ref = compress_(grad, res_ref, density, layout, bits)
-    assert torch.equal(index, index_ref) and torch.equal(res, res_ref)
-    torch.testing.assert_close(table, table_ref, rtol=1e-5, atol=1e-5)
-
-
-def bench(numel: int, ratio: float = 10.0, density: float = 0.03, bits: int = 1, device: str = "cuda",
-          dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Milliseconds of the fused kernel (given tau) and bytes it moves, for one chunk."""
-    from tagc.kernels.benchutil import time_ms
-
-    layout = SketchLayout(numel, ratio)
-    grad = torch.randn(1, numel, device=device, dtype=dtype)
-    res = torch.zeros(1, numel, device=device)
-    tau = row_thresholds_of(grad, density)
-    ms = time_ms(lambda: compress_triton(grad, res, density, layout, bits, tau=tau))
-    moved = numel * (grad.element_size() + 2 * res.element_size()) + numel * bits / 8
-    return {"ms": ms, "bytes": moved}
-
-
-def row_thresholds_of(x: torch.Tensor, density: float) -> torch.Tensor:
-    """Thresholds of ``x`` rows with the Triton select (a helper for benchmarks)."""
-    from tagc.kernels.radix_select import row_thresholds_triton
-
-    return row_thresholds_triton(x.float(), density)

@@ -28,7 +28,7 @@ from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
 
 BACKENDS = ("auto", "triton", "numba", "torch", "reference")
-STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
+STAT_FIELDS = tuple(DecodeStats().as_dict())  # the one list of decode statistics, in DecodeStats field order
 
 
 def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -60,7 +60,7 @@ def row_thresholds(
     sample); see :func:`tagc.sketch.row_thresholds`.
     """
     if resolve_backend(rows, backend=backend) == "triton":
-        from tagc.kernels.radix_select import row_thresholds_triton
+        from tagc.kernels.ops import row_thresholds_triton
 
         return row_thresholds_triton(rows, density, grad=grad)
     _ref_sparsify.check_density(density)
@@ -90,7 +90,7 @@ def compress_(
     """
     chosen = resolve_backend(grad, residual, backend=backend)
     if chosen == "triton":
-        from tagc.kernels.compress import compress_triton
+        from tagc.kernels.ops import compress_triton
 
         return compress_triton(grad, residual, density, layout, bits, tau=tau)
     if chosen == "numba":
@@ -145,7 +145,7 @@ def decode(
     """
     chosen = resolve_backend(table, index, backend=backend)
     if chosen == "triton":
-        from tagc.kernels.peel import decode_triton
+        from tagc.kernels.ops import decode_triton
 
         return decode_triton(table, index, layout, bits, fallback)
     if chosen == "numba":
@@ -169,7 +169,7 @@ def decode_async(
     :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
     if resolve_backend(table, index, backend=backend) == "triton":
-        from tagc.kernels.peel import decode_async as _decode_async
+        from tagc.kernels.ops import decode_async as _decode_async
 
         return _decode_async(table, index, layout, bits, fallback)
     values, stats = decode(table, index, layout, bits, fallback, backend=backend)

@@ -7,8 +7,14 @@
   ops are registered with ``torch.library.custom_op`` instead (opaque to the compiler,
   traceable thanks to the fake implementations, and still running the same kernels).
 
-Every op has a fake (meta) implementation giving output shapes and dtypes. Importing this
-module imports triton; :mod:`tagc.kernels.dispatch` imports it only on a Triton path.
+Every op has a fake (meta) implementation giving output shapes and dtypes. Below the ops,
+the Triton path's entry points (:func:`row_thresholds_triton`, :func:`compress_triton`,
+:func:`decode_triton`, :func:`decode_async`) check arguments like the reference and call them.
+
+The kernel modules (:mod:`~tagc.kernels.radix_select`, :mod:`~tagc.kernels.compress`,
+:mod:`~tagc.kernels.peel`) are leaves: this module and :mod:`tagc.kernels.dispatch` import
+them, never the reverse. Importing this module imports triton; :mod:`tagc.kernels.dispatch`
+imports it only on a Triton path.
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ import torch
 
 from tagc.kernels._triton import interpreting
 from tagc.kernels.compress import launch_compress
-from tagc.kernels.peel import PEEL_STATS, launch_peel
+from tagc.kernels.peel import FALLBACK_CODES, PEEL_STATS, launch_peel
 from tagc.kernels.radix_select import launch_row_thresholds
-from tagc.sketch.index import index_nbytes
+from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
+from tagc.sketch.compress import check_compress_args
+from tagc.sketch.index import check_bits, index_nbytes
+from tagc.sketch.layout import SketchLayout
+from tagc.sketch.sparsify import check_density, check_finite, keep_limit, positive_threshold
 
 TRACEABLE_KERNELS = not interpreting()
 """True when the ops are ``triton_op`` (the compiler traces into the kernels)."""
@@ -111,3 +121,86 @@ def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int):
     """``torch.ops.tagc.peel``: the peeling kernel."""
     return torch.ops.tagc.peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback)
+
+
+# ---------------------------------------------------------------- the Triton path's entry points
+
+
+def row_thresholds_triton(rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.row_thresholds` (bit-identical result).
+
+    ``rows`` is ``[N, S]`` (or ``[S]``, giving ``[1]``); with ``grad`` the thresholds are of
+    ``rows + grad`` (rounded to ``rows.dtype``), which is not materialised.
+    """
+    check_density(density)
+    return row_thresholds(rows.reshape(-1, rows.shape[-1]).contiguous(), grad, float(density))
+
+
+def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int,
+                    tau: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`tagc.sketch.compress_` (same arguments, same results).
+
+    ``tau`` (``[N]`` float32 on the device) skips the threshold selection; by default it
+    is :func:`row_thresholds_triton` of ``residual + grad``, which equals the reference's
+    threshold. No host synchronisation.
+    """
+    check_compress_args(grad, residual, density)
+    check_bits(bits)
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous (it is updated in place)")
+    rows = residual.view(-1, layout.numel)
+    g = grad.reshape(rows.shape).contiguous()
+    if tau is None:
+        tau = row_thresholds(rows, g, float(density))
+    tau = tau.to(device=rows.device, dtype=torch.float32).reshape(rows.shape[0])
+    # compared as the reference does, in the residual's dtype, never below its smallest subnormal
+    tau = positive_threshold(tau, rows.dtype).to(torch.float32).contiguous()
+    t = layout.tables(rows.device)
+    return compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, bits,
+                     keep_limit(layout.numel, float(density)))
+
+
+def decode_async(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peel on the device with no host synchronisation: ``(values, stats)``.
+
+    ``stats`` is an int64 device tensor in :data:`tagc.kernels.STAT_FIELDS` order. No exact
+    solve of stopping sets: what peeling leaves gets the fallback directly (``"error"`` cannot be
+    raised without a sync, so it behaves like ``"raw"`` here, and is not counted as raw).
+    Does not check the table for NaN/Inf, nor raise on an inconsistent table and index
+    (that would sync): the latter's count is not part of ``stats``; :func:`decode_triton`
+    checks both.
+    """
+    check_decode_args(table, index, layout, bits, fallback)
+    t = layout.tables(table.device)
+    out, _state, _work, stats = peel(
+        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
+        FALLBACK_CODES[fallback],
+    )
+    return out, stats[:-1]  # DecodeStats's fields, without the inconsistent count
+
+
+def decode_triton(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, DecodeStats]:
+    """Triton twin of :func:`tagc.sketch.decode`: same arguments, results and statistics.
+
+    Peeling (and the median estimate) run in the kernel; then one host read of the stats,
+    and only if peeling left positions, the reference's exact solve of the stopping sets in
+    torch, then the fallback for what is still undetermined.
+    """
+    check_decode_args(table, index, layout, bits, fallback)
+    check_finite(table, "sketch table")
+    t = layout.tables(table.device)
+    out, state, work, dev_stats = peel(
+        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
+        FALLBACK_CODES[fallback],
+    )
+    host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
+    check_consistent(host["inconsistent"], layout)
+    stats = DecodeStats(support=host["support"], rounds=host["rounds"])
+    stuck = (state == 1).nonzero().squeeze(1) if host["unpeeled"] else torch.empty(0, dtype=torch.int64, device=out.device)
+    rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)
+    out.index_copy_(0, rest_positions, rest_values.float())
+    return out, stats

@@ -26,12 +26,12 @@ into an int64 ``stats`` tensor in :class:`~tagc.sketch.DecodeStats` field order,
 by the count of inconsistent cells (:data:`PEEL_STATS`).
 
 **The exact linear solve of stopping sets stays in torch** (the reference's
-``finish_decode``, shared with it), after the kernel, in :func:`decode_triton`: it needs the stuck
-positions on the host side of a ``nonzero``, and is rare at the planned density, so
-:func:`decode_triton` reads the stats once (one sync per decode, which the host-side
+``finish_decode``, shared with it), after the kernel, in :func:`tagc.kernels.ops.decode_triton`:
+it needs the stuck positions on the host side of a ``nonzero``, and is rare at the planned
+density, so ``decode_triton`` reads the stats once (one sync per decode, which the host-side
 ``DecodeStats`` needs anyway) and runs the solve only when peeling left something.
-:func:`decode_async` is the sync-free variant: kernel only, no exact solve, stats stay on
-the device.
+:func:`tagc.kernels.ops.decode_async` is the sync-free variant: kernel only, no exact solve,
+stats stay on the device.
 """
 
 from __future__ import annotations
@@ -42,17 +42,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, decode, finish_decode
-from tagc.sketch.layout import SketchLayout
+from tagc.config import FALLBACKS
+from tagc.sketch.codec import DecodeStats
 
 PROGRAMS = 256
 """Programs per decode (at most; one per lane for narrow lanes): ``G = L / PROGRAMS`` lanes each."""
 TILE = 1024
 """Positions per tile on the GPU; the interpreter, whose cost is per operation, takes 8192."""
-STAT_FIELDS = ("support", "peeled", "solved", "unpeeled", "estimated", "raw", "rounds")
-PEEL_STATS = STAT_FIELDS + ("inconsistent",)
-"""The kernel's stats: :data:`STAT_FIELDS`, then the non-zero cells no support position maps to."""
-FALLBACK_CODES = {"estimate": 0, "raw": 1, "error": 2}
+PEEL_STATS = (*DecodeStats().as_dict(), "inconsistent")
+"""The kernel's stats slots: :class:`~tagc.sketch.DecodeStats`'s fields in order
+(:data:`tagc.kernels.STAT_FIELDS`), then the non-zero cells no support position maps to."""
+FALLBACK_CODES = {name: code for code, name in enumerate(FALLBACKS)}
+"""The kernel's ``FALLBACK`` constant: 0 estimate, 1 raw, 2 error (:data:`tagc.config.FALLBACKS` order)."""
 
 
 @triton.jit
@@ -234,87 +235,3 @@ def launch_peel(
         LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=block_b, TILE=tile, FALLBACK=fallback,
     )
     return out, state, work, stats
-
-
-def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Peel on the device with no host synchronisation: ``(values, stats)``.
-
-    ``stats`` is an int64 device tensor in :data:`STAT_FIELDS` order. No exact solve of
-    stopping sets: what peeling leaves gets the fallback directly (``"error"`` cannot be
-    raised without a sync, so it behaves like ``"raw"`` here, and is not counted as raw).
-    Does not check the table for NaN/Inf, nor raise on an inconsistent table and index
-    (that would sync): the latter's count is not part of ``stats``; :func:`decode_triton`
-    checks both.
-    """
-    from tagc.kernels import ops
-
-    check_decode_args(table, index, layout, bits, fallback)
-    t = layout.tables(table.device)
-    out, _state, _work, stats = ops.peel(
-        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
-        FALLBACK_CODES[fallback],
-    )
-    return out, stats[: len(STAT_FIELDS)]
-
-
-def decode_triton(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, DecodeStats]:
-    """Triton twin of :func:`tagc.sketch.decode`: same arguments, results and statistics.
-
-    Peeling (and the median estimate) run in the kernel; then one host read of the stats,
-    and only if peeling left positions, the reference's exact solve of the stopping sets in
-    torch, then the fallback for what is still undetermined.
-    """
-    from tagc.kernels import ops
-    from tagc.sketch.sparsify import check_finite
-
-    check_decode_args(table, index, layout, bits, fallback)
-    check_finite(table, "sketch table")
-    t = layout.tables(table.device)
-    out, state, work, dev_stats = ops.peel(
-        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
-        FALLBACK_CODES[fallback],
-    )
-    host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
-    check_consistent(host["inconsistent"], layout)
-    stats = DecodeStats(support=host["support"], rounds=host["rounds"])
-    stuck = (state == 1).nonzero().squeeze(1) if host["unpeeled"] else torch.empty(0, dtype=torch.int64, device=out.device)
-    rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)
-    out.index_copy_(0, rest_positions, rest_values.float())
-    return out, stats
-
-
-# ----------------------------------------------------------------------------------------
-# Reference cross-check and benchmark
-# ----------------------------------------------------------------------------------------
-
-
-def check(numel: int = 4096 + 13, ratio: float = 8.0, load: float = 0.7, bits: int = 1, device: str = "cpu") -> None:
-    """Assert kernel decode and reference decode agree on a random sparse chunk."""
-    from tagc.sketch.codec import encode
-    from tagc.sketch.index import build_index
-
-    layout = SketchLayout(numel, ratio, lane=2)
-    values = torch.randn(numel, device=device)
-    values[torch.rand(numel, device=device) >= load / ratio] = 0
-    table, index = encode(values, layout), build_index(values, bits)
-    got, got_stats = decode_triton(table, index, layout, bits)
-    want, want_stats = decode(table, index, layout, bits)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert got_stats.as_dict() == want_stats.as_dict(), (got_stats, want_stats)
-
-
-def bench(numel: int, ratio: float = 10.0, load: float = 0.7, bits: int = 1, device: str = "cuda") -> dict[str, float]:
-    """Milliseconds of the sync-free kernel decode of one chunk at union ``load``."""
-    from tagc.kernels.benchutil import time_ms
-    from tagc.sketch.codec import encode
-    from tagc.sketch.index import build_index
-
-    layout = SketchLayout(numel, ratio)
-    values = torch.randn(numel, device=device)
-    values[torch.rand(numel, device=device) >= load / ratio] = 0
-    table, index = encode(values, layout), build_index(values, bits)
-    return {"ms": time_ms(lambda: decode_async(table, index, layout, bits))}

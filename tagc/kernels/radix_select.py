@@ -14,7 +14,7 @@ close. It reads ``residual + grad`` on the fly (rounded to the residual's dtype,
 ``residual.add_(grad)`` would), so the fused compress needs no extra pass to materialise
 the sum first.
 
-Layout: kernel, launcher, reference cross-check and benchmark, side by side.
+Layout: kernel and launcher; :func:`tagc.kernels.ops.row_thresholds_triton` is the entry point.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tagc.kernels.fp import round_to_dtype
-from tagc.sketch.sparsify import _GOLDEN_FRACTION, check_density, keep_limit, row_thresholds, sample_size
+from tagc.sketch.sparsify import keep_limit, sample_size, sample_stride
 
 HIGH_BINS = 1 << 15  # top 16 bits of a non-negative float32: the sign bit is always 0
 LOW_BINS = 1 << 16
@@ -91,7 +91,7 @@ def sample_plan(numel: int, density: float) -> tuple[int, int, int]:
     """``(size, stride, keep)``: the reference's sample size, golden stride and rank."""
     size = sample_size(numel, density)
     keep = keep_limit(size, density)
-    return size, int(numel * _GOLDEN_FRACTION) | 1, keep
+    return size, sample_stride(numel), keep
 
 
 def launch_row_thresholds(
@@ -121,40 +121,3 @@ def launch_row_thresholds(
     wrap(_radix_hist_kernel)[grid](residual, g, low, prefix, numel, size, stride, PASS=1, **common)
     low_bin, _ = _select_bin(low, k_low)
     return ((prefix << 16) | low_bin.to(torch.int32)).view(torch.float32)
-
-
-def row_thresholds_triton(rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Triton twin of :func:`tagc.sketch.row_thresholds` (bit-identical result).
-
-    ``rows`` is ``[N, S]`` (or ``[S]``, giving ``[1]``); with ``grad`` the thresholds are of
-    ``rows + grad`` (rounded to ``rows.dtype``), which is not materialised.
-    """
-    from tagc.kernels import ops
-
-    check_density(density)
-    return ops.row_thresholds(rows.reshape(-1, rows.shape[-1]).contiguous(), grad, float(density))
-
-
-# ----------------------------------------------------------------------------------------
-# Reference cross-check and benchmark
-# ----------------------------------------------------------------------------------------
-
-
-def check(n_rows: int = 2, numel: int = 4096 + 13, density: float = 0.05, device: str = "cpu") -> None:
-    """Assert the kernel's thresholds equal the reference's on random data."""
-    rows = torch.randn(n_rows, numel, device=device)
-    grad = torch.randn(n_rows, numel, device=device)
-    got = row_thresholds_triton(rows, density, grad=grad)
-    want = row_thresholds(rows + grad, density)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def bench(numel: int, density: float = 0.03, device: str = "cuda") -> dict[str, float]:
-    """Milliseconds of the Triton threshold vs the reference on one ``[1, numel]`` row."""
-    from tagc.kernels.benchutil import time_ms
-
-    rows = torch.randn(1, numel, device=device)
-    return {
-        "triton_ms": time_ms(lambda: row_thresholds_triton(rows, density)),
-        "torch_ms": time_ms(lambda: row_thresholds(rows, density)),
-    }
