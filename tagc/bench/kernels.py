@@ -57,7 +57,7 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
     from tagc.sketch import SketchLayout, plan_density
     from tagc.sketch import compress_ as ref_compress
     from tagc.sketch import decode as ref_decode
-    from tagc.sketch.sparsify import MIN_SAMPLE, SAMPLE_HITS
+    from tagc.sketch.sparsify import sample_size
 
     layout = SketchLayout(numel, ratio)
     density = plan_density(ratio, ranks)
@@ -80,7 +80,7 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
 
     tau = dispatch.row_thresholds(residual, density, grad=grad, **triton)
     elem_in = grad.element_size() + residual.element_size()
-    sample = min(numel, max(MIN_SAMPLE, -(-SAMPLE_HITS // density)))
+    sample = sample_size(numel, density)
     work = residual.clone()
     ms = {
         "threshold": time_ms(lambda: dispatch.row_thresholds(residual, density, grad=grad, **triton)),
