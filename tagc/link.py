@@ -1,4 +1,4 @@
-"""An emulated network link: a private network namespace with a shaped loopback (DESIGN.md §5).
+"""An emulated network link: a private network namespace with a shaped loopback (docs/design.md §10).
 
 ``with ShapedLink("1gbit", world=2) as link: procs = link.launch([argv0, argv1])`` runs the
 commands inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
