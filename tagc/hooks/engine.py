@@ -27,6 +27,7 @@ Bytes are counted once, from the codecs' wire shapes, the same for every path.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tagc.config import TAGCConfig
+from tagc.hooks import strict
 from tagc.hooks.codec_registry import make_codec, resolve_options
 from tagc.hooks.codecs import Codec, PlainCodec, Wire
 from tagc.hooks.segment import Segment
@@ -58,6 +60,16 @@ class _Part:
     numel: int
     codec: Codec
     key: str  # the codec's state key: the bucket's parameters and the part's place
+    _on_device: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def index(self, device: torch.device) -> slice | torch.Tensor:
+        """``columns`` to index a tensor on ``device``: a slice, or the column list copied there once
+        (a host index on a GPU tensor would be copied to the device at every use)."""
+        if isinstance(self.columns, slice):
+            return self.columns
+        if device not in self._on_device:
+            self._on_device[device] = self.columns.to(device)
+        return self._on_device[device]
 
 
 @dataclasses.dataclass
@@ -137,9 +149,15 @@ def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> Non
 
 
 def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
+    """A plan's column list, on the host: plans are device-free; :meth:`_Part.index` puts it on the device."""
     if not segments:
         return None
-    return torch.cat([torch.arange(s.start, s.start + s.numel) for s in segments])
+    return torch.cat([torch.arange(s.start, s.start + s.numel, device="cpu") for s in segments])
+
+
+def _on(stream) -> contextlib.AbstractContextManager:
+    """Make ``stream`` (a CUDA side stream, or ``None`` on the CPU) current for the block."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
@@ -153,7 +171,7 @@ class PendingBucket:
     """One bucket's exchange in flight; :meth:`wait` returns the output shard once it is reduced."""
 
     def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: float, group,
-                 stats: ExchangeStats, timing: UnitTiming) -> None:
+                 stats: ExchangeStats, timing: UnitTiming, stream=None) -> None:
         self.hook = hook
         self.plan = plan
         self.output = output
@@ -161,40 +179,54 @@ class PendingBucket:
         self.group = group
         self.stats = stats
         self.timing = timing
-        self.summed = torch.zeros(plan.chunk, dtype=torch.float32, device=output.device)
+        self.stream = stream
+        """The CUDA side stream this bucket's codec work runs on (``None``: the caller's stream, e.g. on the CPU)."""
+        with _on(stream):
+            self.summed = torch.zeros(plan.chunk, dtype=torch.float32, device=output.device)
         self._in_flight: collections.deque[_Flight] = collections.deque()
         self.done = False
 
     def poll(self) -> None:
         """Decode the parts whose last round has arrived, in order, without blocking (never launches)."""
-        while self._in_flight and self._in_flight[0].last and all(x.is_completed() for x in self._in_flight[0].exchanges):
-            self._decode_next()
+        with _on(self.stream):
+            while self._in_flight and self._in_flight[0].last and all(x.is_completed() for x in self._in_flight[0].exchanges):
+                self._decode_next()
 
     def advance(self) -> None:
         """Move every part with rounds left one round on: wait for its current round and launch the
         next. Called only where every rank calls it in the same order (:meth:`TAGCHook.start`,
         :meth:`wait`), never on local arrival, so the collectives of all buckets stay matched."""
-        for flight in self._in_flight:
-            if not flight.last:
-                self._next_round(flight)
+        with _on(self.stream):
+            for flight in self._in_flight:
+                if not flight.last:
+                    self._next_round(flight)
 
+    @strict.counted
     def wait(self) -> torch.Tensor:
-        """Block until every part arrived, decode, write and return the output shard."""
+        """Block until every part arrived, decode, write and return the output shard.
+
+        On CUDA the decode and the output's write run on the side stream; the caller's current
+        stream then waits for them (an event, not a host wait), so whatever the caller queues
+        next reads the finished output."""
         if self.done:
             return self.output
-        while self._in_flight:
-            while not self._in_flight[0].last:
-                self._next_round(self._in_flight[0])
-            self._decode_next()
-        self.done = True
-        self.hook._finished(self)
-        self.timing.arrived = max(self.timing.arrived, self.timing.launched)
-        self.stats.wire_s += self.timing.wire_s
-        self.timing.wire_bytes = self.stats.wire_bytes
-        self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit only)
-        _scale_into(self.output, self.summed, self.scale)
-        self.hook._record(self.stats, self.timing)
-        if self.hook.nonfinite == "raise" and self.stats.nonfinite_parts:  # no host read under "propagate"
+        with _on(self.stream):
+            while self._in_flight:
+                while not self._in_flight[0].last:
+                    self._next_round(self._in_flight[0])
+                self._decode_next()
+            self.done = True
+            self.hook._finished(self)
+            self.timing.arrived = max(self.timing.arrived, self.timing.launched)
+            self.stats.wire_s += self.timing.wire_s
+            self.timing.wire_bytes = self.stats.wire_bytes
+            self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit only)
+            _scale_into(self.output, self.summed, self.scale)
+            self.hook._record(self.stats, self.timing)
+            raise_nonfinite = self.hook.nonfinite == "raise" and bool(self.stats.nonfinite_parts)  # no host read under "propagate"
+        if self.stream is not None:
+            torch.cuda.current_stream(self.output.device).wait_stream(self.stream)
+        if raise_nonfinite:
             raise FloatingPointError(f"a gradient in TAGC bucket {self.plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return self.output
 
@@ -214,7 +246,7 @@ class PendingBucket:
     def _decode_next(self) -> None:
         flight = self._in_flight.popleft()
         received = self._receive(flight.exchanges)
-        self.summed[flight.part.columns] = self.hook._decode_part(flight.part, received, self.group, self.stats, self.timing)
+        self.summed[flight.part.index(self.summed.device)] = self.hook._decode_part(flight.part, received, self.group, self.stats, self.timing)
 
     def _next_round(self, flight: _Flight) -> None:
         received = self._receive(flight.exchanges)
@@ -285,13 +317,24 @@ class TAGCHook:
         self.total = ExchangeStats()
         self.last_units: list[UnitTiming] = []
         self._units: list[UnitTiming] = []
+        self.side_stream = True
+        """On CUDA, run the codec work on a side stream (:meth:`start`); no effect on the CPU."""
+        self._streams: dict = {}
+        self.strict_sync = strict.enabled()
+        """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
+        self.host_read_sites: collections.Counter[str] = collections.Counter()
+        self._counting_reads = False
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict:
         """``{"step": n, "last_step": {...}, "total": {...}, "units": [...]}``: bytes this rank put on
         the wire next to what a plain reduce-scatter would send, peel success, NaN/Inf parts, and
-        times (codec, wire, exposed) in all and, for the last step, per unit."""
+        times (codec, wire, exposed) in all and, for the last step, per unit.
+
+        Codecs count on the device; this is where the counts are read (a host synchronisation).
+        On CUDA the times are the host's: when work was queued and when the caller waited."""
+        self._join_streams()
         return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(),
                 "units": [unit.as_dict() for unit in self.last_units]}
 
@@ -312,6 +355,7 @@ class TAGCHook:
 
     def state_dict(self) -> dict:
         """The codec's state (this rank's residuals, keyed by rank, bucket and part) and the step counter."""
+        self._join_streams()
         rank = dist.get_rank() if dist.is_initialized() else 0
         return {"step": self.step_count, "config": repr(self.config.fingerprint()),
                 **{f"residual.rank{rank}.{key}": value for key, value in self.codec.state_dict().items()}}
@@ -319,6 +363,7 @@ class TAGCHook:
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != repr(self.config.fingerprint()):
             raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {self.config}")
+        self._join_streams()
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"residual.rank{rank}."
         self.codec.load_state_dict({name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)})
@@ -347,6 +392,7 @@ class TAGCHook:
         """Write into ``output`` (one chunk) FSDP's reduce op over ranks of ``input``'s chunk (blocking)."""
         self.start(output, input, group, op, segments, unit).wait()
 
+    @strict.counted
     def start(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
               segments: Sequence[Segment], unit: Optional[str] = None) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
@@ -354,6 +400,13 @@ class TAGCHook:
         Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
         parts move one round on. Every rank must start the same buckets in the same order (FSDP's
         backward order is the same on every rank).
+
+        On CUDA (``side_stream``) the codec work runs on a side stream of the hook's: it waits for
+        the caller's stream (where ``input`` was produced) with an event, then encodes part after
+        part and launches each part's all-to-all from the side stream, so NCCL waits only for that
+        part's encode: part ``k+1`` is encoded while part ``k`` is on the wire, and the caller's
+        stream (the next backward) runs on meanwhile. ``input`` and ``output`` are marked
+        (``record_stream``) as used on the side stream.
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
@@ -369,17 +422,46 @@ class TAGCHook:
             plan = self._plain_plan(plan.key, chunk)
         stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=(world - 1) * chunk * 4)
         timing = UnitTiming(unit or plan.key)
-        pending = PendingBucket(self, plan, output, op_scale(op, world), group, stats, timing)
+        side = self._side_stream(input)
+        if side is not None:
+            output.record_stream(side)  # written there by wait()
+        pending = PendingBucket(self, plan, output, op_scale(op, world), group, stats, timing, stream=side)
         rows = input.view(world, chunk)
-        if world == 1:
-            pending.summed.copy_(rows[0])
-        else:
-            for part in plan.parts:
-                wires = self._encode_part(part, rows[:, part.columns], group, timing)
-                pending._in_flight.append(_Flight(part, 0, self._launch(wires, group, stats, timing)))
+        with _on(side):
+            if world == 1:
+                pending.summed.copy_(rows[0])
+            else:
+                for part in plan.parts:
+                    wires = self._encode_part(part, rows[:, part.index(rows.device)], group, timing)
+                    pending._in_flight.append(_Flight(part, 0, self._launch(wires, group, stats, timing)))
         self._in_flight.append(pending)
         return pending
 
+    def _side_stream(self, input: torch.Tensor):
+        """The side stream for a bucket on ``input``'s device, made to wait for the caller's stream;
+        ``None`` off CUDA (or with ``side_stream=False``): the CPU path is unchanged."""
+        if not self.side_stream or input.device.type != "cuda":
+            return None
+        device = input.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the gradient is ready on the caller's stream
+        input.record_stream(stream)  # read there after the caller may have freed it
+        return stream
+
+    def _join_streams(self) -> None:
+        """Make the caller's current stream wait for the side streams (before reading what they wrote)."""
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _note_host_reads(self, reads: "strict.HostReads") -> None:
+        for stats in (self._current, self.total):
+            stats.host_reads += reads.count
+            stats.backend_host_reads += reads.backend
+        self.host_read_sites.update(reads.sites)
+
+    @strict.counted
     def poll(self) -> None:
         """Decode every part (of buckets in flight) whose bytes have arrived, without blocking.
 
@@ -444,6 +526,7 @@ class TAGCHook:
         plan = self._plan(tuple(segments), chunk, world)
         return world > 1 and self.dense_steps == 0 and plan.compressed and all(p.codec.traceable() for p in plan.parts)
 
+    @strict.counted
     def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
         one all-to-all per bucket, whose wait a compiler can move past later compute."""
@@ -454,10 +537,11 @@ class TAGCHook:
         self._begin_bucket(plan.key)
         timing = UnitTiming(plan.key)
         wires = [w.contiguous().view(torch.uint8) for part in plan.parts
-                 for w in self._encode_part(part, rows[:, part.columns], group, timing)]
+                 for w in self._encode_part(part, rows[:, part.index(rows.device)], group, timing)]
         self._record(ExchangeStats(compress_s=timing.compress_s), None)
         return torch.cat(wires, dim=1)
 
+    @strict.counted
     def decode_bucket(self, received: torch.Tensor, group, segments: Sequence[Segment], chunk: int,
                       dtype: torch.dtype, op=dist.ReduceOp.AVG) -> torch.Tensor:
         """Second half: every rank's row of :meth:`encode_bucket`'s bytes (row ``j`` from rank ``j``)
@@ -473,11 +557,11 @@ class TAGCHook:
             for wire in part.codec.wire(part.numel, world, dtype):
                 part_received.append(received[:, at : at + wire.row_bytes].contiguous().view(wire.dtype))
                 at += wire.row_bytes
-            summed[part.columns] = self._decode_part(part, part_received, group, stats)
+            summed[part.index(summed.device)] = self._decode_part(part, part_received, group, stats)
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
         _scale_into(output, summed, op_scale(op, world))
         self._record(stats, None)
-        if self.nonfinite == "raise" and stats.nonfinite_parts:  # no host read under "propagate"
+        if self.nonfinite == "raise" and bool(stats.nonfinite_parts):  # no host read under "propagate"
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return output
 

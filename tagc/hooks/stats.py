@@ -29,16 +29,21 @@ class ExchangeStats:
     wire_s: float = 0.0
     """Per bucket, first launch to last byte received, summed over buckets."""
     decode_s: float = 0.0
+    host_reads: int = 0
+    """Strict sync mode (``TAGC_STRICT_SYNC=1``, :mod:`tagc.hooks.strict`): host reads of tensors
+    in the exchange, each a device synchronisation on a GPU (0 otherwise: not counted)."""
+    backend_host_reads: int = 0
+    """Strict sync mode: host reads inside the CPU-only Numba back end (CPU tensors, no synchronisation)."""
 
     def add(self, other: "ExchangeStats") -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
     def as_dict(self) -> dict:
-        # a codec may count on the device (a 0-d tensor, no host sync in decode): read here
+        # a codec counts on the device (0-d tensors: no host sync in the exchange): read here, once
         out = {field.name: _number(getattr(self, field.name)) for field in dataclasses.fields(self)}
-        out["peel_success"] = self.peeled / self.support if self.support else 1.0
-        out["wire_ratio"] = self.wire_bytes / self.plain_equivalent_bytes if self.plain_equivalent_bytes else 1.0
+        out["peel_success"] = out["peeled"] / out["support"] if out["support"] else 1.0
+        out["wire_ratio"] = out["wire_bytes"] / out["plain_equivalent_bytes"] if out["plain_equivalent_bytes"] else 1.0
         return out
 
 

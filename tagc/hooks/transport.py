@@ -76,19 +76,22 @@ def gather_from_owners(
     """Each rank asks every rank for ``rows[me, wanted]``; returns the sum over ranks and the bytes sent.
 
     ``wanted`` (int64 positions in this rank's chunk) may differ in length across ranks; every
-    rank must call this (with an empty ``wanted`` if it needs nothing).
+    rank must call this (with an empty ``wanted`` if it needs nothing). Every buffer handed to a
+    collective is on ``rows``' device. Not free of host synchronisation: the sizes are read on the
+    host (the ``fallback="raw"`` re-send has data-dependent sizes).
     """
     world = rows.shape[0]
+    device = rows.device  # every buffer a collective sees lives here (NCCL takes no CPU tensor)
     with _peer_errors():
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([wanted.numel()]), group=group)
-        sizes = [int(c) for c in counts]
-        padded = torch.zeros(max(sizes), dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(counts, torch.full((1,), wanted.numel(), dtype=torch.int64, device=device), group=group)
+        sizes = torch.cat(counts).tolist()  # one host read: the sizes below are data-dependent (not sync-free)
+        padded = torch.zeros(max(sizes), dtype=torch.int64, device=device)
         padded[: wanted.numel()] = wanted
         lists = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(lists, padded, group=group)
         send = torch.cat([rows[r].index_select(0, lists[r][: sizes[r]]).float() for r in range(world)])
-        recv = torch.empty(world * wanted.numel(), dtype=torch.float32)
+        recv = torch.empty(world * wanted.numel(), dtype=torch.float32, device=device)
         dist.all_to_all_single(recv, send, output_split_sizes=[wanted.numel()] * world, input_split_sizes=sizes, group=group)
     me = dist.get_rank(group)
     sent = (sum(sizes) - sizes[me]) * 4 + (world - 1) * (8 + 8 * max(sizes))
