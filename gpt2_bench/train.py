@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 INTEGRATIONS = ("simple", "fsdp2", "fsdp1")
 COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 
 PAPER_LINK_BPS = 10 * 10**9
@@ -102,13 +103,17 @@ class TrainConfig:
     """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
     overlap: bool = True
     """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
+    device: str = "auto"
+    """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
+    for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
 
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        for field, allowed in (("integration", INTEGRATIONS), ("compression", COMPRESSIONS), ("transport", TRANSPORTS)):
+        for field, allowed in (("integration", INTEGRATIONS), ("compression", COMPRESSIONS), ("transport", TRANSPORTS),
+                               ("device", DEVICES)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
         if self.transport == "gloo" and self.compression != "none":
@@ -166,6 +171,33 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
+def resolve_device(choice: str) -> tuple[str, str]:
+    """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")``
+    (NCCL for CUDA tensors, gloo for CPU ones such as ``all_gather_object``'s) or ``("cpu", "gloo")``.
+    Raises ``RuntimeError`` for ``cuda`` without a visible CUDA device (before any process group)."""
+    import torch
+
+    if choice not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {choice!r}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return "cpu", "gloo"
+    if not torch.cuda.is_available():
+        built = f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None else (
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")
+        raise RuntimeError(f"--device cuda: no CUDA device is available: {built}. Use --device cpu (or auto).")
+    if not torch.distributed.is_nccl_available():
+        raise RuntimeError("--device cuda: this torch has no NCCL; the GPU ranks need it")
+    return "cuda", "cpu:gloo,cuda:nccl"
+
+
+def local_rank(rank: int) -> int:
+    """This rank's GPU on its node: ``LOCAL_RANK`` under torchrun (several nodes too), else the rank
+    (:func:`run` starts every rank on this machine)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     """Linear warmup, then cosine decay to ``min_lr`` at the last step."""
     if step < cfg.warmup_steps:
@@ -195,9 +227,12 @@ def fsdp1_wrap_policy(model):
     return policy
 
 
-def _shard(model, cfg: TrainConfig, world: int):
-    """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook)."""
+def _shard(model, cfg: TrainConfig, world: int, device=None):
+    """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook).
+    ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get its type."""
     import torch
+
+    device = torch.device("cpu") if device is None else torch.device(device)
 
     import tagc
 
@@ -220,7 +255,7 @@ def _shard(model, cfg: TrainConfig, world: int):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -229,7 +264,7 @@ def _shard(model, cfg: TrainConfig, world: int):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision
 
-        model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model),
+        model = FSDP(model, device_id=device, auto_wrap_policy=fsdp1_wrap_policy(model),
                      mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None)
     if hook is not None:
         tagc.register_comm_hook(model, hook)
@@ -259,17 +294,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int) -> float:
+def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int, device=None) -> float:
     import torch
     import torch.distributed as dist
 
+    device = torch.device("cpu") if device is None else device
     gen = torch.Generator().manual_seed(cfg.seed + 999)
     model.eval()
-    total = torch.zeros(1)
-    with torch.no_grad():
+    total = torch.zeros(1, device=device)
+    with torch.no_grad(), _autocast(device):
         for _ in range(cfg.eval_batches):
-            x, y = data.get_batch("val", cfg.batch_size, block_size, gen, rank=rank, world_size=world)
-            total += model(x, y)[1].detach()
+            x, y = data.get_batch("val", cfg.batch_size, block_size, gen, device=device, rank=rank, world_size=world)
+            total += model(x, y)[1].detach().float()
     model.train()
     dist.all_reduce(total)
     return float(total) / (cfg.eval_batches * world)
@@ -301,6 +337,23 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, HEAP_KEEP_BYTES)) and bool(mallopt(m_trim_threshold, 4 * HEAP_KEEP_BYTES))
 
 
+def _autocast(device):
+    """bf16 autocast on CUDA; nothing on the CPU (the CPU runs stay in fp32, as before)."""
+    import contextlib
+
+    import torch
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _sync(device) -> None:
+    """Wait for the GPU before reading the clock (step times); nothing on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timeline(start: float, backward: float, backward_end: float, end: float, units: list[dict]) -> dict:
     """One step's spans in ms from its start: forward, backward, optimizer, and per unit its wire
     and its codec / wait spans on the training thread (from :meth:`tagc.TAGCHook.stats`)."""
@@ -320,12 +373,16 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     torch.set_num_threads(cfg.threads)
     if cfg.keep_freed_memory:
         keep_freed_memory()
+    device_type, _ = resolve_device(cfg.device)
+    device = torch.device(device_type, local_rank(rank)) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
     model_cfg = GPTConfig.preset(cfg.preset, **({"block_size": cfg.block_size} if cfg.block_size else {}))
-    model = GPT(model_cfg)
+    model = GPT(model_cfg).to(device)
     n_params = model.num_params()
     grad_mb = n_params * 4 / 2**20  # the unsharded fp32 gradient, counted before sharding
-    model, hook = _shard(model, cfg, world)
+    model, hook = _shard(model, cfg, world, device)
     step_fn = _compiled(model, cfg) if cfg.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -346,20 +403,25 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     for step in range(first_step, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
+        _sync(device)
         tick = time.perf_counter()
-        x, y = data.get_batch("train", cfg.batch_size, model_cfg.block_size, gen, rank=rank, world_size=world)
-        _, loss = step_fn(x, y)
+        x, y = data.get_batch("train", cfg.batch_size, model_cfg.block_size, gen, device=device, rank=rank, world_size=world)
+        with _autocast(device):
+            _, loss = step_fn(x, y)
         if step == cfg.steps - 1:
             forward_rss_mb = _rss_mb()  # what forward left alive for backward (resharding frees gathered weights)
         if step == cfg.fault_step and rank == world - 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        _sync(device)
         forward_s = time.perf_counter() - tick
         loss.backward()
+        _sync(device)
         backward_s = time.perf_counter() - tick - forward_s
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         iter_s = time.perf_counter() - tick
         record = {"step": step, "loss": float(loss.detach()), "lr": learning_rate(cfg, step), "iter_ms": iter_s * 1e3,
                   "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
@@ -379,14 +441,14 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             if step == cfg.steps - 2:  # a steady step's timeline, for the picture
                 record["timeline"] = timeline(tick, tick + forward_s, tick + forward_s + backward_s, tick + iter_s, stats["units"])
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
-            val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size)
+            val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size, device)
             record["val_loss"] = val_loss
         if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['iter_ms']:.0f}")
-        out_of_time = cfg.max_time_s is not None and _any_rank(time.perf_counter() - start > cfg.max_time_s)
+        out_of_time = cfg.max_time_s is not None and _any_rank(time.perf_counter() - start > cfg.max_time_s, device)
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or out_of_time):
             from gpt2_bench import checkpoint
 
@@ -399,7 +461,9 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         total = hook.stats()["total"] if hook is not None else None
         log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
                               "peak_rss_mb": _peak_rss_mb(), "forward_rss_mb": forward_rss_mb, "first_step": first_step,
-                              "stopped_at": stopped_at}) + "\n")
+                              "stopped_at": stopped_at, "device": str(device),
+                              **({"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {})})
+                  + "\n")
         log.close()
     dist.barrier()
 
@@ -430,12 +494,13 @@ def _open_log(log_path: str, first_step: int):
     return open(log_path, "a")
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on some rank (a collective: every rank decides alike)."""
+def _any_rank(flag: bool, device=None) -> bool:
+    """Whether ``flag`` is true on some rank (a collective: every rank decides alike). The flag
+    travels on ``device`` (the ranks' device: NCCL takes no CPU tensor)."""
     import torch
     import torch.distributed as dist
 
-    value = torch.tensor([int(flag)])
+    value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value)
 
@@ -451,10 +516,18 @@ def _worker_main(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", args.rank))
     world = int(os.environ.get("WORLD_SIZE", cfg.world))
     timeout = timedelta(seconds=cfg.group_timeout_s)
+    try:
+        device_type, backend = resolve_device(cfg.device)
+    except RuntimeError as err:
+        raise SystemExit(f"gpt2_bench.train (rank {rank}): {err}") from None
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank(rank))  # before the group: NCCL binds each rank to its GPU
     if args.rendezvous:  # launched by run(): a file store, no port to race for
-        dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, init_method=f"file://{args.rendezvous}", rank=rank, world_size=world, timeout=timeout)
     else:  # torchrun: env://
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     try:
         worker(cfg, rank, world, args.data_dir, args.log)
     finally:
@@ -711,6 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
                   "min_compress_numel", "dense_steps"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    p.add_argument("--device", default=defaults.device, choices=DEVICES,
+                   help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; auto (default): cuda when a GPU is visible")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
                    help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)")
@@ -783,6 +858,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _worker_main(args)
         return 0
     cfg = config_from_args(args)
+    try:
+        resolve_device(cfg.device)  # a clear error here, not in every rank's traceback
+    except RuntimeError as err:
+        raise SystemExit(f"gpt2_bench.train: {err}") from None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         from gpt2_bench.data import prepare
 

@@ -10,6 +10,7 @@ BENCHMARKS = {
     "codec": "reference codec throughput on this CPU and the peeling success curve",
     "kernels": "Triton kernels against the reference",
     "exchange": "gradient exchange over an emulated link",
+    "gpu-check": "on a GPU: kernel tests on the device, a one-GPU exchange self-test, times against memcpy",
 }
 
 USAGE = "usage: python -m tagc.bench NAME [args...]   (or: tagc-bench NAME [args...])\n\nbenchmarks:\n" + "\n".join(
@@ -26,13 +27,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     name, rest = args[0], args[1:]
     if name not in BENCHMARKS:
         raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
+    module_name = name.replace("-", "_")
     try:
-        module = importlib.import_module(f"tagc.bench.{name}")
+        module = importlib.import_module(f"tagc.bench.{module_name}")
     except ModuleNotFoundError as err:
-        if err.name != f"tagc.bench.{name}":
+        if err.name != f"tagc.bench.{module_name}":
             raise
-        raise SystemExit(f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{name}.py)")
-    module.main(rest)
+        raise SystemExit(f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{module_name}.py)")
+    status = module.main(rest)
+    if isinstance(status, int) and status:
+        raise SystemExit(status)
 
 
 if __name__ == "__main__":

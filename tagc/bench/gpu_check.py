@@ -1,0 +1,212 @@
+"""``python -m tagc.bench gpu-check``: check, on a GPU, what the CPU test suite cannot show.
+
+For a user with a GPU (one is enough). Without one it says so and exits 0. With one:
+
+1. **kernel tests on the device**: ``pytest tests/test_kernels.py`` with real Triton kernels
+   (``TRITON_INTERPRET=0``) on CUDA tensors, in a source checkout (skipped when the tests are
+   not there). They assert the device contract of :mod:`tests.test_kernels`: exact index,
+   support, residual, thresholds and statistics; tables and decoded values within float32
+   rounding (atomic adds sum a sketch cell in another order than the reference: not
+   bit-identical).
+2. **one-GPU exchange self-test**:
+
+   * the codec round trip over emulated ranks: every rank's :meth:`TAGCCodec.encode` on the
+     GPU, rows exchanged as an all-to-all would, every owner's :meth:`TAGCCodec.decode`; the
+     decoded chunk has exactly the support of what the ranks sent and values within float32
+     rounding of its exact sum; a NaN rank poisons only its part and keeps its residual;
+     strict sync mode counts the host reads of the steady steps (must be 0);
+   * a one-rank NCCL group (``cpu:gloo,cuda:nccl``): the hook's start/wait (side stream), the
+     transport's all-to-all and the ``fallback="raw"`` gathers on CUDA buffers (NCCL rejects CPU
+     ones), with strict counting.
+3. **times**: the fused compress and the sync-free decode of one part against a device memcpy
+   of the same bytes (CUDA events, medians).
+
+Exit status 1 when a check fails. ``--json PATH`` writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+NO_GPU = "gpu-check: no CUDA device here ({why}); nothing to check on this machine. Run it where a GPU is visible."
+
+
+def _no_gpu_reason() -> str:
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+
+
+def run_kernel_tests(device: torch.device) -> dict:
+    """``pytest tests/test_kernels.py`` on the device (real Triton kernels)."""
+    tests = Path(__file__).resolve().parents[2] / "tests" / "test_kernels.py"
+    if not tests.exists():
+        return {"ok": None, "note": f"{tests} not found (not a source checkout): kernel tests skipped"}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+                            capture_output=True, text=True, env=env, cwd=tests.parents[1])
+    tail = (result.stdout + result.stderr).strip().splitlines()[-15:]
+    return {"ok": result.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
+
+
+def codec_round_trip(device: torch.device, ranks: int = 4, numel: int = 1 << 20, ratio: float = 10.0, steps: int = 3) -> dict:
+    """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codecs import TAGCCodec
+    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.strict import count_host_reads
+
+    config = TAGCConfig(ratio=ratio)
+    codecs = [TAGCCodec(config) for _ in range(ranks)]
+    generator = torch.Generator(device=device).manual_seed(0)
+    checks, reads = [], []
+    for step in range(steps + 1):
+        grads = [torch.randn(ranks, numel, device=device, generator=generator) for _ in range(ranks)]
+        nan_step = step == steps
+        if nan_step:
+            grads[1][2, 5] = math.nan  # rank 1's row for owner 2
+        before = [c.residuals.get("k", torch.zeros(ranks, numel, device=device)).clone() for c in codecs]
+        with count_host_reads() as counted:
+            wires = [c.encode(g, "k", None) for c, g in zip(codecs, grads)]
+            # owner o receives row o of every rank's wire tensors
+            decoded, stats = [], []
+            for owner in range(ranks):
+                received = [torch.stack([w[i][owner] for w in wires]) for i in range(len(wires[0]))]
+                s = ExchangeStats()
+                decoded.append(codecs[owner].decode(received, numel, "k", None, s))
+                stats.append(s)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step > 0:
+            reads.append(counted.count)
+        if nan_step:  # rank 1 sends NaN tables to every owner: every owner's part is NaN
+            checks.append(("a NaN rank poisons the part at every owner", all(bool(torch.isnan(d).all()) for d in decoded)))
+            checks.append(("the NaN rank keeps its residual", bool(torch.equal(codecs[1].residuals["k"], before[1]))))
+            checks.append(("nonfinite_parts counted", all(s.as_dict()["nonfinite_parts"] == 1 for s in stats)))
+            continue
+        # what each rank sent: its residual + gradient (rounded as compress adds them) less what it kept
+        sent = [((b + g) - c.residuals["k"]).double() for b, g, c in zip(before, grads, codecs)]
+        for owner in range(ranks):
+            exact = sum(s[owner] for s in sent)
+            got = decoded[owner].double()
+            rel = ((got - exact).norm() / max(exact.norm().item(), 1e-30)).item()
+            checks.append((f"step {step} owner {owner}: exact support", bool(torch.equal(got != 0, exact != 0))))
+            checks.append((f"step {step} owner {owner}: values within fp32 rounding (rel {rel:.1e})", rel <= 1e-6))
+    failed = [name for name, ok in checks if not ok]
+    return {"ok": not failed and all(r == 0 for r in reads), "host_reads_per_steady_step": reads, "failed": failed, "checks": len(checks)}
+
+
+def one_rank_group(device: torch.device) -> dict:
+    """A one-rank ``cpu:gloo,cuda:nccl`` group: the hook and the transport on CUDA buffers."""
+    import torch.distributed as dist
+
+    import tagc
+    from tagc.hooks import Segment
+    from tagc.hooks.transport import all_to_all_rows, gather_from_owners
+
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # the CPU: a smoke test of this code
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            rows = torch.randn(1, 1 << 16, device=device)
+            received = all_to_all_rows(rows, None).wait()
+            result["all_to_all"] = bool(torch.equal(received, rows))
+            values, _ = gather_from_owners(torch.tensor([1, 5], device=device), rows, None)
+            result["gather_from_owners"] = bool(torch.equal(values, rows[0, [1, 5]]))
+            os.environ["TAGC_STRICT_SYNC"] = "1"
+            hook = tagc.hook(ratio=10, min_compress_numel=1)
+            n = 1 << 20
+            for _ in range(3):
+                grad = torch.randn(n, device=device)
+                out = torch.empty(n, device=device)
+                hook.start(out, grad, None, dist.ReduceOp.AVG, [Segment("mlp.c_fc.weight", 0, n)]).wait()
+                hook.end_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result["hook_world1"] = bool(torch.equal(out, grad))
+            result["host_reads_last_step"] = hook.stats()["last_step"]["host_reads"]
+        finally:
+            os.environ.pop("TAGC_STRICT_SYNC", None)
+            dist.destroy_process_group()
+    result["ok"] = all(v for k, v in result.items() if k != "host_reads_last_step") and result.get("host_reads_last_step") == 0
+    return result
+
+
+def kernel_times(device: torch.device, sizes: list[int], ratio: float = 10.0, ranks: int = 8) -> list[dict]:
+    """Milliseconds of the fused compress and the sync-free decode of one part against a memcpy of
+    the bytes each reads (CUDA events)."""
+    from tagc.kernels import dispatch
+    from tagc.kernels.benchutil import time_ms
+    from tagc.sketch import SketchLayout, plan_density
+
+    rows = []
+    density = plan_density(ratio, ranks)
+    for numel in sizes:
+        layout = SketchLayout(numel, ratio)
+        grad = torch.randn(1, numel, device=device)
+        residual = torch.zeros(1, numel, device=device)
+        index, table = dispatch.compress_(grad, residual.clone(), density, layout, 1)
+        compress_ms = time_ms(lambda: dispatch.compress_(grad, residual, density, layout, 1))
+        decode_ms = time_ms(lambda: dispatch.decode_async(table[0], index[0], layout, 1))
+        src = torch.empty(numel * 3, device=device)  # compress reads grad and residual, writes residual
+        dst = torch.empty_like(src)
+        memcpy_ms = time_ms(lambda: dst.copy_(src))
+        rows.append({"numel": numel, "compress_ms": compress_ms, "decode_ms": decode_ms, "memcpy_3x_ms": memcpy_ms,
+                     "compress_over_memcpy": compress_ms / memcpy_ms, "decode_over_memcpy": decode_ms / memcpy_ms})
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tagc.bench gpu-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, the current one)")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py")
+    parser.add_argument("--sizes", default="1M,4M,16M", help="part sizes for the times (K/M suffixes)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_GPU.format(why=_no_gpu_reason()))
+        return 0
+    device = torch.device(args.device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    from tagc.kernels import triton_available
+
+    results: dict = {"device": torch.cuda.get_device_name(device), "capability": torch.cuda.get_device_capability(device),
+                     "torch": torch.__version__, "triton": triton_available()}
+    print(f"gpu-check on {results['device']} (sm_{''.join(map(str, results['capability']))}), torch {torch.__version__}, "
+          f"triton {'yes' if results['triton'] else 'NO: the torch reference runs, not sync-free'}")
+    if not args.skip_tests:
+        results["kernel_tests"] = run_kernel_tests(device)
+        print(f"kernel tests on the device: {results['kernel_tests'].get('summary') or results['kernel_tests'].get('note')}")
+    results["codec_round_trip"] = codec_round_trip(device)
+    print(f"codec round trip (4 emulated ranks): {'ok' if results['codec_round_trip']['ok'] else 'FAILED'} "
+          f"{results['codec_round_trip']}")
+    results["one_rank_group"] = one_rank_group(device)
+    print(f"one-rank NCCL group: {results['one_rank_group']}")
+    sizes = [int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s) for s in args.sizes.split(",")]
+    results["times"] = kernel_times(device, sizes)
+    for row in results["times"]:
+        print(f"  {row['numel']:>10,} elements: compress {row['compress_ms']:.3f} ms ({row['compress_over_memcpy']:.1f}x memcpy), "
+              f"decode {row['decode_ms']:.3f} ms ({row['decode_over_memcpy']:.1f}x); memcpy of 3x the part {row['memcpy_3x_ms']:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    failed = [name for name in ("kernel_tests", "codec_round_trip", "one_rank_group") if results.get(name, {}).get("ok") is False]
+    print("gpu-check: " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
