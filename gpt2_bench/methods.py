@@ -12,7 +12,9 @@ integration and fair overlapped transport, so only the gradient codec differs:
 * ``powersgd`` - rank-r PowerSGD with error feedback on every matrix;
 * ``topk`` - TAGC's own selection and error feedback on the non-attention layers, the kept
   values sent as a list instead of a sketch (TAGC without its sketch);
-* ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears.
+* ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
+* ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
+  (Elias-Fano), bf16 sketch cells / values, and the uncompressed columns in bf16 (``plain``).
 
 Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, since
 it serves all of them alike; the others have nothing to warm up.
@@ -35,6 +37,10 @@ METHODS: dict[str, dict] = {
     "powersgd": dict(compression="all", codec="powersgd"),
     "tagc-all": dict(compression="all", codec="tagc"),
     "tagc-non-attn": dict(compression="non-attn", codec="tagc"),
+    "tagc-lean": dict(compression="non-attn", codec="tagc", plain="bf16",
+                      codec_options={"positions": "coded", "value_dtype": "bfloat16"}),
+    "topk-lean": dict(compression="non-attn", codec="topk", plain="bf16",
+                      codec_options={"positions": "coded", "value_dtype": "bfloat16"}),
 }
 """Method name -> the :class:`TrainConfig` fields it sets."""
 
@@ -64,7 +70,7 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
     """``base`` with ``method``'s codec settings (and its own run name)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
-    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, **METHODS[method]}
+    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", **METHODS[method]}
     if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
         fields["dense_steps"] = 0
     return dataclasses.replace(base, name=method, **fields)

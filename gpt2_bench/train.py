@@ -55,6 +55,8 @@ class TrainConfig:
     :func:`tagc.hooks.codec_registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
     codec_options: dict = dataclasses.field(default_factory=dict)
     """The codec's own options, e.g. ``{"block": 128}`` for ``int4``."""
+    plain: str = "fp32"
+    """The codec of the columns not compressed (``tagc.hook(plain=...)``): fp32, bf16, fp8 or int4."""
     reduce_dtype: Optional[str] = None
     """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
@@ -131,6 +133,10 @@ class TrainConfig:
 
                 tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
             resolve_options(self.codec, self.codec_options)
+        from tagc.hooks.engine import PLAIN_CODECS
+
+        if self.plain not in PLAIN_CODECS:
+            raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)}, got {self.plain!r}")
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
@@ -161,6 +167,8 @@ class TrainConfig:
         else:
             algo = f"{self.codec}-{self.compression}"
         algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
+        if self.plain != "fp32":
+            algo += f"-plain{self.plain}"
         if self.reduce_dtype:
             algo += f"-reduce-{self.reduce_dtype}"
         if self.compression != "none" and self.dense_steps:
@@ -244,7 +252,7 @@ def _shard(model, cfg: TrainConfig, world: int, device=None):
         codec = "plain" if cfg.compression == "none" else cfg.codec
         tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
         hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
-                         codec=codec, overlap=cfg.overlap, **tagc_settings, **cfg.codec_options)
+                         codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **cfg.codec_options)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
     if cfg.integration == "simple":
         from fsdp_integration import MixedPrecisionPolicy, simple_fsdp
@@ -776,6 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the --compression columns cross the wire: tagc (default), topk, bf16, fp8, int4, sign, powersgd")
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
+    p.add_argument("--plain", default=defaults.plain, choices=("fp32", "bf16", "fp8", "int4"),
+                   help="the codec of the columns not compressed (attention, biases, norms, embeddings by default)")
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=defaults.ratio)

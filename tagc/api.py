@@ -31,6 +31,7 @@ def hook(
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
     dense_steps: int = 0,
+    plain: str = "fp32",
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -62,9 +63,16 @@ def hook(
             dense moves (e.g. every vocabulary row of the LM head) that sparsification with
             error feedback under Adam would spread over many steps. Steps are counted by
             :meth:`TAGCHook.end_step` (or a bucket seen twice).
+        plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
+            and everything during ``dense_steps``): ``"fp32"`` (as they are, default),
+            ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32
+            at the owner). ``"bf16"`` halves them at bf16 rounding.
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
-            (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``).
+            (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
+            wire of ``tagc`` and ``topk``: ``positions="coded"`` (each rank's support Elias-Fano
+            coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
+            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16).
     """
     codec_spec = spec(codec)
     given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
@@ -78,7 +86,7 @@ def hook(
         raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
     config = TAGCConfig(**config_args)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
-                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options)
+                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

@@ -128,12 +128,19 @@ CODECS = "bf16,fp8,int4,sign,topk,powersgd"
 def check_codec_rows(rows):
     """Every peer codec ran, and (one-round codecs) counted exactly the bytes its wire shapes give."""
     codec_rows = {r["method"]: r for r in rows if r["kind"] == "codec"}
-    assert set(codec_rows) == {f"codec {name}" for name in CODECS.split(",")}
+    assert set(codec_rows) == {f"codec {name}" for name in CODECS.split(",")} | {"codec topk lean"}
     for row in codec_rows.values():
         assert 0 < row["wire_bytes_per_rank"] < row["plain_fp32_bytes_per_rank"]
+        assert row["bits_per_param"] == 8 * row["wire_bytes_per_rank"] / row["numel"]
         if row["formula_wire_bytes"] is not None:
             assert row["wire_bytes_per_rank"] == row["formula_wire_bytes"], row["method"]
     assert codec_rows["codec powersgd"]["formula_wire_bytes"] is None  # several rounds: counted only
+    assert codec_rows["codec topk lean"]["bits_per_param"] < 0.55 * codec_rows["codec topk"]["bits_per_param"]
+    tagc_rows = {r["method"]: r for r in rows if r["kind"] == "tagc"}
+    lean, bitmap = tagc_rows["tagc r10 i1 pipe lean"], tagc_rows["tagc r10 i1 pipe"]
+    assert lean["wire_bytes_per_rank"] == lean["formula_wire_bytes"]  # the hook's planned wire, counted
+    assert lean["bits_per_param"] <= 1.1 < bitmap["bits_per_param"]  # the lean wire's target at N = 2
+    assert codec_rows["codec topk lean"]["bits_per_param"] <= 0.45
 
 
 def test_quick_shaped_run_is_really_shaped(tmp_path):

@@ -12,7 +12,13 @@ interleaved round by round so machine-load drift hits them alike):
 * ``fair fp32`` / ``fair bf16``: :func:`tagc.hooks.transport.plain_reduce_scatter` (all-to-all
   in <= 1 MB pieces + local sum; the (N-1)/N volume of a ring reduce-scatter),
 * ``tagc rR iB pipe|serial``: :meth:`TAGCHook.reduce_scatter` at ratio R, B-bit index, with
-  pipelining (default ``min_part``) or without (one part).
+  pipelining (default ``min_part``) or without (one part); ``... lean``: the lean wire
+  (``--wire lean``: Elias-Fano coded positions and bf16 sketch cells);
+* ``codec NAME`` (``--codecs``): a peer codec on the same engine; ``codec topk lean``: ``topk``
+  with the same lean wire (coded positions, bf16 values).
+
+``bits_per_param`` is the wire bits a rank sends per gradient element (of the whole bucket), the
+figure the lean wire is judged by (fp32 plain: ``32 (N-1)/N``).
 
 A time is the slowest rank's. ``ms_per_mb`` is per MB (10^6 bytes) of the fp32 gradient a
 rank holds (the whole bucket). Wire bytes per rank are counted (TAGC: the hook's stats;
@@ -52,7 +58,10 @@ SIZES = {
     "lmhead": [("lm_head.weight", 50257 * 768)],
 }
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20}
-REQUIRED_KEYS = ("method", "link", "ms_per_mb", "wire_bytes_per_rank", "ratio_to_fair_baseline")
+REQUIRED_KEYS = ("method", "link", "ms_per_mb", "wire_bytes_per_rank", "bits_per_param", "ratio_to_fair_baseline")
+WIRES = ("bitmap", "lean")
+LEAN_OPTIONS = {"positions": "coded", "value_dtype": "bfloat16"}
+"""The lean wire of the sparse codecs (``tagc``, ``topk``): Elias-Fano positions, bf16 values."""
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -129,30 +138,36 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
     methods.append(dict(method="fair bf16", kind="fair", dtype="bf16", run=lambda: plain_reduce_scatter(rows_bf16, None)[1],
                         wire_source="counted: all-to-all bytes sent"))
     segs = [Segment(name, start, numel) for name, start, numel in segments]
-    for ratio in args.ratios:
-        for bits in args.bits:
-            for overlap in args.overlap:
-                hook = tagc.hook(ratio=ratio, index_bits=bits, select="all", min_part=MIN_PART if overlap else max(chunk, 1))
-                inp = torch.empty_like(grad)
+    for ratio, bits, overlap, wire in ((r, b, o, w) for r in args.ratios for b in args.bits for o in args.overlap for w in args.wire):
+        if wire == "lean" and bits != 1:
+            continue  # coded positions code a set: 1-bit index only
+        lean = LEAN_OPTIONS if wire == "lean" else {}
+        hook = tagc.hook(ratio=ratio, index_bits=bits, select="all", min_part=MIN_PART if overlap else max(chunk, 1),
+                         **lean)
+        inp = torch.empty_like(grad)
 
-                def prepare(inp=inp) -> None:
-                    inp.copy_(grad)  # the hook may use its input as scratch; not timed
+        def prepare(inp=inp) -> None:
+            inp.copy_(grad)  # the hook may use its input as scratch; not timed
 
-                def run(hook=hook, inp=inp) -> int:
-                    before = hook.total.wire_bytes
-                    hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, segs)
-                    return hook.total.wire_bytes - before
+        def run(hook=hook, inp=inp) -> int:
+            before = hook.total.wire_bytes
+            hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, segs)
+            return hook.total.wire_bytes - before
 
-                methods.append(dict(
-                    method=f"tagc r{ratio:g} i{bits} {'pipe' if overlap else 'serial'}", kind="tagc", dtype="fp32",
-                    ratio=ratio, index_bits=bits, overlap=overlap, hook=hook, prepare=prepare, run=run,
-                    n_parts=len(hook._plan(tuple(segs), chunk, world).compressed_parts),
-                    formula_wire_bytes=(world - 1) / world * n * (bits + 32 / ratio) / 8,
-                    wire_source="counted: hook.stats wire_bytes",
-                ))
-    for name in args.codecs:  # the peer codecs on the same engine, every column selected
+        methods.append(dict(
+            method=f"tagc r{ratio:g} i{bits} {'pipe' if overlap else 'serial'}{' lean' if lean else ''}", kind="tagc",
+            dtype="fp32", ratio=ratio, index_bits=bits, overlap=overlap, wire=wire, hook=hook, prepare=prepare, run=run,
+            n_parts=len(hook._plan(tuple(segs), chunk, world).compressed_parts),
+            formula_wire_bytes=((world - 1) / world * n * (bits + 32 / ratio) / 8 if not lean else
+                                (world - 1) * hook.wire_row_bytes(segs, chunk, world, torch.float32)),
+            wire_source="counted: hook.stats wire_bytes",
+        ))
+    peers = [(name, {}) for name in args.codecs]
+    if "topk" in args.codecs and "lean" in args.wire:
+        peers.append(("topk", LEAN_OPTIONS))
+    for name, options in peers:  # the peer codecs on the same engine, every column selected
         shaped = [Segment(seg.name, seg.start, seg.numel, shape=_matrix_shape(seg.numel * world)) for seg in segs]
-        codec_hook = tagc.hook(codec=name, select="all")
+        codec_hook = tagc.hook(codec=name, select="all", **options)
         codec_inp = torch.empty_like(grad)
 
         def prepare_codec(inp=codec_inp) -> None:
@@ -165,7 +180,8 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
 
         single_round = codec_hook.codec.rounds == 1
         methods.append(dict(
-            method=f"codec {name}", kind="codec", dtype="fp32", hook=codec_hook, prepare=prepare_codec, run=run_codec,
+            method=f"codec {name}{' lean' if options else ''}", kind="codec", dtype="fp32", hook=codec_hook,
+            prepare=prepare_codec, run=run_codec,
             formula_wire_bytes=(world - 1) * codec_hook.wire_row_bytes(shaped, chunk, world, torch.float32) if single_round else None,
             wire_source="counted: hook.stats wire_bytes",
         ))
@@ -243,6 +259,7 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         wire_bytes_per_rank=statistics.median(m["wire"]), wire_bytes_source=m["wire_source"],
         lo_bytes_per_rank=(statistics.median(m["lo"]) / world) if m["lo"] else None,
         plain_fp32_bytes_per_rank=(world - 1) * chunk * 4,
+        bits_per_param=8 * statistics.median(m["wire"]) / n,
     )
     if m["kind"] == "codec":
         row["formula_wire_bytes"] = m["formula_wire_bytes"]
@@ -257,7 +274,7 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         dist.all_reduce(counts)
         support, peeled, unpeeled, estimated = (float(c) for c in counts)
         row.update(
-            ratio=m["ratio"], index_bits=m["index_bits"], overlap=m["overlap"], n_parts=m["n_parts"],
+            ratio=m["ratio"], index_bits=m["index_bits"], overlap=m["overlap"], wire=m["wire"], n_parts=m["n_parts"],
             compress_s=float(worst[0]), decode_s=float(worst[1]), exposed_s=float(worst[2]),
             compute_s=float(worst[0] + worst[1]), formula_wire_bytes=m["formula_wire_bytes"],
             peel_success=peeled / support if support else 1.0, unpeeled=unpeeled, estimated=estimated,
@@ -280,7 +297,8 @@ def _worker_argv(args, rank: int, port: int, out: str, link_name: str, count_lo:
             "--out", out, "--link-name", link_name, "--world", str(args.world), "--sizes", ",".join(args.sizes),
             "--ratios", ",".join(f"{r:g}" for r in args.ratios), "--bits", ",".join(map(str, args.bits)),
             "--overlap", ",".join("on" if o else "off" for o in args.overlap), "--reps", str(args.reps),
-            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout)]
+            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout),
+            "--wire", ",".join(args.wire)]
     if args.codecs:
         argv += ["--codecs", ",".join(args.codecs)]
     if count_lo:
@@ -370,7 +388,7 @@ def _fmt_bytes(b: Optional[float]) -> str:
 def table(rows: list[dict]) -> str:
     """A text table of one link's rows (all sizes)."""
     lines = []
-    header = (f"{'method':<20} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'lo/rank':>10} {'peel':>7} "
+    header = (f"{'method':<26} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'bits/param':>10} {'lo/rank':>10} {'peel':>7} "
               f"{'compress':>9} {'decode':>8} {'crossover':>10}  note")
     for size in dict.fromkeys(r["size"] for r in rows):
         sub = [r for r in rows if r["size"] == size]
@@ -389,7 +407,8 @@ def table(rows: list[dict]) -> str:
                 note = "gloo all-reduce underneath"
             x = r["ratio_to_fair_baseline"]
             lines.append(
-                f"{r['method']:<20} {r['ms_per_mb']:>8.3f} {x:>6.2f}x {_fmt_bytes(r['wire_bytes_per_rank']):>10} "
+                f"{r['method']:<26} {r['ms_per_mb']:>8.3f} {x:>6.2f}x {_fmt_bytes(r['wire_bytes_per_rank']):>10} "
+                f"{r['bits_per_param']:>10.3f} "
                 f"{_fmt_bytes(r['lo_bytes_per_rank']):>10} "
                 f"{(format(r['peel_success'], '.4f') if tagc else '-'):>7} "
                 f"{(format(r['compress_s'] * 1e3, '.0f') + ' ms' if tagc else '-'):>9} "
@@ -415,6 +434,7 @@ def summary(rows: list[dict]) -> str:
         verdict = "meets" if best["ratio_to_fair_baseline"] <= TARGET_RATIO else "misses"
         lines.append(
             f"{link:>7} {size}: best {best['method']} {best['ms_per_mb']:.3f} ms/MB = {best['ratio_to_fair_baseline']:.2f}x fair fp32"
+            + f" at {best['bits_per_param']:.2f} bits/param"
             + (f" ({best['ms_per_mb'] / bf16['ms_per_mb']:.2f}x fair bf16)" if bf16 else "")
             + f", {verdict} the {TARGET_RATIO}x target"
             + (f"; crossover (compute {cross['compute_s'] * 1e3:.0f} ms + bytes/rate vs plain bytes/rate, {cross['method']}): "
@@ -444,6 +464,12 @@ def _overlap(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"overlap must be on/off, got {text!r}")
 
 
+def _wire(text: str) -> str:
+    if text not in WIRES:
+        raise argparse.ArgumentTypeError(f"wire must be one of {WIRES}, got {text!r}")
+    return text
+
+
 def _link(text: str) -> str:
     try:
         parse_rate(text)
@@ -468,6 +494,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=_csv(float), default=None, help="TAGC ratios (default 2,5,10)")
     p.add_argument("--bits", type=_csv(int), default=None, help="index bits (default 1,4)")
     p.add_argument("--overlap", type=_csv(_overlap), default=None, help="pipelining on/off (default on,off)")
+    p.add_argument("--wire", type=_csv(_wire), default=None,
+                   help="TAGC's wire: bitmap (index + fp32 sketch), lean (coded positions + bf16 cells) (default bitmap,lean)")
     p.add_argument("--codecs", type=_csv(str), default=[],
                    help="peer codecs to run beside TAGC on the same engine, e.g. bf16,fp8,int4,sign,topk,powersgd")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 5, --quick 2)")
@@ -495,6 +523,7 @@ def _defaults(args) -> None:
     args.ratios = args.ratios or ([10.0] if quick else [2.0, 5.0, 10.0])
     args.bits = args.bits or ([1] if quick else [1, 4])
     args.overlap = args.overlap or [True, False]
+    args.wire = args.wire or ["bitmap", "lean"]
     args.reps = args.reps if args.reps is not None else (2 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else 1
     from tagc.hooks.codec_registry import codec_names

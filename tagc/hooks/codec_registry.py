@@ -43,7 +43,8 @@ def register(spec: CodecSpec) -> CodecSpec:
     return spec
 
 
-register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(config, residual_dtype), {}, True,
+register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(config, residual_dtype, **options),
+                   {"positions": "bitmap", "value_dtype": "float32"}, True,
                    "error feedback, threshold, exact index and count sketch (the paper's method)"))
 register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, False,
                    "the columns as they are, summed in float32 at the owner (a fair reduce-scatter)"))
@@ -59,7 +60,8 @@ register(CodecSpec("int4", lambda config, residual_dtype, options: quantized.Int
 register(CodecSpec("sign", lambda config, residual_dtype, options: quantized.SignCodec(residual_dtype=residual_dtype,
                                                                                        **options),
                    {"block": 1024}, False, "1 bit per element and a mean-|a| scale per block, with error feedback"))
-register(CodecSpec("topk", lambda config, residual_dtype, options: TopKCodec(config, residual_dtype), {}, True,
+register(CodecSpec("topk", lambda config, residual_dtype, options: TopKCodec(config, residual_dtype, **options),
+                   {"positions": "offsets", "value_dtype": "float32"}, True,
                    "TAGC's threshold and error feedback, kept values sent as a position/value list"))
 
 

@@ -45,15 +45,35 @@ import torch
 import torch.distributed as dist
 
 from tagc.config import TAGCConfig
+from tagc.hooks import nonfinite
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import gather_from_owners
-from tagc.kernels.dispatch import compress_, decode
+from tagc.kernels.dispatch import code_index, compress_, decode, union_index
 from tagc.sketch import SketchLayout
 from tagc.sketch.kept_list import finite  # noqa: F401  (the one finite check; the codecs import it from here)
 from tagc.sketch.index import merge_index
+from tagc.sketch.kept_list import capacity
+from tagc.sketch.positions import bitmap_blocks, coded_row_bytes, low_bits
 
 if TYPE_CHECKING:
     from tagc.hooks.segment import Segment
+
+VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""What ``value_dtype`` may be for the sparse codecs (their values or sketch cells on the wire):
+a name, or the torch dtype."""
+POSITIONS = ("bitmap", "coded")
+"""How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded (:mod:`tagc.sketch.positions`)."""
+
+
+def check_wire_options(positions: str, value_dtype, allowed: tuple[str, ...]) -> torch.dtype:
+    """Clear errors for the wire options the sparse codecs (``tagc``, ``topk``) share; the value dtype."""
+    if positions not in allowed:
+        raise ValueError(f"positions must be one of {allowed}, got {positions!r}")
+    dtype = VALUE_DTYPES.get(value_dtype) if isinstance(value_dtype, str) else value_dtype
+    if dtype not in VALUE_DTYPES.values():
+        raise ValueError(f"value_dtype must be one of {tuple(VALUE_DTYPES)} (or the torch dtype), got {value_dtype!r}")
+    return dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
@@ -140,9 +160,16 @@ class TAGCCodec(Codec):
     name = "tagc"
     compresses = True
 
-    def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "bitmap",
+                 value_dtype="float32") -> None:
+        value_dtype = check_wire_options(positions, value_dtype, POSITIONS)
+        if positions == "coded" and config.index_bits != 1:
+            raise ValueError("positions='coded' codes each rank's support (a set): use index_bits=1")
         self.config = config
         self.residual_dtype = residual_dtype
+        self.positions = positions
+        self.value_dtype = value_dtype
+        self._overflow: dict[str, torch.Tensor] = {}  # rows this rank sent empty (coded positions' capacity)
         self.residuals: dict[str, torch.Tensor] = {}
         self._accumulated: dict[str, torch.Tensor] = {}  # fallback="raw": grad + residual until decode
         self.layout = functools.lru_cache(maxsize=4096)(self._layout)  # per instance: no hook kept alive by a cache
@@ -150,9 +177,18 @@ class TAGCCodec(Codec):
     def _layout(self, numel: int) -> SketchLayout:
         return SketchLayout(numel, self.config.ratio, self.config.lane, self.config.seed)
 
+    def _capacity(self, numel: int, world: int) -> tuple[int, int]:
+        """Coded positions: ``(cap, low)``, the entries a row may keep and the code's low-part width."""
+        density = self.config.density(world)
+        return capacity(numel, density), low_bits(density)
+
     def wire(self, numel, world, dtype):
         layout = self.layout(numel)
-        return (Wire(-(-numel * self.config.index_bits // 8), torch.uint8), Wire(layout.table_numel, torch.float32))
+        if self.positions == "coded":
+            index = Wire(coded_row_bytes(numel, *self._capacity(numel, world)), torch.uint8)
+        else:
+            index = Wire(-(-numel * self.config.index_bits // 8), torch.uint8)
+        return index, Wire(layout.table_numel, self.value_dtype)
 
     def overlappable(self) -> bool:
         return self.config.fallback != "raw"  # the raw re-send is a collective: it runs where every rank runs it
@@ -163,21 +199,40 @@ class TAGCCodec(Codec):
     def encode(self, grad, key, group):
         world, numel = grad.shape
         layout = self.layout(numel)
-        if not bool(finite(grad)):  # the rank's residual stays as it was; every owner sees the NaN table
-            index_wire, table_wire = self.wire(numel, world, grad.dtype)
-            return (torch.zeros(world, index_wire.columns, dtype=torch.uint8, device=grad.device),
-                    torch.full((world, table_wire.columns), float("nan"), dtype=torch.float32, device=grad.device))
         residual = self.residuals.get(key)
         if residual is None:
             residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
+        # NaN/Inf on the device (no host read): a non-finite part keeps the residual, sends NaN (tagc.hooks.nonfinite)
+        ok, grad = nonfinite.zero_unless_finite(grad)
         if self.config.fallback == "raw":
             self._accumulated[key] = residual.to(torch.float32, copy=True).add_(grad)
-        return compress_(grad, residual, self.config.density(world), layout, self.config.index_bits)
+        coded = self.positions == "coded"
+        cap, low = self._capacity(numel, world) if coded else (None, 0)
+        index, table, overflow = nonfinite.compress_(ok, grad, residual, self.config.density(world), layout,
+                                                     self.config.index_bits, cap=cap)
+        if coded:
+            index = code_index(index, numel, cap, low)
+            self._overflow[key] = overflow
+        return index, table.to(self.value_dtype)
+
+    def _union(self, indexes: torch.Tensor, numel: int, key: str, stats: ExchangeStats) -> torch.Tensor:
+        """Every rank's support merged: the union of the coded rows, or the bitmaps' OR / sum."""
+        if self.positions == "coded":
+            stats.overflow = stats.overflow + self._overflow.pop(key, 0)  # counted by the rank that sent empty
+            stats.bitmap_blocks = stats.bitmap_blocks + bitmap_blocks(indexes, numel, self._capacity(numel, indexes.shape[0])[1])
+            return union_index(indexes.contiguous(), numel, *self._capacity(numel, indexes.shape[0]))
+        bits = self.config.index_bits
+        return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
 
     def decode(self, received, numel, key, group, stats):
         indexes, tables = received
         layout = self.layout(numel)
-        summed = tables.sum(dim=0)
+        summed = tables.sum(dim=0, dtype=torch.float32)
+        bits = self.config.index_bits
+        union = self._union(indexes, numel, key, stats)
+        if self.config.fallback == "estimate":  # no host read: flags and counts stay on the device
+            return nonfinite.decode_(summed, union, layout, bits, self.config.fallback, stats)
+        # "raw" (data-dependent re-send sizes) and "error" (raises) read on the host: not sync-free
         if not bool(finite(summed)):
             stats.nonfinite_parts += 1
             self._accumulated.pop(key, None)
@@ -186,8 +241,6 @@ class TAGCCodec(Codec):
                 gather_from_owners(torch.zeros(0, dtype=torch.int64, device=tables.device),
                                    torch.zeros(indexes.shape[0], 0, device=tables.device), group)
             return values
-        bits = self.config.index_bits
-        union = functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
         values, decoded = decode(summed, union, layout, bits, fallback=self.config.fallback)
         stats.support += int(decoded.support)
         stats.peeled += int(decoded.peeled)

@@ -52,6 +52,10 @@ entries per row), so parts much smaller than that sample pay a full selection ea
 measured 30% cheaper compression than 2^18 on GPT-2 small, with the same step time at 2^21-2^22."""
 
 NONFINITE = ("propagate", "raise")
+PLAIN_CODECS = {"fp32": "plain", "bf16": "bf16", "fp8": "fp8", "int4": "int4"}
+"""``plain=`` -> the codec of the columns the ``select`` policy leaves alone (and of a dense
+warm-up): ``"fp32"`` sends them as they are (the reduce dtype); the others are the stateless
+low-precision peers of :mod:`tagc.hooks.quantized`, summed in float32 at the owner."""
 
 
 @dataclasses.dataclass
@@ -283,7 +287,10 @@ class TAGCHook:
         codec: str = "tagc",
         overlap: bool = True,
         codec_options: Optional[dict] = None,
+        plain: str = "fp32",
     ) -> None:
+        if plain not in PLAIN_CODECS:
+            raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)} (the codec of the columns not sparsified), got {plain!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE} (see tagc.hooks.codecs), got {nonfinite!r}")
         if residual_dtype not in (torch.float32, torch.bfloat16):
@@ -306,7 +313,8 @@ class TAGCHook:
         self.overlap = overlap
         self.codec_options = resolve_options(codec, codec_options)
         self.codec = make_codec(codec, config, residual_dtype, self.codec_options)
-        self.plain = PlainCodec()
+        self.plain_name = plain
+        self.plain = make_codec(PLAIN_CODECS[plain], config) if plain != "fp32" else PlainCodec()
         self.step_count = 0
         self._seen_this_step: set[str] = set()
         self._verified: set[int] = set()
@@ -351,7 +359,8 @@ class TAGCHook:
         select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
         return {**dataclasses.asdict(self.config), "codec": self.codec.name,
                 "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
-                "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite}
+                "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite,
+                "plain": self.plain_name}
 
     def state_dict(self) -> dict:
         """The codec's state (this rank's residuals, keyed by rank, bucket and part) and the step counter."""

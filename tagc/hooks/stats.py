@@ -22,7 +22,11 @@ class ExchangeStats:
     estimated: int = 0
     raw: int = 0
     overflow: int = 0
-    """``topk``: kept entries that did not fit the fixed-size list (left in the residual, sent later)."""
+    """``topk``: kept entries that did not fit the fixed-size list; ``tagc`` with coded positions:
+    rows sent empty because they would have kept more than the wire holds. Both stay in the
+    residual and are sent later."""
+    bitmap_blocks: int = 0
+    """Coded positions: blocks dense enough to travel as their bitmap (:mod:`tagc.sketch.positions`)."""
     compress_s: float = 0.0
     exposed_s: float = 0.0
     """Time the caller blocked waiting for bytes: the exchange time not hidden behind other work."""

@@ -16,11 +16,15 @@ from __future__ import annotations
 import torch
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codecs import Codec, Wire, finite
-from tagc.kernels.dispatch import list_kept_, sum_lists
-from tagc.sketch.kept_list import capacity, position_blocks
+from tagc.hooks.codecs import Codec, Wire, check_wire_options, finite
+from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, sum_lists
+from tagc.sketch.kept_list import POSITION_BLOCK, capacity, list_positions, position_blocks
+from tagc.sketch.positions import coded_row_bytes, low_bits
 
 __all__ = ["TopKCodec", "capacity"]
+
+
+POSITIONS = ("offsets", "coded")
 
 
 class TopKCodec(Codec):
@@ -28,11 +32,17 @@ class TopKCodec(Codec):
 
     Wire per rank row of ``n`` (``nb = ceil(n / 65536)``, ``cap = capacity(n, density)``):
     ``nb + 1`` int32 (kept entries per block of 65,536 columns, then the row's overflow),
-    ``cap`` uint16 offsets within their block (sent as ``2 cap`` bytes), ``cap`` float32
-    values; entries past a row's total are padding (zeros, ignored). About
-    ``48 * density * (1 + slack) + 32 / 65536`` bits per element.
-    Bound: exact on what was kept (the owner's float32 sum of the kept values, in rank order);
-    ``sent + residual == residual_before + grad`` exactly (in ``residual_dtype``).
+    the positions, and ``cap`` values; entries past a row's total are padding (zeros, ignored).
+
+    * ``positions="offsets"``: ``cap`` uint16 offsets within their block (16 bits per entry);
+      about ``48 * density * (1 + slack)`` bits per element with float32 values.
+    * ``positions="coded"``: Elias-Fano per block of 4,096 (:mod:`tagc.sketch.positions`),
+      about ``density * (log2(1 / density) + 2)`` bits per element (7 per entry at 3.56%).
+    * ``value_dtype=torch.bfloat16``: values sent in bfloat16 and summed in float32 at the
+      owner; each value's rounding (at most 2**-9 of it) goes back into the residual, so error
+      feedback sends it later and ``sent + residual == residual_before + grad`` stays exact.
+
+    Bound: exact on what was sent (the owner's float32 sum of the sent values, in rank order).
     Overflow: a row keeping more than ``cap`` sends its first ``cap`` kept entries in index
     order and leaves the rest in the residual (error feedback sends them later); the owner
     adds the count to ``stats.overflow``.
@@ -45,33 +55,63 @@ class TopKCodec(Codec):
     name = "topk"
     compresses = True
 
-    def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "offsets",
+                 value_dtype="float32") -> None:
+        value_dtype = check_wire_options(positions, value_dtype, POSITIONS)
         self.config = config
         self.residual_dtype = residual_dtype
+        self.positions = positions
+        self.value_dtype = value_dtype
         self.residuals: dict[str, torch.Tensor] = {}
 
     def capacity(self, numel: int, world: int) -> int:
         return capacity(numel, self.config.density(world))
 
+    def _low(self, world: int) -> int:
+        return low_bits(self.config.density(world))
+
     def wire(self, numel, world, dtype):
         cap = self.capacity(numel, world)
         counts = Wire(position_blocks(numel) + 1, torch.int32)
-        return counts, Wire(2 * cap, torch.uint8), Wire(cap, torch.float32)
+        if self.positions == "coded":
+            where = Wire(coded_row_bytes(numel, cap, self._low(world)), torch.uint8)
+        else:
+            where = Wire(2 * cap, torch.uint8)
+        return counts, where, Wire(cap, self.value_dtype)
 
     def encode(self, grad, key, group):
         world, numel = grad.shape
         residual = self.residuals.get(key)
         if residual is None:
             residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
-        counts, offsets, values = list_kept_(grad, residual, self.config.density(world), self.capacity(numel, world))
-        return counts, offsets.view(torch.uint8), values
+        cap = self.capacity(numel, world)
+        counts, offsets, values = list_kept_(grad, residual, self.config.density(world), cap)
+        if self.value_dtype != torch.float32 or self.positions == "coded":
+            positions, listed = list_positions(counts, offsets, numel)
+        if self.value_dtype != torch.float32:
+            sent = values.to(self.value_dtype)
+            rounding = torch.where(listed, values - sent.float(), 0.0)  # exact in float32
+            residual.scatter_add_(1, positions.clamp(max=numel - 1), rounding.to(residual.dtype))
+            values = sent
+        if self.positions == "coded":
+            where = encode_positions(positions, listed.sum(dim=1), numel, cap, self._low(world))
+        else:
+            where = offsets.view(torch.uint8)
+        return counts, where, values
 
     def decode(self, received, numel, key, group, stats):
-        counts, offsets, values = received
+        counts, where, values = received
+        world, cap = values.shape
+        values = values.float()
         ok = finite(values)  # padding is 0, so any NaN/Inf is a rank's poisoned part
         stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
         stats.overflow = stats.overflow + counts[:, -1].sum(dtype=torch.int64)
-        summed = sum_lists(counts, offsets.contiguous().view(torch.uint16), values, numel)
+        if self.positions == "coded":
+            positions, _ = decode_positions(where.contiguous(), numel, cap, self._low(world))
+            offsets = (positions & (POSITION_BLOCK - 1)).to(torch.uint16)
+        else:
+            offsets = where.contiguous().view(torch.uint16)
+        summed = sum_lists(counts, offsets, values, numel)
         return torch.where(ok, summed, torch.nan)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

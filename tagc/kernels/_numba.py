@@ -242,3 +242,172 @@ def sum_lists(counts, offsets, values, block_bits, out):
                 if p < numel:
                     out[p] += values[n, k]
                 k += 1
+
+
+# ---------------------------------------------------------------- coded positions (tagc.sketch.positions)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_bit(body, k):
+    body[k >> 3] |= np.uint8(1 << (k & 7))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _block_code_bits(m, low, block):
+    """A block's coded size (Elias-Fano, or its bitmap when that is smaller) and whether it is the bitmap."""
+    elias_fano = m * (low + 1) + (block >> low)
+    if elias_fano > block:
+        return block, True
+    return elias_fano, False
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _write_header(out, r, counts):
+    for b in range(counts.size):
+        out[r, 2 * b] = counts[b] & 0xFF
+        out[r, 2 * b + 1] = (counts[b] >> 8) & 0xFF
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _code_block(body, at, local, m, low, block):
+    """Write one block's ``m`` sorted local positions at bit ``at`` of ``body``; returns its size."""
+    size, bitmap = _block_code_bits(m, low, block)
+    if bitmap:
+        for j in range(m):
+            _set_bit(body, at + local[j])
+        return size
+    high = at + m * low
+    for j in range(m):
+        p = local[j]
+        for t in range(low):
+            if (p >> t) & 1:
+                _set_bit(body, at + j * low + t)
+        _set_bit(body, high + (p >> low) + j)
+    return size
+
+
+@njit(cache=True, nogil=True)
+def code_positions(positions, count, blocks, low, block_bits, out):
+    """Rows' sorted position lists (the first ``count[r]`` of ``positions[r]``) -> coded rows:
+    ``blocks`` uint16 counts, then the blocks' codes. ``out`` is zeroed; entries that would
+    not fit in the row are dropped (callers keep the count within the capacity)."""
+    block = 1 << block_bits
+    counts = np.zeros(blocks, dtype=np.int64)
+    local = np.empty(block, dtype=np.int64)
+    body_bits = (out.shape[1] - 2 * blocks) * 8
+    for r in range(positions.shape[0]):
+        counts[:] = 0
+        n = min(count[r], positions.shape[1])
+        for i in range(n):
+            counts[positions[r, i] >> block_bits] += 1
+        _write_header(out, r, counts)
+        body = out[r, 2 * blocks:]
+        at = 0
+        i = 0
+        for b in range(blocks):
+            m = counts[b]
+            size, _ = _block_code_bits(m, low, block)
+            if at + size > body_bits:
+                break
+            for j in range(m):
+                local[j] = positions[r, i + j] & (block - 1)
+            at += _code_block(body, at, local, m, low, block)
+            i += m
+
+
+@njit(cache=True, nogil=True)
+def code_bitmap(index, numel, blocks, low, block_bits, out):
+    """Rows' packed bitmaps (1 bit per position) -> coded rows, as :func:`code_positions`."""
+    block = 1 << block_bits
+    counts = np.zeros(blocks, dtype=np.int64)
+    local = np.empty(block, dtype=np.int64)
+    body_bits = (out.shape[1] - 2 * blocks) * 8
+    for r in range(index.shape[0]):
+        counts[:] = 0
+        for byte in range(index.shape[1]):
+            v = np.int64(index[r, byte])
+            if v:
+                c = 0
+                while v:
+                    v &= v - 1
+                    c += 1
+                counts[(byte * 8) >> block_bits] += c
+        _write_header(out, r, counts)
+        body = out[r, 2 * blocks:]
+        at = 0
+        for b in range(blocks):
+            m = counts[b]
+            size, _ = _block_code_bits(m, low, block)
+            if at + size > body_bits:
+                break
+            j = 0
+            for byte in range((b * block) >> 3, min(((b + 1) * block) >> 3, index.shape[1])):
+                v = np.int64(index[r, byte])
+                while v:
+                    bit = 0
+                    while not (v >> bit) & 1:
+                        bit += 1
+                    local[j] = ((byte * 8) & (block - 1)) + bit
+                    j += 1
+                    v &= v - 1
+            at += _code_block(body, at, local, m, low, block)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _decode_row(code, r, blocks, low, block_bits, numel, out):
+    """Row ``r``'s positions into ``out`` (at most its size); returns the header's count."""
+    block = 1 << block_bits
+    cap = out.size
+    body_bits = (code.shape[1] - 2 * blocks) * 8
+    total = 0
+    at = 0
+    for b in range(blocks):
+        m = np.int64(code[r, 2 * b]) | (np.int64(code[r, 2 * b + 1]) << 8)
+        size, bitmap = _block_code_bits(m, low, block)
+        base = b * block
+        if bitmap:
+            found = 0
+            k = 0
+            while found < m and k < block and at + k < body_bits:
+                if (code[r, 2 * blocks + ((at + k) >> 3)] >> ((at + k) & 7)) & 1:
+                    if total + found < cap:
+                        out[total + found] = base + k
+                    found += 1
+                k += 1
+        else:
+            high = at + m * low
+            j = 0
+            k = high
+            while j < m and k < body_bits:
+                if (code[r, 2 * blocks + (k >> 3)] >> (k & 7)) & 1:
+                    p = 0
+                    for t in range(low):
+                        q = at + j * low + t
+                        p |= ((code[r, 2 * blocks + (q >> 3)] >> (q & 7)) & 1) << t
+                    if total + j < cap:
+                        out[total + j] = base + (((k - high - j) << low) | p)
+                    j += 1
+                k += 1
+        total += m
+        at += size
+    return total
+
+
+@njit(cache=True, nogil=True)
+def decode_positions(code, blocks, low, block_bits, numel, positions, count):
+    """Coded rows -> sorted positions ``[R, cap]`` (``numel`` past the count) and the counts."""
+    for r in range(code.shape[0]):
+        positions[r, :] = numel
+        count[r] = _decode_row(code, r, blocks, low, block_bits, numel, positions[r])
+
+
+@njit(cache=True, nogil=True)
+def union_bitmap(code, blocks, low, block_bits, numel, cap, index):
+    """Coded rows -> the packed bitmap of the union of their positions (the owner's merge)."""
+    scratch = np.empty(cap, dtype=np.int64)
+    for r in range(code.shape[0]):
+        total = min(_decode_row(code, r, blocks, low, block_bits, numel, scratch), cap)
+        for i in range(total):
+            p = scratch[i]
+            if p < numel:
+                index[p >> 3] |= np.uint8(1 << (p & 7))

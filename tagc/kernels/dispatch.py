@@ -23,6 +23,7 @@ from tagc.kernels._triton import require_triton, triton_available
 from tagc.sketch import codec as _ref_codec
 from tagc.sketch import compress as _ref_compress
 from tagc.sketch import kept_list as _ref_kept_list
+from tagc.sketch import positions as _ref_positions
 from tagc.sketch import sparsify as _ref_sparsify
 from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
@@ -126,6 +127,40 @@ def sum_lists(
     if resolve_backend(counts, offsets, values, backend=backend) == "numba":
         return _cpu.sum_lists_cpu(counts, offsets, values, numel)
     return _ref_kept_list.sum_lists(counts, offsets, values, numel)
+
+
+
+def encode_positions(
+    positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
+) -> torch.Tensor:
+    """Rows' sorted position lists -> Elias-Fano coded rows; see :func:`tagc.sketch.positions.encode_positions`.
+    On CUDA the reference runs (vectorised, no host reads)."""
+    if resolve_backend(positions, backend=backend) == "numba":
+        return _cpu.code_positions_cpu(positions, count, numel, cap, low)
+    return _ref_positions.encode_positions(positions, count, numel, cap, low)
+
+
+def decode_positions(
+    code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coded rows -> ``(positions [R, cap], count [R])``; see :func:`tagc.sketch.positions.decode_positions`."""
+    if resolve_backend(code, backend=backend) == "numba":
+        return _cpu.decode_positions_cpu(code, numel, cap, low)
+    return _ref_positions.decode_positions(code, numel, cap, low)
+
+
+def code_index(index: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Rows of a 1-bit index -> coded rows; see :func:`tagc.sketch.positions.code_index`."""
+    if resolve_backend(index, backend=backend) == "numba":
+        return _cpu.code_index_cpu(index, numel, cap, low)
+    return _ref_positions.code_index(index, numel, cap, low)
+
+
+def union_index(code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Coded rows -> the 1-bit index of their union; see :func:`tagc.sketch.positions.union_index`."""
+    if resolve_backend(code, backend=backend) == "numba":
+        return _cpu.union_index_cpu(code, numel, cap, low)
+    return _ref_positions.union_index(code, numel, cap, low)
 
 
 def decode(

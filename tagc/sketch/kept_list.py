@@ -139,15 +139,21 @@ def sum_lists(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor,
     Rows are added in rank order (one ``index_add_`` each; positions within a row are
     distinct), so the sum is deterministic and the same on every back end.
     """
+    world = offsets.shape[0]
+    positions, valid = list_positions(counts, offsets, numel)  # padding lands in slot numel, dropped
+    values = torch.where(valid, values, 0.0)
+    summed = torch.zeros(numel + 1, dtype=torch.float32, device=values.device)
+    for row in range(world):
+        summed.index_add_(0, positions[row], values[row])
+    return summed[:numel]
+
+
+def list_positions(counts: torch.Tensor, offsets: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The listed entries' positions, int64 ``[N, cap]`` (``numel`` for padding), and which are listed (bool)."""
     world, cap = offsets.shape
     ends = counts[:, :-1].to(torch.int64).cumsum(dim=1)  # [N, nb]
     entry = torch.arange(cap, device=offsets.device).expand(world, cap).contiguous()
     block = torch.searchsorted(ends, entry, right=True)
     positions = block * POSITION_BLOCK + offsets.to(torch.int64)
     valid = (entry < ends[:, -1:]) & (positions < numel)
-    positions = torch.where(valid, positions, numel)  # padding lands in a slot that is dropped
-    values = torch.where(valid, values, 0.0)
-    summed = torch.zeros(numel + 1, dtype=torch.float32, device=values.device)
-    for row in range(world):
-        summed.index_add_(0, positions[row], values[row])
-    return summed[:numel]
+    return torch.where(valid, positions, numel), valid
