@@ -293,7 +293,13 @@ HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "resume", "max_time_s", "g
 
 
 def _same_math(recorded: dict, wanted: dict) -> bool:
-    """Whether two runs' settings give the same losses (they may differ in :data:`HOW_NOT_WHAT`)."""
+    """Whether two runs' settings give the same losses (they may differ in :data:`HOW_NOT_WHAT`).
+
+    A setting the recorded run does not list was added to :class:`TrainConfig` after it ran:
+    it ran with what is now that setting's default (a new setting's default keeps the old behaviour).
+    """
+    defaults = json.loads(TrainConfig().to_json())
+    recorded = {**{k: defaults[k] for k in wanted if k not in recorded and k in defaults}, **recorded}
     strip = lambda settings: {k: v for k, v in settings.items() if k not in HOW_NOT_WHAT}  # noqa: E731
     return strip(recorded) == strip(wanted)
 

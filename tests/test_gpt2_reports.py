@@ -150,6 +150,18 @@ def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypa
     assert [cfg.lr for cfg in trained] == [1e-3]
 
 
+def test_a_setting_added_after_a_run_counts_as_its_default():
+    """A quality run recorded before a TrainConfig field existed matches runs at that field's default only."""
+    import json
+
+    wanted = json.loads(compare.TrainConfig().to_json())
+    recorded = {k: v for k, v in wanted.items() if k != "plain"}
+    assert compare._same_math(recorded, wanted)
+    assert not compare._same_math(recorded, {**wanted, "plain": "bf16"})
+    assert not compare._same_math({**recorded, "lr": 1.0}, wanted)
+    assert compare._same_math({**recorded, "resume": True}, wanted)  # how, not what
+
+
 def test_losses_can_come_from_another_compares_rows(tmp_path):
     import json
 

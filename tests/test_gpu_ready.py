@@ -128,8 +128,9 @@ def collectives_seen(rank, world, settings_list):
 
 
 SMALL = dict(ratio=10, min_compress_numel=1000)
+LEAN = dict(positions="coded", value_dtype="bfloat16", plain="bf16")
 SETTINGS = [dict(SMALL, min_part=1 << 14), dict(SMALL, fallback="raw", min_part=1 << 14), dict(SMALL, codec="topk"),
-            dict(codec="bf16", select="all"), dict(codec="plain", select="all")]
+            dict(codec="bf16", select="all"), dict(codec="plain", select="all"), dict(SMALL, min_part=1 << 14, **LEAN)]
 
 
 def test_every_collective_tensor_is_on_the_gradients_device():
@@ -163,8 +164,11 @@ def strict_steps(rank, world, settings, steps, nan_step):
     return per_step, dict(hook.host_read_sites)
 
 
+
 @pytest.mark.parametrize("settings", [dict(codec="plain", select="all"), dict(SMALL, min_part=1 << 14),
-                                      dict(SMALL, codec="topk")], ids=["plain", "tagc", "topk"])
+                                      dict(SMALL, codec="topk"), dict(SMALL, min_part=1 << 14, **LEAN),
+                                      dict(SMALL, codec="topk", **LEAN)],
+                         ids=["plain", "tagc", "topk", "tagc-lean", "topk-lean"])
 def test_strict_sync_steady_exchange_reads_nothing_on_the_host(settings):
     steps, nan_step = 4, 3
     for per_step, sites in run_ranks(strict_steps, 2, settings, steps, nan_step):
