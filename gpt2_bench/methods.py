@@ -14,7 +14,9 @@ integration and fair overlapped transport, so only the gradient codec differs:
   values sent as a list instead of a sketch (TAGC without its sketch);
 * ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
-  (Elias-Fano), bf16 sketch cells / values, and the uncompressed columns in bf16 (``plain``).
+  (Elias-Fano), bf16 sketch cells / values, and the uncompressed columns in bf16 (``plain``);
+  ``powersgd-lean`` - the same bf16 trick where it applies to PowerSGD (P, Q and the
+  shape-less columns in bf16, as DDP's ``bf16_compress_wrapper``).
 
 Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, since
 it serves all of them alike; the others have nothing to warm up.
@@ -41,6 +43,7 @@ METHODS: dict[str, dict] = {
                       codec_options={"positions": "coded", "value_dtype": "bfloat16"}),
     "topk-lean": dict(compression="non-attn", codec="topk", plain="bf16",
                       codec_options={"positions": "coded", "value_dtype": "bfloat16"}),
+    "powersgd-lean": dict(compression="all", codec="powersgd", plain="bf16", codec_options={"value_dtype": "bfloat16"}),
 }
 """Method name -> the :class:`TrainConfig` fields it sets."""
 

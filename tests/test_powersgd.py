@@ -85,14 +85,7 @@ def matrix_residuals(hook) -> dict[str, torch.Tensor]:
 
 def _low_rank(rank, world):
     """Each rank's matrices lie in one shared rank-RANK span, so the sum does too."""
-    shared = torch.Generator().manual_seed(0)
-    mine = torch.Generator().manual_seed(100 + rank)
-    grads = random_grads(10 + rank)
-    for name in ("a.weight", "b.weight"):
-        m, n = SHAPES[name]
-        u, v = torch.randn(m, RANK, generator=shared), torch.randn(n, RANK, generator=shared)
-        grads[name] = u @ torch.randn(RANK, RANK, generator=mine) @ v.T
-    packed = pack(grads, world)
+    packed = pack(_low_rank_grads(rank), world)
     everyone = [torch.empty_like(packed) for _ in range(world)]
     dist.all_gather(everyone, packed)
     expected = sum(p[rank] for p in everyone) / world
@@ -191,6 +184,37 @@ def test_wire_bytes_follow_the_formula(world):
     for total in run_ranks(_bytes, world):
         assert total["wire_bytes"] == formula
         assert total["plain_equivalent_bytes"] == (world - 1) * layout(world)[1] * 4
+
+
+def _bf16(rank, world):
+    """The low-rank case and the bytes, with P, Q and the shape-less columns in bf16."""
+    bf16 = powersgd_hook(value_dtype="bfloat16")
+    packed = pack(_low_rank_grads(rank), world)
+    approx = exchange(bf16, packed, world)
+    return approx, exchange(powersgd_hook(), packed, world), bf16.stats()["total"]
+
+
+def _low_rank_grads(rank):
+    shared, mine = torch.Generator().manual_seed(0), torch.Generator().manual_seed(100 + rank)
+    grads = random_grads(10 + rank)
+    for name in ("a.weight", "b.weight"):
+        m, n = SHAPES[name]
+        u, v = torch.randn(m, RANK, generator=shared), torch.randn(n, RANK, generator=shared)
+        grads[name] = u @ torch.randn(RANK, RANK, generator=mine) @ v.T
+    return grads
+
+
+def test_bf16_values_halve_the_wire_and_keep_the_approximation_to_bf16_rounding():
+    world = 2
+    p = sum(SHAPES[name][0] * RANK for name in ("a.weight", "b.weight"))
+    q = sum(SHAPES[name][1] * RANK for name in ("a.weight", "b.weight"))
+    rows = lambda name: -(-SHAPES[name][0] // world)  # noqa: E731
+    formula = (world - 1) * (2 * 2 * -(-p // world) + 2 * 2 * -(-q // world) + 2 * rows("a.bias")
+                             + 4 * rows("skip.weight") * SHAPES["skip.weight"][1])  # skip.weight: not selected, fp32
+    for approx, fp32, total in run_ranks(_bf16, world):
+        assert total["wire_bytes"] == formula
+        scale = fp32.abs().max().item()
+        assert (approx - fp32).abs().max().item() <= 2**-6 * scale and not torch.equal(approx, fp32)
 
 
 def _nonfinite(rank, world):

@@ -48,8 +48,9 @@ register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(con
                    "error feedback, threshold, exact index and count sketch (the paper's method)"))
 register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, False,
                    "the columns as they are, summed in float32 at the owner (a fair reduce-scatter)"))
-register(CodecSpec("powersgd", lambda config, residual_dtype, options: PowerSGDCodec(options["rank"], options["warm_start"], residual_dtype),
-                   {"rank": DEFAULT_RANK, "warm_start": True}, False, "rank-r PowerSGD of each weight matrix, error feedback, warm start (4 rounds)"))
+register(CodecSpec("powersgd", lambda config, residual_dtype, options: PowerSGDCodec(options["rank"], options["warm_start"], residual_dtype,
+                                                                                   options["value_dtype"]),
+                   {"rank": DEFAULT_RANK, "warm_start": True, "value_dtype": "float32"}, False, "rank-r PowerSGD of each weight matrix, error feedback, warm start (4 rounds)"))
 register(CodecSpec("bf16", lambda config, residual_dtype, options: quantized.BF16Codec(), {}, False,
                    "values cast to bfloat16, summed in float32 at the owner"))
 register(CodecSpec("fp8", lambda config, residual_dtype, options: quantized.FP8Codec(**options), {"block": 128}, False,

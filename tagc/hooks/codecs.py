@@ -65,14 +65,19 @@ POSITIONS = ("bitmap", "coded")
 """How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded (:mod:`tagc.sketch.positions`)."""
 
 
-def check_wire_options(positions: str, value_dtype, allowed: tuple[str, ...]) -> torch.dtype:
-    """Clear errors for the wire options the sparse codecs (``tagc``, ``topk``) share; the value dtype."""
-    if positions not in allowed:
-        raise ValueError(f"positions must be one of {allowed}, got {positions!r}")
+def resolve_value_dtype(value_dtype) -> torch.dtype:
+    """``value_dtype`` (a name of :data:`VALUE_DTYPES` or the torch dtype) as a torch dtype, or a clear error."""
     dtype = VALUE_DTYPES.get(value_dtype) if isinstance(value_dtype, str) else value_dtype
     if dtype not in VALUE_DTYPES.values():
         raise ValueError(f"value_dtype must be one of {tuple(VALUE_DTYPES)} (or the torch dtype), got {value_dtype!r}")
     return dtype
+
+
+def check_wire_options(positions: str, value_dtype, allowed: tuple[str, ...]) -> torch.dtype:
+    """Clear errors for the wire options the sparse codecs (``tagc``, ``topk``) share; the value dtype."""
+    if positions not in allowed:
+        raise ValueError(f"positions must be one of {allowed}, got {positions!r}")
+    return resolve_value_dtype(value_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,10 @@ rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments without a known 
 (biases, FSDP1's multi-parameter units) ride plain in round 0.
 
 Bytes this rank sends per bucket: ``(N-1) * (8 ceil(sum m r / N) + 8 ceil(sum n r / N)
-+ plain columns * reduce itemsize)``.
++ plain columns * reduce itemsize)``. ``value_dtype="bfloat16"`` halves all three (as DDP's
+``bf16_compress_wrapper`` around its PowerSGD hook): P, Q and the plain columns travel in bf16 and
+are summed in float32; the summed slices go back in bf16, so every rank still orthonormalises
+the same values, and error feedback absorbs the rounding.
 
 NaN/Inf: the approximation of a matrix whose summed ``Q`` is not finite reaches every owner as
 NaN (as a plain reduce-scatter would); its residual and ``Q`` stay as they were on every rank.
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.codecs import Codec, finite
+from tagc.hooks.codecs import Codec, finite, resolve_value_dtype
 from tagc.hooks.stats import ExchangeStats
 
 if TYPE_CHECKING:
@@ -129,11 +132,12 @@ class PowerSGDCodec(Codec):
     whole_segments = True
 
     def __init__(self, rank: int = DEFAULT_RANK, warm_start: bool = True,
-                 residual_dtype: torch.dtype = torch.float32) -> None:
+                 residual_dtype: torch.dtype = torch.float32, value_dtype="float32") -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
         if not isinstance(warm_start, bool):
             raise ValueError(f"powersgd warm_start must be True or False, got {warm_start!r}")
+        self.value_dtype = resolve_value_dtype(value_dtype)
         self.rank = rank
         self.warm_start = warm_start
         self.residual_dtype = residual_dtype
@@ -185,7 +189,8 @@ class PowerSGDCodec(Codec):
         self._steps[key] = _Step(ms, qs)
         plain = [grad[:, start : start + numel] for start, numel in layout.plain]
         plain_wire = torch.cat(plain, dim=1) if plain else grad.new_zeros(grad.shape[0], 0)
-        return _owner_rows(_flat([m @ q for m, q in zip(ms, qs)], grad.device), layout.world), plain_wire
+        p_wire = _owner_rows(_flat([m @ q for m, q in zip(ms, qs)], grad.device), layout.world)
+        return p_wire.to(self.value_dtype), plain_wire.to(self._plain_dtype(grad.dtype))
 
     def next_round(self, round, received, key, group):
         """Rounds 1 and 3 finish an all-reduce (sum this rank's slice, send it to all); round 2
@@ -193,17 +198,17 @@ class PowerSGDCodec(Codec):
         layout, step = self._layouts[key], self._steps[key]
         if round == 1:
             step.plain = received[1].sum(dim=0, dtype=torch.float32)
-        if round in (1, 3):
-            return (received[0].sum(dim=0).expand(layout.world, -1),)
-        summed = received[0].reshape(-1)[: sum(layout.p_sizes)]
+        if round in (1, 3):  # every rank receives the same summed values (in the wire dtype)
+            return (received[0].sum(dim=0, dtype=torch.float32).to(self.value_dtype).expand(layout.world, -1),)
+        summed = received[0].reshape(-1)[: sum(layout.p_sizes)].float()
         step.ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed.split(layout.p_sizes), layout.matrices)]
-        return (_owner_rows(_flat([m.T @ p for m, p in zip(step.ms, step.ps)], summed.device), layout.world),)
+        return (_owner_rows(_flat([m.T @ p for m, p in zip(step.ms, step.ps)], summed.device), layout.world).to(self.value_dtype),)
 
     def decode(self, received, numel, key, group, stats: ExchangeStats):
         """The summed approximation's columns of this rank (and the plain ones); new residuals and ``Q``."""
         layout, step = self._layouts[key], self._steps.pop(key)
         me = dist.get_rank(group)
-        summed = received[0].reshape(-1)[: sum(layout.q_sizes)]
+        summed = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
         values = torch.zeros(numel, dtype=torch.float32, device=received[0].device)
         for mat, m, q_used, p, q in zip(layout.matrices, step.ms, step.qs, step.ps, summed.split(layout.q_sizes)):
             name = f"{key}/{mat.name}"
@@ -224,6 +229,10 @@ class PowerSGDCodec(Codec):
             values[start : start + count] = step.plain[at : at + count]
             at += count
         return values
+
+    def _plain_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
+        """The shape-less columns ride in the reduce dtype, or in bf16 with ``value_dtype="bfloat16"``."""
+        return reduce_dtype if self.value_dtype == torch.float32 else self.value_dtype
 
     def _q(self, name: str, mat: _Matrix, device: torch.device) -> torch.Tensor:
         """The warm-start ``Q``, or a draw from a seed that depends only on the name (and the draw)."""
