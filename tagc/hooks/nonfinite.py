@@ -71,8 +71,8 @@ def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, dens
     tau = torch.where(ok, thresholds(residual, grad, density, layout.numel), math.inf)
     overflow = torch.zeros((), dtype=torch.int64, device=grad.device)
     if cap is not None:
-        tau, overflow = cap_thresholds(residual.reshape(-1, layout.numel), grad.reshape(-1, layout.numel), tau,
-                                       _sparsify.keep_limit(layout.numel, density), cap)
+        above, ties = dispatch.kept_counts(residual.reshape(-1, layout.numel), grad.reshape(-1, layout.numel), tau)
+        tau, overflow = cap_thresholds(above, ties, tau, _sparsify.keep_limit(layout.numel, density), cap)
     index, table = dispatch.compress_(grad, residual, density, layout, bits, tau=tau)
     return index, torch.where(ok, table, math.nan), overflow
 

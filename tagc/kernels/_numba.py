@@ -411,3 +411,21 @@ def union_bitmap(code, blocks, low, block_bits, numel, cap, index):
             p = scratch[i]
             if p < numel:
                 index[p >> 3] |= np.uint8(1 << (p & 7))
+
+
+@njit(cache=True, nogil=True)
+def kept_counts(residual, grad, tau, above, ties):
+    """Per row, ``|residual + grad|`` above ``tau`` and equal to it (read only: the compress adds later)."""
+    for n in range(residual.shape[0]):
+        t = tau[n]
+        a_count = 0
+        t_count = 0
+        for p in range(residual.shape[1]):
+            a = abs(residual[n, p] + grad[n, p])
+            if a >= t:
+                if a > t:
+                    a_count += 1
+                else:
+                    t_count += 1
+        above[n] = a_count
+        ties[n] = t_count

@@ -199,3 +199,13 @@ def union_index_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> torch
     index = torch.zeros(index_nbytes(numel, 1), dtype=torch.uint8)
     _kernels().union_bitmap(code.contiguous().numpy(), code_blocks(numel), low, BLOCK_BITS, numel, cap, index.numpy())
     return index
+
+
+def kept_counts_cpu(residual: torch.Tensor, grad: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.positions.kept_counts` in one pass (float32 residual; same counts)."""
+    rows = residual.shape[0]
+    level = positive_threshold(tau, torch.float32).reshape(rows).contiguous()
+    above = torch.zeros(rows, dtype=torch.int64)
+    ties = torch.zeros(rows, dtype=torch.int64)
+    _kernels().kept_counts(residual.numpy(), grad.to(torch.float32).numpy(), level.numpy(), above.numpy(), ties.numpy())
+    return above, ties

@@ -130,6 +130,16 @@ def sum_lists(
 
 
 
+def kept_counts(
+    residual: torch.Tensor, grad: torch.Tensor, tau: torch.Tensor, *, backend: Optional[str] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, entries of ``residual + grad`` above ``tau`` and tied with it; see
+    :func:`tagc.sketch.positions.kept_counts` (one fused pass on a CPU)."""
+    if resolve_backend(residual, grad, backend=backend) == "numba" and residual.dtype == torch.float32:
+        return _cpu.kept_counts_cpu(residual, grad, tau)
+    return _ref_positions.kept_counts(residual, grad, tau)
+
+
 def encode_positions(
     positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
 ) -> torch.Tensor:
