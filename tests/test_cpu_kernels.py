@@ -293,3 +293,16 @@ def test_summed_lists_equal_reference_bit_for_bit(numel):
     corrupt = counts.clone()
     corrupt[:, 0] += cap  # more entries claimed than the list holds: both stop at the capacity
     assert torch.equal(cpu.sum_lists_cpu(corrupt, offsets, values, numel), sum_lists(corrupt, offsets, values, numel))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba", None])
+def test_dispatch_row_thresholds_on_the_cpu_is_the_references(backend):
+    """The CPU entry of dispatch.row_thresholds (it once resolved the re-exported function, not the module)."""
+    from tagc.sketch.sparsify import row_thresholds
+
+    gen = torch.Generator().manual_seed(2)
+    rows, grad = torch.randn(2, 50_000, generator=gen), torch.randn(2, 50_000, generator=gen)
+    assert torch.equal(dispatch.row_thresholds(rows, 0.05, backend=backend), row_thresholds(rows, 0.05))
+    assert torch.equal(dispatch.row_thresholds(rows, 0.05, grad=grad, backend=backend), row_thresholds(rows, 0.05, grad=grad))
+    with pytest.raises(ValueError, match="density"):
+        dispatch.row_thresholds(rows, 1.5, backend=backend)
