@@ -249,11 +249,10 @@ its unit's ``reduce_scatter``."""
 
 def register_comm_hook(model: nn.Module, hook: CommHook) -> nn.Module:
     """The reduce-scatter hook point: route every unit's gradient reduce-scatter through
-    ``hook(unit)`` (:data:`CommHook`; TAGC installs itself here through
-    ``tagc.register_comm_hook(model, tagc.hook(...))``)."""
+    ``hook(unit)`` (:data:`CommHook`; a TAGC hook is one: ``model.register_comm_hook(tagc.hook(...))``)."""
     if not callable(hook):
-        raise TypeError(f"a SimpleFSDP comm hook is a callable unit -> (reduce_scatter, start), got "
-                        f"{type(hook).__name__}; for TAGC: tagc.register_comm_hook(model, tagc.hook(...))")
+        raise TypeError(f"a SimpleFSDP comm hook is a callable unit -> (reduce_scatter, start) (e.g. tagc.hook(...)), "
+                        f"got {type(hook).__name__}")
     for unit in units(model):
         unit.bucket.reduce_scatter, unit.bucket.reduce_scatter_start = hook(unit)
     return model

@@ -39,3 +39,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 60.0) -> 
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(world, out_dir, fn, args, timeout_s), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def eager_and_traced_step(eager, traced, grad: torch.Tensor, segments, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of two hooks on one bucket: ``eager`` through ``reduce_scatter``, ``traced`` through
+    the compiled path's halves (``encode_bucket``, one all-to-all, ``decode_bucket``). Both end the step."""
+    out = torch.empty(chunk)
+    eager.reduce_scatter(out, grad.clone(), None, dist.ReduceOp.AVG, segments)
+    wire = traced.encode_bucket(grad.clone(), None, segments)
+    received = torch.empty_like(wire)
+    dist.all_to_all_single(received, wire)
+    decoded = traced.decode_bucket(received, None, segments, chunk, torch.float32)
+    eager.end_step()
+    traced.end_step()
+    return out, decoded

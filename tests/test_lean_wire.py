@@ -14,7 +14,7 @@ from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.engine import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.index import index_to_mask
-from tests.distributed import run_ranks
+from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "bucket/part"
 LEAN = {"positions": "coded", "value_dtype": torch.bfloat16}
@@ -190,15 +190,9 @@ def eager_and_traced(rank, world, name, plain):
     grads = [torch.randn(world * CHUNK, generator=gen) for _ in range(2)]
     outs = {"eager": [], "traced": []}
     for grad in grads:
-        out = torch.empty(CHUNK)
-        eager.reduce_scatter(out, grad.clone(), None, dist.ReduceOp.AVG, SEGMENTS)
+        out, decoded = eager_and_traced_step(eager, traced, grad, SEGMENTS, CHUNK)
         outs["eager"].append(out)
-        wire = traced.encode_bucket(grad.clone(), None, SEGMENTS)
-        received = torch.empty_like(wire)
-        dist.all_to_all_single(received, wire)
-        outs["traced"].append(traced.decode_bucket(received, None, SEGMENTS, CHUNK, torch.float32))
-        eager.end_step()
-        traced.end_step()
+        outs["traced"].append(decoded)
     everyone = [torch.empty_like(grads[0]) for _ in range(world)]
     dist.all_gather(everyone, grads[0])
     exact = sum(g.view(world, CHUNK)[rank] for g in everyone) / world

@@ -17,7 +17,7 @@ from tagc.hooks import quantized, topk
 from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.sparsify import keep_limit, keep_mask, row_thresholds
-from tests.distributed import run_ranks
+from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "w#1/part0"
 QUANTIZERS = ("bf16", "fp8", "int4", "int4-stochastic")
@@ -371,9 +371,9 @@ def eager_and_traced(rank, world, name):
     outs = {"eager": [], "traced": [], "resumed": []}
     saved = None
     for step, grad in enumerate(grads):
-        out = torch.empty(CHUNK)
-        eager.reduce_scatter(out, grad.clone(), None, dist.ReduceOp.AVG, SEGMENTS)
+        out, decoded = eager_and_traced_step(eager, traced, grad, SEGMENTS, CHUNK)
         outs["eager"].append(out)
+        outs["traced"].append(decoded)
         if step == 0:
             sent = grad.view(world, CHUNK)[:, : CHUNK - 100].clone()
             for residuals in eager.residuals.values():  # sign, topk: what was sent is what did not stay behind
@@ -384,12 +384,6 @@ def eager_and_traced(rank, world, name):
             out = torch.empty(CHUNK)
             resumed.reduce_scatter(out, grad.clone(), None, dist.ReduceOp.AVG, SEGMENTS)
             outs["resumed"].append(out)
-        wire = traced.encode_bucket(grad.clone(), None, SEGMENTS)
-        received = torch.empty_like(wire)
-        dist.all_to_all_single(received, wire)
-        outs["traced"].append(traced.decode_bucket(received, None, SEGMENTS, CHUNK, torch.float32))
-        eager.end_step()
-        traced.end_step()
     everyone = [torch.empty_like(g) for g in grads for _ in range(world)]
     dist.all_gather(everyone[:world], grads[0])
     dist.all_gather(everyone[world:], grads[1])

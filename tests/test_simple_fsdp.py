@@ -336,8 +336,9 @@ def test_prefetching_overlaps_gathers_and_changes_nothing():
 
 
 def _generic_hook_point(rank, world):
-    """Any ``unit -> (reduce_scatter, start)`` goes in through ``model.register_comm_hook``; TAGC's
-    registry entries go with the reduce-scatter that holds them (a hook over it, or the model)."""
+    """Any ``unit -> (reduce_scatter, start)`` goes in through ``model.register_comm_hook``, a TAGC
+    hook too (the one line); TAGC's registry entries go with the reduce-scatter that holds them
+    (a hook over it, or the model)."""
     import gc
 
     from tagc.hooks.simple import _registry
@@ -358,7 +359,7 @@ def _generic_hook_point(rank, world):
     before = len(_registry)
     tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))
     installed = len(_registry) - before
-    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))  # over the first: its entries go
+    model.register_comm_hook(tagc.hook(min_compress_numel=1024))  # the one line; over the first: its entries go
     gc.collect()
     replaced = len(_registry) - before
     del model

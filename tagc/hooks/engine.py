@@ -263,7 +263,7 @@ class TAGCHook:
     """One comm hook: settings, the codecs (and their error-feedback state), statistics.
 
     Build it with :func:`tagc.hook`; install it with :func:`tagc.register_comm_hook` (FSDP2,
-    FSDP1) or ``model.register_comm_hook`` (SimpleFSDP).
+    FSDP1) or ``model.register_comm_hook(hook)`` (SimpleFSDP).
 
     Memory: the residual of a compressed bucket has the bucket's *unsharded* size (every
     rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
@@ -334,6 +334,14 @@ class TAGCHook:
         self._counting_reads = False
 
     # ------------------------------------------------------------------ public
+
+    def __call__(self, unit):
+        """SimpleFSDP's comm-hook protocol, ``hook(unit) -> (reduce_scatter, start)``, so that
+        ``model.register_comm_hook(tagc.hook(...))`` is the one line on a SimpleFSDP model
+        (:func:`tagc.hooks.simple.bind`; ``tagc.register_comm_hook(model, hook)`` does the same)."""
+        from tagc.hooks.simple import bind
+
+        return bind(self, unit)
 
     def stats(self) -> dict:
         """``{"step": n, "last_step": {...}, "total": {...}, "units": [...]}``: bytes this rank put on

@@ -37,14 +37,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from tagc.hooks.engine import TAGCHook
 from tagc.hooks.segment import Segment
+
+if TYPE_CHECKING:
+    from tagc.hooks.engine import TAGCHook
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,7 +130,7 @@ def bind(hook: TAGCHook, unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
     ``unit`` is a SimpleFSDP unit: its ``name``, ``owner_modules`` (one module per parameter)
     and ``bucket`` (``entries`` with ``fqn``/``start``/``numel``/``shape``, ``group``, ``chunk``,
     ``world``). The returned ``reduce_scatter`` carries its registry ``handle``."""
-    if not isinstance(hook, TAGCHook):
+    if not hasattr(hook, "encode_bucket"):  # duck-typed: the engine calls bind itself (no import cycle)
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
     segments = tuple(

@@ -286,71 +286,58 @@ def _code_block(body, at, local, m, low, block):
     return size
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _code_row(out, r, positions, n, blocks, low, block_bits, counts, local):
+    """Row ``r`` of ``out``: the header of per-block counts, then the blocks' codes of the sorted
+    ``positions[:n]``; a block that would not fit in the row ends it (callers keep within the capacity)."""
+    block = 1 << block_bits
+    body_bits = (out.shape[1] - 2 * blocks) * 8
+    counts[:] = 0
+    for i in range(n):
+        counts[positions[i] >> block_bits] += 1
+    _write_header(out, r, counts)
+    body = out[r, 2 * blocks:]
+    at = 0
+    i = 0
+    for b in range(blocks):
+        m = counts[b]
+        size, _ = _block_code_bits(m, low, block)
+        if at + size > body_bits:
+            break
+        for j in range(m):
+            local[j] = positions[i + j] & (block - 1)
+        at += _code_block(body, at, local, m, low, block)
+        i += m
+
+
 @njit(cache=True, nogil=True)
 def code_positions(positions, count, blocks, low, block_bits, out):
-    """Rows' sorted position lists (the first ``count[r]`` of ``positions[r]``) -> coded rows:
-    ``blocks`` uint16 counts, then the blocks' codes. ``out`` is zeroed; entries that would
-    not fit in the row are dropped (callers keep the count within the capacity)."""
-    block = 1 << block_bits
+    """Rows' sorted position lists (the first ``count[r]`` of ``positions[r]``) -> coded rows
+    (``out`` zeroed)."""
     counts = np.zeros(blocks, dtype=np.int64)
-    local = np.empty(block, dtype=np.int64)
-    body_bits = (out.shape[1] - 2 * blocks) * 8
+    local = np.empty(1 << block_bits, dtype=np.int64)
     for r in range(positions.shape[0]):
-        counts[:] = 0
-        n = min(count[r], positions.shape[1])
-        for i in range(n):
-            counts[positions[r, i] >> block_bits] += 1
-        _write_header(out, r, counts)
-        body = out[r, 2 * blocks:]
-        at = 0
-        i = 0
-        for b in range(blocks):
-            m = counts[b]
-            size, _ = _block_code_bits(m, low, block)
-            if at + size > body_bits:
-                break
-            for j in range(m):
-                local[j] = positions[r, i + j] & (block - 1)
-            at += _code_block(body, at, local, m, low, block)
-            i += m
+        _code_row(out, r, positions[r], min(count[r], positions.shape[1]), blocks, low, block_bits, counts, local)
 
 
 @njit(cache=True, nogil=True)
 def code_bitmap(index, numel, blocks, low, block_bits, out):
     """Rows' packed bitmaps (1 bit per position) -> coded rows, as :func:`code_positions`."""
-    block = 1 << block_bits
     counts = np.zeros(blocks, dtype=np.int64)
-    local = np.empty(block, dtype=np.int64)
-    body_bits = (out.shape[1] - 2 * blocks) * 8
+    local = np.empty(1 << block_bits, dtype=np.int64)
+    positions = np.empty(index.shape[1] * 8, dtype=np.int64)
     for r in range(index.shape[0]):
-        counts[:] = 0
+        n = 0
         for byte in range(index.shape[1]):
             v = np.int64(index[r, byte])
-            if v:
-                c = 0
-                while v:
-                    v &= v - 1
-                    c += 1
-                counts[(byte * 8) >> block_bits] += c
-        _write_header(out, r, counts)
-        body = out[r, 2 * blocks:]
-        at = 0
-        for b in range(blocks):
-            m = counts[b]
-            size, _ = _block_code_bits(m, low, block)
-            if at + size > body_bits:
-                break
-            j = 0
-            for byte in range((b * block) >> 3, min(((b + 1) * block) >> 3, index.shape[1])):
-                v = np.int64(index[r, byte])
-                while v:
-                    bit = 0
-                    while not (v >> bit) & 1:
-                        bit += 1
-                    local[j] = ((byte * 8) & (block - 1)) + bit
-                    j += 1
-                    v &= v - 1
-            at += _code_block(body, at, local, m, low, block)
+            while v:
+                bit = 0
+                while not (v >> bit) & 1:
+                    bit += 1
+                positions[n] = byte * 8 + bit
+                n += 1
+                v &= v - 1
+        _code_row(out, r, positions, n, blocks, low, block_bits, counts, local)
 
 
 @njit(cache=True, nogil=True, inline="always")
