@@ -1,4 +1,4 @@
-"""Gradient exchange over an emulated link: plain reduce-scatter against TAGC (DESIGN.md §5).
+"""Gradient exchange over an emulated link: plain reduce-scatter against TAGC (docs/design.md §10).
 
 ``python -m tagc.bench exchange --link 10gbit,1gbit,100mbit [--world 2] [--sizes mlp,lmhead]
 [--json PATH] [--quick]``

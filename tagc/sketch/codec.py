@@ -1,4 +1,4 @@
-"""Count-sketch encode and peeling decode (DESIGN.md §2 items 5 and 8), plain PyTorch.
+"""Count-sketch encode and peeling decode (docs/design.md §3.5-3.8), plain PyTorch.
 
 ``encode`` is linear, so the sum over ranks of their tables is the table of the summed
 gradient. ``decode`` recovers the summed chunk from that table and the union support:
@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from tagc.config import FALLBACKS
 from tagc.sketch.index import check_index, index_positions
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_finite, check_sketch_dtype
@@ -26,7 +27,6 @@ EXACT_SOLVE_LIMIT = 256
 """Stopping sets with more positions than this are left to the fallback (a dense solve of
 that size is slower than re-sending them; above the peeling threshold they are huge)."""
 
-FALLBACKS = ("estimate", "raw", "error")
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 """``u`` of the precision contract (:func:`decode`)."""

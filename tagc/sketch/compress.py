@@ -1,4 +1,4 @@
-"""The whole per-step compression of a bucket in one pass (DESIGN.md §2 items 1-5).
+"""The whole per-step compression of a bucket in one pass (docs/design.md §3.2-3.5).
 
 A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
 chunk: add the gradient into the error-feedback residual, threshold it, take the selected

@@ -1,4 +1,4 @@
-"""Dynamic magnitude threshold and sparsification (DESIGN.md §2 items 2-3).
+"""Dynamic magnitude threshold and sparsification (docs/design.md §3.3).
 
 **The selection rule** (every back end: this reference, the Numba and the Triton kernels).
 A row (chunk) ``a`` of ``numel`` entries with threshold ``tau`` (:func:`row_thresholds`,
