@@ -112,6 +112,43 @@ def test_tagc_bf16_cells_keep_the_support_and_stay_within_the_stated_bound():
         assert ((out - want).norm() / want.norm()).item() < 0.01
 
 
+def test_tagc_scaled_float16_cells_are_far_closer_than_bf16():
+    """float16 cells with a power-of-two scale per 1024: 11 significant bits instead of 8."""
+    world, numel = 2, 200_000
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(world, numel, generator=gen) * torch.exp(2 * torch.randn(world, numel, generator=gen))
+             for _ in range(world)]
+    errors = {}
+    for dtype in ("bfloat16", "float16"):
+        outputs, sent, _, _ = exchange("tagc", {"value_dtype": dtype}, [g.clone() for g in grads])
+        out, want = outputs[0][0], sent[0][0]
+        assert torch.equal(out != 0, want != 0)
+        errors[dtype] = ((out - want).norm() / want.norm()).item()
+    assert errors["float16"] < errors["bfloat16"] / 8 and errors["float16"] < 1e-3, errors
+
+
+@pytest.mark.parametrize("columns", [1, 1023, 1024, 5000])
+def test_scaled_float16_round_trip_within_its_rounding(columns):
+    from tagc.hooks.codecs import SCALE_BLOCK, pack_values, unpack_values, value_wires
+
+    gen = torch.Generator().manual_seed(columns)
+    values = torch.randn(3, columns, generator=gen) * torch.exp(8 * torch.randn(3, columns, generator=gen))
+    values[1] = 0.0  # an all-zero row
+    values[2, 0] = 1e30  # beyond float16's range before scaling
+    if columns > 3:
+        values[2, 1], values[2, 2] = 3e-30, -7.5  # tiny next to huge in one block
+    wires = pack_values(values, torch.float16)
+    assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype) for w in value_wires(columns, torch.float16)]
+    back = unpack_values(wires)
+    blocks = torch.nn.functional.pad(values.abs(), (0, -columns % SCALE_BLOCK)).view(3, -1, SCALE_BLOCK).amax(dim=2)
+    bound = torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2**-11  # half an ulp of 11 bits, at the block's top
+    assert ((back - values).abs() <= torch.maximum(values.abs() * 2**-11, bound * 2**-13)).all()
+    assert torch.equal(back[1], torch.zeros(columns)) and back[2, 0].item() == pytest.approx(1e30, rel=2**-11)
+    poisoned = values.clone()
+    poisoned[0, 0] = float("nan")
+    assert unpack_values(pack_values(poisoned, torch.float16))[0, 0].isnan()
+
+
 def test_tagc_row_over_the_coded_capacity_sends_nothing_and_keeps_it_all(monkeypatch):
     """A row whose kept count exceeds the coded wire's capacity keeps nothing this step (exactly)."""
     from tagc.hooks.codecs import TAGCCodec
@@ -160,8 +197,8 @@ def test_bad_lean_settings_are_clear_errors():
         tagc.hook(positions="elias")
     with pytest.raises(ValueError, match=r"positions must be one of \('offsets', 'coded'\)"):
         tagc.hook(codec="topk", positions="bitmap")
-    with pytest.raises(ValueError, match=r"value_dtype must be one of \(.float32., .bfloat16.\)"):
-        tagc.hook(value_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"value_dtype must be one of \(.float32., .bfloat16., .float16.\)"):
+        tagc.hook(value_dtype=torch.float64)
     with pytest.raises(ValueError, match="use index_bits=1"):
         tagc.hook(index_bits=4, positions="coded")
     with pytest.raises(ValueError, match=r"plain must be one of \('fp32', 'bf16', 'fp8', 'int4'\)"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codecs import Codec, Wire, check_wire_options, finite
+from tagc.hooks.codecs import Codec, Wire, check_wire_options, finite, pack_values, unpack_values, value_wires
 from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, sum_lists
 from tagc.sketch.kept_list import POSITION_BLOCK, capacity, list_positions, position_blocks
 from tagc.sketch.positions import coded_row_bytes, low_bits
@@ -38,9 +38,10 @@ class TopKCodec(Codec):
       about ``48 * density * (1 + slack)`` bits per element with float32 values.
     * ``positions="coded"``: Elias-Fano per block of 4,096 (:mod:`tagc.sketch.positions`),
       about ``density * (log2(1 / density) + 2)`` bits per element (7 per entry at 3.56%).
-    * ``value_dtype=torch.bfloat16``: values sent in bfloat16 and summed in float32 at the
-      owner; each value's rounding (at most 2**-9 of it) goes back into the residual, so error
-      feedback sends it later and ``sent + residual == residual_before + grad`` stays exact.
+    * ``value_dtype="bfloat16"`` (or ``"float16"``, scaled per 1,024 values): values sent in 16
+      bits and summed in float32 at the owner; each value's rounding (at most 2**-9 of it in
+      bf16) goes back into the residual, so error feedback sends it later and
+      ``sent + residual == residual_before + grad`` stays exact.
 
     Bound: exact on what was sent (the owner's float32 sum of the sent values, in rank order).
     Overflow: a row keeping more than ``cap`` sends its first ``cap`` kept entries in index
@@ -77,7 +78,7 @@ class TopKCodec(Codec):
             where = Wire(coded_row_bytes(numel, cap, self._low(world)), torch.uint8)
         else:
             where = Wire(2 * cap, torch.uint8)
-        return counts, where, Wire(cap, self.value_dtype)
+        return (counts, where, *value_wires(cap, self.value_dtype))
 
     def encode(self, grad, key, group):
         world, numel = grad.shape
@@ -88,21 +89,20 @@ class TopKCodec(Codec):
         counts, offsets, values = list_kept_(grad, residual, self.config.density(world), cap)
         if self.value_dtype != torch.float32 or self.positions == "coded":
             positions, listed = list_positions(counts, offsets, numel)
+        wires = pack_values(values, self.value_dtype)
         if self.value_dtype != torch.float32:
-            sent = values.to(self.value_dtype)
-            rounding = torch.where(listed, values - sent.float(), 0.0)  # exact in float32
+            rounding = torch.where(listed, values - unpack_values(wires), 0.0)  # exact in float32
             residual.scatter_add_(1, positions.clamp(max=numel - 1), rounding.to(residual.dtype))
-            values = sent
         if self.positions == "coded":
             where = encode_positions(positions, listed.sum(dim=1), numel, cap, self._low(world))
         else:
             where = offsets.view(torch.uint8)
-        return counts, where, values
+        return (counts, where, *wires)
 
     def decode(self, received, numel, key, group, stats):
-        counts, where, values = received
+        counts, where, *wires = received
+        values = unpack_values(wires)
         world, cap = values.shape
-        values = values.float()
         ok = finite(values)  # padding is 0, so any NaN/Inf is a rank's poisoned part
         stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
         stats.overflow = stats.overflow + counts[:, -1].sum(dtype=torch.int64)
