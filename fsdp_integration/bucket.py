@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -218,6 +218,18 @@ class Bucket:
 def _versions(shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """In-place updates (the optimizer's) bump these: a prefetch of older values is stale."""
     return tuple(s._version for s in shards)
+
+
+class GatheredUnit(Protocol):
+    """What the prefetcher and the re-gather hooks need of a unit (:class:`fsdp_integration.simple_fsdp.Unit`),
+    so that they do not import the module that builds units."""
+
+    bucket: Bucket
+    reshard: bool
+    bound: Optional[tuple[torch.Tensor, ...]]
+    prefetcher: Any
+
+    def local_shards(self) -> list[torch.Tensor]: ...
 
 
 class _GatherBucket(torch.autograd.Function):

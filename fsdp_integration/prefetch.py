@@ -19,12 +19,11 @@ models do not prefetch here: Inductor reorders their collectives itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from fsdp_integration.simple_fsdp import Unit
+from fsdp_integration.bucket import GatheredUnit
 
 
 class Prefetcher:
@@ -32,11 +31,11 @@ class Prefetcher:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.order: list["Unit"] = []
+        self.order: list[GatheredUnit] = []
         self._position: dict[int, int] = {}
         self.recorded = False
 
-    def forward_started(self, unit: "Unit") -> None:
+    def forward_started(self, unit: GatheredUnit) -> None:
         """``unit`` gathered its parameters for forward: record it, or prefetch its successor."""
         if not self.recorded:
             if id(unit) not in self._position:
@@ -47,7 +46,7 @@ class Prefetcher:
         if following is not None:
             following.bucket.prefetch(following.local_shards())
 
-    def forward_finished(self, unit: "Unit") -> None:
+    def forward_finished(self, unit: GatheredUnit) -> None:
         """The outermost unit (the root) returned: the order is complete; with autograd on,
         start re-gathering the unit backward needs first (the last one that reshards)."""
         if not self.order or unit is not self.order[0]:
@@ -58,7 +57,7 @@ class Prefetcher:
             if last is not None and last.bucket.regathered is None:
                 last.bucket.prefetch(last.local_shards())
 
-    def backward_started(self, unit: "Unit") -> None:
+    def backward_started(self, unit: GatheredUnit) -> None:
         """``unit`` re-gathered its parameters for backward: prefetch the next one backward needs."""
         if not self.recorded:
             return
@@ -66,7 +65,7 @@ class Prefetcher:
         if preceding is not None and preceding.reshard and preceding.bucket.regathered is None:
             preceding.bucket.prefetch(preceding.local_shards())
 
-    def _neighbour(self, unit: "Unit", offset: int) -> Optional["Unit"]:
+    def _neighbour(self, unit: GatheredUnit, offset: int) -> Optional[GatheredUnit]:
         if not self.enabled or id(unit) not in self._position:
             return None
         index = self._position[id(unit)] + offset

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-if TYPE_CHECKING:
-    from fsdp_integration.simple_fsdp import Unit
+from fsdp_integration.bucket import GatheredUnit
 
 GATHER_TAG = "simple_fsdp_gather"
 """``node.meta["custom"]`` key of the nodes of a unit's forward all-gather (value: reshard?)."""
@@ -30,7 +28,7 @@ GATHER_TAG = "simple_fsdp_gather"
 
 @dataclasses.dataclass(frozen=True)
 class _Regather:
-    unit: "Unit"
+    unit: GatheredUnit
     index: int
     size: torch.Size
     stride: tuple[int, ...]
@@ -38,7 +36,7 @@ class _Regather:
 
 
 @contextlib.contextmanager
-def regather_saved_params(unit: "Unit"):
+def regather_saved_params(unit: GatheredUnit):
     """Eager resharding for the duration of ``unit``'s forward (see the module docstring)."""
     storages = {full.untyped_storage().data_ptr(): i for i, full in enumerate(unit.bound)}
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,15 +45,12 @@ import torch.distributed._functional_collectives as funcol
 
 from tagc.hooks.segment import Segment
 
-if TYPE_CHECKING:
-    from tagc.hooks.engine import TAGCHook
-
 
 @dataclasses.dataclass(eq=False)
 class _Binding:
     """What the custom ops reach through a handle: one unit's hook, group and segments."""
 
-    hook: TAGCHook
+    hook: "tagc.hooks.engine.TAGCHook"  # named, not imported: the engine imports this module (TAGCHook.__call__)
     group: dist.ProcessGroup
     segments: tuple[Segment, ...]
     unit: str
@@ -123,7 +120,7 @@ def _traced(packed: torch.Tensor, handle: int, group, world: int) -> torch.Tenso
     return decode(received, handle, packed.numel() // world, packed.dtype)
 
 
-def bind(hook: TAGCHook, unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
                                          Optional[Callable[[torch.Tensor], Callable[[], torch.Tensor]]]]:
     """SimpleFSDP's comm hook for ``unit`` through ``hook``: ``(reduce_scatter, start)``.
 
