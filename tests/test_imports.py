@@ -1,8 +1,9 @@
 """The project's import graph: one-way dependencies (docs/design.md, "Package layout").
 
 Every import statement of every module in ``tagc``, ``fsdp_integration`` and ``gpt2_bench`` is
-read with ``ast``, the ones inside functions included (only ``if TYPE_CHECKING:`` blocks,
-which never run, are left out), and resolved to the project module it loads.
+read with ``ast``, the ones inside functions and ``if TYPE_CHECKING:`` blocks included (a
+type-only cycle is still two modules that cannot be read apart), and resolved to the project
+module it loads.
 """
 
 from __future__ import annotations
@@ -31,20 +32,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom under ``tree``, at any depth, but for ``if TYPE_CHECKING:`` bodies."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            yield from (n for child in node.orelse for n in _import_nodes(ast.Module(body=[child], type_ignores=[])))
-            continue
-        yield from _import_nodes(node)
+    """Every Import / ImportFrom under ``tree``, at any depth."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _imported_names(module: str, path: Path) -> set[str]:
