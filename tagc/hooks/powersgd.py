@@ -241,14 +241,14 @@ class PowerSGDCodec(Codec):
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (draw << 32))
-        return torch.randn(mat.cols, mat.rank, generator=generator).to(device)
+        return torch.randn(mat.cols, mat.rank, generator=generator, device="cpu").to(device)  # the CPU generator: the same draw on every device
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {f"{name}/residual": value for name, value in self.residuals.items()}
         state.update({f"{name}/q": value for name, value in self.qs.items()})
-        state.update({f"{name}/draws": torch.tensor(value) for name, value in self.draws.items()})
+        state.update({f"{name}/draws": torch.tensor(value, device="cpu") for name, value in self.draws.items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -299,7 +299,7 @@ class Int4Codec(Codec):
         return dequantize_int4(packed, scales.abs(), numel, self.block).sum(dim=0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{key}#steps": torch.tensor(step, dtype=torch.int64) for key, step in self.steps.items()}
+        return {f"{key}#steps": torch.tensor(step, dtype=torch.int64, device="cpu") for key, step in self.steps.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.steps = {key.removesuffix("#steps"): int(value) for key, value in state.items() if key.endswith("#steps")}
