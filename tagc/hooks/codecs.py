@@ -50,9 +50,8 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import gather_from_owners
 from tagc.kernels.dispatch import code_index, compress_, decode, union_index
 from tagc.sketch import SketchLayout
-from tagc.sketch.kept_list import finite  # noqa: F401  (the one finite check; the codecs import it from here)
 from tagc.sketch.index import merge_index
-from tagc.sketch.kept_list import capacity
+from tagc.sketch.kept_list import capacity, finite  # finite: the one NaN/Inf check; the codecs import it from here
 from tagc.sketch.positions import bitmap_blocks, coded_row_bytes, low_bits
 
 if TYPE_CHECKING:
@@ -260,9 +259,10 @@ class TAGCCodec(Codec):
     def _union(self, indexes: torch.Tensor, numel: int, key: str, stats: ExchangeStats) -> torch.Tensor:
         """Every rank's support merged: the union of the coded rows, or the bitmaps' OR / sum."""
         if self.positions == "coded":
+            cap, low = self._capacity(numel, indexes.shape[0])
             stats.overflow = stats.overflow + self._overflow.pop(key, 0)  # counted by the rank that sent empty
-            stats.bitmap_blocks = stats.bitmap_blocks + bitmap_blocks(indexes, numel, self._capacity(numel, indexes.shape[0])[1])
-            return union_index(indexes.contiguous(), numel, *self._capacity(numel, indexes.shape[0]))
+            stats.bitmap_blocks = stats.bitmap_blocks + bitmap_blocks(indexes, numel, low)
+            return union_index(indexes.contiguous(), numel, cap, low)
         bits = self.config.index_bits
         return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
 

@@ -36,6 +36,7 @@ from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import POSITION_BLOCK, check_list_args, finite, position_blocks
 from tagc.sketch.layout import SketchLayout
+from tagc.sketch.positions import BLOCK_BITS, check_coded, code_blocks, coded_row_bytes
 from tagc.sketch.sparsify import (
     check_finite,
     keep_limit,
@@ -162,8 +163,6 @@ def sum_lists_cpu(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Ten
 
 def code_positions_cpu(positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
     """:func:`tagc.sketch.positions.encode_positions` in one walk per row (same bytes)."""
-    from tagc.sketch.positions import BLOCK_BITS, code_blocks, coded_row_bytes
-
     out = torch.zeros(positions.shape[0], coded_row_bytes(numel, cap, low), dtype=torch.uint8)
     _kernels().code_positions(positions.contiguous().numpy(), count.to(torch.int64).contiguous().numpy(),
                               code_blocks(numel), low, BLOCK_BITS, out.numpy())
@@ -172,8 +171,6 @@ def code_positions_cpu(positions: torch.Tensor, count: torch.Tensor, numel: int,
 
 def code_index_cpu(index: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
     """:func:`tagc.sketch.positions.code_index` in one walk per row (same bytes)."""
-    from tagc.sketch.positions import BLOCK_BITS, code_blocks, coded_row_bytes
-
     out = torch.zeros(index.shape[0], coded_row_bytes(numel, cap, low), dtype=torch.uint8)
     _kernels().code_bitmap(index.contiguous().numpy(), numel, code_blocks(numel), low, BLOCK_BITS, out.numpy())
     return out
@@ -181,8 +178,6 @@ def code_index_cpu(index: torch.Tensor, numel: int, cap: int, low: int) -> torch
 
 def decode_positions_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tagc.sketch.positions.decode_positions` in one walk per row (same results)."""
-    from tagc.sketch.positions import BLOCK_BITS, check_coded, code_blocks
-
     check_coded(code, numel, cap, low)
     positions = torch.empty(code.shape[0], cap, dtype=torch.int64)
     count = torch.empty(code.shape[0], dtype=torch.int64)
@@ -193,8 +188,6 @@ def decode_positions_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> 
 
 def union_index_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
     """:func:`tagc.sketch.positions.union_index` in one walk per row (same bytes)."""
-    from tagc.sketch.positions import BLOCK_BITS, check_coded, code_blocks
-
     check_coded(code, numel, cap, low)
     index = torch.zeros(index_nbytes(numel, 1), dtype=torch.uint8)
     _kernels().union_bitmap(code.contiguous().numpy(), code_blocks(numel), low, BLOCK_BITS, numel, cap, index.numpy())
