@@ -22,15 +22,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods
-from gpt2_bench.train import TrainConfig, run, scaled_link, summarise
-from tagc.link import parse_rate
+from gpt2_bench.config import TrainConfig
+from gpt2_bench.launch import run, scaled_link, summarise
+from testbed.link import parse_rate
+from testbed.paper import TABLE as PAPER
 
-PAPER = [  # TAGC paper, GPT-2 ~162M, 2 nodes x RTX 3080, 10 Gbit
-    {"algorithm": "fsdp", "compressed": "all", "iter": 26.8, "exchange_ms_per_mb": 0.73},
-    {"algorithm": "tagc", "compressed": "all", "iter": 28.5, "exchange_ms_per_mb": 0.64},
-    {"algorithm": "fsdp", "compressed": "non-attn", "iter": 25.2, "exchange_ms_per_mb": 0.76},
-    {"algorithm": "tagc", "compressed": "non-attn", "iter": 22.6, "exchange_ms_per_mb": 0.51},
-]
 
 
 def bytes_model_ms(plain_iter_ms: float, plain_wire: float, wire: float, rate_bps: Optional[int]) -> Optional[float]:
@@ -255,7 +251,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 RUN_ATTEMPTS = 3
-"""Every run the compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.train.run`."""
+"""Every run the compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.launch.run`."""
 QUALITY_CHECKPOINTS = 6
 """A quality run checkpoints this many times, so a crash costs at most a sixth of it."""
 
@@ -596,7 +592,7 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from gpt2_bench.train import build_parser, config_from_args
+    from gpt2_bench.config import build_parser, config_from_args
 
     parser = build_parser()
     parser.prog = "python -m gpt2_bench.compare"

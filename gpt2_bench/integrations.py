@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpt2_bench.train import TrainConfig, build_parser, config_from_args, run
+from gpt2_bench.config import TrainConfig, build_parser, config_from_args
+from gpt2_bench.launch import run
 
 SETUPS = [  # (label, integration, compile)
     ("FSDP2 eager", "fsdp2", False),

@@ -1,6 +1,6 @@
 """The methods the compare puts side by side: what a user would pick instead of TAGC.
 
-Each method is a :class:`~gpt2_bench.train.TrainConfig` change on the same model, tokens, seed,
+Each method is a :class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed,
 integration and fair overlapped transport, so only the gradient codec differs:
 
 * ``fsdp`` - plain fp32 reduce-scatter (the fair all-to-all transport);
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpt2_bench.train import TrainConfig
+from gpt2_bench.config import TrainConfig
 
 METHODS: dict[str, dict] = {
     "fsdp": dict(compression="none"),

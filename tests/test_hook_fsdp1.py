@@ -54,7 +54,7 @@ def test_fsdp1_unsupported_strategy_is_a_clear_error():
 
 def unit_selection(rank, world):
     from gpt2_bench.model import GPT, GPTConfig
-    from gpt2_bench.train import fsdp1_wrap_policy
+    from gpt2_bench.sharding import fsdp1_wrap_policy
 
     model = GPT(GPTConfig.preset("tiny"))
     model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))

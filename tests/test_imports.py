@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tagc", "fsdp_integration", "gpt2_bench")
+PACKAGES = ("tagc", "fsdp_integration", "gpt2_bench", "testbed")
 HEAVY = ("datasets", "tiktoken", "matplotlib")  # the experiments' dependencies, never the library's
 
 
@@ -109,7 +109,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_project():
-    assert {"tagc", "tagc.hooks.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train"} <= set(MODULES)
+    assert {"tagc", "tagc.hooks.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train", "testbed.hosts"} <= set(MODULES)
     assert "tagc.kernels.ops" in GRAPH["tagc.kernels.dispatch"]  # a function-level import counts
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -119,8 +119,9 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("importer, forbidden", [
-    ("fsdp_integration", ("tagc", "gpt2_bench")),  # the FSDP wrapper knows nothing of TAGC: TAGC installs itself
-    ("tagc", ("gpt2_bench", "fsdp_integration")),  # the library knows nothing of its experiments nor of a wrapper
+    ("fsdp_integration", ("tagc", "gpt2_bench", "testbed")),  # the FSDP wrapper knows nothing of TAGC: TAGC installs itself
+    ("tagc", ("gpt2_bench", "fsdp_integration", "testbed")),  # the library knows nothing of its experiments nor of a wrapper
+    ("testbed", ("gpt2_bench",)),  # the tooling serves the experiments, never the reverse
 ])
 def test_dependencies_point_one_way(importer, forbidden):
     wrong = sorted(f"{module} imports {name}" for module, names in IMPORTS.items()

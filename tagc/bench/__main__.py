@@ -9,9 +9,10 @@ from typing import Optional
 BENCHMARKS = {
     "codec": "reference codec throughput on this CPU and the peeling success curve",
     "kernels": "Triton kernels against the reference",
-    "exchange": "gradient exchange over an emulated link",
     "gpu-check": "on a GPU: kernel tests on the device, a one-GPU exchange self-test, times against memcpy",
 }
+MOVED = {"exchange": "python -m testbed.exchange"}
+"""Benchmarks that need the experiment tooling (emulated links, the launcher) live in ``testbed``."""
 
 USAGE = "usage: python -m tagc.bench NAME [args...]   (or: tagc-bench NAME [args...])\n\nbenchmarks:\n" + "\n".join(
     f"  {name:<10} {what}" for name, what in BENCHMARKS.items()
@@ -25,6 +26,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(USAGE)
         return
     name, rest = args[0], args[1:]
+    if name in MOVED:
+        raise SystemExit(f"tagc.bench: {name!r} runs over an emulated link, experiment tooling outside the library: {MOVED[name]}")
     if name not in BENCHMARKS:
         raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     module_name = name.replace("-", "_")

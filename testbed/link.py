@@ -24,7 +24,7 @@ import subprocess
 import threading
 from typing import Mapping, Optional, Sequence, Union
 
-__all__ = ["LinkError", "ShapedLink", "parse_rate", "format_rate", "tbf_params"]
+__all__ = ["LinkError", "ShapedLink", "SignalUnwind", "parse_rate", "format_rate", "tbf_params"]
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -82,6 +82,40 @@ def tbf_params(rate_bps: int, world: int = 2) -> dict:
     return {"rate_bps": total, "burst_bytes": burst, "limit_bytes": limit}
 
 
+class SignalUnwind:
+    """While installed, SIGTERM and SIGHUP raise ``SystemExit`` (only where no handler was set), so
+    a ``with`` block unwinds through its ``__exit__`` and removes what it made, as on Ctrl-C."""
+
+    def __init__(self) -> None:
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                old = signal.getsignal(sig)
+                if old in (signal.SIG_DFL, None):
+                    self._old[sig] = old
+                    signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old.items():
+            try:
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        self._old.clear()
+
+
 _ACTIVE: "set[ShapedLink]" = set()
 _LOCK = threading.Lock()
 
@@ -120,7 +154,7 @@ class ShapedLink:
         self.qdisc = ""
         self._holder: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
-        self._old_handlers: dict = {}
+        self._signals = SignalUnwind()
         self._closed = True
 
     # ------------------------------------------------------------------ setup / teardown
@@ -140,7 +174,7 @@ class ShapedLink:
         self._closed = False
         with _LOCK:
             _ACTIVE.add(self)
-        self._install_signal_handlers()
+        self._signals.install()
         try:
             errors = []
             if self.mode in ("auto", "netns"):
@@ -234,7 +268,7 @@ class ShapedLink:
                 pass
         with _LOCK:
             _ACTIVE.discard(self)
-        self._restore_signal_handlers()
+        self._signals.restore()
 
     # ------------------------------------------------------------------ running inside
 
@@ -278,31 +312,3 @@ class ShapedLink:
             f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by {self.world} ranks, "
             f"burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB ({self.kind} {self.name})"
         )
-
-    # ------------------------------------------------------------------ signals
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum, frame):
-            raise SystemExit(128 + signum)  # unwinds through __exit__, which removes the namespace
-
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            try:
-                old = signal.getsignal(sig)
-                if old in (signal.SIG_DFL, None):
-                    self._old_handlers[sig] = old
-                    signal.signal(sig, handler)
-            except (ValueError, OSError):
-                pass
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, old in self._old_handlers.items():
-            try:
-                signal.signal(sig, old if old is not None else signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
-        self._old_handlers.clear()

@@ -1,10 +1,10 @@
 """Gradient exchange over an emulated link: plain reduce-scatter against TAGC (docs/design.md §10).
 
-``python -m tagc.bench exchange --link 10gbit,1gbit,100mbit [--world 2] [--sizes mlp,lmhead]
+``python -m testbed.exchange --link 10gbit,1gbit,100mbit [--world 2] [--sizes mlp,lmhead]
 [--json PATH] [--quick]``
 
 For each link rate the ranks run in their own network namespace whose loopback is shaped
-with tbf (:mod:`tagc.link`; ``--link none`` is the plain loopback). On GPT-2-shaped gradient
+with tbf (:mod:`testbed.link`; ``--link none`` is the plain loopback). On GPT-2-shaped gradient
 buckets each rank times, median over ``--reps`` rounds after ``--warmup`` (methods
 interleaved round by round so machine-load drift hits them alike):
 
@@ -32,11 +32,8 @@ import argparse
 import json
 import math
 import os
-import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,10 +42,11 @@ import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
-from tagc.link import LinkError, ShapedLink, format_rate, parse_rate
+from testbed.launch import Launch, torchrun_argv
+from testbed.link import LinkError, ShapedLink, format_rate, parse_rate
+from testbed.paper import EXCHANGE_MS_PER_MB as PAPER
 
 MB = 1e6
-PAPER = {"fsdp_ms_per_mb": 0.76, "tagc_ms_per_mb": 0.51, "ratio": 0.67}
 TARGET_RATIO = 0.25
 GPT2_SMALL = {"n_embd": 768, "vocab": 50257}
 SIZES = {
@@ -199,7 +197,7 @@ def _worker(args) -> None:
     from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
-    rank, world = args.rank, args.world
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # torchrun's env://
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args.pg_timeout))
     in_namespace = args.count_lo
     rows_out: list[dict] = []
@@ -286,15 +284,8 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
 # ---------------------------------------------------------------------------- parent: links, tables
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_argv(args, rank: int, port: int, out: str, link_name: str, count_lo: bool) -> list[str]:
-    argv = [sys.executable, "-m", "tagc.bench.exchange", "--worker", "--rank", str(rank), "--port", str(port),
-            "--out", out, "--link-name", link_name, "--world", str(args.world), "--sizes", ",".join(args.sizes),
+def _worker_args(args, out: str, link_name: str, count_lo: bool) -> list[str]:
+    argv = ["--worker", "--out", out, "--link-name", link_name, "--world", str(args.world), "--sizes", ",".join(args.sizes),
             "--ratios", ",".join(f"{r:g}" for r in args.ratios), "--bits", ",".join(map(str, args.bits)),
             "--overlap", ",".join("on" if o else "off" for o in args.overlap), "--reps", str(args.reps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout),
@@ -308,48 +299,25 @@ def _worker_argv(args, rank: int, port: int, out: str, link_name: str, count_lo:
     return argv
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-                raise RuntimeError(f"exchange benchmark: rank(s) {bad} failed (exit {[codes[i] for i in bad]}); see stderr above")
-            if all(c == 0 for c in codes):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"exchange benchmark: ranks still running after {timeout:.0f} s")
-            time.sleep(0.1)
-    finally:
-        for p in procs:  # only the ranks this run started, by pid
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def run_link(args, link_text: str) -> list[dict]:
     """Run every rank for one link setting and return rank 0's rows, annotated with the link."""
     rate = parse_rate(link_text)
     name = format_rate(rate)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a namespace has no hostname lookup: c10d warns per socket
     with tempfile.TemporaryDirectory(prefix="tagc-exchange-") as tmp:
         out = os.path.join(tmp, "rank0.json")
         if rate is None:
-            port = _free_port()
-            env["MASTER_PORT"] = str(port)
-            procs = [subprocess.Popen(_worker_argv(args, r, port, out, name, False), env=env) for r in range(args.world)]
-            _wait_all(procs, args.timeout)
+            launch = Launch([torchrun_argv("testbed.exchange", _worker_args(args, out, name, False), args.world)], env=env)
+            launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
             description = "unshaped loopback (this machine's network namespace)"
         else:
             with ShapedLink(rate, world=args.world) as link:
-                port = random.randint(20000, 60000)  # a fresh namespace: every port is free
-                env["MASTER_PORT"] = str(port)
                 description = link.describe()
                 print(f"[exchange] {description}", file=sys.stderr, flush=True)
-                procs = link.launch([_worker_argv(args, r, port, out, name, True) for r in range(args.world)], env=env)
-                _wait_all(procs, args.timeout)
+                launch = Launch([torchrun_argv("testbed.exchange", _worker_args(args, out, name, True), args.world)], env=env,
+                                wrap=lambda host, argv: link.wrap(argv))
+                launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
         with open(out) as f:
             rows = json.load(f)
     for row in rows:
@@ -487,7 +455,7 @@ def _size(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tagc.bench exchange", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m testbed.exchange", description=__doc__.split("\n\n")[0])
     p.add_argument("--link", type=_csv(_link), default=None, help="link rates per rank, e.g. 10gbit,1gbit,100mbit, or none (default: 10gbit,1gbit,100mbit)")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--sizes", type=_csv(_size), default=None, help=f"buckets: {', '.join(SIZES)} or element counts like 1M (default mlp)")
@@ -508,8 +476,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     # worker side (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--link-name", default="none", help=argparse.SUPPRESS)
     p.add_argument("--count-lo", action="store_true", help=argparse.SUPPRESS)
@@ -544,8 +510,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     _defaults(args)
     if args.worker:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(args.port)
         _worker(args)
         return []
     _terminate_cleanly()

@@ -1,0 +1,273 @@
+"""One training run's settings: :class:`TrainConfig` (validated) and the command line that fills it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any, Optional, Sequence
+
+from testbed.paper import EXCHANGE_SHARE
+
+INTEGRATIONS = ("simple", "fsdp2", "fsdp1")
+COMPRESSIONS = ("none", "all", "non-attn")
+TRANSPORTS = ("fair", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
+HIERARCHIES = ("auto", "flat")
+
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every knob of one training run (validated in ``__post_init__``)."""
+
+    preset: str = "small"
+    integration: str = "simple"
+    compression: str = "non-attn"
+    transport: str = "fair"
+    codec: str = "tagc"
+    """How the selected (``compression``) columns cross the wire: a name of
+    :func:`tagc.hooks.codec_registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
+    codec_options: dict = dataclasses.field(default_factory=dict)
+    """The codec's own options, e.g. ``{"block": 128}`` for ``int4``."""
+    plain: str = "fp32"
+    """The codec of the columns not compressed (``tagc.hook(plain=...)``): fp32, bf16, fp8 or int4."""
+    reduce_dtype: Optional[str] = None
+    """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
+    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
+    ratio: float = 10.0
+    index_bits: int = 1
+    sparsity: Any = "auto"
+    min_compress_numel: int = 65536
+    dense_steps: int = 0
+    steps: int = 40
+    batch_size: int = 4
+    block_size: Optional[int] = None
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_interval: int = 20
+    eval_batches: int = 4
+    seed: int = 1337
+    compile: bool = False
+    compile_backend: str = "inductor"
+    world: int = 2
+    """Ranks in all (``hosts`` x ranks per host)."""
+    hosts: int = 1
+    """Emulated hosts (:class:`testbed.hosts.EmulatedHosts`): each runs ``world // hosts`` ranks in a
+    network namespace of its own, and ``link`` shapes the links between hosts."""
+    hierarchy: str = "auto"
+    """``tagc.hook(hierarchy=...)``: ``auto`` exchanges hierarchically when the ranks span several
+    hosts (plain within a host, the codec between hosts); ``flat``: every rank with every rank."""
+    hsdp: bool = False
+    """FSDP2 only: a 2-D mesh (hosts x ranks per host), parameters sharded within a host and
+    replicated across hosts; the gradient crosses hosts once, as an all-reduce."""
+    threads: int = 1
+    link: str = "none"
+    link_share: float = EXCHANGE_SHARE
+    """With ``link="scaled"``: the share of a non-overlapped plain step the plain exchange takes on
+    the scaled link (the paper's 0.31 by default; about 0.9 for an H100-class GPU over 10 GbE). Past
+    what the exchange can take while the all-gathers share the link, the link-bound time gets it."""
+    dataset: str = "bbc"
+    cache_dir: Optional[str] = None
+    out_dir: str = "bench_out/gpt2"
+    name: Optional[str] = None
+    group_timeout_s: float = 600.0
+    """How long a rank waits on a collective before it gives up (detects hangs and dead peers;
+    not a limit on the run)."""
+    max_time_s: Optional[float] = None
+    """Stop cleanly (checkpointing first, when checkpoints are on) once a run has trained this long; None: no limit."""
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    """Write a sharded checkpoint (:mod:`gpt2_bench.checkpoint`) every this many steps (0: never)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``checkpoint_dir`` (from scratch if there is none)."""
+    fault_step: Optional[int] = None
+    """Fault drill: the last rank kills itself (SIGKILL) in the middle of this step."""
+    keep_freed_memory: bool = True
+    """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
+    overlap: bool = True
+    """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
+    device: str = "auto"
+    """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
+    for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
+
+    def __post_init__(self) -> None:
+        from gpt2_bench.model import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        for field, allowed in (("integration", INTEGRATIONS), ("compression", COMPRESSIONS), ("transport", TRANSPORTS),
+                               ("device", DEVICES)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        if self.transport == "gloo" and self.compression != "none":
+            raise ValueError("transport='gloo' (FSDP's own reduce-scatter) only applies to compression='none'")
+        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_batches"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
+        if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
+        if self.compression != "none":
+            from tagc.hooks.codec_registry import resolve_options, spec
+
+            if spec(self.codec).uses_config:
+                import tagc
+
+                tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
+            resolve_options(self.codec, self.codec_options)
+        from tagc.hooks.engine import PLAIN_CODECS
+
+        if self.plain not in PLAIN_CODECS:
+            raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)}, got {self.plain!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
+        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
+            raise ValueError(f"checkpoint_every must be >= 0 and needs checkpoint_dir, got {self.checkpoint_every!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
+        for field in ("group_timeout_s", "max_time_s"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.hosts, int) or self.hosts < 1 or self.world % self.hosts:
+            raise ValueError(f"hosts must be a positive integer dividing world ({self.world}), got {self.hosts!r}")
+        if self.hierarchy not in HIERARCHIES:
+            raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
+        if self.hsdp and (self.integration != "fsdp2" or self.hosts < 2):
+            raise ValueError("hsdp applies to integration='fsdp2' on several hosts (hosts >= 2)")
+        if self.hosts > 1 and self.link == "scaled":
+            raise ValueError("link='scaled' calibrates one host's loopback; give emulated hosts a rate (e.g. 1gbit)")
+        if not 0 < self.link_share < 1:
+            raise ValueError(f"link_share must be a fraction in (0, 1), got {self.link_share!r}")
+        if self.link not in ("none", "scaled"):
+            from testbed.link import parse_rate
+
+            parse_rate(self.link)
+
+    @property
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        from tagc.hooks.codec_registry import spec
+
+        if self.compression == "none":
+            algo = "fsdp"
+        elif spec(self.codec).uses_config:
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc" else "")
+        else:
+            algo = f"{self.codec}-{self.compression}"
+        algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
+        if self.plain != "fp32":
+            algo += f"-plain{self.plain}"
+        if self.reduce_dtype:
+            algo += f"-reduce-{self.reduce_dtype}"
+        if self.compression != "none" and self.dense_steps:
+            algo += f"-dense{self.dense_steps}"
+        if self.hosts > 1:
+            algo += "-hsdp" if self.hsdp else "-flat" if self.hierarchy == "flat" and self.compression != "none" else ""
+        return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.")
+    defaults = TrainConfig()
+    p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
+    p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
+    p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS)
+    p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
+                   help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter")
+    p.add_argument("--codec", default=defaults.codec,
+                   help="how the --compression columns cross the wire: tagc (default), topk, bf16, fp8, int4, sign, powersgd")
+    p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
+                   help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
+    p.add_argument("--plain", default=defaults.plain, choices=("fp32", "bf16", "fp8", "int4"),
+                   help="the codec of the columns not compressed (attention, biases, norms, embeddings by default)")
+    p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
+                   help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
+    p.add_argument("--ratio", type=float, default=defaults.ratio)
+    p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
+    p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
+    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
+                  "min_compress_numel", "dense_steps"):
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    p.add_argument("--device", default=defaults.device, choices=DEVICES,
+                   help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; auto (default): cuda when a GPU is visible")
+    p.add_argument("--hosts", type=int, default=defaults.hosts,
+                   help="emulated hosts, each a network namespace running --nproc-per-host ranks under torchrun; "
+                        "--link shapes the links between hosts (default 1: every rank on one loopback)")
+    p.add_argument("--nproc-per-host", type=int, default=None, help="ranks per emulated host (default: --world / --hosts)")
+    p.add_argument("--flat", dest="hierarchy", action="store_const", const="flat", default=defaults.hierarchy,
+                   help="exchange every rank with every rank across hosts (default: plain within a host, the codec between hosts)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="fsdp2: shard within a host, replicate across hosts (a 2-D mesh); the gradient crosses hosts as an all-reduce")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
+                   help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)")
+    p.add_argument("--max-time", dest="max_time_s", type=float, default=None,
+                   help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
+                        "default: no limit")
+    p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
+                   help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
+                        "measures live memory); by default the ranks keep it for reuse")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of the "
+                        "units before it and all finish at the end of backward)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")
+    p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
+    p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
+    p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,
+                   help="--link scaled: the plain exchange's share of a non-overlapped plain step on the scaled link "
+                        "(default %(default)s, the paper's; 0.9 for an H100-class GPU over 10 GbE)")
+    p.add_argument("--dataset", default=defaults.dataset, help="bbc (offline default), openwebtext, or a local file")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out-dir", default=defaults.out_dir)
+    p.add_argument("--name", default=None)
+    # internal: one rank, started by torchrun (gpt2_bench.launch)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)
+    p.add_argument("--log-file", dest="log", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    sparsity = args.sparsity if args.sparsity == "auto" else float(args.sparsity)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["sparsity"] = sparsity
+    values["codec_options"] = parse_codec_options(args.codec_options)
+    if getattr(args, "nproc_per_host", None):
+        values["world"] = args.hosts * args.nproc_per_host
+    return TrainConfig(**values)
+
+
+def parse_codec_options(pairs: Sequence[str]) -> dict:
+    """``["block=128", "stochastic=true"]`` -> ``{"block": 128, "stochastic": True}``."""
+    options = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--codec-option takes NAME=VALUE, got {pair!r}")
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            options[name] = lowered == "true"
+        else:
+            try:
+                options[name] = int(text)
+            except ValueError:
+                try:
+                    options[name] = float(text)
+                except ValueError:
+                    options[name] = text
+    return options

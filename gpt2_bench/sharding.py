@@ -1,0 +1,80 @@
+"""Wrap the model with the chosen FSDP flavour (SimpleFSDP, FSDP2, FSDP1), install the comm hook, compile."""
+
+from __future__ import annotations
+
+from gpt2_bench.config import REDUCE_DTYPES, TrainConfig
+
+def fsdp1_wrap_policy(model):
+    """FSDP1 auto-wrap policy: every Linear (but the tied ``lm_head``) and every Block is a unit.
+
+    FSDP1 can only select whole units for compression, so the linears get units of their own;
+    ``lm_head`` stays in the root with the embedding it is tied to.
+    """
+    import torch.nn as nn
+
+    from gpt2_bench.model import Block
+
+    linears = {m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"}
+
+    def policy(module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return recurse or module in linears or isinstance(module, Block)
+
+    return policy
+
+
+def shard(model, cfg: TrainConfig, world: int, device=None):
+    """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook).
+    ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get its type."""
+    import torch
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    import tagc
+
+    hook = None
+    if cfg.compression != "none" or cfg.transport == "fair":
+        select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
+        from tagc.hooks.codec_registry import spec
+
+        codec = "plain" if cfg.compression == "none" else cfg.codec
+        tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
+        topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
+        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                         codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
+    reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
+    if cfg.integration == "simple":
+        from fsdp_integration import MixedPrecisionPolicy, simple_fsdp
+
+        # one unit per transformer block + the root, like fsdp2 below
+        model = simple_fsdp(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), overlap=cfg.overlap)
+    elif cfg.integration == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if cfg.hsdp:  # replicate across hosts, shard within one (torchrun numbers a host's ranks consecutively)
+            mesh = init_device_mesh(device.type, (cfg.hosts, world // cfg.hosts), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+
+        model = FSDP(model, device_id=device, auto_wrap_policy=fsdp1_wrap_policy(model),
+                     mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None)
+    if hook is not None:
+        tagc.register_comm_hook(model, hook)
+    return model, hook
+
+
+def compiled(model, cfg: TrainConfig):
+    import torch
+
+    if cfg.integration == "simple":
+        from fsdp_integration import CompileSettings, compile_model
+
+        return compile_model(model, CompileSettings(backend=cfg.compile_backend))
+    return torch.compile(model, backend=cfg.compile_backend)

@@ -1,0 +1,183 @@
+"""Emulated hosts: one network namespace per host, joined through a switch by shaped veth pairs.
+
+``with EmulatedHosts(2, "1gbit") as hosts: ...`` makes namespaces ``<name>-h0``, ``<name>-h1``
+and a switch ``<name>-sw`` (a Linux bridge). Host ``i`` has ``eth0`` at ``198.18.0.(i+1)/24``
+(the benchmarking range, RFC 2544) on a veth pair whose other end is a bridge port. Both ends
+are shaped with ``tc tbf`` at the link rate: a host's egress (its upload) and the switch port's
+egress (its download), so each host has a full-duplex link of that rate, as a NIC into a switch.
+
+Traffic between the ranks of one host never touches ``eth0``: an address of the host's own is
+routed over its (unshaped) loopback. So :meth:`inter_host_bytes`, the sum of the hosts' ``eth0``
+transmit counters, is exactly what crossed between hosts (plus a few hundred bytes of ARP).
+
+Everything is removed on exit, on exceptions, on Ctrl-C and SIGTERM/SIGHUP, and at interpreter
+exit; namespaces are made with ``ip netns`` (root). Rates and tbf sizes: :mod:`testbed.link`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import threading
+from typing import Sequence, Union
+
+from testbed.link import LinkError, SignalUnwind, format_rate, parse_rate, tbf_params
+
+__all__ = ["EmulatedHosts", "SUBNET"]
+
+SUBNET = "198.18.0"
+"""Host ``i`` is ``198.18.0.(i+1)``; the range is reserved for benchmarks (RFC 2544)."""
+
+_ACTIVE: "set[EmulatedHosts]" = set()
+_LOCK = threading.Lock()
+atexit.register(lambda: [hosts.close() for hosts in list(_ACTIVE)])
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise LinkError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def _tc(namespace: str, *args: str) -> None:
+    result = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise LinkError(f"`tc -n {namespace} {' '.join(args)}` failed: {result.stderr.strip()}; refusing to run unshaped")
+
+
+class EmulatedHosts:
+    """``hosts`` namespaces, each with a full-duplex link of ``rate`` into one switch (context manager).
+
+    Args:
+        hosts: how many hosts (>= 2).
+        rate: each host's link rate (``"1gbit"``, bits/s, or ``"none"`` for unshaped veths).
+    """
+
+    def __init__(self, hosts: int, rate: Union[str, int, None]) -> None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 2 <= hosts <= 200:
+            raise ValueError(f"hosts must be an integer from 2 to 200, got {hosts!r}")
+        self.hosts = hosts
+        self.rate_bps = parse_rate(rate) if rate is not None else None
+        self.name = f"tagc{os.getpid() % 100000}{secrets.token_hex(2)}"
+        self.namespaces: list[str] = []
+        self._closed = True
+        self._signals = SignalUnwind()
+
+    @property
+    def switch(self) -> str:
+        return f"{self.name}-sw"
+
+    def namespace(self, host: int) -> str:
+        return f"{self.name}-h{host}"
+
+    @staticmethod
+    def address(host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def __enter__(self) -> "EmulatedHosts":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Create the switch and the hosts, address and shape every veth (raises :class:`LinkError`)."""
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise LinkError(f"'{tool}' (iproute2) is not installed; cannot emulate hosts")
+        self._closed = False
+        with _LOCK:
+            _ACTIVE.add(self)
+        self._signals.install()
+        try:
+            self._add_namespace(self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for host in range(self.hosts):
+                self._add_host(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_namespace(self, name: str) -> None:
+        result = _ip("netns", "add", name, check=False)
+        if result.returncode != 0:
+            raise LinkError(f"`ip netns add {name}` not permitted or failed: {result.stderr.strip()} (emulated hosts need root)")
+        self.namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _add_host(self, host: int) -> None:
+        ns, port, nic = self.namespace(host), f"p{host}", f"{self.name[-6:]}v{host}"
+        self._add_namespace(ns)
+        _ip("link", "add", nic, "type", "veth", "peer", "name", f"{nic}s")  # made here, then moved into the namespaces
+        _ip("link", "set", nic, "netns", ns)
+        _ip("link", "set", f"{nic}s", "netns", self.switch)
+        _ip("-n", ns, "link", "set", nic, "name", "eth0")
+        _ip("-n", self.switch, "link", "set", f"{nic}s", "name", port)
+        _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", self.switch, "link", "set", port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", port, "up")
+        if self.rate_bps is not None:
+            p = tbf_params(self.rate_bps, world=1)
+            shape = ["root", "tbf", "rate", f"{p['rate_bps']}bit", "burst", str(p["burst_bytes"]), "limit", str(p["limit_bytes"])]
+            _tc(ns, "qdisc", "add", "dev", "eth0", *shape)  # the host's upload
+            _tc(self.switch, "qdisc", "add", "dev", port, *shape)  # its download
+
+    def close(self) -> None:
+        """Remove every namespace (their veths go with them); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in reversed(self.namespaces):
+            if _ip("netns", "del", name, check=False).returncode != 0 and name in self.list_netns():
+                threading.Event().wait(0.2)  # a process may still have been leaving it
+                _ip("netns", "del", name, check=False)
+        self.namespaces = []
+        with _LOCK:
+            _ACTIVE.discard(self)
+        self._signals.restore()
+
+    def exists(self) -> bool:
+        """Whether any of this set's namespaces is still there."""
+        present = set(self.list_netns())
+        return any(name.startswith(self.name + "-") for name in present)
+
+    @staticmethod
+    def list_netns() -> list[str]:
+        result = _ip("netns", "list", check=False)
+        return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+    # ------------------------------------------------------------------ running inside, counting
+
+    def wrap(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed to run on host ``host``."""
+        if self._closed:
+            raise LinkError("the hosts are not set up")
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def env(self, host: int) -> dict[str, str]:
+        """Environment for host ``host``'s ranks: gloo binds ``eth0``, so it reaches the other hosts."""
+        return {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+                "TORCH_CPP_LOG_LEVEL": "ERROR"}  # a namespace resolves no host names: c10d would warn per socket
+
+    def tx_bytes(self, host: int) -> int:
+        """Bytes host ``host`` has sent to other hosts so far (its ``eth0`` transmit counter)."""
+        shown = json.loads(_ip("-n", self.namespace(host), "-j", "-s", "link", "show", "dev", "eth0").stdout)
+        return int(shown[0]["stats64"]["tx"]["bytes"])
+
+    def inter_host_bytes(self) -> int:
+        """Bytes sent between hosts so far, all hosts together."""
+        return sum(self.tx_bytes(host) for host in range(self.hosts))
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.rate_bps is None else f"{format_rate(self.rate_bps)} full duplex per host (tbf both ways)"
+        return f"{self.hosts} emulated hosts ({SUBNET}.1-{self.hosts}), one switch, {rate} ({self.name})"
