@@ -32,6 +32,8 @@ def hook(
     min_part: int = MIN_PART,
     dense_steps: int = 0,
     plain: str = "fp32",
+    hierarchy: str = "auto",
+    ranks_per_host: Optional[int] = None,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -67,6 +69,14 @@ def hook(
             and everything during ``dense_steps``): ``"fp32"`` (as they are, default),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32
             at the owner). ``"bf16"`` halves them at bf16 rounding.
+        hierarchy: ``"auto"`` (default): when the group spans more than one host, reduce plainly
+            inside each host first and compress only the exchange across hosts, planned for the
+            number of hosts (:mod:`tagc.hooks.hierarchy`); ``"flat"``: one compressed exchange
+            over the whole group. Nothing changes on one host. FSDP2 HSDP meshes are always
+            reduced in two steps (:mod:`tagc.hooks.fsdp2`).
+        ranks_per_host: ranks per host, numbered host-major as torchrun does (global rank ``r``
+            on host ``r // ranks_per_host``); must divide the world size. ``None`` (default):
+            torchrun's ``LOCAL_WORLD_SIZE`` when set, else one host.
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
@@ -86,7 +96,8 @@ def hook(
         raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
     config = TAGCConfig(**config_args)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
-                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain)
+                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain,
+                    hierarchy=hierarchy, ranks_per_host=ranks_per_host)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

@@ -40,6 +40,7 @@ from tagc.config import TAGCConfig
 from tagc.hooks import strict
 from tagc.hooks.codec_registry import make_codec, resolve_options
 from tagc.hooks.codecs import Codec, PlainCodec, Wire
+from tagc.hooks.hierarchy import Topology, check_hierarchy, group_ranks, host_reduce, resolve_ranks_per_host, topology
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
@@ -175,12 +176,15 @@ class PendingBucket:
     """One bucket's exchange in flight; :meth:`wait` returns the output shard once it is reduced."""
 
     def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: float, group,
-                 stats: ExchangeStats, timing: UnitTiming, stream=None) -> None:
+                 stats: ExchangeStats, timing: UnitTiming, stream=None, remote_rows: int = 0) -> None:
         self.hook = hook
         self.plan = plan
         self.output = output
         self.scale = scale
         self.group = group
+        """The group the codec exchanges over: the flat group, or a hierarchical exchange's cross group."""
+        self.remote_rows = remote_rows
+        """Rows of each all-to-all that go to another host (for ``inter_host_bytes``)."""
         self.stats = stats
         self.timing = timing
         self.stream = stream
@@ -256,7 +260,7 @@ class PendingBucket:
         received = self._receive(flight.exchanges)
         flight.round += 1
         wires = self.hook._encode_part(flight.part, received, self.group, self.timing, flight.round)
-        flight.exchanges = self.hook._launch(wires, self.group, self.stats, self.timing)
+        flight.exchanges = self.hook._launch(wires, self.group, self.stats, self.timing, self.remote_rows)
 
 
 class TAGCHook:
@@ -288,7 +292,12 @@ class TAGCHook:
         overlap: bool = True,
         codec_options: Optional[dict] = None,
         plain: str = "fp32",
+        hierarchy: str = "auto",
+        ranks_per_host: Optional[int] = None,
     ) -> None:
+        self.hierarchy = check_hierarchy(hierarchy)
+        self.ranks_per_host = resolve_ranks_per_host(ranks_per_host)
+        """Global ranks per host (host-major numbering), ``None``: one host (:mod:`tagc.hooks.hierarchy`)."""
         if plain not in PLAIN_CODECS:
             raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)} (the codec of the columns not sparsified), got {plain!r}")
         if nonfinite not in NONFINITE:
@@ -318,6 +327,7 @@ class TAGCHook:
         self.step_count = 0
         self._seen_this_step: set[str] = set()
         self._verified: set[int] = set()
+        self._topologies: dict[tuple[int, ...], Topology] = {}
         self._plans: dict[tuple, _BucketPlan] = {}
         self._in_flight: list[PendingBucket] = []
         self.last_step = ExchangeStats()
@@ -368,7 +378,7 @@ class TAGCHook:
         return {**dataclasses.asdict(self.config), "codec": self.codec.name,
                 "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
                 "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite,
-                "plain": self.plain_name}
+                "plain": self.plain_name, "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
 
     def state_dict(self) -> dict:
         """The codec's state (this rank's residuals, keyed by rank, bucket and part) and the step counter."""
@@ -391,8 +401,6 @@ class TAGCHook:
         if id(group) in self._verified or not dist.is_initialized():
             return
         world = dist.get_world_size(group)
-        if self.config.index_bits == 4 and world > 15:
-            raise ValueError(f"index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this group has {world}: use index_bits=1")
         mine = self.settings()
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
@@ -401,6 +409,22 @@ class TAGCHook:
             if differ:
                 raise ValueError(f"TAGC settings differ across ranks: {'; '.join(differ)}")
         self._verified.add(id(group))
+
+    def topology(self, group: Optional[dist.ProcessGroup]) -> Topology:
+        """How ``group``'s ranks sit on hosts, cached by its ranks; a hierarchical topology creates its
+        subgroups on first use, so every rank of the group must reach this in the same order
+        (:meth:`start` after :meth:`verify`, or :func:`tagc.hooks.simple.bind`)."""
+        if not dist.is_initialized():
+            return Topology(1)
+        ranks = group_ranks(group)
+        if ranks not in self._topologies:
+            self._topologies[ranks] = topology(group, self.hierarchy, self.ranks_per_host)
+        return self._topologies[ranks]
+
+    def _check_codec_world(self, world: int) -> None:
+        """``index_bits=4`` counts the ranks of the codec's exchange (the hosts, when hierarchical) in 4 bits."""
+        if self.config.index_bits == 4 and world > 15:
+            raise ValueError(f"index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this exchange has {world}: use index_bits=1")
 
     # ------------------------------------------------------------------ the exchange
 
@@ -430,10 +454,14 @@ class TAGCHook:
         if chunk * world != input.numel() or output.numel() != chunk:
             raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
         self.verify(group)
+        topo = self.topology(group) if world > 1 else Topology(world)
+        # hierarchical: the codec exchanges the host-reduced block over the cross group, planned for H ranks
+        codec_group, codec_world = (topo.cross, topo.hosts) if topo.hierarchical else (group, world)
+        self._check_codec_world(codec_world)
         self.poll()
         for earlier in list(self._in_flight):  # the same point, the same order on every rank
             earlier.advance()
-        plan = self._plan(tuple(segments), chunk, world)
+        plan = self._plan(tuple(segments), chunk, codec_world)
         self._begin_bucket(plan.key)
         if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
             plan = self._plain_plan(plan.key, chunk)
@@ -442,15 +470,24 @@ class TAGCHook:
         side = self._side_stream(input)
         if side is not None:
             output.record_stream(side)  # written there by wait()
-        pending = PendingBucket(self, plan, output, op_scale(op, world), group, stats, timing, stream=side)
+        remote = topo.hosts - 1 if topo.hierarchical else topo.remote_rows
+        pending = PendingBucket(self, plan, output, op_scale(op, world), codec_group, stats, timing, stream=side, remote_rows=remote)
         rows = input.view(world, chunk)
         with _on(side):
             if world == 1:
                 pending.summed.copy_(rows[0])
             else:
+                if topo.hierarchical:  # step 1, plain and blocking (the fast intra-host links): exposed time
+                    begin = time.perf_counter()
+                    rows, sent = host_reduce(rows, topo, self.piece_bytes)
+                    end = time.perf_counter()
+                    stats.wire_bytes += sent
+                    stats.exposed_s += end - begin
+                    timing.exposed_s += end - begin
+                    timing.events.append(("wait", begin, end))  # the caller blocked on bytes, as in a wait
                 for part in plan.parts:
-                    wires = self._encode_part(part, rows[:, part.index(rows.device)], group, timing)
-                    pending._in_flight.append(_Flight(part, 0, self._launch(wires, group, stats, timing)))
+                    wires = self._encode_part(part, rows[:, part.index(rows.device)], codec_group, timing)
+                    pending._in_flight.append(_Flight(part, 0, self._launch(wires, codec_group, stats, timing, remote)))
         self._in_flight.append(pending)
         return pending
 
@@ -497,11 +534,14 @@ class TAGCHook:
     def _finished(self, pending: PendingBucket) -> None:
         self._in_flight.remove(pending)
 
-    def _launch(self, wires: Sequence[torch.Tensor], group, stats: ExchangeStats, timing: UnitTiming) -> list[PendingExchange]:
+    def _launch(self, wires: Sequence[torch.Tensor], group, stats: ExchangeStats, timing: UnitTiming,
+                remote_rows: int = 0) -> list[PendingExchange]:
+        """Start every wire tensor's all-to-all; ``remote_rows`` of its rows go to other hosts."""
         exchanges = [all_to_all_rows(w, group, self.piece_bytes) for w in wires]
         if exchanges:
             timing.launched = timing.launched or exchanges[0].launched
         stats.wire_bytes += sum(x.sent_bytes for x in exchanges)
+        stats.inter_host_bytes += sum(remote_rows * w.shape[1] * w.element_size() for w in wires)
         return exchanges
 
     def _encode_part(self, part: _Part, grad, group, timing: UnitTiming, round: int = 0) -> tuple[torch.Tensor, ...]:
@@ -549,6 +589,7 @@ class TAGCHook:
         one all-to-all per bucket, whose wait a compiler can move past later compute."""
         self.verify(group)
         world = dist.get_world_size(group)
+        self._check_codec_world(world)
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
@@ -560,13 +601,19 @@ class TAGCHook:
 
     @strict.counted
     def decode_bucket(self, received: torch.Tensor, group, segments: Sequence[Segment], chunk: int,
-                      dtype: torch.dtype, op=dist.ReduceOp.AVG) -> torch.Tensor:
+                      dtype: torch.dtype, op=dist.ReduceOp.AVG, topology: Optional[Topology] = None) -> torch.Tensor:
         """Second half: every rank's row of :meth:`encode_bucket`'s bytes (row ``j`` from rank ``j``)
-        -> this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's)."""
+        -> this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's).
+
+        ``topology``: the whole group's, when ``group`` is its cross group (a hierarchical exchange):
+        ``op`` then scales over the whole group, and the bytes count its intra-host step."""
         world = dist.get_world_size(group)
         plan = self._plan(tuple(segments), chunk, world)
-        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(world - 1) * chunk * 4,
-                              wire_bytes=(world - 1) * received.shape[1])
+        whole = topology if topology is not None and topology.hierarchical else None
+        full = whole.world if whole is not None else world
+        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(full - 1) * chunk * 4,
+                              wire_bytes=(world - 1) * received.shape[1] + (whole.step1_bytes(chunk, dtype) if whole is not None else 0),
+                              inter_host_bytes=self.topology(group).remote_rows * received.shape[1])
         summed = torch.zeros(chunk, dtype=torch.float32, device=received.device)
         at = 0
         for part in plan.parts:
@@ -576,7 +623,7 @@ class TAGCHook:
                 at += wire.row_bytes
             summed[part.index(summed.device)] = self._decode_part(part, part_received, group, stats)
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
-        _scale_into(output, summed, op_scale(op, world))
+        _scale_into(output, summed, op_scale(op, full))
         self._record(stats, None)
         if self.nonfinite == "raise" and bool(stats.nonfinite_parts):  # no host read under "propagate"
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")

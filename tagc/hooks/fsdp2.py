@@ -15,10 +15,28 @@ and copies the right values into any that is not such a view (a dtype cast). Whe
 not safe it waits before returning, as before: a parameter that already has a gradient
 (accumulation: FSDP2 adds the output at once), post-accumulate-grad hooks, CPU offload, or
 a reduction FSDP2 divides after the call (SUM: fp16, or ``set_force_sum_reduction_for_comms``).
+
+**HSDP** (a 2-D ``(replicate, shard)`` mesh). FSDP2 reduce-scatters over the shard group and
+then all-reduces over the replicate group with a hard-coded ``dist.all_reduce`` that no hook
+replaces (``set_all_reduce_hook`` runs after it). :func:`register_fsdp2` therefore gives each
+HSDP parameter group an ``FSDPMeshInfo`` over the shard dimension alone (same mesh): FSDP2 then
+reduce-scatters over the shard (intra-host) group, skips its all-reduce and divides by the
+shard group's size only, while the parameters keep their own HSDP mesh info, so their DTensor
+gradients keep ``(Replicate, Shard)`` placements. The intra-host reduce-scatter stays plain
+(:class:`TAGCReduceScatter`, the fair transport), and the all-reduce hook (:class:`_ReplicaAllReduce`)
+reduces the host-reduced shard across the replicate group: the engine's compressed
+reduce-scatter over the ``H`` replicas (each parameter's shard cut into ``H`` pieces, so the
+selection policy still sees parameters), then a dense all-gather of the reduced pieces (float32,
+or bf16 with ``plain="bf16"``), written in place, averaged over ``H`` (summed when a gradient
+divide factor is set: FSDP2 then scales the reduce-scatter by it). Every replica reads the
+gathered values, its own piece included, so replicas stay bit-identical. With ``overlap=True``
+the cross-host exchange is deferred to the end of the backward pass as above.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Optional
 
 import torch
@@ -26,8 +44,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from tagc.hooks.engine import PendingBucket, Segment, TAGCHook
+from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale
+from tagc.hooks.hierarchy import group_ranks, layout
+from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.transport import plain_reduce_scatter
 
 
 class TAGCReduceScatter(ReduceScatter):
@@ -38,6 +60,10 @@ class TAGCReduceScatter(ReduceScatter):
         self.module = module
         self._segments: Optional[tuple[Segment, ...]] = None
         self._label: Optional[str] = None
+        self.replicate: Optional[dist.ProcessGroup] = None
+        """HSDP: the replicate group; this object then reduce-scatters plainly inside the shard group."""
+        self._op = None  # the last reduce-scatter's op (HSDP: whether the all-reduce may be deferred)
+        self._host_stats: Optional[ExchangeStats] = None  # HSDP: the intra-host step's bytes, for the unit's stats
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -61,12 +87,35 @@ class TAGCReduceScatter(ReduceScatter):
         return list(groups[0].fsdp_params) if groups else []
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> Optional[dist.Work]:
+        self._op = op
+        if self.replicate is not None:  # HSDP: step 1 plain; the all-reduce hook compresses across hosts
+            self._host_step(output_tensor, input_tensor, group, op)
+            return None
         pending = self.hook.start(output_tensor, input_tensor, group, op, self.segments(), self.label)
         if self.hook.overlap and self._can_defer(output_tensor, op):
             _DEFERRED.add(self, pending)
         else:
             pending.wait()
         return None  # FSDP2 ignores a returned Work
+
+    def _host_step(self, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
+        """HSDP's intra-host reduce-scatter over the shard group: plain, fair, summed in float32 (blocking)."""
+        self.hook.verify(group)
+        world, chunk = dist.get_world_size(group), output.numel()
+        begin = time.perf_counter()
+        summed, sent = plain_reduce_scatter(input.view(world, chunk), group, self.hook.piece_bytes)
+        output.copy_(summed)
+        scale = op_scale(op, world)
+        if scale != 1.0:
+            output.div_(1.0 / scale)
+        remote = layout(group_ranks(group), dist.get_rank(), self.hook.ranks_per_host, dist.get_world_size())[1]
+        self._host_stats = ExchangeStats(wire_bytes=sent, plain_equivalent_bytes=(world - 1) * chunk * 4,
+                                         inter_host_bytes=remote * chunk * input.element_size(),
+                                         exposed_s=time.perf_counter() - begin)
+
+    def take_host_stats(self) -> ExchangeStats:
+        stats, self._host_stats = self._host_stats or ExchangeStats(), None
+        return stats
 
     def _can_defer(self, output: torch.Tensor, op) -> bool:
         """Whether FSDP2 will only take views of ``output`` before the backward pass ends: it divides
@@ -133,8 +182,115 @@ class _Deferred:
 _DEFERRED = _Deferred()
 
 
+@dataclasses.dataclass
+class _Pieces:
+    """A shard of ``numel`` elements cut for ``hosts`` replicas: each parameter's segment padded to a
+    multiple of ``hosts`` and cut into ``hosts`` pieces, so replica ``h``'s chunk holds piece ``h`` of
+    every parameter (the selection policy still sees parameters)."""
+
+    index: torch.Tensor  # [hosts, chunk]: positions in the shard, ``numel`` for padding (a zero appended)
+    inverse: torch.Tensor  # [numel]: where each shard position is in the flattened [hosts, chunk]
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def build(cls, segments: tuple[Segment, ...], numel: int, hosts: int, device: torch.device) -> "_Pieces":
+        if sum(s.numel for s in segments) != numel:  # e.g. parameters without a gradient: one segment
+            segments = (Segment("<shard>", 0, numel),)
+        columns, pieces, at = [], [], 0
+        for s in segments:
+            if s.numel == 0:
+                continue
+            per = -(-s.numel // hosts)
+            offsets = torch.arange(hosts * per, device="cpu")
+            columns.append(torch.where(offsets < s.numel, s.start + offsets, numel).view(hosts, per))
+            pieces.append(Segment(s.name, at, per, s.module, selected=s.selected))  # a piece is no matrix: no shape
+            at += per
+        index = torch.cat(columns, dim=1)
+        flat = index.reshape(-1)
+        kept = (flat < numel).nonzero().squeeze(1)
+        inverse = torch.empty(numel, dtype=torch.int64)
+        inverse[flat[kept]] = kept
+        return cls(index.to(device), inverse.to(device), tuple(pieces))
+
+
+class _ReplicaAllReduce:
+    """HSDP's all-reduce hook: the host-reduced shard all-reduced across the replicate group, compressed
+    (the engine's reduce-scatter over the replicas, then a dense all-gather), in place."""
+
+    def __init__(self, comm: TAGCReduceScatter, param_group) -> None:
+        self.comm = comm
+        self.param_group = param_group
+        self._pieces: dict[tuple, _Pieces] = {}
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        comm, hook, group = self.comm, self.comm.hook, self.comm.replicate
+        if not self.param_group.all_reduce_grads:
+            raise ValueError("TAGC on an HSDP mesh all-reduces every backward: set_requires_all_reduce(False) "
+                             "(accumulating without the all-reduce) is not supported")
+        hosts = dist.get_world_size(group)
+        numel = reduce_output.numel()
+        key = (numel, hosts, reduce_output.device)
+        if key not in self._pieces:
+            self._pieces[key] = _Pieces.build(comm.segments(), numel, hosts, reduce_output.device)
+        pieces = self._pieces[key]
+        rows = torch.cat([reduce_output.reshape(-1), reduce_output.new_zeros(1)])[pieces.index]
+        chunk = reduce_output.new_empty(pieces.index.shape[1])
+        # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
+        op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label)
+        gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
+        remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
+        row_bytes = chunk.numel() * gather_dtype.itemsize
+        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=(hosts - 1) * chunk.numel() * 4,
+                                 inter_host_bytes=remote * row_bytes)  # a ring all-gather's volume
+        pending.stats.add(comm.take_host_stats())
+        pending.stats.add(gathered)
+        finish = _PendingAllReduce(pending, reduce_output, pieces, group, gather_dtype)
+        if hook.overlap and comm._can_defer(reduce_output, comm._op):
+            _DEFERRED.add(comm, finish)
+        else:
+            finish.wait()
+
+
+class _PendingAllReduce:
+    """A replica all-reduce in flight: :meth:`wait` finishes the compressed reduce-scatter, all-gathers
+    the reduced pieces and writes the shard in place."""
+
+    def __init__(self, pending: PendingBucket, output: torch.Tensor, pieces: _Pieces, group, dtype: torch.dtype) -> None:
+        self.pending, self.output, self.pieces, self.group, self.dtype = pending, output, pieces, group, dtype
+
+    def wait(self) -> torch.Tensor:
+        chunk = self.pending.wait().to(self.dtype)
+        begin = time.perf_counter()
+        gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
+        dist.all_gather_single(gathered, chunk, group=self.group)
+        self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
+        self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
+        return self.output
+
+
+def _split_hsdp(param_group, comm: TAGCReduceScatter) -> None:
+    """Make an HSDP parameter group reduce-scatter over its shard group only, and all-reduce across the
+    replicas through ``comm``'s hook (module docstring). Idempotent: a second hook replaces the first."""
+    info = getattr(param_group, "_tagc_hsdp_mesh_info", None) or param_group.mesh_info
+    if info.is_spmd_mesh:
+        raise ValueError("TAGC's HSDP support takes a (replicate, shard) mesh, not an SPMD mesh with dp_mesh_dims")
+    if param_group._all_reduce_hook is not None and not isinstance(param_group._all_reduce_hook, _ReplicaAllReduce):
+        raise ValueError("this HSDP module already has an all-reduce hook (set_all_reduce_hook): TAGC needs that hook point")
+    if not hasattr(param_group, "_tagc_hsdp_mesh_info"):  # the first TAGC hook on this group
+        shard = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim)
+        shard.reduce_scatter_process_group = info.reduce_scatter_process_group
+        if param_group.post_forward_mesh_info is param_group.mesh_info:
+            param_group.post_forward_mesh_info = shard  # else FSDP2 would see a different post-forward mesh
+        param_group.mesh_info = shard
+        param_group._tagc_hsdp_mesh_info = info
+    comm.replicate = info.replicate_process_group
+    param_group._all_reduce_hook = _ReplicaAllReduce(comm, param_group)
+
+
 def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
-    """Install ``hook`` on every ``fully_shard`` module of ``model``; returns how many."""
+    """Install ``hook`` on every ``fully_shard`` module of ``model``; returns how many. HSDP modules
+    reduce in two steps: plainly inside the shard group, compressed across the replicas."""
     installed = 0
     paths = {id(module): name for name, module in model.named_modules()}
     for module in model.modules():
@@ -142,11 +298,14 @@ def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
             state = module._get_fsdp_state()
             if not state._fsdp_param_groups:
                 continue
-            group = state._fsdp_param_groups[0].mesh_info
-            if getattr(group, "replicate_mesh_dim", None) is not None:
-                raise ValueError("TAGC does not support HSDP (replicate + shard meshes) yet; use a 1-D FSDP mesh")
             comm = TAGCReduceScatter(hook, module)
             comm._label = paths.get(id(module)) or "<root>"
+            groups = state._fsdp_param_groups
+            hsdp = [g for g in groups if isinstance(g.mesh_info, HSDPMeshInfo) or hasattr(g, "_tagc_hsdp_mesh_info")]
+            if hsdp and len(groups) > 1:
+                raise ValueError("TAGC supports HSDP modules with one parameter group (no per-parameter meshes)")
+            if hsdp:
+                _split_hsdp(groups[0], comm)
             module.set_custom_reduce_scatter(comm)
             installed += 1
     return installed

@@ -18,6 +18,15 @@ segments and gives the unit's bucket the hook's exchange:
 One collective per bucket lets Inductor's ``sink_waits`` move its wait past the next block's
 backward compute (it does not sink a wait past a later collective).
 
+When the group spans several hosts (the hook's ``hierarchy="auto"`` with ``ranks_per_host``,
+:mod:`tagc.hooks.hierarchy`), :func:`bind` creates the local and cross subgroups, and the traced
+exchange first reduces inside the host with a functional all-to-all and a float32 sum (the
+eager engine's arithmetic, so both paths agree bit for bit), then runs the three steps above
+on the cross group::
+
+    block = all_to_all_single(packed as [G, H*S], local).sum(0)   # host-reduced [H, S]
+    wire = tagc::encode(block); wire = all_to_all_single(wire, cross); chunk = tagc::decode(wire, ...)
+
 The adapter installs itself through SimpleFSDP's reduce-scatter hook point
 (``model.register_comm_hook``, :data:`fsdp_integration.simple_fsdp.CommHook`), which
 :func:`tagc.register_comm_hook` calls with :func:`bind`; it reads a unit by duck typing
@@ -43,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from tagc.hooks.hierarchy import Topology
 from tagc.hooks.segment import Segment
 
 
@@ -54,6 +64,13 @@ class _Binding:
     group: dist.ProcessGroup
     segments: tuple[Segment, ...]
     unit: str
+    topology: Optional[Topology] = None
+    """The group's topology (hierarchical: the codec's halves run on its cross group)."""
+
+    @property
+    def codec_group(self) -> dist.ProcessGroup:
+        """The group :func:`encode` and :func:`decode` exchange over: the cross group when hierarchical."""
+        return self.topology.cross if self.topology is not None and self.topology.hierarchical else self.group
 
 
 _registry: "weakref.WeakValueDictionary[int, _Binding]" = weakref.WeakValueDictionary()
@@ -62,6 +79,10 @@ _handles = itertools.count()
 
 def _world(handle: int) -> int:
     return dist.get_world_size(_registry[handle].group)
+
+
+def _codec_world(handle: int) -> int:
+    return dist.get_world_size(_registry[handle].codec_group)
 
 
 @torch.library.custom_op("tagc::reduce_scatter", mutates_args=())
@@ -82,13 +103,13 @@ def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
 def encode(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals)."""
     binding = _registry[handle]
-    return binding.hook.encode_bucket(packed, binding.group, binding.segments)
+    return binding.hook.encode_bucket(packed, binding.codec_group, binding.segments)
 
 
 @encode.register_fake
 def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
     binding = _registry[handle]
-    world = _world(handle)
+    world = _codec_world(handle)
     return packed.new_empty(world, binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype),
                             dtype=torch.uint8)
 
@@ -97,7 +118,7 @@ def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
 def decode(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
     binding = _registry[handle]
-    return binding.hook.decode_bucket(received, binding.group, binding.segments, chunk, dtype)
+    return binding.hook.decode_bucket(received, binding.codec_group, binding.segments, chunk, dtype, topology=binding.topology)
 
 
 @decode.register_fake
@@ -111,13 +132,27 @@ def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
 
 def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     """The exchange as custom ops around functional collectives (fixed shapes; see the module docstring)."""
-    group = _registry[handle].group
-    return _traced(packed, handle, group, dist.get_world_size(group))
+    binding = _registry[handle]
+    topo = binding.topology
+    if topo is not None and topo.hierarchical:
+        return _traced_hierarchical(packed, handle, topo)
+    return _traced(packed, handle, binding.group, dist.get_world_size(binding.group))
 
 
 def _traced(packed: torch.Tensor, handle: int, group, world: int) -> torch.Tensor:
     received = _all_to_all(encode(packed, handle), group)
     return decode(received, handle, packed.numel() // world, packed.dtype)
+
+
+def _traced_hierarchical(packed: torch.Tensor, handle: int, topo: Topology) -> torch.Tensor:
+    """Step 1 with a functional all-to-all on the local group (row ``l`` of the ``[G, H*S]`` view
+    to local rank ``l``) and a float32 sum, as :func:`tagc.hooks.hierarchy.host_reduce`; step 2,
+    the codec's halves on the cross group."""
+    hosts, per = topo.hosts, topo.per_host
+    chunk = packed.numel() // topo.world
+    send = packed.view(hosts, per, chunk).transpose(0, 1).reshape(per, hosts * chunk)
+    block = _all_to_all(send, topo.local).sum(dim=0, dtype=torch.float32).to(packed.dtype)
+    return _traced(block, handle, topo.cross, hosts)
 
 
 def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
@@ -135,13 +170,18 @@ def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tens
         for entry, module in zip(bucket.entries, unit.owner_modules)
     )
     handle = next(_handles)
-    binding = _Binding(hook, bucket.group, segments, unit.name)
+    # every rank binds the same units in the same order: the subgroups of a hierarchical topology are made here
+    topo = hook.topology(bucket.group) if bucket.world > 1 else None
+    binding = _Binding(hook, bucket.group, segments, unit.name, topo)
     _registry[handle] = binding
-    traced = hook.traceable(segments, bucket.chunk, bucket.world)
+    hierarchical = topo is not None and topo.hierarchical
+    traced = hook.traceable(segments, bucket.chunk, topo.hosts if hierarchical else bucket.world)
 
     def hooked(packed: torch.Tensor) -> torch.Tensor:
-        if traced and torch.compiler.is_compiling():
-            return _traced(packed, handle, bucket.group, bucket.world)  # no registry look-up in traced code
+        if traced and torch.compiler.is_compiling():  # no registry look-up in traced code
+            if hierarchical:
+                return _traced_hierarchical(packed, handle, topo)
+            return _traced(packed, handle, bucket.group, bucket.world)
         return reduce_scatter(packed, handle)
 
     def hooked_start(packed: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -15,7 +15,14 @@ class ExchangeStats:
     compressed_buckets: int = 0
     nonfinite_parts: int = 0
     wire_bytes: int = 0
+    """Every byte this rank sent (both steps of a hierarchical exchange)."""
     plain_equivalent_bytes: int = 0
+    """What a flat fp32 reduce-scatter of the same buckets over the whole group would send (ring
+    volume, ``(N-1)/N`` of the bucket), hierarchical or not; FSDP2 HSDP: native HSDP's fp32 volume
+    (the intra-host reduce-scatter and a ring all-reduce across hosts)."""
+    inter_host_bytes: int = 0
+    """The part of ``wire_bytes`` sent to ranks on other hosts (0 on one host, or when the hook does
+    not know the hosts: ``ranks_per_host``). ``fallback="raw"``'s re-sends are not split by host."""
     support: int = 0
     peeled: int = 0
     unpeeled: int = 0
