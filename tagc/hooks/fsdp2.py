@@ -19,7 +19,7 @@ a reduction FSDP2 divides after the call (SUM: fp16, or ``set_force_sum_reductio
 **HSDP** (a 2-D ``(replicate, shard)`` mesh). FSDP2 reduce-scatters over the shard group and
 then all-reduces over the replicate group with a hard-coded ``dist.all_reduce`` that no hook
 replaces (``set_all_reduce_hook`` runs after it). :func:`register_fsdp2` therefore gives each
-HSDP parameter group an ``FSDPMeshInfo`` over the shard dimension alone (same mesh): FSDP2 then
+HSDP parameter group an ``FSDPMeshInfo`` over the shard dimension alone (same mesh; docs/design.md §11): FSDP2 then
 reduce-scatters over the shard (intra-host) group, skips its all-reduce and divides by the
 shard group's size only, while the parameters keep their own HSDP mesh info, so their DTensor
 gradients keep ``(Replicate, Shard)`` placements. The intra-host reduce-scatter stays plain

@@ -4,7 +4,7 @@ Ranks are numbered host-major, as torchrun numbers them: global rank ``r`` is on
 ``r // G`` with local index ``r % G`` (``G`` ranks per host, the hook's ``ranks_per_host`` or
 torchrun's ``LOCAL_WORLD_SIZE``). A flat reduce-scatter over ``N = H * G`` ranks compresses
 traffic between ranks of one host too, and plans the codec's density for ``N`` ranks. The
-hierarchical exchange (docs/design.md, "Several hosts") instead
+hierarchical exchange (docs/design.md §11) instead
 
 1. reduces plainly inside each host: rank ``(h, l)`` receives, summed over its host's ``G``
    ranks, the ``H`` chunks owned by ranks ``(h', l)`` (:func:`host_reduce`: the rows ``[N, C]``
