@@ -86,8 +86,13 @@ def _engine(rank, world):
     owed = torch.stack([sum(holds[h * PER_HOST + (j % PER_HOST)][j // PER_HOST] for h in range(HOSTS)) for j in range(world)])
     put_in = sum(_grad(step, r).double() for step in range(3) for r in range(world)).float()
     feedback = ((torch.stack(received) + owed - put_in).norm() / put_in.norm()).item()
-    return {"plain_error": plain_error, "checks": checks, "residuals": residuals, "feedback": feedback,
-            "stats": hook.stats()["total"], "density": hook.config.density(HOSTS), "state": sorted(hook.state_dict())}
+    stats, state = hook.stats()["total"], hook.state_dict()
+    # a checkpoint of the H-row residuals resumes exactly
+    resumed = tagc.hook(ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
+    resumed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    resumes = bool(torch.equal(_exchange(resumed, _grad(9, rank)), _exchange(hook, _grad(9, rank))))
+    return {"plain_error": plain_error, "checks": checks, "residuals": residuals, "feedback": feedback, "stats": stats,
+            "density": hook.config.density(HOSTS), "state": sorted(state), "resumes": resumes}
 
 
 def test_hierarchical_reduce_scatter_is_exact_and_keeps_error_feedback():
@@ -97,7 +102,7 @@ def test_hierarchical_reduce_scatter_is_exact_and_keeps_error_feedback():
         assert max(errors) <= 1e-6 and all(same_support)
         assert result["feedback"] <= 1e-6
         assert result["residuals"] == {f"mlp.c_fc.weight#{CHUNK}": [(HOSTS, CHUNK - 500)]}  # H rows, not N
-        assert any(key.startswith("residual.rank") for key in result["state"])
+        assert any(key.startswith("residual.rank") for key in result["state"]) and result["resumes"]
         stats = result["stats"]
         assert stats["unpeeled"] == 0 and stats["compressed_buckets"] == 3
         # the support the owner decodes is the union over H ranks, selected at the density planned for H
@@ -185,7 +190,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
-def _shard(model: nn.Module, mesh, divide=None) -> nn.Module:
+def _shard(model: nn.Module, mesh, divide=None, native: bool = True) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in (model[0], model[2]):
@@ -194,7 +199,7 @@ def _shard(model: nn.Module, mesh, divide=None) -> nn.Module:
     if divide is not None:
         for module in (model, model[0], model[2]):
             module.set_gradient_divide_factor(divide)
-            module.set_force_sum_reduction_for_comms(not hasattr(module, "_tagc"))  # gloo has no PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(native)  # gloo has no PREMUL_SUM; TAGC takes it
     return model
 
 
@@ -202,11 +207,7 @@ def _fsdp2_runs(rank, world, mesh, variants: dict, steps: int = 2):
     """Train one model per variant (``None``: plain FSDP2) on the same batches; every step's gradients."""
     models, hooks, grads = {}, {}, {name: [] for name in variants}
     for name, (options, divide) in variants.items():
-        model = _mlp()
-        if options is not None:
-            for module in model.modules():
-                module._tagc = True
-        models[name] = _shard(model, mesh, divide)
+        models[name] = _shard(_mlp(), mesh, divide, native=options is None)
         if options is not None:
             hooks[name] = tagc.hook(**options)
             tagc.register_comm_hook(models[name], hooks[name])
