@@ -168,7 +168,7 @@ class TrainConfig:
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
         if self.hosts > 1:
-            algo += "-hsdp" if self.hsdp else "-flat" if self.hierarchy == "flat" and self.compression != "none" else ""
+            algo += "-hsdp" if self.hsdp else "-flat" if self.hierarchy == "flat" else ""
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
 
     def to_json(self) -> str:

@@ -166,7 +166,8 @@ class Launch:
         try:
             while any(proc.poll() is None for proc in self.procs):
                 now = time.monotonic()
-                if failed_at is None and any(proc.returncode not in (None, 0) for proc in self.procs):
+                if failed_at is None and (any(proc.returncode not in (None, 0) for proc in self.procs)
+                                          or any(echo.root for echo in self._echoes)):  # a host's torchrun may linger after its report
                     failed_at = now
                 if failed_at is not None and now - failed_at > grace_s:
                     break
@@ -178,7 +179,7 @@ class Launch:
             for echo in self._echoes:
                 echo.join(timeout=5)
         codes = [proc.returncode for proc in self.procs]
-        if all(code == 0 for code in codes):
+        if all(code == 0 for code in codes) and not any(echo.root for echo in self._echoes):
             return
         failures = self.failures()
         if failures:
