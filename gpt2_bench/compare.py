@@ -14,6 +14,7 @@ non-overlapped plain step). ``--no-overlap`` runs everything the old, blocking w
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods
+from gpt2_bench.compare_hosts import HOST_METHODS, hosts_report, parse_host_methods
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link, summarise
 from testbed.link import parse_rate
@@ -252,6 +254,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 RUN_ATTEMPTS = 3
 """Every run the compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.launch.run`."""
+HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "steps": 12, "eval_interval": 12, "compression": "all",
+                  "integration": "fsdp2", "dense_steps": 2, "block_size": 64, "out_dir": "bench_out/hosts"}
+"""The defaults with ``--hosts``: the tiny preset, all layers compressed, a 100 Mbit/s link per host."""
+
 QUALITY_CHECKPOINTS = 6
 """A quality run checkpoints this many times, so a crash costs at most a sixth of it."""
 
@@ -600,10 +606,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 60 steps of 4x128 tokens per rank (~15 min on 2 CPU cores), TAGC dense for the first 10 (``--dense-steps 0`` to see
     # plain top-k from step 0: +11% val loss at 30 steps, the early LM-head moves that error feedback spreads out).
     parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20, dense_steps=10)
+    hosts_probe = argparse.ArgumentParser(add_help=False)
+    hosts_probe.add_argument("--hosts", type=int, default=1)
+    if hosts_probe.parse_known_args(argv)[0].hosts > 1:  # emulated hosts: a short job per method on the tiny model
+        parser.set_defaults(**HOSTS_DEFAULTS)
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
     parser.add_argument("--methods", default="paper",
                         help=f"comma-separated methods: {', '.join(METHODS)}; 'peers' for all of them; "
-                             f"default 'paper' ({', '.join(PAPER_METHODS)}, in the paper's table)")
+                             f"default 'paper' ({', '.join(PAPER_METHODS)}, in the paper's table). With --hosts: "
+                             f"{', '.join(HOST_METHODS)} (default: all; defaults then {HOSTS_DEFAULTS})")
     parser.add_argument("--shares", default=None,
                         help="comma-separated shares to sweep (e.g. 0.31,0.6,0.9): one scaled link per share, every method "
                              "timed on each, and a speed-up-against-share plot")
@@ -619,6 +630,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quality-dense-steps", type=int, default=None,
                         help="the quality runs' dense warm-up for error-feedback codecs (default: --dense-steps)")
     args = parser.parse_args(argv)
+    if args.hosts > 1:
+        return _hosts_main(parser, args)
     try:
         methods = parse_methods(args.methods)
         shares = [float(x) for x in args.shares.split(",")] if args.shares else [args.link_share]
@@ -680,6 +693,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(public, indent=2) + "\n")
     print(f"\nreport: {report}\nplot:   {out / 'loss.png'}", file=sys.stderr)
+    return 0
+
+
+def _hosts_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        methods = tuple(HOST_METHODS) if args.methods == "paper" else parse_host_methods(args.methods)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    from gpt2_bench.config import config_from_args
+
+    base = config_from_args(args)
+    rows, report = hosts_report(base, methods, args.rounds)
+    print(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\nreport: {Path(base.out_dir) / 'hosts.md'}", file=sys.stderr)
     return 0
 
 
