@@ -601,12 +601,15 @@ class TAGCHook:
 
     @strict.counted
     def decode_bucket(self, received: torch.Tensor, group, segments: Sequence[Segment], chunk: int,
-                      dtype: torch.dtype, op=dist.ReduceOp.AVG, topology: Optional[Topology] = None) -> torch.Tensor:
+                      dtype: torch.dtype, op=dist.ReduceOp.AVG, topology: Optional[Topology] = None,
+                      into: Optional[ExchangeStats] = None) -> torch.Tensor:
         """Second half: every rank's row of :meth:`encode_bucket`'s bytes (row ``j`` from rank ``j``)
         -> this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's).
 
         ``topology``: the whole group's, when ``group`` is its cross group (a hierarchical exchange):
-        ``op`` then scales over the whole group, and the bytes count its intra-host step."""
+        ``op`` then scales over the whole group, and the bytes count its intra-host step.
+        ``into``: add the statistics there instead of recording them (a caller that decodes several
+        chunks of one exchange records them once)."""
         world = dist.get_world_size(group)
         plan = self._plan(tuple(segments), chunk, world)
         whole = topology if topology is not None and topology.hierarchical else None
@@ -624,7 +627,10 @@ class TAGCHook:
             summed[part.index(summed.device)] = self._decode_part(part, part_received, group, stats)
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
         _scale_into(output, summed, op_scale(op, full))
-        self._record(stats, None)
+        if into is not None:
+            into.add(stats)
+        else:
+            self._record(stats, None)
         if self.nonfinite == "raise" and bool(stats.nonfinite_parts):  # no host read under "propagate"
             raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank (nonfinite='raise')")
         return output

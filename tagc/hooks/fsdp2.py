@@ -237,8 +237,15 @@ class _ReplicaAllReduce:
         chunk = reduce_output.new_empty(pieces.index.shape[1])
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
-        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label)
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
+        if _gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
+            finish = _GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
+            if hook.overlap and comm._can_defer(reduce_output, comm._op):
+                _DEFERRED.add(comm, finish)
+            else:
+                finish.wait()
+            return
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label)
         remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
         row_bytes = chunk.numel() * gather_dtype.itemsize
         gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=(hosts - 1) * chunk.numel() * 4,
@@ -266,6 +273,65 @@ class _PendingAllReduce:
         dist.all_gather_single(gathered, chunk, group=self.group)
         self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
         self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
+        return self.output
+
+
+def _gathers_wires(hook: TAGCHook, segments: tuple[Segment, ...], chunk: torch.Tensor, hosts: int,
+                   gather_dtype: torch.dtype, group) -> bool:
+    """Whether to all-reduce by gathering every replica's wire (:class:`_GatheredWires`) instead of a
+    compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
+    against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
+    warm-up), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
+    the same bits: on the CPU, or with ``torch.use_deterministic_algorithms(True)`` (a CUDA
+    scatter-add sums in any order, and replicas must stay identical)."""
+    if hook.step_count < hook.dense_steps or not hook.codec.compresses:
+        return False
+    if chunk.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
+        return False
+    plan = hook._plan(segments, chunk.numel(), hosts)
+    if not plan.compressed or not all(part.codec.traceable() for part in plan.parts):
+        return False
+    row_bytes = hook.wire_row_bytes(segments, chunk.numel(), hosts, chunk.dtype)
+    return hosts * row_bytes < row_bytes + chunk.numel() * gather_dtype.itemsize
+
+
+class _GatheredWires:
+    """A replica all-reduce that gathers wires: each replica encodes its ``[H, chunk]`` pieces once
+    (:meth:`TAGCHook.encode_bucket`), one all-gather hands every replica every wire, and every
+    replica decodes all ``H`` pieces (:meth:`TAGCHook.decode_bucket`). The same bytes, decoded by
+    the same deterministic code, give bit-identical replicas; the decoded values are exact where
+    the codec is (TAGC: the support, and each value within the cells' float32 rounding)."""
+
+    def __init__(self, hook: TAGCHook, rows: torch.Tensor, output: torch.Tensor, pieces: _Pieces, group, op,
+                 host_stats: ExchangeStats) -> None:
+        self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
+        self.chunk = rows.shape[1]
+        self.dtype = rows.dtype
+        start = time.perf_counter()
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)  # uint8 [H, B]: piece h's row for replica h
+        self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
+        self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
+        self.stats = host_stats
+        self.stats.add(ExchangeStats(compress_s=time.perf_counter() - start))
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if self.done:
+            return self.output
+        begin = time.perf_counter()
+        self.work.wait()
+        self.stats.add(ExchangeStats(exposed_s=time.perf_counter() - begin))
+        hosts = self.gathered.shape[0]
+        pieces = ExchangeStats()
+        decoded = torch.stack([self.hook.decode_bucket(self.gathered[:, h], self.group, self.pieces.segments, self.chunk,
+                                                       self.dtype, self.op, into=pieces) for h in range(hosts)])
+        # one exchange: H decodes of one bucket, each counting the (H-1) rows it received, are what every rank sent
+        pieces.buckets, pieces.compressed_buckets = 1, 1
+        pieces.plain_equivalent_bytes = 2 * (hosts - 1) * self.chunk * 4  # a fp32 ring all-reduce, as the other path counts
+        self.stats.add(pieces)
+        self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
+        self.hook._record(self.stats, None)
+        self.done = True
         return self.output
 
 
