@@ -30,6 +30,7 @@ ALLOWED_HOST_FACTORIES = {
     ("powersgd.py", "_q"): "drawn from a host generator (the same Q on every device type), moved .to(device) before use",
     ("powersgd.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("quantized.py", "state_dict"): "a checkpoint counter, never exchanged",
+    ("fsdp2.py", "build"): "an HSDP shard's piece layout, built once per shard size on the host, moved .to(device) before use",
 }
 """Tensor factories in tagc/hooks allowed on the host (no ``device=``, or ``device="cpu"``)."""
 

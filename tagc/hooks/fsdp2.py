@@ -208,7 +208,7 @@ class _Pieces:
         index = torch.cat(columns, dim=1)
         flat = index.reshape(-1)
         kept = (flat < numel).nonzero().squeeze(1)
-        inverse = torch.empty(numel, dtype=torch.int64)
+        inverse = torch.empty(numel, dtype=torch.int64, device="cpu")
         inverse[flat[kept]] = kept
         return cls(index.to(device), inverse.to(device), tuple(pieces))
 
