@@ -16,26 +16,18 @@ exit; namespaces are made with ``ip netns`` (root). Rates and tbf sizes: :mod:`t
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
-import shutil
 import subprocess
-import threading
 from typing import Sequence, Union
 
-from testbed.link import LinkError, SignalUnwind, format_rate, parse_rate, tbf_params
+from testbed.link import LinkError, Namespaces, format_rate, parse_rate, tbf_params
 
 __all__ = ["EmulatedHosts", "SUBNET"]
 
 SUBNET = "198.18.0"
 """Host ``i`` is ``198.18.0.(i+1)``; the range is reserved for benchmarks (RFC 2544)."""
-
-_ACTIVE: "set[EmulatedHosts]" = set()
-_LOCK = threading.Lock()
-atexit.register(lambda: [hosts.close() for hosts in list(_ACTIVE)])
-
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
@@ -50,7 +42,7 @@ def _tc(namespace: str, *args: str) -> None:
         raise LinkError(f"`tc -n {namespace} {' '.join(args)}` failed: {result.stderr.strip()}; refusing to run unshaped")
 
 
-class EmulatedHosts:
+class EmulatedHosts(Namespaces):
     """``hosts`` namespaces, each with a full-duplex link of ``rate`` into one switch (context manager).
 
     Args:
@@ -65,8 +57,9 @@ class EmulatedHosts:
         self.rate_bps = parse_rate(rate) if rate is not None else None
         self.name = f"tagc{os.getpid() % 100000}{secrets.token_hex(2)}"
         self.namespaces: list[str] = []
-        self._closed = True
-        self._signals = SignalUnwind()
+        super().__init__()
+
+    what = "hosts"
 
     @property
     def switch(self) -> str:
@@ -81,31 +74,13 @@ class EmulatedHosts:
 
     # ------------------------------------------------------------------ setup / teardown
 
-    def __enter__(self) -> "EmulatedHosts":
-        self.open()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def open(self) -> None:
-        """Create the switch and the hosts, address and shape every veth (raises :class:`LinkError`)."""
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                raise LinkError(f"'{tool}' (iproute2) is not installed; cannot emulate hosts")
-        self._closed = False
-        with _LOCK:
-            _ACTIVE.add(self)
-        self._signals.install()
-        try:
-            self._add_namespace(self.switch)
-            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.switch, "link", "set", "br0", "up")
-            for host in range(self.hosts):
-                self._add_host(host)
-        except BaseException:
-            self.close()
-            raise
+    def _create(self) -> None:
+        """Create the switch and the hosts, address and shape every veth."""
+        self._add_namespace(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for host in range(self.hosts):
+            self._add_host(host)
 
     def _add_namespace(self, name: str) -> None:
         result = _ip("netns", "add", name, check=False)
@@ -115,13 +90,10 @@ class EmulatedHosts:
         _ip("-n", name, "link", "set", "lo", "up")
 
     def _add_host(self, host: int) -> None:
-        ns, port, nic = self.namespace(host), f"p{host}", f"{self.name[-6:]}v{host}"
+        ns, port = self.namespace(host), f"p{host}"
         self._add_namespace(ns)
-        _ip("link", "add", nic, "type", "veth", "peer", "name", f"{nic}s")  # made here, then moved into the namespaces
-        _ip("link", "set", nic, "netns", ns)
-        _ip("link", "set", f"{nic}s", "netns", self.switch)
-        _ip("-n", ns, "link", "set", nic, "name", "eth0")
-        _ip("-n", self.switch, "link", "set", f"{nic}s", "name", port)
+        # made inside the host, its peer inside the switch: nothing ever sits in this machine's namespace
+        _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch)
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", self.switch, "link", "set", port, "master", "br0")
@@ -132,29 +104,16 @@ class EmulatedHosts:
             _tc(ns, "qdisc", "add", "dev", "eth0", *shape)  # the host's upload
             _tc(self.switch, "qdisc", "add", "dev", port, *shape)  # its download
 
-    def close(self) -> None:
-        """Remove every namespace (their veths go with them); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _remove(self) -> None:
+        """Remove every namespace (their veths go with them)."""
         for name in reversed(self.namespaces):
-            if _ip("netns", "del", name, check=False).returncode != 0 and name in self.list_netns():
-                threading.Event().wait(0.2)  # a process may still have been leaving it
-                _ip("netns", "del", name, check=False)
+            self._delete_netns(name)
         self.namespaces = []
-        with _LOCK:
-            _ACTIVE.discard(self)
-        self._signals.restore()
 
     def exists(self) -> bool:
         """Whether any of this set's namespaces is still there."""
         present = set(self.list_netns())
         return any(name.startswith(self.name + "-") for name in present)
-
-    @staticmethod
-    def list_netns() -> list[str]:
-        result = _ip("netns", "list", check=False)
-        return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
     # ------------------------------------------------------------------ running inside, counting
 

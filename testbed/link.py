@@ -24,7 +24,7 @@ import subprocess
 import threading
 from typing import Mapping, Optional, Sequence, Union
 
-__all__ = ["LinkError", "ShapedLink", "SignalUnwind", "parse_rate", "format_rate", "tbf_params"]
+__all__ = ["LinkError", "Namespaces", "ShapedLink", "SignalUnwind", "parse_rate", "format_rate", "tbf_params"]
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -116,23 +116,87 @@ class SignalUnwind:
         self._old.clear()
 
 
-_ACTIVE: "set[ShapedLink]" = set()
+_ACTIVE: "set[Namespaces]" = set()
 _LOCK = threading.Lock()
 
 
 def _cleanup_all() -> None:
-    for link in list(_ACTIVE):
-        link.close()
+    for namespaces in list(_ACTIVE):
+        namespaces.close()
 
 
 atexit.register(_cleanup_all)
+
+
+class Namespaces:
+    """Network namespaces that are always removed (a context manager): :meth:`close` runs on normal
+    exit, on exceptions, on Ctrl-C and SIGTERM/SIGHUP (:class:`SignalUnwind`), and at interpreter
+    exit. Subclasses make them in :meth:`_create` and remove them in :meth:`_remove`."""
+
+    what = "network namespaces"
+    """For error messages: what could not be emulated."""
+
+    def __init__(self) -> None:
+        self._signals = SignalUnwind()
+        self._closed = True
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Make the namespaces (raises :class:`LinkError`; nothing is left behind on failure)."""
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise LinkError(f"'{tool}' (iproute2) is not installed; cannot emulate {self.what}")
+        self._closed = False
+        with _LOCK:
+            _ACTIVE.add(self)
+        self._signals.install()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove what :meth:`open` made (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._remove()
+        finally:
+            with _LOCK:
+                _ACTIVE.discard(self)
+            self._signals.restore()
+
+    def _create(self) -> None:
+        raise NotImplementedError
+
+    def _remove(self) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def list_netns() -> list[str]:
+        """Names from ``ip netns list``."""
+        result = _run(["ip", "netns", "list"], check=False)
+        return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+    def _delete_netns(self, name: str) -> None:
+        if _run(["ip", "netns", "del", name], check=False).returncode != 0 and name in self.list_netns():
+            threading.Event().wait(0.2)  # one retry: a process may still have been leaving the namespace
+            _run(["ip", "netns", "del", name], check=False)
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
 
 
-class ShapedLink:
+class ShapedLink(Namespaces):
     """A private network namespace whose loopback is shaped to ``rate`` per rank (context manager).
 
     Args:
@@ -154,46 +218,29 @@ class ShapedLink:
         self.qdisc = ""
         self._holder: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
-        self._signals = SignalUnwind()
-        self._closed = True
+        super().__init__()
+
+    what = "a shaped link"
 
     # ------------------------------------------------------------------ setup / teardown
 
-    def __enter__(self) -> "ShapedLink":
-        self.open()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def open(self) -> None:
-        """Create the namespace, bring ``lo`` up and shape it (raises :class:`LinkError`)."""
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                raise LinkError(f"'{tool}' (iproute2) is not installed; cannot emulate a shaped link")
-        self._closed = False
-        with _LOCK:
-            _ACTIVE.add(self)
-        self._signals.install()
-        try:
-            errors = []
-            if self.mode in ("auto", "netns"):
-                try:
-                    self._open_netns()
-                except LinkError as err:
-                    errors.append(str(err))
-                    if self.mode == "netns":
-                        raise
-            if self.kind is None:
-                try:
-                    self._open_unshare()
-                except LinkError as err:
-                    errors.append(str(err))
-                    raise LinkError("cannot create a network namespace for the shaped link:\n  " + "\n  ".join(errors)) from None
-            self._shape()
-        except BaseException:
-            self.close()
-            raise
+    def _create(self) -> None:
+        """Create the namespace, bring ``lo`` up and shape it."""
+        errors = []
+        if self.mode in ("auto", "netns"):
+            try:
+                self._open_netns()
+            except LinkError as err:
+                errors.append(str(err))
+                if self.mode == "netns":
+                    raise
+        if self.kind is None:
+            try:
+                self._open_unshare()
+            except LinkError as err:
+                errors.append(str(err))
+                raise LinkError("cannot create a network namespace for the shaped link:\n  " + "\n  ".join(errors)) from None
+        self._shape()
 
     def _open_netns(self) -> None:
         result = _run(["ip", "netns", "add", self.name], check=False)
@@ -240,11 +287,8 @@ class ShapedLink:
         if self.rate_bps is not None and "tbf" not in self.qdisc:
             raise LinkError(f"tbf qdisc missing on lo after setup ({self.qdisc!r}); refusing to run unshaped")
 
-    def close(self) -> None:
-        """Stop the processes this link started and remove the namespace (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _remove(self) -> None:
+        """Stop the processes this link started and remove the namespace."""
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -254,11 +298,7 @@ class ShapedLink:
             except subprocess.TimeoutExpired:
                 pass
         if self.kind == "netns" or (self.kind is None and self.mode != "unshare"):
-            result = _run(["ip", "netns", "del", self.name], check=False)
-            if result.returncode != 0 and self.name in self.list_netns():
-                # one retry: a process may still have been leaving the namespace
-                threading.Event().wait(0.2)
-                _run(["ip", "netns", "del", self.name], check=False)
+            self._delete_netns(self.name)
         if self._holder is not None:
             if self._holder.poll() is None:
                 self._holder.kill()
@@ -266,9 +306,6 @@ class ShapedLink:
                 self._holder.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        with _LOCK:
-            _ACTIVE.discard(self)
-        self._signals.restore()
 
     # ------------------------------------------------------------------ running inside
 
@@ -296,12 +333,6 @@ class ShapedLink:
         if self.kind == "unshare":
             return self._holder is not None and self._holder.poll() is None
         return False
-
-    @staticmethod
-    def list_netns() -> list[str]:
-        """Names from ``ip netns list``."""
-        result = _run(["ip", "netns", "list"], check=False)
-        return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
     def describe(self) -> str:
         """One line: rate, tbf, how the namespace was made."""

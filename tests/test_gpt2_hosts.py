@@ -13,6 +13,7 @@ from gpt2_bench.launch import run
 from tests.test_testbed_hosts import needs_netns
 
 
+@pytest.mark.slow  # two torchrun jobs on emulated hosts: ~30 s
 @needs_netns
 def test_hsdp_tagc_on_two_hosts_sends_what_the_hook_counts_and_matches_hierarchical_tagc(tmp_path):
     """2 hosts x 2 ranks, tiny preset, all layers, 100 Mbit/s: with HSDP only the gradient exchange
