@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods
+from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods, round_order
 from gpt2_bench.compare_hosts import HOST_METHODS, hosts_report, parse_host_methods
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link, summarise
@@ -275,8 +275,7 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     link_info = scaled_link(cfg, data_dir) if base.link == "scaled" else {"rate": base.link, "exchange_share": None}
     runs: dict[str, list[dict]] = {method: [] for method in methods}
     for round_index in range(rounds):
-        order = list(methods) if round_index % 2 == 0 else list(reversed(methods))
-        for method in order:
+        for method in round_order(methods, round_index):
             method_cfg = dataclasses.replace(method_config(cfg, method),
                                              out_dir=str(Path(base.out_dir) / f"share-{share:g}" / f"round-{round_index + 1}"))
             runs[method].append(run(method_cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS))

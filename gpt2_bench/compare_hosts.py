@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run
+from gpt2_bench.methods import round_order
 
 HOST_METHODS = {
     "fsdp-flat": {"compression": "none", "hierarchy": "flat"},
@@ -51,7 +52,7 @@ def host_runs(base: TrainConfig, methods: Sequence[str], rounds: int) -> dict[st
     """Every method ``rounds`` times, every other round in reverse order; ``{method: [summary per round]}``."""
     runs: dict[str, list[dict]] = {method: [] for method in methods}
     for round_index in range(rounds):
-        for method in (methods if round_index % 2 == 0 else list(reversed(methods))):
+        for method in round_order(methods, round_index):
             cfg = dataclasses.replace(base, **HOST_METHODS[method], out_dir=str(Path(base.out_dir) / f"round-{round_index + 1}"))
             runs[method].append(run(cfg, attempts=RUN_ATTEMPTS))
     return runs

@@ -28,6 +28,7 @@ it serves all of them alike; the others have nothing to warm up.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from gpt2_bench.config import TrainConfig
 
@@ -94,3 +95,9 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
     if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
         fields["dense_steps"] = 0
     return dataclasses.replace(base, name=method, **fields)
+
+
+def round_order(methods: Sequence[str], round_index: int) -> list[str]:
+    """The methods in round ``round_index``'s order: every other round reversed, so that a drift over
+    the session (machine load, thermals) lands on every method alike."""
+    return list(methods) if round_index % 2 == 0 else list(reversed(methods))

@@ -307,12 +307,10 @@ class _GatheredWires:
         self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
         self.chunk = rows.shape[1]
         self.dtype = rows.dtype
-        start = time.perf_counter()
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)  # uint8 [H, B]: piece h's row for replica h
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)  # uint8 [H, B]: piece h's row for replica h (records its encode time)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
         self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats
-        self.stats.add(ExchangeStats(compress_s=time.perf_counter() - start))
         self.done = False
 
     def wait(self) -> torch.Tensor:
