@@ -13,6 +13,7 @@ namespace that was just created, where every port is free: no probe socket, no r
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import signal
@@ -79,31 +80,47 @@ _ROOT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
 class _Echo(threading.Thread):
-    """Copies a torchrun's stderr to ours line by line and keeps its "Root Cause" (rank, exit code)."""
+    """Copies a torchrun's stderr to ours as it comes (progress bars redraw with ``\\r``, not
+    lines, so it is copied in chunks, each line's start prefixed with the host) and keeps its
+    "Root Cause" report (rank, exit code), read line by line on the side."""
 
-    def __init__(self, stream, prefix: str) -> None:
+    def __init__(self, fd: int, prefix: str) -> None:
         super().__init__(daemon=True)
-        self.stream = stream
+        self.fd = fd
         self.prefix = prefix
         self.failures: list[tuple[int, int]] = []
         self.root: list[tuple[int, int]] = []
         """The failures torchrun lists under "Root Cause (first observed failure)"."""
+        self._rank: Optional[int] = None
+        self._in_root = False
 
     def run(self) -> None:
-        rank: Optional[int] = None
-        in_root = False
-        for line in iter(self.stream.readline, ""):
-            sys.stderr.write(self.prefix + line if self.prefix else line)
-            if "Root Cause" in line:
-                in_root = True
-            elif line.startswith("====="):
-                in_root = False
-            if (match := _ROOT_RANK.match(line)) is not None:
-                rank = int(match.group(1))
-            elif rank is not None and (match := _ROOT_CODE.match(line)) is not None:
-                (self.root if in_root else self.failures).append((rank, int(match.group(1))))
-                rank = None
-        sys.stderr.flush()
+        line, at_start = "", True
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may straddle two reads
+        while chunk := os.read(self.fd, 1 << 16):
+            text = raw = decoder.decode(chunk)
+            if self.prefix:  # at each line's start (after a newline), not after a progress bar's \r
+                pieces = re.split(r"(?<=\n)", text)
+                text = "".join((self.prefix if at_start or i else "") + piece for i, piece in enumerate(pieces) if piece)
+                at_start = text.endswith("\n")
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            *complete, line = (line + raw).split("\n")
+            for finished in complete:
+                self._read(finished)
+        self._read(line)
+        os.close(self.fd)
+
+    def _read(self, line: str) -> None:
+        if "Root Cause" in line:
+            self._in_root = True
+        elif line.startswith("====="):
+            self._in_root = False
+        if (match := _ROOT_RANK.match(line)) is not None:
+            self._rank = int(match.group(1))
+        elif self._rank is not None and (match := _ROOT_CODE.match(line)) is not None:
+            (self.root if self._in_root else self.failures).append((self._rank, int(match.group(1))))
+            self._rank = None
 
 
 class Launch:
@@ -124,10 +141,16 @@ class Launch:
             for host, argv in enumerate(argvs):
                 full = wrap(host, argv) if wrap is not None else list(argv)
                 host_env = {**base, **(env_per_host[host] if env_per_host else {})}
-                proc = subprocess.Popen(full, env=host_env, stderr=subprocess.PIPE, text=True, errors="replace",
-                                        start_new_session=True)
+                read_end, write_end = os.pipe()
+                try:
+                    proc = subprocess.Popen(full, env=host_env, stderr=write_end, start_new_session=True)
+                except BaseException:
+                    os.close(read_end)
+                    raise
+                finally:
+                    os.close(write_end)
                 self.procs.append(proc)
-                echo = _Echo(proc.stderr, f"[host {host}] " if len(argvs) > 1 else "")
+                echo = _Echo(read_end, f"[host {host}] " if len(argvs) > 1 else "")
                 echo.start()
                 self._echoes.append(echo)
         except BaseException:
