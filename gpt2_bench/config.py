@@ -14,8 +14,6 @@ COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
-HIERARCHIES = ("auto", "flat")
-
 
 
 @dataclasses.dataclass
@@ -135,8 +133,9 @@ class TrainConfig:
                 raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.hosts, int) or self.hosts < 1 or self.world % self.hosts:
             raise ValueError(f"hosts must be a positive integer dividing world ({self.world}), got {self.hosts!r}")
-        if self.hierarchy not in HIERARCHIES:
-            raise ValueError(f"hierarchy must be one of {HIERARCHIES}, got {self.hierarchy!r}")
+        from tagc.hooks.hierarchy import check_hierarchy
+
+        check_hierarchy(self.hierarchy)
         if self.hsdp and (self.integration != "fsdp2" or self.hosts < 2):
             raise ValueError("hsdp applies to integration='fsdp2' on several hosts (hosts >= 2)")
         if self.hosts > 1 and self.link == "scaled":
