@@ -41,6 +41,10 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from tagc.kernels import STAT_FIELDS, dispatch, ops  # noqa: E402
 from tagc.kernels.peel import PEEL_STATS  # noqa: E402
+from tagc.sketch import kept_list  # noqa: E402
+from tagc.sketch import positions as coded  # noqa: E402
+from tagc.sketch.index import pack_mask  # noqa: E402
+from tagc.sketch.kept_list import capacity  # noqa: E402
 from tagc.sketch import (  # noqa: E402
     SketchLayout,
     build_index,
@@ -304,6 +308,216 @@ def test_round_trip_over_ranks(ranks, bits, dtype):
         torch.testing.assert_close(values.double(), kept[chunk], rtol=1e-5, atol=1e-6 * scale)
 
 
+# ---------------------------------------------------------------- coded positions (tagc.sketch.positions)
+
+
+def _assert_coded_like_reference(mask: torch.Tensor, cap: int, low: int) -> None:
+    """Every coded-positions entry point on the Triton path gives the reference's bytes / positions."""
+    rows, numel = mask.shape
+    index = torch.stack([pack_mask(row, 1) for row in mask])
+    if numel % 8:
+        index[:, -1] |= (0xFF << (numel % 8)) & 0xFF  # padding bits past numel: not positions
+    code = coded.code_index(index, numel, cap, low)
+    got = dispatch.code_index(index, numel, cap, low, **TRITON)
+    assert got.dtype == torch.uint8 and got.shape == (rows, coded.coded_row_bytes(numel, cap, low))
+    assert torch.equal(got, code), "code_index differs from the reference"
+    positions, count = coded.positions_from_mask(mask, cap)
+    assert torch.equal(dispatch.encode_positions(positions, count, numel, cap, low, **TRITON), code), "encode_positions differs"
+    decoded, decoded_count = dispatch.decode_positions(code, numel, cap, low, **TRITON)
+    want, want_count = coded.decode_positions(code, numel, cap, low)
+    assert torch.equal(decoded, want) and torch.equal(decoded_count, want_count), "decode_positions differs"
+    union = dispatch.union_index(code, numel, cap, low, **TRITON)
+    assert torch.equal(union, coded.union_index(code, numel, cap, low)), "union_index differs"
+    assert torch.equal(index_to_mask(union, numel, 1), coded.mask_from_positions(want, numel).any(dim=0))
+
+
+def _adversarial_mask(rows: int, numel: int, density: float) -> torch.Tensor:
+    """Random rows, then: an empty row, a full first block, a dense (bitmap) block, one entry per block, the last position."""
+    mask = torch.rand(rows, numel, device=DEVICE) < density
+    if rows > 1:
+        mask[1] = False
+    if rows > 2:
+        mask[2, : coded.CODE_BLOCK] = True
+        mask[2, coded.CODE_BLOCK: 2 * coded.CODE_BLOCK: 3] = True
+    if rows > 3:
+        mask[3] = False
+        mask[3, :: coded.CODE_BLOCK] = True
+        mask[3, -1] = True
+    return mask
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 4096, 4096 * 2 + 13])
+def test_coded_positions_match_reference(rows, numel):
+    """Bit parity on fresh random rows plus adversarial ones, at a random low-part width, with room
+    for every entry and with a capacity that truncates the fuller rows (their first cap are coded)."""
+    density = float(torch.rand(()).item()) * 0.2
+    mask = _adversarial_mask(rows, numel, density)
+    low = int(torch.randint(0, coded.MAX_LOW_BITS + 1, ()))
+    full = int(mask.sum(1).max())
+    for cap in {full, full // 3}:
+        _assert_coded_like_reference(mask, cap, low)
+
+
+@pytest.mark.parametrize("low", [0, 4, 12])
+def test_coded_positions_every_block_kind(low):
+    """Blocks of every kind in one row: empty, sparse Elias-Fano, exactly at the switch, bitmap, full, a partial last."""
+    block = coded.CODE_BLOCK
+    numel = 6 * block + 1000
+    mask = torch.zeros(2, numel, dtype=torch.bool, device=DEVICE)
+    switch = (block - (block >> low)) // (low + 1)  # the most entries Elias-Fano still takes (ties go to it)
+    mask[0, block: 2 * block: 61] = True
+    mask[0, 2 * block: 2 * block + switch] = True
+    mask[0, 3 * block: 3 * block + switch + 1] = True
+    mask[0, 4 * block: 5 * block] = True
+    mask[0, 6 * block:] = True
+    mask[1, torch.randperm(numel, device=DEVICE)[: numel // 20]] = True
+    _assert_coded_like_reference(mask, int(mask.sum(1).max()), low)
+    assert int(coded.bitmap_blocks(dispatch.code_index(torch.stack([pack_mask(r, 1) for r in mask]), numel,
+                                                       int(mask.sum(1).max()), low, **TRITON), numel, low)) >= 2
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_coded_union_over_ranks_at_plan_capacity(ranks):
+    """The engine's use: each rank codes its thresholded support within capacity(), the owner unions them."""
+    numel, density = 3 * coded.CODE_BLOCK + 77, 0.0356
+    cap, low = capacity(numel, density), coded.low_bits(density)
+    mask = torch.rand(ranks, numel, device=DEVICE) < density * 0.9
+    index = torch.stack([pack_mask(r, 1) for r in mask])
+    code = dispatch.code_index(index, numel, cap, low, **TRITON)
+    assert torch.equal(code, coded.code_index(index, numel, cap, low))
+    union = dispatch.union_index(code, numel, cap, low, **TRITON)
+    first = coded.mask_from_positions(coded.positions_from_mask(mask, cap)[0], numel)  # rows past cap: their first cap
+    assert torch.equal(union, pack_mask(first.any(dim=0), 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numel, density", [(70_001, 0.001), (70_001, 0.0356), (70_001, 0.3), (3 * 65_536, 0.0356)])
+def test_coded_positions_match_reference_large(numel, density):
+    mask = _adversarial_mask(4, numel, density)
+    full = int(mask.sum(1).max())
+    for low in sorted({0, coded.low_bits(density), 12}):
+        for cap in (full, full // 2):
+            _assert_coded_like_reference(mask, cap, low)
+
+
+def test_coded_positions_settings_are_checked():
+    with pytest.raises(ValueError, match="bytes"):
+        dispatch.union_index(torch.zeros(1, 3, dtype=torch.uint8, device=DEVICE), 10_000, 100, 4, **TRITON)
+    with pytest.raises(ValueError, match="uint8"):
+        dispatch.code_index(torch.zeros(1, 3, dtype=torch.uint8, device=DEVICE), 10_000, 100, 4, **TRITON)
+    with pytest.raises(ValueError, match="low"):
+        dispatch.code_index(torch.zeros(1, 1250, dtype=torch.uint8, device=DEVICE), 10_000, 100, 13, **TRITON)
+
+
+# ---------------------------------------------------------------- topk's kept list (tagc.sketch.kept_list)
+
+
+def _list_both(grad, residual, density, cap, tau=None):
+    res_k, res_r = residual.clone(), residual.clone()
+    got = dispatch.list_kept_(grad, res_k, density, cap, tau=tau, **TRITON)
+    want = kept_list.list_kept_(grad, res_r, density, cap, tau=tau)
+    for name, a, b in zip(("counts", "offsets", "values", "residual"), (*got, res_k), (*want, res_r)):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{name} differ from the reference"
+    return got
+
+
+_LIST_CASES = [
+    *[(numel, dtypes, integer) for numel in (5, 4096 + 13) for dtypes in ("fp32", "bf16") for integer in (False, True)],
+    (65_536 + 1000, "fp32", True),  # two position blocks
+    *[pytest.param(65_536 + 1000, dtypes, integer, marks=pytest.mark.slow) for dtypes, integer in (("fp32", False), ("bf16", False), ("bf16", True))],
+]
+
+
+@pytest.mark.parametrize("numel, dtypes, integer", _LIST_CASES)
+def test_list_kept_matches_reference(numel, dtypes, integer):
+    """Counts, offsets, values and residual bit for bit; integer inputs tie massively at the threshold;
+    the capacity is the plan's and a third of it (kept entries past it stay in the residual: overflow)."""
+    grad_dtype = res_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtypes]
+    rows, density = (3 if numel < 65_536 else 1), 0.06
+    if integer:
+        grad = torch.randint(-3, 4, (rows, numel), device=DEVICE).to(grad_dtype)
+        residual = torch.randint(-1, 2, (rows, numel), device=DEVICE).to(res_dtype)
+    else:
+        grad = torch.randn(rows, numel, device=DEVICE).to(grad_dtype)
+        residual = (torch.randn(rows, numel, device=DEVICE) * 0.5).to(res_dtype)
+    cap = capacity(numel, density)
+    _list_both(grad, residual, density, cap)
+    counts, _, _ = _list_both(grad, residual, density, cap // 3)
+    assert int(counts[:, -1].sum()) > 0  # the small capacity overflowed
+
+
+def test_list_kept_explicit_tau_mixed_dtypes_and_nonfinite():
+    grad = torch.randn(2, 3000, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn(2, 3000, device=DEVICE)
+    _list_both(grad, residual, 0.1, 400, tau=torch.tensor([0.5, 2.0], device=DEVICE, dtype=torch.float64))
+    _list_both(grad, residual, 0.1, 400, tau=torch.tensor(1.0, device=DEVICE))  # one threshold for every row
+    _list_both(grad, residual, 1.0, 3000)  # density 1: every non-zero entry
+    grad[1, 7] = float("inf")  # a non-finite part: lists nothing, values NaN, residual untouched
+    counts, offsets, values = _list_both(grad, residual, 0.1, 400)
+    assert not counts.any() and not offsets.any() and values.isnan().all()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("numel", [1000, 2 * 65_536 + 77])
+def test_sum_lists_matches_reference(ranks, numel):
+    """Bit for bit, rows added in rank order: shared positions get values whose float32 sum depends on order."""
+    density = 0.05
+    grad = torch.randn(ranks, numel, device=DEVICE)
+    grad[:, :64] = torch.tensor([1e8, 1.0, -1e8, 3.0], device=DEVICE)[torch.arange(ranks, device=DEVICE) % 4, None] * 1e3
+    cap = capacity(numel, density)
+    counts, offsets, values = kept_list.list_kept_(grad, torch.zeros_like(grad), density, cap)
+    got = dispatch.sum_lists(counts, offsets, values, numel, **TRITON)
+    assert got.dtype == torch.float32 and got.shape == (numel,)
+    assert torch.equal(got, kept_list.sum_lists(counts, offsets, values, numel))
+    empty = torch.zeros_like(counts)  # nothing listed: zeros
+    assert not dispatch.sum_lists(empty, offsets, values, numel, **TRITON).any()
+
+
+# ---------------------------------------------------------------- the lean wire end to end
+
+
+def _codec_exchange(name: str, options: dict, grads: list[torch.Tensor], backend: str, monkeypatch):
+    """Every rank's codec encodes its rows, every owner decodes what it receives (no process group):
+    ``(wires per rank, outputs per owner, residuals per rank)``."""
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.stats import ExchangeStats
+
+    monkeypatch.setenv("TAGC_BACKEND", backend)
+    world, numel = grads[0].shape
+    codecs = [make_codec(name, TAGCConfig(), options=options) for _ in range(world)]
+    wires = [codec.encode(grad.clone(), "part", None) for codec, grad in zip(codecs, grads)]
+    outputs = []
+    for owner in range(world):
+        received = [torch.stack([wire[i][owner] for wire in wires]) for i in range(len(wires[0]))]
+        outputs.append(codecs[owner].decode(received, numel, "part", None, ExchangeStats()))
+    return wires, outputs, [codec.residuals["part"] for codec in codecs]
+
+
+@pytest.mark.parametrize("name", ["tagc", "topk"])
+def test_lean_wire_codecs_on_the_triton_path(name, monkeypatch):
+    """The engine's per-step calls with ``positions="coded"``: every wire tensor is byte-identical to
+    the reference back end's (ranks on different back ends interoperate). ``topk`` decodes to the same
+    sums bit for bit; ``tagc`` decodes the coded union exactly as its bitmap wire (same support)."""
+    world, numel = 2, 5000
+    grads = [torch.randn(world, numel, device=DEVICE) for _ in range(world)]
+    lean = {"positions": "coded", "value_dtype": torch.bfloat16}
+    wires, outputs, residuals = _codec_exchange(name, lean, grads, "triton", monkeypatch)
+    wires_r, outputs_r, residuals_r = _codec_exchange(name, lean, grads, "torch", monkeypatch)
+    for wire, wire_r in zip(wires, wires_r):
+        for a, b in zip(wire, wire_r):
+            assert a.dtype == b.dtype and torch.equal(a, b), "wire differs from the reference back end's"
+    assert all(torch.equal(a, b) for a, b in zip(residuals, residuals_r))
+    if name == "topk":
+        assert all(torch.equal(a, b) for a, b in zip(outputs, outputs_r))
+    else:  # the same union as the bitmap wire's (decoding itself differs from the reference: no exact solve)
+        _, outputs_b, _ = _codec_exchange(name, {"value_dtype": torch.bfloat16}, grads, "triton", monkeypatch)
+        for a, b in zip(outputs, outputs_b):
+            assert torch.equal(a != 0, b != 0) and (a - b).norm() <= 1e-6 * b.norm()
+
+
 # ---------------------------------------------------------------- torch.library registration
 
 
@@ -340,6 +554,43 @@ def test_ops_under_torch_compile():
     torch.testing.assert_close(table, table_r, rtol=1e-6, atol=1e-5)
 
 
+def test_positions_and_list_ops_fake_and_under_torch_compile():
+    """The coded-positions and kept-list ops: fake shapes for tracing, and a compiled graph giving the reference's bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    numel, cap, low = 9000, 500, 4
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        index = torch.empty(2, 1125, dtype=torch.uint8)
+        code = torch.ops.tagc.code_index(index, numel, cap, low)
+        assert code.shape == (2, coded.coded_row_bytes(numel, cap, low)) and code.dtype == torch.uint8
+        assert torch.ops.tagc.encode_positions(torch.empty(2, cap, dtype=torch.int64), torch.empty(2, dtype=torch.int64),
+                                               numel, cap, low).shape == code.shape
+        positions, count = torch.ops.tagc.decode_positions(code, numel, cap, low)
+        assert positions.shape == (2, cap) and count.shape == (2,) and positions.dtype == torch.int64
+        assert torch.ops.tagc.union_index(code, numel, cap, low).shape == (1125,)
+        counts, offsets, values = torch.ops.tagc.list_kept(torch.empty(2, numel), torch.empty(2, numel), torch.empty(2), cap, 400)
+        assert counts.shape == (2, 2) and offsets.dtype == torch.uint16 and values.shape == (2, cap)
+        assert torch.ops.tagc.sum_lists(counts, offsets, values, numel).shape == (numel,)
+
+    def step(index, grad, residual):
+        code = torch.ops.tagc.code_index(index, numel, cap, low)
+        union = torch.ops.tagc.union_index(code, numel, cap, low)
+        lists = ops.list_kept_triton(grad, residual, 0.05, cap)
+        return code, union, lists, torch.ops.tagc.sum_lists(*lists, numel)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    mask = torch.rand(2, numel, device=DEVICE) < 0.04
+    index = torch.stack([pack_mask(r, 1) for r in mask])
+    grad, residual = torch.randn(2, numel, device=DEVICE), torch.randn(2, numel, device=DEVICE)
+    res_ref = residual.clone()
+    code, union, lists, summed = compiled(index, grad, residual)
+    want = kept_list.list_kept_(grad, res_ref, 0.05, cap)
+    assert torch.equal(code, coded.code_index(index, numel, cap, low))
+    assert torch.equal(union, coded.union_index(code, numel, cap, low))
+    assert all(torch.equal(a, b) for a, b in zip(lists, want)) and torch.equal(residual, res_ref)
+    assert torch.equal(summed, kept_list.sum_lists(*want, numel))
+
+
 # ---------------------------------------------------------------- GPU code generation
 
 
@@ -353,7 +604,7 @@ def test_kernels_compile_for_sm90():
         os.environ["TRITON_INTERPRET"] = "0"
         import triton
         from triton.backends.compiler import GPUTarget
-        from tagc.kernels import compress, peel, radix_select
+        from tagc.kernels import compress, kept_list, peel, positions, radix_select
 
         def build(fn, sig, consts):
             sig = {**sig, **{k: "constexpr" for k in consts}}
@@ -367,6 +618,14 @@ def test_kernels_compile_for_sm90():
                 build(compress._ties_kernel, dict(res_ptr=grad, tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", counts_ptr="*i32", before_ptr="*i32", room_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
         for bits, fallback, lane_bits, group in ((1, 0, 10, 4), (4, 1, 0, 1)):
             build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32", table_rows="i32"), dict(LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=1024 // group, TILE=1024, FALLBACK=fallback))
+        build(positions._count_kernel, dict(index_ptr="*u8", counts_ptr="*i32", numel="i32", stride="i32", blocks="i32"), {})
+        for low, union in ((0, False), (4, True)):  # both sides of the LOW > 0 branch, both outputs
+            build(positions._code_bitmap_kernel, dict(index_ptr="*u8", m_ptr="*i64", start_ptr="*i64", body_ptr="*i32", numel="i32", stride="i32", blocks="i32", body_words="i32"), dict(LOW=low, B_BITS=12))
+            build(positions._decode_kernel, dict(code_ptr="*u8", m_ptr="*i64", first_ptr="*i64", start_ptr="*i64", out_ptr="*i32" if union else "*i64", numel="i32", cap="i32", blocks="i32", row_bytes="i32"), dict(LOW=low, B_BITS=12, UNION=union))
+        build(positions._code_list_kernel, dict(pos_ptr="*i64", m_ptr="*i64", first_ptr="*i64", start_ptr="*i64", body_ptr="*i32", cap="i32", blocks="i32", body_words="i32"), dict(LOW=4, B_BITS=12, TILE=1024))
+        build(kept_list._list_count_kernel, dict(grad_ptr="*fp32", res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"), dict(BLOCK=1024))
+        build(kept_list._list_write_kernel, dict(grad_ptr="*bf16", res_ptr="*bf16", tau_ptr="*fp32", ties_before_ptr="*i64", room_ptr="*i64", kept_before_ptr="*i64", ok_ptr="*i32", offsets_ptr="*u16", values_ptr="*fp32", numel="i32", cap="i32"), dict(BLOCK=1024, POSITION_BLOCK=65536))
+        build(kept_list._sum_lists_kernel, dict(counts_ptr="*i32", offsets_ptr="*u16", values_ptr="*fp32", first_ptr="*i64", out_ptr="*fp32", numel="i32", cap="i32"), dict(TILE=1024, POSITION_BLOCK=65536))
         print("OK")
         """
     )

@@ -109,6 +109,21 @@ def test_numba_matches_the_reference_bit_for_bit(numel, density, seed, rows, low
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_code_index_codes_the_first_cap_of_a_fuller_row(backend):
+    """A row with more than cap set bits codes its first cap (the reference's rule), on every back end;
+    padding bits past numel in the last byte are not positions."""
+    numel, low = 3 * ref.CODE_BLOCK + 5, 4
+    mask = torch.rand(3, numel, generator=torch.Generator().manual_seed(3)) < 0.1
+    cap = int(mask.sum(1).min()) // 2
+    index = torch.stack([pack_mask(row, 1) for row in mask])
+    index[:, -1] |= 0xE0  # bits 5..7 of the last byte: past numel
+    want = ref.code_index(index, numel, cap, low)
+    assert torch.equal(dispatch.code_index(index, numel, cap, low, backend=backend), want)
+    positions, count = dispatch.decode_positions(want, numel, cap, low, backend=backend)
+    assert torch.equal(count, torch.full((3,), cap)) and torch.equal(positions, ref.positions_from_mask(mask, cap)[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [2, 3, 4, 8, 16])
 def test_union_over_ranks_is_the_or_of_their_supports(backend, world):
     numel, density = 50_000, 0.0356

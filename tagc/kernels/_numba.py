@@ -321,8 +321,9 @@ def code_positions(positions, count, blocks, low, block_bits, out):
 
 
 @njit(cache=True, nogil=True)
-def code_bitmap(index, numel, blocks, low, block_bits, out):
-    """Rows' packed bitmaps (1 bit per position) -> coded rows, as :func:`code_positions`."""
+def code_bitmap(index, numel, cap, blocks, low, block_bits, out):
+    """Rows' packed bitmaps (1 bit per position) -> coded rows of their first ``cap`` set positions
+    below ``numel`` (as the reference), as :func:`code_positions`."""
     counts = np.zeros(blocks, dtype=np.int64)
     local = np.empty(1 << block_bits, dtype=np.int64)
     positions = np.empty(index.shape[1] * 8, dtype=np.int64)
@@ -330,10 +331,12 @@ def code_bitmap(index, numel, blocks, low, block_bits, out):
         n = 0
         for byte in range(index.shape[1]):
             v = np.int64(index[r, byte])
-            while v:
+            while v and n < cap:
                 bit = 0
                 while not (v >> bit) & 1:
                     bit += 1
+                if byte * 8 + bit >= numel:
+                    break
                 positions[n] = byte * 8 + bit
                 n += 1
                 v &= v - 1

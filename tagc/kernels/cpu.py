@@ -172,7 +172,7 @@ def code_positions_cpu(positions: torch.Tensor, count: torch.Tensor, numel: int,
 def code_index_cpu(index: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
     """:func:`tagc.sketch.positions.code_index` in one walk per row (same bytes)."""
     out = torch.zeros(index.shape[0], coded_row_bytes(numel, cap, low), dtype=torch.uint8)
-    _kernels().code_bitmap(index.contiguous().numpy(), numel, code_blocks(numel), low, BLOCK_BITS, out.numpy())
+    _kernels().code_bitmap(index.contiguous().numpy(), numel, cap, code_blocks(numel), low, BLOCK_BITS, out.numpy())
     return out
 
 

@@ -114,10 +114,14 @@ def list_kept_(
     :func:`tagc.sketch.kept_list.list_kept_`.
 
     Returns ``(counts [N, nb + 1] int32, offsets [N, cap] uint16, values [N, cap] float32)``
-    and updates ``residual`` in place. On CUDA the reference runs (vectorised, no host reads);
-    a fused Triton kernel is future work.
+    and updates ``residual`` in place. Every back end gives the same results bit for bit.
     """
-    if resolve_backend(grad, residual, backend=backend) == "numba":
+    chosen = resolve_backend(grad, residual, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import list_kept_triton
+
+        return list_kept_triton(grad, residual, density, cap, tau=tau)
+    if chosen == "numba":
         return _cpu.list_kept_cpu(grad, residual, density, cap, tau=tau)
     return _ref_kept_list.list_kept_(grad, residual, density, cap, tau=tau)
 
@@ -126,7 +130,12 @@ def sum_lists(
     counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int, *, backend: Optional[str] = None
 ) -> torch.Tensor:
     """Every rank's list scatter-added, in rank order; see :func:`tagc.sketch.kept_list.sum_lists`."""
-    if resolve_backend(counts, offsets, values, backend=backend) == "numba":
+    chosen = resolve_backend(counts, offsets, values, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import sum_lists_triton
+
+        return sum_lists_triton(counts, offsets, values, numel)
+    if chosen == "numba":
         return _cpu.sum_lists_cpu(counts, offsets, values, numel)
     return _ref_kept_list.sum_lists(counts, offsets, values, numel)
 
@@ -146,8 +155,13 @@ def encode_positions(
     positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
 ) -> torch.Tensor:
     """Rows' sorted position lists -> Elias-Fano coded rows; see :func:`tagc.sketch.positions.encode_positions`.
-    On CUDA the reference runs (vectorised, no host reads)."""
-    if resolve_backend(positions, backend=backend) == "numba":
+    Every back end gives the same bytes (the wire is exchanged between ranks)."""
+    chosen = resolve_backend(positions, count, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import encode_positions_triton
+
+        return encode_positions_triton(positions, count, numel, cap, low)
+    if chosen == "numba":
         return _cpu.code_positions_cpu(positions, count, numel, cap, low)
     return _ref_positions.encode_positions(positions, count, numel, cap, low)
 
@@ -156,21 +170,36 @@ def decode_positions(
     code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Coded rows -> ``(positions [R, cap], count [R])``; see :func:`tagc.sketch.positions.decode_positions`."""
-    if resolve_backend(code, backend=backend) == "numba":
+    chosen = resolve_backend(code, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import decode_positions_triton
+
+        return decode_positions_triton(code, numel, cap, low)
+    if chosen == "numba":
         return _cpu.decode_positions_cpu(code, numel, cap, low)
     return _ref_positions.decode_positions(code, numel, cap, low)
 
 
 def code_index(index: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
     """Rows of a 1-bit index -> coded rows; see :func:`tagc.sketch.positions.code_index`."""
-    if resolve_backend(index, backend=backend) == "numba":
+    chosen = resolve_backend(index, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import code_index_triton
+
+        return code_index_triton(index, numel, cap, low)
+    if chosen == "numba":
         return _cpu.code_index_cpu(index, numel, cap, low)
     return _ref_positions.code_index(index, numel, cap, low)
 
 
 def union_index(code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
     """Coded rows -> the 1-bit index of their union; see :func:`tagc.sketch.positions.union_index`."""
-    if resolve_backend(code, backend=backend) == "numba":
+    chosen = resolve_backend(code, backend=backend)
+    if chosen == "triton":
+        from tagc.kernels.ops import union_index_triton
+
+        return union_index_triton(code, numel, cap, low)
+    if chosen == "numba":
         return _cpu.union_index_cpu(code, numel, cap, low)
     return _ref_positions.union_index(code, numel, cap, low)
 

@@ -9,12 +9,16 @@
 
 Every op has a fake (meta) implementation giving output shapes and dtypes. Below the ops,
 the Triton path's entry points (:func:`row_thresholds_triton`, :func:`compress_triton`,
-:func:`decode_triton`, :func:`decode_async`) check arguments like the reference and call them.
+:func:`decode_triton`, :func:`decode_async`; the coded positions' :func:`code_index_triton`,
+:func:`encode_positions_triton`, :func:`decode_positions_triton`, :func:`union_index_triton`;
+``topk``'s :func:`list_kept_triton`, :func:`sum_lists_triton`) check arguments like the
+reference and call them.
 
 The kernel modules (:mod:`~tagc.kernels.radix_select`, :mod:`~tagc.kernels.compress`,
-:mod:`~tagc.kernels.peel`) are leaves: this module and :mod:`tagc.kernels.dispatch` import
-them, never the reverse. Importing this module imports triton; :mod:`tagc.kernels.dispatch`
-imports it only on a Triton path.
+:mod:`~tagc.kernels.peel`, :mod:`~tagc.kernels.positions`, :mod:`~tagc.kernels.kept_list`)
+are leaves: this module and :mod:`tagc.kernels.dispatch` import them, never the reverse.
+Importing this module imports triton; :mod:`tagc.kernels.dispatch` imports it only on a
+Triton path.
 """
 
 from __future__ import annotations
@@ -25,12 +29,21 @@ import torch
 
 from tagc.kernels._triton import interpreting
 from tagc.kernels.compress import launch_compress
+from tagc.kernels.kept_list import launch_list_kept, launch_sum_lists
 from tagc.kernels.peel import FALLBACK_CODES, PEEL_STATS, launch_peel
+from tagc.kernels.positions import (
+    launch_code_index,
+    launch_decode_positions,
+    launch_encode_positions,
+    launch_union_index,
+)
 from tagc.kernels.radix_select import launch_row_thresholds
 from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
+from tagc.sketch.kept_list import check_list_args, position_blocks
 from tagc.sketch.layout import SketchLayout
+from tagc.sketch.positions import MAX_LOW_BITS, check_coded, coded_row_bytes
 from tagc.sketch.sparsify import check_density, check_finite, keep_limit, positive_threshold
 
 TRACEABLE_KERNELS = not interpreting()
@@ -105,6 +118,70 @@ def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback):
         table.new_empty(table.numel(), dtype=torch.float64),
         table.new_empty(len(PEEL_STATS), dtype=torch.int64),
     )
+
+
+@_register("tagc::code_index", mutates_args=())
+def _code_index_op(index: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+    return launch_code_index(index, numel, cap, low, wrap=_wrap)
+
+
+@_code_index_op.register_fake
+def _(index, numel, cap, low):
+    return index.new_empty(index.shape[0], coded_row_bytes(numel, cap, low), dtype=torch.uint8)
+
+
+@_register("tagc::encode_positions", mutates_args=())
+def _encode_positions_op(positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+    return launch_encode_positions(positions, count, numel, cap, low, wrap=_wrap)
+
+
+@_encode_positions_op.register_fake
+def _(positions, count, numel, cap, low):
+    return positions.new_empty(positions.shape[0], coded_row_bytes(numel, cap, low), dtype=torch.uint8)
+
+
+@_register("tagc::decode_positions", mutates_args=())
+def _decode_positions_op(code: torch.Tensor, numel: int, cap: int, low: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return launch_decode_positions(code, numel, cap, low, wrap=_wrap)
+
+
+@_decode_positions_op.register_fake
+def _(code, numel, cap, low):
+    rows = code.shape[0]
+    return code.new_empty(rows, cap, dtype=torch.int64), code.new_empty(rows, dtype=torch.int64)
+
+
+@_register("tagc::union_index", mutates_args=())
+def _union_index_op(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+    return launch_union_index(code, numel, cap, low, wrap=_wrap)
+
+
+@_union_index_op.register_fake
+def _(code, numel, cap, low):
+    return code.new_empty(index_nbytes(numel, 1), dtype=torch.uint8)
+
+
+@_register("tagc::list_kept", mutates_args=("residual",))
+def _list_kept_op(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tensor, cap: int,
+                  limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_list_kept(grad, residual, tau, cap, limit, wrap=_wrap)
+
+
+@_list_kept_op.register_fake
+def _(grad, residual, tau, cap, limit):
+    rows, numel = residual.shape
+    return (residual.new_empty(rows, position_blocks(numel) + 1, dtype=torch.int32),
+            residual.new_empty(rows, cap, dtype=torch.uint16), residual.new_empty(rows, cap, dtype=torch.float32))
+
+
+@_register("tagc::sum_lists", mutates_args=())
+def _sum_lists_op(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    return launch_sum_lists(counts, offsets, values, numel, wrap=_wrap)
+
+
+@_sum_lists_op.register_fake
+def _(counts, offsets, values, numel):
+    return values.new_empty(numel, dtype=torch.float32)
 
 
 def row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density: float) -> torch.Tensor:
@@ -204,3 +281,77 @@ def decode_triton(
     rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)
     out.index_copy_(0, rest_positions, rest_values.float())
     return out, stats
+
+
+# ---------------------------------------------------------------- coded positions (tagc.sketch.positions)
+
+
+def _check_code_settings(numel: int, cap: int, low: int) -> None:
+    if numel < 0 or cap < 0 or not 0 <= low <= MAX_LOW_BITS:
+        raise ValueError(f"coded positions need numel >= 0, cap >= 0 and 0 <= low <= {MAX_LOW_BITS}, "
+                         f"got numel {numel}, cap {cap}, low {low}")
+
+
+def code_index_triton(index: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.positions.code_index` (the same bytes): each row's first
+    ``cap`` set positions of a packed 1-bit index, coded."""
+    _check_code_settings(numel, cap, low)
+    if index.dtype != torch.uint8 or index.dim() != 2 or index.shape[1] < index_nbytes(numel, 1):
+        raise ValueError(f"a coded index takes uint8 [R, >= {index_nbytes(numel, 1)}] rows, "
+                         f"got {index.dtype}{tuple(index.shape)}")
+    return torch.ops.tagc.code_index(index.contiguous(), numel, cap, low)
+
+
+def encode_positions_triton(positions: torch.Tensor, count: torch.Tensor, numel: int, cap: int,
+                            low: int) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.positions.encode_positions` (the same bytes)."""
+    _check_code_settings(numel, cap, low)
+    if positions.dim() != 2 or positions.shape[1] != cap or count.numel() != positions.shape[0]:
+        raise ValueError(f"positions must be [R, cap={cap}] with one count per row, got {tuple(positions.shape)} "
+                         f"and {count.numel()} counts")
+    return torch.ops.tagc.encode_positions(positions.to(torch.int64).contiguous(),
+                                           count.to(torch.int64).reshape(-1).contiguous(), numel, cap, low)
+
+
+def decode_positions_triton(code: torch.Tensor, numel: int, cap: int, low: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`tagc.sketch.positions.decode_positions` (the same positions and counts)."""
+    check_coded(code, numel, cap, low)
+    return torch.ops.tagc.decode_positions(code.contiguous(), numel, cap, low)
+
+
+def union_index_triton(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.positions.union_index` (the same bytes)."""
+    check_coded(code, numel, cap, low)
+    return torch.ops.tagc.union_index(code.contiguous(), numel, cap, low)
+
+
+# ---------------------------------------------------------------- topk's kept list (tagc.sketch.kept_list)
+
+
+def list_kept_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int,
+                     tau: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`tagc.sketch.kept_list.list_kept_` (same arguments, same results bit for bit).
+
+    ``tau`` by default is :func:`row_thresholds_triton` of ``residual + grad`` (the reference's
+    threshold). No host synchronisation.
+    """
+    check_list_args(grad, residual, density, cap)
+    if not residual.is_contiguous():
+        raise ValueError("residual must be contiguous (it is updated in place)")
+    g = grad.contiguous()
+    if tau is None:
+        tau = row_thresholds(residual, g, float(density))
+    # compared as the reference does, in the residual's dtype, never below its smallest subnormal
+    tau = tau.to(residual.device).reshape(-1)
+    tau = positive_threshold(tau.expand(residual.shape[0]) if tau.numel() == 1 else tau, residual.dtype)
+    return torch.ops.tagc.list_kept(g, residual, tau.to(torch.float32).contiguous(), cap,
+                                    keep_limit(residual.shape[1], float(density)))
+
+
+def sum_lists_triton(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """Triton twin of :func:`tagc.sketch.kept_list.sum_lists`: the same sums bit for bit (rows added in rank order)."""
+    if offsets.dim() != 2 or values.shape != offsets.shape or counts.dim() != 2 or counts.shape[0] != offsets.shape[0]:
+        raise ValueError(f"lists are counts [N, nb + 1], offsets and values [N, cap]; got {tuple(counts.shape)}, "
+                         f"{tuple(offsets.shape)}, {tuple(values.shape)}")
+    return torch.ops.tagc.sum_lists(counts.contiguous(), offsets.contiguous(), values.to(torch.float32).contiguous(),
+                                    numel)

@@ -28,7 +28,8 @@ keep more, see :func:`tagc.sketch.compress.compress_`).
 (``l = 4``) against the entropy's 0.222 and the bitmap's 1.
 
 This module is the reference (vectorised torch, no host reads, so it also serves CUDA);
-:mod:`tagc.kernels.dispatch` gives the same bytes from the CPU kernels.
+:mod:`tagc.kernels.dispatch` gives the same bytes from the CPU kernels and from the Triton
+kernels (:mod:`tagc.kernels.positions`, one program per block).
 """
 
 from __future__ import annotations
