@@ -39,6 +39,10 @@ class TrainConfig:
     sparsity: Any = "auto"
     min_compress_numel: int = 65536
     dense_steps: int = 0
+    ramp_steps: int = 0
+    """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
+    embedding_ratio: Optional[float] = None
+    """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -117,6 +121,12 @@ class TrainConfig:
 
                 tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
             resolve_options(self.codec, self.codec_options)
+        if (self.ramp_steps or self.embedding_ratio is not None) and (self.compression == "none" or self.codec not in ("tagc", "topk")):
+            raise ValueError("ramp_steps and embedding_ratio apply to the sparsifying codecs (tagc, topk) with compression != 'none'")
+        if not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
+            raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
+        if self.embedding_ratio is not None and not self.embedding_ratio > 1:
+            raise ValueError(f"embedding_ratio must be > 1, got {self.embedding_ratio!r}")
         from tagc.hooks.engine import PLAIN_CODECS
 
         if self.plain not in PLAIN_CODECS:
@@ -166,6 +176,10 @@ class TrainConfig:
             algo += f"-reduce-{self.reduce_dtype}"
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
+        if self.ramp_steps:
+            algo += f"-ramp{self.ramp_steps}"
+        if self.embedding_ratio is not None:
+            algo += f"-emb{self.embedding_ratio:g}"
         if self.hosts > 1:
             algo += "-hsdp" if self.hsdp else "-flat" if self.hierarchy == "flat" else ""
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
@@ -196,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
                   "min_compress_numel", "dense_steps"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
+                   help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)")
+    p.add_argument("--embedding-ratio", type=float, default=None,
+                   help="tagc/topk: the tied embedding / LM head's own ratio (e.g. 4: denser than --ratio)")
     p.add_argument("--device", default=defaults.device, choices=DEVICES,
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; auto (default): cuda when a GPU is visible")
     p.add_argument("--hosts", type=int, default=defaults.hosts,

@@ -94,6 +94,8 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
     fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", **METHODS[method]}
     if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
         fields["dense_steps"] = 0
+    if fields.get("codec") not in ("tagc", "topk") or fields["compression"] == "none":  # the ratio's own settings
+        fields.update(ramp_steps=0, embedding_ratio=None)
     return dataclasses.replace(base, name=method, **fields)
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from gpt2_bench.config import REDUCE_DTYPES, TrainConfig
 
+EMBEDDING = r"(^|\.)(wte|lm_head)\.weight$"
+"""The tied token embedding / LM head (``--embedding-ratio``): one parameter, named by either module."""
+
+
 def fsdp1_wrap_policy(model):
     """FSDP1 auto-wrap policy: every Linear (but the tied ``lm_head``) and every Block is a unit.
 
@@ -39,7 +43,12 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         codec = "plain" if cfg.compression == "none" else cfg.codec
         tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
         topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
-        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+        if cfg.embedding_ratio is not None:
+            from tagc.hooks.selection import ratio_for
+
+            select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
+        ramp = {"ramp_steps": cfg.ramp_steps} if cfg.ramp_steps else {}
+        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps, **ramp,
                          codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
     if cfg.integration == "simple":

@@ -34,6 +34,7 @@ def hook(
     plain: str = "fp32",
     hierarchy: str = "auto",
     ranks_per_host: Optional[int] = None,
+    ramp_steps: int = 0,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -45,7 +46,9 @@ def hook(
         index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
         sparsity: fraction of each chunk zeroed before encoding, or ``"auto"`` (default).
         select: which parameters to compress: ``"non_attention_linear"`` (default),
-            ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``.
+            ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``; for ``tagc`` and
+            ``topk`` the callable may return a parameter's own ratio instead of ``True``
+            (:func:`tagc.hooks.selection.ratio_for`, e.g. a denser embedding).
         codec: how the selected columns cross the wire, one of
             :func:`tagc.hooks.codec_registry.codec_names`: ``"tagc"`` (index + count sketch,
             error feedback), ``"plain"`` (the fair uncompressed reduce-scatter, for baselines),
@@ -65,6 +68,10 @@ def hook(
             dense moves (e.g. every vocabulary row of the LM head) that sparsification with
             error feedback under Adam would spread over many steps. Steps are counted by
             :meth:`TAGCHook.end_step` (or a bucket seen twice).
+        ramp_steps: after the warm-up, climb to the ratio over this many steps in
+            :data:`~tagc.hooks.engine.RAMP_STAGES` geometric stages (DGC's density ramp; ratio 10:
+            1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only. A compiled model runs a
+            hook with a warm-up or a ramp as one opaque exchange per block.
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
             and everything during ``dense_steps``): ``"fp32"`` (as they are, default),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32
@@ -97,7 +104,7 @@ def hook(
     config = TAGCConfig(**config_args)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
                     dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain,
-                    hierarchy=hierarchy, ranks_per_host=ranks_per_host)
+                    hierarchy=hierarchy, ranks_per_host=ranks_per_host, ramp_steps=ramp_steps)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

@@ -37,6 +37,7 @@ the exchange is complete, so no collective is left unmatched.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -116,6 +117,20 @@ def check_wire_options(positions: str, value_dtype, allowed: tuple[str, ...]) ->
     return resolve_value_dtype(value_dtype)
 
 
+def with_ratio(codec: "Codec", ratio: float) -> "Codec":
+    """A shallow copy of ``codec`` with ``config.ratio`` replaced: its dicts (residuals and the
+    like) are the same objects, so every ratio of one codec keeps one error-feedback state."""
+    clone = copy.copy(codec)
+    clone.config = codec.config.replace(ratio=ratio)
+    return clone
+
+
+def load_residuals(residuals: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Replace ``residuals``' contents in place (copies of ``state``'s): :func:`with_ratio` copies share the dict."""
+    residuals.clear()
+    residuals.update({key: value.clone() for key, value in state.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """One tensor a part sends: ``columns`` per rank row, of ``dtype``."""
@@ -138,6 +153,8 @@ class Codec:
     """Exchange rounds per part: round 0 sends :meth:`encode`'s tensors, round ``k`` :meth:`next_round`'s."""
     whole_segments: bool = False
     """Whether a part must hold whole segments (one part per bucket, described by :meth:`prepare`)."""
+    uses_ratio: bool = False
+    """Whether the codec has a compression ratio (:meth:`at_ratio`): per-parameter ratios and the density ramp."""
 
     def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
         """For ``whole_segments`` codecs, once per part when a bucket is planned: the part's
@@ -167,6 +184,11 @@ class Codec:
         """Whether encode/decode keep the wire shapes of :meth:`wire` (a compiled graph can hold them);
         a codec with ``rounds > 1`` is not."""
         return self.rounds == 1
+
+    def at_ratio(self, ratio: float) -> "Codec":
+        """This codec at another compression ratio, sharing its state (the residuals): the density
+        ramp and per-parameter ratios (:mod:`tagc.hooks.engine`). A codec without a ratio is itself."""
+        return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -200,6 +222,7 @@ class TAGCCodec(Codec):
 
     name = "tagc"
     compresses = True
+    uses_ratio = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "bitmap",
                  value_dtype="float32") -> None:
@@ -302,5 +325,12 @@ class TAGCCodec(Codec):
         return dict(self.residuals)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {key: value.clone() for key, value in state.items()}
+        load_residuals(self.residuals, state)
+
+    def at_ratio(self, ratio: float) -> "TAGCCodec":
+        if ratio == self.config.ratio:
+            return self
+        clone = with_ratio(self, ratio)
+        clone.layout = functools.lru_cache(maxsize=4096)(clone._layout)  # the clone's own ratio
+        return clone
 

@@ -52,6 +52,20 @@ samples its own threshold (:func:`tagc.sketch.sparsify.row_thresholds`, ~4096/de
 entries per row), so parts much smaller than that sample pay a full selection each: 2^20
 measured 30% cheaper compression than 2^18 on GPT-2 small, with the same step time at 2^21-2^22."""
 
+RAMP_STAGES = 4
+"""A density ramp (``ramp_steps``) climbs to the ratio in this many equal-length stages (as Deep
+Gradient Compression's warm-up does over 4 epochs): each stage is a plan of its own."""
+
+
+def ramp_ratio(ratio: float, steps_into_ramp: int, ramp_steps: int) -> float:
+    """The ratio ``steps_into_ramp`` steps into a ``ramp_steps``-step density ramp: stage ``k`` of
+    :data:`RAMP_STAGES` compresses at ``ratio ** ((k + 1) / (RAMP_STAGES + 1))``, so the ratio
+    climbs geometrically (ratio 10: 1.58, 2.51, 3.98, 6.31, then 10; on 2 ranks a density of 25%,
+    15%, 9.2%, 5.7%, then 3.6%), and the kept fraction falls as DGC's does."""
+    stage = min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // ramp_steps)
+    return ratio ** ((stage + 1) / (RAMP_STAGES + 1))
+
+
 NONFINITE = ("propagate", "raise")
 PLAIN_CODECS = {"fp32": "plain", "bf16": "bf16", "fp8": "fp8", "int4": "int4"}
 """``plain=`` -> the codec of the columns the ``select`` policy leaves alone (and of a dense
@@ -294,6 +308,7 @@ class TAGCHook:
         plain: str = "fp32",
         hierarchy: str = "auto",
         ranks_per_host: Optional[int] = None,
+        ramp_steps: int = 0,
     ) -> None:
         self.hierarchy = check_hierarchy(hierarchy)
         self.ranks_per_host = resolve_ranks_per_host(ranks_per_host)
@@ -310,6 +325,8 @@ class TAGCHook:
             raise ValueError(f"piece_bytes must be a positive integer, got {piece_bytes!r}")
         if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer, got {dense_steps!r}")
+        if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
+            raise ValueError(f"ramp_steps must be a non-negative integer, got {ramp_steps!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.config = config
@@ -319,9 +336,13 @@ class TAGCHook:
         self.min_part = min_part
         self.piece_bytes = piece_bytes
         self.dense_steps = dense_steps
+        self.ramp_steps = ramp_steps
         self.overlap = overlap
         self.codec_options = resolve_options(codec, codec_options)
         self.codec = make_codec(codec, config, residual_dtype, self.codec_options)
+        if ramp_steps and not self.codec.uses_ratio:
+            raise ValueError(f"ramp_steps ramps a compression ratio; codec {codec!r} has none (ramp_steps applies to tagc and topk)")
+        self._codecs_at: dict[float, Codec] = {}
         self.plain_name = plain
         self.plain = make_codec(PLAIN_CODECS[plain], config) if plain != "fp32" else PlainCodec()
         self.step_count = 0
@@ -377,7 +398,7 @@ class TAGCHook:
         select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
         return {**dataclasses.asdict(self.config), "codec": self.codec.name,
                 "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
-                "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "nonfinite": self.nonfinite,
+                "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite,
                 "plain": self.plain_name, "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
 
     def state_dict(self) -> dict:
@@ -465,6 +486,8 @@ class TAGCHook:
         self._begin_bucket(plan.key)
         if self.step_count < self.dense_steps:  # dense warm-up: the whole bucket goes plain
             plan = self._plain_plan(plan.key, chunk)
+        elif self.warming_up:  # density ramp: the same parts (and residuals) at this stage's ratios
+            plan = self._plan(tuple(segments), chunk, codec_world, self.step_count - self.dense_steps)
         stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=(world - 1) * chunk * 4)
         timing = UnitTiming(unit or plan.key)
         side = self._side_stream(input)
@@ -579,9 +602,10 @@ class TAGCHook:
     def traceable(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
         """Whether a bucket can be exchanged in halves around fixed-shape collectives: it has
         compressed parts, and no setting needs data-dependent sizes (``fallback="raw"``, a
-        dense warm-up) — otherwise the whole exchange stays one opaque call."""
+        dense warm-up or a density ramp) — otherwise the whole exchange stays one opaque call."""
         plan = self._plan(tuple(segments), chunk, world)
-        return world > 1 and self.dense_steps == 0 and plan.compressed and all(p.codec.traceable() for p in plan.parts)
+        return (world > 1 and self.dense_steps == 0 and self.ramp_steps == 0 and plan.compressed
+                and all(p.codec.traceable() for p in plan.parts))
 
     @strict.counted
     def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
@@ -662,20 +686,48 @@ class TAGCHook:
     def _plain_plan(self, key: str, chunk: int) -> _BucketPlan:
         return _BucketPlan(key=key, chunk=chunk, parts=[_Part(slice(0, chunk), chunk, self.plain, f"{key}/plain")])
 
-    def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
-        cache_key = (segments, chunk, world)
+    @property
+    def warming_up(self) -> bool:
+        """Whether this step is in the dense warm-up or the density ramp (the bucket's wire differs)."""
+        return self.step_count < self.dense_steps + self.ramp_steps
+
+    def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int, steps_into_ramp: Optional[int] = None) -> _BucketPlan:
+        """The bucket's plan; ``steps_into_ramp``: the density ramp's plan for that step (its stage's ratios)."""
+        stage = None if steps_into_ramp is None else min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // self.ramp_steps)
+        cache_key = (segments, chunk, world, stage)
         if cache_key not in self._plans:
-            self._plans[cache_key] = self._make_plan(segments, chunk, world)
+            at = (lambda ratio: ratio) if steps_into_ramp is None else (lambda ratio: ramp_ratio(ratio, steps_into_ramp, self.ramp_steps))
+            self._plans[cache_key] = self._make_plan(segments, chunk, world, at)
         return self._plans[cache_key]
 
-    def _make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> _BucketPlan:
+    def _codec_at(self, ratio: float) -> Codec:
+        """The hook's codec at ``ratio`` (one object per ratio, all sharing the codec's state)."""
+        if ratio not in self._codecs_at:
+            self._codecs_at[ratio] = self.codec.at_ratio(ratio)
+        return self._codecs_at[ratio]
+
+    def _ratio_of(self, segment: Segment) -> Optional[float]:
+        """``None``: the segment goes plain; else its compression ratio: the config's, or the one
+        the ``select`` policy gave it (a number)."""
+        chosen = self.select(segment.name, segment.module) if segment.selected is None else segment.selected
+        if isinstance(chosen, bool) or chosen is None:
+            return self.config.ratio if chosen else None
+        if not isinstance(chosen, (int, float)) or not 1.0 < float(chosen) < float("inf"):
+            raise ValueError(f"select returned {chosen!r} for {segment.name!r}: return True/False, or a compression ratio > 1")
+        if not self.codec.uses_ratio:
+            raise ValueError(f"select returned the ratio {chosen!r} for {segment.name!r}, but codec {self.codec.name!r} has no "
+                             "ratio: return True/False (per-parameter ratios apply to tagc and topk)")
+        return float(chosen)
+
+    def _make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int, at=lambda ratio: ratio) -> _BucketPlan:
         covered = sum(s.numel for s in segments)
         if covered > chunk:
             raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
         tail = [Segment("<padding>", covered, chunk - covered)] if covered < chunk else []
-        chosen = []
+        ratios = {}
         if self.codec.compresses:
-            chosen = [s for s in segments if (self.select(s.name, s.module) if s.selected is None else s.selected)]
+            ratios = {s: ratio for s in segments if (ratio := self._ratio_of(s)) is not None}
+        chosen = list(ratios)
         compressed = sum(s.numel for s in chosen)
         if compressed < max(1, self.config.min_compress_numel):
             chosen, compressed = [], 0
@@ -689,12 +741,17 @@ class TAGCHook:
             at = [0] + list(itertools.accumulate(s.numel for s in chosen))
             self.codec.prepare(f"{key}/part0", [dataclasses.replace(s, start=a) for s, a in zip(chosen, at)], world)
             parts.append(_Part(_selector(_columns(chosen)), compressed, self.codec, f"{key}/part0"))
-        elif chosen:
-            columns = _columns(chosen)
-            n_parts = max(1, compressed // self.min_part)
-            bounds = [round(i * compressed / n_parts) for i in range(n_parts + 1)]
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-                parts.append(_Part(_selector(columns[a:b]), b - a, self.codec, f"{key}/part{i}"))
+        elif chosen:  # the config's ratio first, then each other ratio in order of first use
+            numbered = itertools.count()
+            for ratio in dict.fromkeys(sorted(ratios.values(), key=lambda r: r != self.config.ratio)):
+                group = [s for s in chosen if ratios[s] == ratio]
+                columns = _columns(group)
+                numel = columns.numel()
+                n_parts = max(1, numel // self.min_part)
+                bounds = [round(i * numel / n_parts) for i in range(n_parts + 1)]
+                codec = self._codec_at(at(ratio))
+                for a, b in zip(bounds, bounds[1:]):
+                    parts.append(_Part(_selector(columns[a:b]), b - a, codec, f"{key}/part{next(numbered)}"))
         return _BucketPlan(key=key, chunk=chunk, parts=parts)
 
 

@@ -281,10 +281,10 @@ def _gathers_wires(hook: TAGCHook, segments: tuple[Segment, ...], chunk: torch.T
     """Whether to all-reduce by gathering every replica's wire (:class:`_GatheredWires`) instead of a
     compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
     against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
-    warm-up), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
+    warm-up or a density ramp), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
     the same bits: on the CPU, or with ``torch.use_deterministic_algorithms(True)`` (a CUDA
     scatter-add sums in any order, and replicas must stay identical)."""
-    if hook.step_count < hook.dense_steps or not hook.codec.compresses:
+    if hook.warming_up or not hook.codec.compresses:
         return False
     if chunk.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
         return False

@@ -1,7 +1,9 @@
 """Which parameters TAGC compresses: a policy over parameter names and module types.
 
 Selection is by module role, never by parameter counts. A policy is any callable
-``(param_fqn, module) -> bool``; the shipped ones are also reachable by name.
+``(param_fqn, module) -> bool``; the shipped ones are also reachable by name. A policy may
+also return a number, the compression ratio of that parameter (``tagc`` and ``topk``), e.g.
+a denser embedding and LM head: :func:`ratio_for`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Callable, Optional, Union
 
 import torch.nn as nn
 
-SelectPolicy = Callable[[str, Optional[nn.Module]], bool]
+SelectPolicy = Callable[[str, Optional[nn.Module]], Union[bool, float]]
 
 _ATTENTION_INPUT = re.compile(r"(^|[._])(c_attn|qkv|q_proj|k_proj|v_proj|query|key|value|in_proj\w*|wq|wk|wv)([._]|$)")
 _POSITIONAL = re.compile(r"(^|[._])(wpe|pos\w*|position\w*)([._]|$)")
@@ -48,6 +50,23 @@ POLICIES: dict[str, SelectPolicy] = {
     "all": select_all,
     "none": select_none,
 }
+
+
+def ratio_for(pattern: str, ratio: float, otherwise: Union[str, SelectPolicy] = "non_attention_linear") -> SelectPolicy:
+    """A policy that compresses the parameters whose name matches ``pattern`` (``re.search``) at
+    ``ratio``, and decides the others by ``otherwise``. E.g. ``ratio_for(r"(^|\\.)(wte|lm_head)\\.", 4)``
+    keeps a GPT-2's tied embedding and LM head 2.5x denser than ratio 10 does."""
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 1.0 < float(ratio) < float("inf"):
+        raise ValueError(f"ratio must be a finite number > 1, got {ratio!r}")
+    matches = re.compile(pattern).search
+    base = resolve_policy(otherwise)
+
+    def policy(fqn: str, module: Optional[nn.Module] = None) -> Union[bool, float]:
+        return float(ratio) if matches(fqn) else base(fqn, module)
+
+    # the name is the fingerprint every rank compares (TAGCHook.settings)
+    policy.__name__ = f"ratio_for({pattern!r}, {float(ratio):g}, {getattr(base, '__name__', repr(base))})"
+    return policy
 
 
 def resolve_policy(select: Union[str, SelectPolicy]) -> SelectPolicy:

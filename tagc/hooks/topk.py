@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codecs import Codec, Wire, check_wire_options, finite, pack_values, unpack_values, value_wires
+from tagc.hooks.codecs import (Codec, Wire, check_wire_options, finite, load_residuals, pack_values, unpack_values,
+                               value_wires, with_ratio)
 from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, sum_lists
 from tagc.sketch.kept_list import POSITION_BLOCK, capacity, list_positions, position_blocks
 from tagc.sketch.positions import coded_row_bytes, low_bits
@@ -55,6 +56,7 @@ class TopKCodec(Codec):
 
     name = "topk"
     compresses = True
+    uses_ratio = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "offsets",
                  value_dtype="float32") -> None:
@@ -118,4 +120,7 @@ class TopKCodec(Codec):
         return dict(self.residuals)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {key: value.clone() for key, value in state.items()}
+        load_residuals(self.residuals, state)
+
+    def at_ratio(self, ratio: float) -> "TopKCodec":
+        return self if ratio == self.config.ratio else with_ratio(self, ratio)
