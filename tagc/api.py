@@ -30,7 +30,7 @@ def hook(
     nonfinite: str = "propagate",
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
-    dense_steps: int = 0,
+    dense_steps: Optional[int] = None,
     plain: str = "fp32",
     hierarchy: str = "auto",
     ranks_per_host: Optional[int] = None,
@@ -66,12 +66,16 @@ def hook(
         dense_steps: send everything uncompressed for the first this many steps (a dense
             warm-up, as in Deep Gradient Compression): early gradients carry the large,
             dense moves (e.g. every vocabulary row of the LM head) that sparsification with
-            error feedback under Adam would spread over many steps. Steps are counted by
-            :meth:`TAGCHook.end_step` (or a bucket seen twice).
+            error feedback under Adam would spread over many steps. ``None`` (default):
+            :data:`~tagc.hooks.engine.DENSE_STEPS` (10) for the error-feedback codecs (``tagc``,
+            ``topk``, ``sign``, ``powersgd``), 0 for the others; 0: compress from the first step.
+            Steps are counted by :meth:`TAGCHook.end_step` (or a bucket seen twice). A compiled
+            model runs the warm-up's exchange as one opaque op per block, then recompiles once
+            with the traced halves (its graph guards on :attr:`TAGCHook.warmed_up`).
         ramp_steps: after the warm-up, climb to the ratio over this many steps in
             :data:`~tagc.hooks.engine.RAMP_STAGES` geometric stages (DGC's density ramp; ratio 10:
-            1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only. A compiled model runs a
-            hook with a warm-up or a ramp as one opaque exchange per block.
+            1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only; counted in the warm-up
+            a compiled model runs as one opaque exchange per block.
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
             and everything during ``dense_steps``): ``"fp32"`` (as they are, default),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32

@@ -140,7 +140,7 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
         if wire == "lean" and bits != 1:
             continue  # coded positions code a set: 1-bit index only
         lean = LEAN_OPTIONS if wire == "lean" else {}
-        hook = tagc.hook(ratio=ratio, index_bits=bits, select="all", min_part=MIN_PART if overlap else max(chunk, 1),
+        hook = tagc.hook(dense_steps=0, ratio=ratio, index_bits=bits, select="all", min_part=MIN_PART if overlap else max(chunk, 1),
                          **lean)
         inp = torch.empty_like(grad)
 
@@ -165,7 +165,7 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
         peers.append(("topk", LEAN_OPTIONS))
     for name, options in peers:  # the peer codecs on the same engine, every column selected
         shaped = [Segment(seg.name, seg.start, seg.numel, shape=_matrix_shape(seg.numel * world)) for seg in segs]
-        codec_hook = tagc.hook(codec=name, select="all", **options)
+        codec_hook = tagc.hook(codec=name, select="all", dense_steps=0, **options)
         codec_inp = torch.empty_like(grad)
 
         def prepare_codec(inp=codec_inp) -> None:

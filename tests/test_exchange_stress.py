@@ -37,7 +37,7 @@ def _segments(rng: random.Random, chunk: int) -> list[Segment]:
 def _stress(rank: int, world: int, steps: int, seed: int, budget_s: float) -> dict:
     torch.manual_seed(1000 + rank)
     # parts of 2^16..2^17 columns: above MIN_SAMPLE, so thresholds come from the sampling kernel
-    hook = tagc.hook(select="all", min_compress_numel=64, min_part=1 << 16, ratio=4)
+    hook = tagc.hook(dense_steps=0, select="all", min_compress_numel=64, min_part=1 << 16, ratio=4)
     hook.piece_bytes = 1 << 12  # many pieces per all-to-all (the settings check sees it on both ranks)
     rng = random.Random(seed)  # same on every rank: the same buckets in the same order
     sizes = [rng.randint(64, 5_000) for _ in range(4)] + [rng.randint(5_000, 60_000) for _ in range(4)]

@@ -111,7 +111,7 @@ def collectives_seen(rank, world, settings_list):
     try:
         results = []
         for settings in settings_list:
-            hook = tagc.hook(**settings)
+            hook = tagc.hook(**{"dense_steps": 0, **settings})
             torch.manual_seed(rank)
             for step in range(2):
                 grad = torch.randn(world * CHUNK)
@@ -150,7 +150,7 @@ def test_every_collective_tensor_is_on_the_gradients_device():
 
 def strict_steps(rank, world, settings, steps, nan_step):
     os.environ["TAGC_STRICT_SYNC"] = "1"
-    hook = tagc.hook(**settings)
+    hook = tagc.hook(**{"dense_steps": 0, **settings})
     assert hook.strict_sync
     torch.manual_seed(rank)
     per_step = []
@@ -194,7 +194,7 @@ def test_strict_mode_counts_each_kind_of_host_read():
 
 def nan_residual(rank, world):
     """Under the device-side policy the poisoned rank's residual stays as it was, bit for bit."""
-    hook = tagc.hook(**SMALL)  # one compressed part
+    hook = tagc.hook(**{"dense_steps": 0, **SMALL})  # one compressed part
     torch.manual_seed(rank)
     out = torch.empty(CHUNK)
     hook.start(out, torch.randn(world * CHUNK), None, dist.ReduceOp.AVG, _segments()).wait()

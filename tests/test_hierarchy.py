@@ -48,13 +48,13 @@ def _host_block(step: int, rank: int) -> torch.Tensor:
 
 def _engine(rank, world):
     # plain codec: the exact mean
-    plain = tagc.hook(codec="plain", ranks_per_host=PER_HOST)
+    plain = tagc.hook(dense_steps=0, codec="plain", ranks_per_host=PER_HOST)
     out = _exchange(plain, _grad(0, rank))
     exact = sum(_grad(0, r).double()[rank] for r in range(world)) / world
     plain_error = ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
     # tagc: what the owner decodes is the exact sum of what the cross ranks kept (their residual + kept == block)
-    hook = tagc.hook(ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
+    hook = tagc.hook(dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
     host, local = divmod(rank, PER_HOST)
     outs, checks = [], []
     for step in range(3):
@@ -88,7 +88,7 @@ def _engine(rank, world):
     feedback = ((torch.stack(received) + owed - put_in).norm() / put_in.norm()).item()
     stats, state = hook.stats()["total"], hook.state_dict()
     # a checkpoint of the H-row residuals resumes exactly
-    resumed = tagc.hook(ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
+    resumed = tagc.hook(dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
     resumed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     resumes = bool(torch.equal(_exchange(resumed, _grad(9, rank)), _exchange(hook, _grad(9, rank))))
     return {"plain_error": plain_error, "checks": checks, "residuals": residuals, "feedback": feedback, "stats": stats,
@@ -115,7 +115,7 @@ def _bytes(rank, world):
     result = {}
     for name, options in {"flat": dict(hierarchy="flat", ranks_per_host=PER_HOST), "auto": dict(ranks_per_host=PER_HOST),
                           "one_host": {}, "warmup": dict(ranks_per_host=PER_HOST, dense_steps=1)}.items():
-        hook = tagc.hook(ratio=10, select="all", **options)
+        hook = tagc.hook(ratio=10, select="all", **{"dense_steps": 0, **options})
         out = _exchange(hook, grad, segments)
         result[name] = {"stats": hook.stats()["total"], "out": out,
                         "row_flat": hook.wire_row_bytes(segments, CHUNK, world, torch.float32),
@@ -146,17 +146,17 @@ def test_inter_host_bytes_follow_the_formula():
 
 def test_bad_settings_name_the_allowed_values():
     with pytest.raises(ValueError, match=r"hierarchy must be one of \('auto', 'flat'\)"):
-        tagc.hook(hierarchy="bogus")
+        tagc.hook(dense_steps=0, hierarchy="bogus")
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="ranks_per_host"):
-            tagc.hook(ranks_per_host=bad)
+            tagc.hook(dense_steps=0, ranks_per_host=bad)
     old = os.environ.get("LOCAL_WORLD_SIZE")
     try:
         os.environ["LOCAL_WORLD_SIZE"] = "8"
-        assert tagc.hook().ranks_per_host == 8 and tagc.hook(ranks_per_host=2).ranks_per_host == 2
+        assert tagc.hook(dense_steps=0).ranks_per_host == 8 and tagc.hook(dense_steps=0, ranks_per_host=2).ranks_per_host == 2
         os.environ.pop("LOCAL_WORLD_SIZE")
-        assert tagc.hook().ranks_per_host is None
-        assert tagc.hook().settings()["hierarchy"] == "auto"
+        assert tagc.hook(dense_steps=0).ranks_per_host is None
+        assert tagc.hook(dense_steps=0).settings()["hierarchy"] == "auto"
     finally:
         if old is not None:
             os.environ["LOCAL_WORLD_SIZE"] = old
@@ -166,13 +166,13 @@ def _invalid(rank, world):
     grad = _grad(0, rank)
     messages = {}
     with pytest.raises(ValueError, match="ranks_per_host=3 does not divide the world size 4") as error:
-        _exchange(tagc.hook(ranks_per_host=3), grad)
+        _exchange(tagc.hook(dense_steps=0, ranks_per_host=3), grad)
     messages["divide"] = str(error.value)
     for name, mine, theirs in [("hierarchy", "auto", "flat"), ("ranks_per_host", 2, 1)]:
         with pytest.raises(ValueError, match="settings differ") as error:
-            _exchange(tagc.hook(**{"ranks_per_host": PER_HOST, name: mine if rank == 0 else theirs}), grad)
+            _exchange(tagc.hook(**{"dense_steps": 0, "ranks_per_host": PER_HOST, name: mine if rank == 0 else theirs}), grad)
         messages[name] = str(error.value)
-    agreed = _exchange(tagc.hook(ranks_per_host=PER_HOST), grad)  # the group still works
+    agreed = _exchange(tagc.hook(dense_steps=0, ranks_per_host=PER_HOST), grad)  # the group still works
     return messages, bool(torch.isfinite(agreed).all())
 
 
@@ -209,7 +209,7 @@ def _fsdp2_runs(rank, world, mesh, variants: dict, steps: int = 2):
     for name, (options, divide) in variants.items():
         models[name] = _shard(_mlp(), mesh, divide, native=options is None)
         if options is not None:
-            hooks[name] = tagc.hook(**options)
+            hooks[name] = tagc.hook(**{"dense_steps": 0, **options})
             tagc.register_comm_hook(models[name], hooks[name])
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1) for name, model in models.items()}
     losses = {name: [] for name in variants}
@@ -326,7 +326,7 @@ def _simple(rank, world, compiled):
     models, hooks = [], []
     for options in (reference, hooked):
         model = simple_fsdp(_Blocks())
-        hooks.append(tagc.hook(**options))
+        hooks.append(tagc.hook(**{"dense_steps": 0, **options}))
         tagc.register_comm_hook(model, hooks[-1])
         models.append(model)
     graphs: dict = {}

@@ -28,7 +28,7 @@ def exchange(rank, world, hook, grad, op=dist.ReduceOp.AVG, segs=None):
 
 
 def lossless_transport(rank, world, bits):
-    hook = tagc.hook(ratio=10, index_bits=bits, min_part=1 << 17)
+    hook = tagc.hook(dense_steps=0, ratio=10, index_bits=bits, min_part=1 << 17)
     torch.manual_seed(rank)
     grad = torch.randn(world, CHUNK)
     out = exchange(rank, world, hook, grad)
@@ -59,7 +59,7 @@ def test_decoded_shard_is_the_exact_sum_of_what_ranks_kept(world, bits):
 
 
 def wire_bytes(rank, world, bits, ratio):
-    hook = tagc.hook(ratio=ratio, index_bits=bits, select="all")
+    hook = tagc.hook(dense_steps=0, ratio=ratio, index_bits=bits, select="all")
     grad = torch.randn(world, 1 << 20)
     exchange(rank, world, hook, grad, segs=[Segment("w", 0, 1 << 20)])
     return hook.stats()["total"]
@@ -79,7 +79,7 @@ def error_feedback_training(rank, world, use_tagc):
     torch.manual_seed(0)
     w_true = torch.randn(64, 512)
     model = torch.nn.Linear(512, 64, bias=False)
-    hook = tagc.hook(ratio=10, select="all", min_compress_numel=1024, min_part=1 << 14)
+    hook = tagc.hook(dense_steps=0, ratio=10, select="all", min_compress_numel=1024, min_part=1 << 14)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses = []
@@ -111,12 +111,12 @@ def test_error_feedback_reaches_the_uncompressed_loss():
 
 def checkpoint_roundtrip(rank, world, path):
     grads = [torch.randn(world, CHUNK, generator=torch.Generator().manual_seed(10 * s + rank)) for s in range(3)]
-    first = tagc.hook(ratio=10)
+    first = tagc.hook(dense_steps=0, ratio=10)
     for g in grads[:2]:
         exchange(rank, world, first, g)
     dcp.save(first.state_dict(), checkpoint_id=path)
     expected = exchange(rank, world, first, grads[2])
-    resumed = tagc.hook(ratio=10)
+    resumed = tagc.hook(dense_steps=0, ratio=10)
     state = resumed.state_dict()
     for key, value in first.state_dict().items():  # DCP loads in place into matching entries
         state[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
@@ -154,15 +154,15 @@ def mismatched(rank, world):
     the setting and both values, and the group still usable after it (no hang, no abort)."""
     messages = []
     for name, mine, theirs in MISMATCHES:
-        hook = tagc.hook(**(mine if rank == 0 else theirs))
+        hook = tagc.hook(**{"dense_steps": 0, **(mine if rank == 0 else theirs)})
         with pytest.raises(ValueError, match="settings differ") as error:
             exchange(rank, world, hook, torch.randn(world, CHUNK))
         messages.append(str(error.value))
-    piece = tagc.hook()
+    piece = tagc.hook(dense_steps=0)
     piece.piece_bytes = 1 << 20 if rank == 0 else 1 << 19
     with pytest.raises(ValueError, match="piece_bytes"):
         exchange(rank, world, piece, torch.randn(world, CHUNK))
-    agreed = exchange(rank, world, tagc.hook(), torch.randn(world, CHUNK))  # the group still works
+    agreed = exchange(rank, world, tagc.hook(dense_steps=0), torch.randn(world, CHUNK))  # the group still works
     return messages, bool(torch.isfinite(agreed).all())
 
 
@@ -177,7 +177,7 @@ def test_every_mismatched_setting_is_a_clear_error_on_every_rank():
 
 
 def dying_rank(rank, world):
-    hook = tagc.hook(ratio=10)
+    hook = tagc.hook(dense_steps=0, ratio=10)
     hook.verify(None)
     if rank == 1:
         os._exit(0)  # dies before the exchange
@@ -203,7 +203,7 @@ def run_ranks_allow_missing(fn, world):
 
 
 def nonfinite(rank, world, policy):
-    hook = tagc.hook(ratio=10, nonfinite=policy)
+    hook = tagc.hook(dense_steps=0, ratio=10, nonfinite=policy)
     grad = torch.randn(world, CHUNK)
     exchange(rank, world, hook, grad)  # a normal step leaves a residual
     (before,) = [[p.clone() for p in parts] for parts in hook.residuals.values()]
@@ -231,7 +231,7 @@ def test_nonfinite_gradient_reaches_every_owner_or_raises():
 
 
 def world_one_and_tiny(rank, world):
-    hook = tagc.hook(ratio=10)
+    hook = tagc.hook(dense_steps=0, ratio=10)
     if world == 1:
         grad = torch.randn(1, 1000)
         return torch.equal(exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 1000)]), grad[0])
@@ -249,23 +249,23 @@ def test_world_size_one_and_tiny_buckets(world):
 
 def test_bad_hook_arguments():
     with pytest.raises(ValueError, match="ratio"):
-        tagc.hook(ratio=0.5)
+        tagc.hook(dense_steps=0, ratio=0.5)
     with pytest.raises(ValueError, match="select"):
-        tagc.hook(select="attention")
+        tagc.hook(dense_steps=0, select="attention")
     with pytest.raises(ValueError, match="nonfinite"):
-        tagc.hook(nonfinite="ignore")
+        tagc.hook(dense_steps=0, nonfinite="ignore")
     with pytest.raises(ValueError, match="dense_steps"):
         tagc.hook(dense_steps=-1)
     with pytest.raises(TypeError):
         tagc.register_comm_hook(torch.nn.Linear(2, 2), object())
     with pytest.raises(ValueError, match="no FSDP module"):
-        tagc.register_comm_hook(torch.nn.Linear(2, 2), tagc.hook())
+        tagc.register_comm_hook(torch.nn.Linear(2, 2), tagc.hook(dense_steps=0))
 
 
 def triton_backend_exchange(rank, world):
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
     os.environ["TAGC_BACKEND"] = "triton"
-    hook = tagc.hook(ratio=4, select="all", min_compress_numel=1024)
+    hook = tagc.hook(dense_steps=0, ratio=4, select="all", min_compress_numel=1024)
     torch.manual_seed(rank)
     grad = torch.randn(world, 6000)
     out = exchange(rank, world, hook, grad, segs=[Segment("w", 0, 6000)])
@@ -285,7 +285,7 @@ def test_the_hook_runs_on_the_triton_kernels():
 
 
 def raw_resend(rank, world):
-    hook = tagc.hook(ratio=10, sparsity=0.0, select="all", fallback="raw", min_part=1 << 16)  # dense: far above the threshold
+    hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select="all", fallback="raw", min_part=1 << 16)  # dense: far above the threshold
     torch.manual_seed(rank)
     grad = torch.randn(world, 100_000)
     out = exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 100_000)])
@@ -325,7 +325,7 @@ def test_dense_warmup_sends_the_first_steps_plain():
 
 
 def codec_times(rank, world):
-    hook = tagc.hook(ratio=10, min_part=1 << 17)
+    hook = tagc.hook(dense_steps=0, ratio=10, min_part=1 << 17)
     exchange(rank, world, hook, torch.randn(world, CHUNK))
     hook.end_step()
     last, (unit,) = hook.stats()["last_step"], hook.stats()["units"]

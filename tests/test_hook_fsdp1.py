@@ -16,7 +16,7 @@ def train_fsdp1(rank, world, use_tagc):
     model[0] = FSDP(model[0], device_id=torch.device("cpu"))
     model = FSDP(model, device_id=torch.device("cpu"))
     if use_tagc:
-        hook = tagc.hook(ratio=10, sparsity=0.0, select="all", min_compress_numel=1024)
+        hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select="all", min_compress_numel=1024)
         tagc.register_comm_hook(model, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     torch.manual_seed(100 + rank)
@@ -44,7 +44,7 @@ def test_fsdp1_tagc_matches_default():
 def hybrid(rank, world):
     model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD)
     with pytest.raises(ValueError, match="FULL_SHARD"):
-        tagc.register_comm_hook(model, tagc.hook())
+        tagc.register_comm_hook(model, tagc.hook(dense_steps=0))
     return True
 
 
@@ -58,7 +58,7 @@ def unit_selection(rank, world):
 
     model = GPT(GPTConfig.preset("tiny"))
     model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
-    tagc.register_comm_hook(model, tagc.hook(select="non_attention_linear"))
+    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, select="non_attention_linear"))
     decided = {}
     for unit in FSDP.fsdp_modules(model):
         (segment,) = unit._comm_hook_state.segments(1000)

@@ -194,17 +194,17 @@ def test_topk_lean_encode_and_decode_never_read_tensors_on_the_host():
 
 def test_bad_lean_settings_are_clear_errors():
     with pytest.raises(ValueError, match=r"positions must be one of \('bitmap', 'coded'\)"):
-        tagc.hook(positions="elias")
+        tagc.hook(dense_steps=0, positions="elias")
     with pytest.raises(ValueError, match=r"positions must be one of \('offsets', 'coded'\)"):
-        tagc.hook(codec="topk", positions="bitmap")
+        tagc.hook(dense_steps=0, codec="topk", positions="bitmap")
     with pytest.raises(ValueError, match=r"value_dtype must be one of \(.float32., .bfloat16., .float16.\)"):
-        tagc.hook(value_dtype=torch.float64)
+        tagc.hook(dense_steps=0, value_dtype=torch.float64)
     with pytest.raises(ValueError, match="use index_bits=1"):
-        tagc.hook(index_bits=4, positions="coded")
+        tagc.hook(dense_steps=0, index_bits=4, positions="coded")
     with pytest.raises(ValueError, match=r"plain must be one of \('fp32', 'bf16', 'fp8', 'int4'\)"):
-        tagc.hook(plain="fp16")
+        tagc.hook(dense_steps=0, plain="fp16")
     with pytest.raises(ValueError, match="takes no options"):
-        tagc.hook(codec="bf16", positions="coded")
+        tagc.hook(dense_steps=0, codec="bf16", positions="coded")
 
 
 # ----------------------------------------------------------------------------- on 2 gloo ranks
@@ -218,7 +218,7 @@ PLAIN_BOUND = {"fp32": 0.0, "bf16": 2**-8, "fp8": 2**-3, "int4": 0.3}
 
 def lean_hook(name: str, plain: str):
     options = LEAN if name != "plain" else {}
-    return tagc.hook(codec=name, plain=plain, min_compress_numel=1000, **options)
+    return tagc.hook(codec=name, plain=plain, min_compress_numel=1000, **{"dense_steps": 0, **options})
 
 
 def eager_and_traced(rank, world, name, plain):

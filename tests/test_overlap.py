@@ -34,7 +34,7 @@ def _simple(rank, world, overlap, codec, micro_batches):
     model = simple_fsdp(model, overlap=overlap)
     hook = None
     if codec is not None:
-        hook = tagc.hook(min_compress_numel=1024, codec=codec, overlap=overlap)
+        hook = tagc.hook(dense_steps=0, min_compress_numel=1024, codec=codec, overlap=overlap)
         tagc.register_comm_hook(model, hook)
     return _train(model, rank, world, micro_batches, hook=hook)
 
@@ -57,7 +57,7 @@ def _fsdp2(rank, world, overlap, micro_batches):
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
-    hook = tagc.hook(min_compress_numel=1024, overlap=overlap)
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, overlap=overlap)
     tagc.register_comm_hook(model, hook)
     deferred = []
     original = hook.start
@@ -82,7 +82,7 @@ def _compiled(rank, world, micro_batches):
     for compiled in (False, True):
         _, model = _models(0)
         model = simple_fsdp(model)
-        hook = tagc.hook(min_compress_numel=1024)
+        hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
         tagc.register_comm_hook(model, hook)
         forward = compile_model(model, CompileSettings(backend="aot_eager")) if compiled else None
         results.append(_train(model, rank, world, micro_batches, forward=forward, hook=hook))
@@ -135,7 +135,7 @@ def _slow_link(rank, world, overlap):
     for block in model.transformer.h:
         block.register_forward_hook(slow_backward)
     model = simple_fsdp(model, overlap=overlap)
-    hook = tagc.hook(min_compress_numel=1024, overlap=overlap)
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, overlap=overlap)
     tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     for _ in range(2):  # the second step is timed
@@ -165,7 +165,7 @@ def _failed_backward(rank, world):
     """A backward pass that raises after launching exchanges: the next one is still right."""
     _, model = _models(0)
     model = simple_fsdp(model)
-    hook = tagc.hook(min_compress_numel=1024, nonfinite="raise")
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, nonfinite="raise")
     tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
@@ -187,11 +187,11 @@ def test_a_raising_backward_leaves_nothing_in_flight():
 
 def test_bad_overlap_argument():
     with pytest.raises(ValueError, match="overlap"):
-        tagc.hook(overlap="yes")
+        tagc.hook(dense_steps=0, overlap="yes")
     with pytest.raises(ValueError, match="codec"):
-        tagc.hook(codec="zip")
+        tagc.hook(dense_steps=0, codec="zip")
     with pytest.raises(ValueError, match="nonfinite"):
-        tagc.hook(nonfinite="plain")
+        tagc.hook(dense_steps=0, nonfinite="plain")
 
 
 def _inductor_order(rank, world):
@@ -203,7 +203,7 @@ def _inductor_order(rank, world):
 
     _, model = _models(0)
     model = simple_fsdp(model)
-    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))
+    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, min_compress_numel=1024))
     compiled = compile_model(model)
     idx, tgt = _batch(0, world)
     _, codes = run_and_get_code(lambda: compiled(_mine(idx, rank), _mine(tgt, rank))[1].backward())

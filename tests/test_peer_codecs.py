@@ -357,9 +357,9 @@ ERROR_BOUND = {"bf16": 0.005, "fp8": 0.05, "int4": 0.15, "int4-stochastic": 0.22
 
 def hook_for(name, **settings):
     if name == "int4-stochastic":
-        return tagc.hook(codec="int4", stochastic=True, select="all", min_compress_numel=1000, **settings)
+        return tagc.hook(codec="int4", stochastic=True, select="all", min_compress_numel=1000, **{"dense_steps": 0, **settings})
     config = {"sparsity": 0.9} if name == "topk" else {}
-    return tagc.hook(codec=name, select="all", min_compress_numel=1000, **config, **settings)
+    return tagc.hook(codec=name, select="all", min_compress_numel=1000, **config, **{"dense_steps": 0, **settings})
 
 
 def eager_and_traced(rank, world, name):
@@ -433,20 +433,20 @@ def test_two_ranks_eager_equals_traced_and_counts_the_formula_bytes(name):
 
 def test_bad_codec_options_are_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"codec 'int4' takes options \('block', 'stochastic'\); got 'rank'"):
-        tagc.hook(codec="int4", rank=2)
+        tagc.hook(dense_steps=0, codec="int4", rank=2)
     with pytest.raises(ValueError, match=r"ratio applies only to codecs \('tagc', 'topk'.*not to codec 'int4'"):
-        tagc.hook(ratio=10, codec="int4")
+        tagc.hook(dense_steps=0, ratio=10, codec="int4")
     with pytest.raises(ValueError, match="takes no options"):
-        tagc.hook(codec="bf16", block=64)
+        tagc.hook(dense_steps=0, codec="bf16", block=64)
     for name in ("fp8", "int4", "sign"):
         for block in (0, -1, 2.5, True, "128"):
             with pytest.raises(ValueError, match="block must be a positive integer"):
-                tagc.hook(codec=name, block=block)
+                tagc.hook(dense_steps=0, codec=name, block=block)
     with pytest.raises(ValueError, match="stochastic must be True or False"):
-        tagc.hook(codec="int4", stochastic="yes")
+        tagc.hook(dense_steps=0, codec="int4", stochastic="yes")
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(ValueError, match=r"float8_e4m3fn.*use codec 'bf16' or 'int4'"):
-        tagc.hook(codec="fp8")
+        tagc.hook(dense_steps=0, codec="fp8")
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -29,7 +29,7 @@ def select(name, module=None) -> bool:
 
 def powersgd_hook(**options):
     options = {"select": select, "min_compress_numel": 1, "rank": RANK, **options}
-    return tagc.hook(codec="powersgd", **options)
+    return tagc.hook(codec="powersgd", **{"dense_steps": 0, **options})
 
 
 def layout(world: int, prefix: str = "") -> tuple[list[Segment], int]:
@@ -294,7 +294,7 @@ def _simple_fsdp(rank, world):
     for overlap, compiled in ((True, False), (False, False), (True, True)):
         _, model = _models(0)
         model = simple_fsdp(model, overlap=overlap)
-        hook = tagc.hook(codec="powersgd", min_compress_numel=1024, overlap=overlap)
+        hook = tagc.hook(dense_steps=0, codec="powersgd", min_compress_numel=1024, overlap=overlap)
         tagc.register_comm_hook(model, hook)
         forward = compile_model(model, CompileSettings(backend="aot_eager")) if compiled else model
         idx, tgt = _batch(0, world)
@@ -326,7 +326,7 @@ def _fsdp2_grads(rank, world, use_powersgd):
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     if use_powersgd:
-        tagc.register_comm_hook(model, tagc.hook(codec="powersgd", select="all", min_compress_numel=1))
+        tagc.register_comm_hook(model, tagc.hook(dense_steps=0, codec="powersgd", select="all", min_compress_numel=1))
     x = torch.randn(1, 16, generator=torch.Generator().manual_seed(rank))
     model(x).square().sum().backward()
     return [p.grad.to_local().clone() for p in model.parameters()]
@@ -350,7 +350,7 @@ def _fsdp1_step(rank, world, use_powersgd):
     model = torch.nn.Sequential(torch.nn.Linear(16, 7, bias=False), torch.nn.Tanh(), torch.nn.Linear(7, 12, bias=False))
     model[0], model[2] = FSDP(model[0], device_id=torch.device("cpu")), FSDP(model[2], device_id=torch.device("cpu"))
     model = FSDP(model, device_id=torch.device("cpu"))
-    hook = tagc.hook(codec="powersgd", select="all", min_compress_numel=1)
+    hook = tagc.hook(dense_steps=0, codec="powersgd", select="all", min_compress_numel=1)
     if use_powersgd:
         tagc.register_comm_hook(model, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -373,16 +373,16 @@ def test_fsdp1_single_parameter_units_are_compressed_exact_on_low_rank_gradients
 @pytest.mark.parametrize("rank", [0, -1, 2.0, True, "4"])
 def test_bad_rank_is_a_clear_error(rank):
     with pytest.raises(ValueError, match="rank must be a positive integer"):
-        tagc.hook(codec="powersgd", rank=rank)
+        tagc.hook(dense_steps=0, codec="powersgd", rank=rank)
 
 
 def test_other_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="warm_start must be True or False"):
-        tagc.hook(codec="powersgd", warm_start=1)
+        tagc.hook(dense_steps=0, codec="powersgd", warm_start=1)
     with pytest.raises(ValueError, match="takes options"):
-        tagc.hook(codec="powersgd", rnak=2)
+        tagc.hook(dense_steps=0, codec="powersgd", rnak=2)
     with pytest.raises(ValueError, match="ratio applies only"):
-        tagc.hook(codec="powersgd", ratio=10)
+        tagc.hook(dense_steps=0, codec="powersgd", ratio=10)
 
 
 def test_a_rank_above_a_matrix_side_names_the_parameter_and_its_shape():

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import tagc
 from tagc.hooks import Segment
 from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.engine import RAMP_STAGES, ramp_ratio
+from tagc.hooks.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio
 from tagc.hooks.selection import ratio_for
 from tests.distributed import run_ranks
 
@@ -80,25 +80,38 @@ def test_ramp_and_per_parameter_ratios_conserve_the_gradient_and_send_the_planne
 
 def test_a_ratio_policy_and_a_ramp_are_checked():
     with pytest.raises(ValueError, match="ramp_steps must be a non-negative integer"):
-        tagc.hook(ramp_steps=-1)
+        tagc.hook(dense_steps=0, ramp_steps=-1)
     with pytest.raises(ValueError, match="ramp_steps applies to tagc and topk"):
-        tagc.hook(codec="int4", ramp_steps=5)
+        tagc.hook(dense_steps=0, codec="int4", ramp_steps=5)
     with pytest.raises(ValueError, match="ratio must be a finite number > 1"):
         ratio_for("emb", 1.0)
-    hook = tagc.hook(select=lambda name, module: 0.5)
+    hook = tagc.hook(dense_steps=0, select=lambda name, module: 0.5)
     with pytest.raises(ValueError, match=r"select returned 0.5 for 'emb.weight'.*ratio > 1"):
         hook._plan(SEGMENTS, CHUNK, 2)
-    hook = tagc.hook(codec="int4", select=SELECT)
+    hook = tagc.hook(dense_steps=0, codec="int4", select=SELECT)
     with pytest.raises(ValueError, match="codec 'int4' has no ratio"):
         hook._plan(SEGMENTS, CHUNK, 2)
     assert "ratio_for('^emb\\\\.', 4, non_attention_linear)" == SELECT.__name__  # the settings' fingerprint
 
 
 def test_loaded_residuals_reach_every_ratio_of_the_codec():
-    hook = tagc.hook(ratio=10, select=SELECT)
+    hook = tagc.hook(dense_steps=0, ratio=10, select=SELECT)
     at4 = hook._codec_at(4.0)
     assert at4 is not hook.codec and at4.config.ratio == 4.0 and at4.layout(1 << 16).ratio == 4.0
     assert hook.codec.layout(1 << 16).ratio == 10.0
     hook.load_state_dict({"step": 3, "config": repr(hook.config.fingerprint()), "residual.rank0.b/part0": torch.ones(2, 5)})
     assert at4.residuals is hook.codec.residuals and torch.equal(at4.residuals["b/part0"], torch.ones(2, 5))
     assert math.isclose(hook._codec_at(10.0).config.ratio, 10.0) and hook._codec_at(10.0) is hook.codec
+
+
+def test_error_feedback_codecs_warm_up_by_default_and_trace_only_after_it():
+    assert tagc.hook().dense_steps == DENSE_STEPS == 10
+    assert [tagc.hook(codec=c).dense_steps for c in ("topk", "sign", "powersgd")] == [DENSE_STEPS] * 3
+    assert [tagc.hook(codec=c).dense_steps for c in ("plain", "bf16", "fp8", "int4")] == [0] * 4
+    assert tagc.hook(dense_steps=0).dense_steps == 0 and tagc.hook(codec="int4", dense_steps=3).dense_steps == 3
+    hook = tagc.hook(dense_steps=1, ramp_steps=2, select="all")
+    traced = []
+    for _ in range(4):  # a graph made now would trace the exchange in halves only once both are over
+        traced.append(hook.traceable(SEGMENTS, CHUNK, 2))
+        hook.end_step()
+    assert traced == [False, False, False, True]

@@ -122,7 +122,7 @@ def _collectives(rank, world, reshard, hooked, hook_options=None):
     _, model = _models(0)
     model = simple_fsdp(model, reshard_after_forward=reshard)
     if hooked:
-        tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024, **(hook_options or {})))
+        tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024, **{"dense_steps": 0, **(hook_options or {})}))
     graphs: dict = {}
     forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
     idx, tgt = _batch(0, world)
@@ -157,11 +157,32 @@ def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard,
     assert result["backward_reduce_scatters"] == (0 if hooked else blocks + 1)
 
 
-@pytest.mark.parametrize("options", [{"dense_steps": 2}, {"fallback": "raw"}], ids=["dense-warmup", "raw-fallback"])
-def test_data_dependent_settings_compile_to_one_opaque_exchange_per_block(options):
-    result = run_ranks(_collectives, 2, True, True, options, timeout_s=300)[0]
+def test_data_dependent_settings_compile_to_one_opaque_exchange_per_block():
+    result = run_ranks(_collectives, 2, True, True, {"fallback": "raw"}, timeout_s=300)[0]
     assert result["opaque"] == GPTConfig.preset("tiny").n_layer + 1
     assert result["encodes"] == result["all_to_alls"] == 0
+
+
+def _across_the_warmup(rank, world):
+    """A model compiled during a 1-step warm-up, trained 2 steps: the graph of each step."""
+    _, model = _models(0)
+    model = simple_fsdp(model)
+    hook = tagc.hook(min_compress_numel=1024, dense_steps=1)
+    tagc.register_comm_hook(model, hook)
+    graphs: dict = {}
+    forward = torch.compile(model, backend=_recording_backend(graphs), fullgraph=True)
+    idx, tgt = _batch(0, world)
+    for _ in range(2):
+        forward(_mine(idx, rank), _mine(tgt, rank))[1].backward()
+        hook.end_step()
+    count = lambda graph, op: sum(n == op for n in graph)  # noqa: E731
+    return [(count(g, "tagc.reduce_scatter.default"), count(g, "tagc.encode.default")) for g in graphs["backward"]]
+
+
+def test_a_model_compiled_during_the_warmup_traces_the_exchange_after_it():
+    units = GPTConfig.preset("tiny").n_layer + 1
+    # the warm-up's graph: one opaque exchange per unit; then one recompile, with the traced halves
+    assert run_ranks(_across_the_warmup, 2, timeout_s=300)[0] == [(units, 0), (0, units)]
 
 
 def _traced_halves(rank, world, poison):
@@ -172,7 +193,7 @@ def _traced_halves(rank, world, poison):
     for path in ("engine", "traced"):
         _, model = _models(0)
         model = simple_fsdp(model)
-        hook = tagc.hook(min_compress_numel=1024)
+        hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
         tagc.register_comm_hook(model, hook)
         bucket = units(model)[0].bucket
         handle = bucket.reduce_scatter.handle
@@ -218,12 +239,12 @@ def _hooked_matches_fsdp2(rank, world, compiled):
     _, simple = _models(0)
     _, fsdp2 = _models(0)
     simple = simple_fsdp(simple)
-    simple_hook = tagc.hook(ratio=10, index_bits=1, min_compress_numel=1024)
+    simple_hook = tagc.hook(dense_steps=0, ratio=10, index_bits=1, min_compress_numel=1024)
     tagc.register_comm_hook(simple, simple_hook)
     for block in fsdp2.transformer.h:
         fully_shard(block)
     fully_shard(fsdp2)
-    fsdp2_hook = tagc.hook(ratio=10, index_bits=1, min_compress_numel=1024)
+    fsdp2_hook = tagc.hook(dense_steps=0, ratio=10, index_bits=1, min_compress_numel=1024)
     tagc.register_comm_hook(fsdp2, fsdp2_hook)
     forward = torch.compile(simple, backend="aot_eager", fullgraph=True) if compiled else simple
     errors = []
@@ -357,9 +378,9 @@ def _generic_hook_point(rank, world):
     names = sorted(unit.name for unit in units(model))
     gc.collect()
     before = len(_registry)
-    tagc.register_comm_hook(model, tagc.hook(min_compress_numel=1024))
+    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, min_compress_numel=1024))
     installed = len(_registry) - before
-    model.register_comm_hook(tagc.hook(min_compress_numel=1024))  # the one line; over the first: its entries go
+    model.register_comm_hook(tagc.hook(dense_steps=0, min_compress_numel=1024))  # the one line; over the first: its entries go
     gc.collect()
     replaced = len(_registry) - before
     del model
@@ -406,7 +427,7 @@ def _dcp_round_trip(rank, world, path):
 
     _, model = _models(0)
     model = simple_fsdp(model)
-    hook = tagc.hook(min_compress_numel=1024)
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
     tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     model(_mine(idx, rank), _mine(tgt, rank))[1].backward()
@@ -414,7 +435,7 @@ def _dcp_round_trip(rank, world, path):
 
     _, fresh = _models(1)  # different weights
     fresh = simple_fsdp(fresh)
-    fresh_hook = tagc.hook(min_compress_numel=1024)
+    fresh_hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
     tagc.register_comm_hook(fresh, fresh_hook)
     state = {"model": fresh.state_dict(), "tagc": {**hook.state_dict()}}
     state["tagc"] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state["tagc"].items()}

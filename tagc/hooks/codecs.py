@@ -155,6 +155,8 @@ class Codec:
     """Whether a part must hold whole segments (one part per bucket, described by :meth:`prepare`)."""
     uses_ratio: bool = False
     """Whether the codec has a compression ratio (:meth:`at_ratio`): per-parameter ratios and the density ramp."""
+    error_feedback: bool = False
+    """Whether the codec keeps what it did not send (a residual): the codecs a dense warm-up serves."""
 
     def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
         """For ``whole_segments`` codecs, once per part when a bucket is planned: the part's
@@ -223,6 +225,7 @@ class TAGCCodec(Codec):
     name = "tagc"
     compresses = True
     uses_ratio = True
+    error_feedback = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "bitmap",
                  value_dtype="float32") -> None:

@@ -127,6 +127,7 @@ class PowerSGDCodec(Codec):
     """
 
     name = "powersgd"
+    error_feedback = True
     compresses = True
     rounds = 4
     whole_segments = True

@@ -324,6 +324,7 @@ class SignCodec(Codec):
     """
 
     name = "sign"
+    error_feedback = True
     compresses = True
 
     def __init__(self, block: int = 1024, residual_dtype: torch.dtype = torch.float32) -> None:

@@ -37,8 +37,10 @@ implementations; the hook state (residuals, statistics) is reached through a sma
 registry keyed by an integer, since custom ops take only tensors and scalars. The registry
 holds its entries weakly: an entry lives as long as the unit's installed reduce-scatter
 (which holds it), and goes when the model (or a hook installed over it) lets that go. Settings
-with data-dependent sizes (``fallback="raw"``, ``dense_steps``) and buckets with nothing to
-compress run the whole exchange as the single op ``tagc::reduce_scatter`` instead.
+with data-dependent sizes (``fallback="raw"``) and buckets with nothing to compress run the
+whole exchange as the single op ``tagc::reduce_scatter`` instead, and so does the dense
+warm-up (with the density ramp): the graph guards on ``hook.warmed_up``, so it is made again,
+with the traced halves, once the warm-up is over.
 """
 
 from __future__ import annotations
@@ -175,10 +177,11 @@ def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tens
     binding = _Binding(hook, bucket.group, segments, unit.name, topo)
     _registry[handle] = binding
     hierarchical = topo is not None and topo.hierarchical
-    traced = hook.traceable(segments, bucket.chunk, topo.hosts if hierarchical else bucket.world)
+    traced = hook.traceable_settings(segments, bucket.chunk, topo.hosts if hierarchical else bucket.world)
 
     def hooked(packed: torch.Tensor) -> torch.Tensor:
-        if traced and torch.compiler.is_compiling():  # no registry look-up in traced code
+        # no registry look-up in traced code; during the warm-up (its wire changes shape) one opaque op
+        if traced and hook.warmed_up and torch.compiler.is_compiling():
             if hierarchical:
                 return _traced_hierarchical(packed, handle, topo)
             return _traced(packed, handle, bucket.group, bucket.world)

@@ -57,6 +57,7 @@ class TopKCodec(Codec):
     name = "topk"
     compresses = True
     uses_ratio = True
+    error_feedback = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "offsets",
                  value_dtype="float32") -> None:
