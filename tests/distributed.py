@@ -6,7 +6,7 @@ import faulthandler
 import os
 import tempfile
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,11 @@ import torch.multiprocessing as mp
 from gpt2_bench.train import exit_without_teardown
 
 
-def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float, all_finish: bool = True) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float, all_finish: bool = True,
+           environ: Optional[dict] = None) -> None:
+    if environ is not None:  # forked from the fork server: the test's environment, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints where it was
     torch.set_num_threads(1)
     # a FileStore in the run's own directory: no port to pick, so no race with other processes for one
@@ -34,23 +38,22 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeo
 # imported once by the fork server: a rank then starts in ~0.1 s instead of ~2 s of imports
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "tagc", "tagc.hooks.engine", "fsdp_integration",
             "gpt2_bench.train", "tests.distributed")
+_READ_AT_IMPORT = ("NUMBA_", "TRITON_", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "PYTHON", "CUDA_")
+"""Variables a library may read when the server imports it: a rank that needs a change to one is spawned."""
 _server_environ: dict[str, str] = {}
 
 
-def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-
-
 def _start_method() -> str:
-    """``"forkserver"`` (preloaded, fast) while the environment is the one the server was started
-    with; ``"spawn"`` when a test changed it (a forked rank would not see the change)."""
+    """``"forkserver"`` (preloaded, fast; the rank then takes the test's environment), or
+    ``"spawn"`` when the test changed a variable a preloaded library may have read at import."""
     import multiprocessing
     import multiprocessing.forkserver
 
     if not _server_environ:
-        _server_environ.update(_environ())
+        _server_environ.update(os.environ)
         multiprocessing.set_forkserver_preload(list(_PRELOAD))
-    return "forkserver" if _environ() == _server_environ else "spawn"
+    changed = {k for k in set(os.environ) | set(_server_environ) if os.environ.get(k) != _server_environ.get(k)}
+    return "spawn" if any(k.startswith(_READ_AT_IMPORT) for k in changed) else "forkserver"
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
@@ -59,8 +62,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 60.0) -> 
     ``fn`` must be importable (a module-level function). Exceptions in any rank fail the call.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, out_dir, fn, args, timeout_s), nprocs=world, join=True,
-                           start_method=_start_method())
+        method = _start_method()
+        environ = dict(os.environ) if method == "forkserver" else None
+        mp.start_processes(_entry, args=(world, out_dir, fn, args, timeout_s, True, environ), nprocs=world, join=True,
+                           start_method=method)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

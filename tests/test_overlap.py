@@ -39,8 +39,13 @@ def _simple(rank, world, overlap, codec, micro_batches):
     return _train(model, rank, world, micro_batches, hook=hook)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-backward", "accumulate"])
-@pytest.mark.parametrize("codec", [None, "plain", "tagc"], ids=["funcol", "plain", "tagc"])
+# two of the six in the default suite (the other four: -m slow)
+@pytest.mark.parametrize("codec, micro_batches", [
+    pytest.param("tagc", 2, id="tagc-accumulate"), pytest.param(None, 1, id="funcol-one-backward"),
+    pytest.param("tagc", 1, id="tagc-one-backward", marks=pytest.mark.slow),
+    pytest.param("plain", 1, id="plain-one-backward", marks=pytest.mark.slow),
+    pytest.param("plain", 2, id="plain-accumulate", marks=pytest.mark.slow),
+    pytest.param(None, 2, id="funcol-accumulate", marks=pytest.mark.slow)])
 def test_simple_fsdp_overlapped_gradients_equal_blocking_ones_bit_for_bit(codec, micro_batches):
     overlapped = run_ranks(_simple, 2, True, codec, micro_batches, timeout_s=120)
     blocking = run_ranks(_simple, 2, False, codec, micro_batches, timeout_s=120)
@@ -65,7 +70,8 @@ def _fsdp2(rank, world, overlap, micro_batches):
     return _train(model, rank, world, micro_batches, hook=hook), sum(deferred)
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-backward", "accumulate"])
+@pytest.mark.parametrize("micro_batches", [pytest.param(1, id="one-backward", marks=pytest.mark.slow),
+                                           pytest.param(2, id="accumulate")])
 def test_fsdp2_overlapped_gradients_equal_blocking_ones_bit_for_bit(micro_batches):
     overlapped = run_ranks(_fsdp2, 2, True, micro_batches, timeout_s=120)
     blocking = run_ranks(_fsdp2, 2, False, micro_batches, timeout_s=120)
@@ -89,7 +95,8 @@ def _compiled(rank, world, micro_batches):
     return results
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-backward", "accumulate"])
+@pytest.mark.parametrize("micro_batches", [pytest.param(1, id="one-backward", marks=pytest.mark.slow),
+                                           pytest.param(2, id="accumulate")])
 def test_compiled_exchange_equals_the_overlapped_eager_one(micro_batches):
     for eager, compiled in run_ranks(_compiled, 2, micro_batches, timeout_s=300):
         for a_step, b_step in zip(eager, compiled):

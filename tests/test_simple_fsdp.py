@@ -141,8 +141,10 @@ def _collectives(rank, world, reshard, hooked, hook_options=None):
     }
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "tagc"])
+@pytest.mark.parametrize("hooked, reshard", [
+    pytest.param(True, True, id="tagc-reshard"), pytest.param(False, False, id="plain-keep"),
+    pytest.param(True, False, id="tagc-keep", marks=pytest.mark.slow),
+    pytest.param(False, True, id="plain-reshard", marks=pytest.mark.slow)])
 def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard, hooked):
     result = run_ranks(_collectives, 2, reshard, hooked, timeout_s=300)[0]
     blocks = GPTConfig.preset("tiny").n_layer
