@@ -36,13 +36,21 @@ LEAN_RATIO = 7.0
 """The lean methods' ratio: the fewest bytes that kept val loss within 1% of fsdp's in the
 300-step quality sweep (small preset, 2 ranks, lr 2e-3, 10 dense steps; val loss vs fsdp's 6.8951):
 
-=====  ========================  ========================
-ratio  tagc-lean (MB/step)       topk-lean (MB/step)
-=====  ========================  ========================
-5      +0.17% (8.95)             +0.37% (5.58)
-7      +0.63% (7.22)             +0.85% (4.81)
-10     +1.18% (5.90)             +1.28% (4.21)
-=====  ========================  ========================
+==========================  ========================  ========================
+setting                     tagc-lean (MB/step)       topk-lean (MB/step)
+==========================  ========================  ========================
+ratio 5                     +0.17% (8.95)             +0.37% (5.58)
+ratio 7                     +0.63% (7.22)             +0.85% (4.81)
+ratio 10                    +1.18% (5.90)             +1.28% (4.21)
+ratio 10, 40-step ramp      +1.28% (5.90)             +1.04% (4.21)
+ratio 10, embedding at 4    +1.13% (9.12)             +1.15% (5.65)
+ratio 16                    +1.26% (4.74)             +1.69% (3.68)
+==========================  ========================  ========================
+
+Neither DGC's density ramp (``--ramp-steps``) nor a denser tied embedding / LM head
+(``--embedding-ratio``) beats a lower ratio for everything: at about 9 MB per step, ratio 5
+ends +0.17% and ratio 10 with the embedding at 4 +1.13%. A 30-step warm-up gained nothing
+over 10 steps at ratio 7 (+0.64% against +0.63%). Noise is about +-0.8 points.
 
 ``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
 
