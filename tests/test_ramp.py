@@ -9,7 +9,7 @@ import torch.distributed as dist
 import tagc
 from tagc.hooks import Segment
 from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio
+from tagc.hooks.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio, ramp_stage
 from tagc.hooks.selection import ratio_for
 from tests.distributed import run_ranks
 
@@ -20,10 +20,11 @@ SELECT = ratio_for(r"^emb\.", 4)  # the "embedding" at ratio 4, the MLP weight a
 
 
 def test_ramp_ratio_climbs_geometrically_in_stages():
-    assert [ramp_ratio(10.0, j, RAMP_STAGES) for j in range(RAMP_STAGES)] == pytest.approx([10 ** (k / 5) for k in (1, 2, 3, 4)])
-    stages = [ramp_ratio(10.0, j, 10) for j in range(10)]  # 10 steps over 4 stages: 3, 2, 3, 2 steps
-    assert stages == sorted(stages) and len(set(stages)) == RAMP_STAGES and stages[-1] < 10
-    assert all(1 < r < 10 for r in stages)
+    assert [ramp_ratio(10.0, ramp_stage(j, RAMP_STAGES)) for j in range(RAMP_STAGES)] == pytest.approx(
+        [10 ** (k / 5) for k in (1, 2, 3, 4)])
+    assert [ramp_stage(j, 10) for j in range(10)] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # 10 steps over 4 stages
+    assert [ramp_stage(j, 2) for j in range(2)] == [0, 2]  # a ramp shorter than the stages skips some
+    assert all(1 < ramp_ratio(10.0, k) < 10 for k in range(RAMP_STAGES))
 
 
 def _owned_sum(rows: torch.Tensor, rank: int) -> torch.Tensor:

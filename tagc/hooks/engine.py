@@ -62,12 +62,16 @@ RAMP_STAGES = 4
 Gradient Compression's warm-up does over 4 epochs): each stage is a plan of its own."""
 
 
-def ramp_ratio(ratio: float, steps_into_ramp: int, ramp_steps: int) -> float:
-    """The ratio ``steps_into_ramp`` steps into a ``ramp_steps``-step density ramp: stage ``k`` of
-    :data:`RAMP_STAGES` compresses at ``ratio ** ((k + 1) / (RAMP_STAGES + 1))``, so the ratio
-    climbs geometrically (ratio 10: 1.58, 2.51, 3.98, 6.31, then 10; on 2 ranks a density of 25%,
-    15%, 9.2%, 5.7%, then 3.6%), and the kept fraction falls as DGC's does."""
-    stage = min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // ramp_steps)
+def ramp_stage(steps_into_ramp: int, ramp_steps: int) -> int:
+    """The stage (``0 .. RAMP_STAGES - 1``) ``steps_into_ramp`` steps into a ``ramp_steps``-step ramp."""
+    return min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // ramp_steps)
+
+
+def ramp_ratio(ratio: float, stage: int) -> float:
+    """The ratio of stage ``stage`` of a density ramp to ``ratio``: ``ratio ** ((stage + 1) /
+    (RAMP_STAGES + 1))``, so the ratio climbs geometrically (ratio 10: 1.58, 2.51, 3.98, 6.31,
+    then 10; on 2 ranks a density of 25%, 15%, 9.2%, 5.7%, then 3.6%), and the kept fraction
+    falls as DGC's does."""
     return ratio ** ((stage + 1) / (RAMP_STAGES + 1))
 
 
@@ -709,10 +713,10 @@ class TAGCHook:
 
     def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int, steps_into_ramp: Optional[int] = None) -> _BucketPlan:
         """The bucket's plan; ``steps_into_ramp``: the density ramp's plan for that step (its stage's ratios)."""
-        stage = None if steps_into_ramp is None else min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // self.ramp_steps)
+        stage = None if steps_into_ramp is None else ramp_stage(steps_into_ramp, self.ramp_steps)
         cache_key = (segments, chunk, world, stage)
         if cache_key not in self._plans:
-            at = (lambda ratio: ratio) if steps_into_ramp is None else (lambda ratio: ramp_ratio(ratio, steps_into_ramp, self.ramp_steps))
+            at = (lambda ratio: ratio) if stage is None else (lambda ratio: ramp_ratio(ratio, stage))
             self._plans[cache_key] = self._make_plan(segments, chunk, world, at)
         return self._plans[cache_key]
 
