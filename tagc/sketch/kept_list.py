@@ -14,8 +14,8 @@ The residual keeps every entry not listed. A part whose gradient holds a NaN/Inf
 sends NaN values (the owner turns its whole part NaN) and leaves the residual as it was.
 
 This module is the reference (vectorised torch, no host reads: ``cumsum`` and ``searchsorted``
-instead of ``nonzero()``); :mod:`tagc.kernels.dispatch` gives the same results from the CPU
-kernels, bit for bit.
+instead of ``nonzero()``); :mod:`tagc.kernels.dispatch` gives the same results from the Numba
+(CPU) and Triton (GPU, :mod:`tagc.kernels.kept_list`) kernels, bit for bit.
 """
 
 from __future__ import annotations
