@@ -47,8 +47,8 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
             from tagc.hooks.selection import ratio_for
 
             select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
-        ramp = {"ramp_steps": cfg.ramp_steps} if cfg.ramp_steps else {}
-        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps, **ramp,
+        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                         ramp_steps=cfg.ramp_steps,
                          codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
     if cfg.integration == "simple":

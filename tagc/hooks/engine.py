@@ -355,10 +355,7 @@ class TAGCHook:
         self._codecs_at: dict[float, Codec] = {}
         self.plain_name = plain
         self.plain = make_codec(PLAIN_CODECS[plain], config) if plain != "fp32" else PlainCodec()
-        self.step_count = 0
-        self.warmed_up = not self.warming_up
-        """Whether the dense warm-up and the density ramp are over: a plain attribute, so that a
-        compiled graph guards on it (one graph for the warm-up, one for after it)."""
+        self.step_count = 0  # sets warmed_up too
         self._seen_this_step: set[str] = set()
         self._verified: set[int] = set()
         self._topologies: dict[tuple[int, ...], Topology] = {}
@@ -429,7 +426,6 @@ class TAGCHook:
         prefix = f"residual.rank{rank}."
         self.codec.load_state_dict({name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)})
         self.step_count = int(state["step"])
-        self.warmed_up = not self.warming_up
 
     def verify(self, group: Optional[dist.ProcessGroup]) -> None:
         """Check once per group that every rank has the same settings (a clear error otherwise)."""
@@ -691,7 +687,6 @@ class TAGCHook:
         bucket seen twice also starts a new step, but calling this after ``optimizer.step()`` is
         exact, e.g. with gradient accumulation."""
         self.step_count += 1
-        self.warmed_up = not self.warming_up
         self.last_step = self._current
         self.last_units = self._units
         self._current = ExchangeStats()
@@ -705,6 +700,18 @@ class TAGCHook:
 
     def _plain_plan(self, key: str, chunk: int) -> _BucketPlan:
         return _BucketPlan(key=key, chunk=chunk, parts=[_Part(slice(0, chunk), chunk, self.plain, f"{key}/plain")])
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed (:meth:`end_step`)."""
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, step: int) -> None:
+        self._step_count = step
+        self.warmed_up = not self.warming_up
+        """Whether the dense warm-up and the density ramp are over: a plain attribute, kept with the
+        step, so that a compiled graph guards on it (one graph for the warm-up, one for after it)."""
 
     @property
     def warming_up(self) -> bool:
