@@ -1,9 +1,14 @@
+import importlib
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tagc.sketch import sparsify, threshold
+
+sparsify_module = importlib.import_module("tagc.sketch.sparsify")  # tagc.sketch re-exports a function of its name
 
 
 @given(numel=st.integers(1, 5000), density=st.floats(0.0, 1.0), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**31 - 1))
@@ -31,6 +36,29 @@ def test_kept_fraction_within_ten_percent(numel, density, dist):
     kept, _ = sparsify(x, density)
     fraction = (kept != 0).float().mean().item()
     assert abs(fraction - density) <= 0.1 * density, fraction
+
+
+@pytest.mark.parametrize("numel", [1, 2, 6, 117_177, 294_912, 768 * 3072 // 2, 65_537])
+def test_the_sample_holds_distinct_positions(numel):
+    """The stride is coprime with the row: a stride sharing a factor with it cycles through a
+    fraction of the positions (117,177 shares 139 with 0.618 * 117,177 rounded up to odd)."""
+    stride = sparsify_module.sample_stride(numel)
+    assert math.gcd(stride, numel) == 1
+    positions = sparsify_module.sample_positions(numel, numel, torch.device("cpu"))
+    assert torch.equal(positions.sort().values, torch.arange(numel))
+
+
+@pytest.mark.parametrize("numel", [117_177, 294_912])
+def test_kept_fraction_on_gradients_periodic_in_a_factor_of_the_row(numel):
+    """Every third (or 139th) entry large: a sample confined to one residue class would see
+    only large entries (294,912 = 768 x 384 once sampled positions 0 mod 3 only)."""
+    density = 0.05
+    for period in (3, 139):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(period))
+        x[::period] *= 50
+        kept, _ = sparsify(x, density)
+        fraction = (kept != 0).float().mean().item()
+        assert abs(fraction - density) <= 0.1 * density, (period, fraction)
 
 
 def test_bf16_and_shapes_are_kept():

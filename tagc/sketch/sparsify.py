@@ -56,9 +56,21 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
     return (i * sample_stride(numel)) % numel
 
 
+@functools.lru_cache(maxsize=4096)
 def sample_stride(numel: int) -> int:
-    """The stride of :func:`sample_positions`: odd, about ``0.618 * numel``."""
-    return int(numel * _GOLDEN_FRACTION) | 1
+    """The stride of :func:`sample_positions`: the first odd number from ``0.618 * numel`` up
+    that is coprime with ``numel``.
+
+    Coprime, so the first ``numel`` multiples visit every position once and a sample of any
+    size holds distinct positions. A stride sharing a factor ``g`` with ``numel`` would cycle
+    through only ``numel / g`` positions: at ``numel = 117,177`` the odd ``72,419`` shares 139,
+    so a 65,536-entry sample held 843 distinct positions and its threshold kept 37% more than
+    planned.
+    """
+    stride = int(numel * _GOLDEN_FRACTION) | 1
+    while math.gcd(stride, numel) > 1:
+        stride += 2
+    return stride
 
 
 def keep_limit(numel: int, density: float) -> int:
