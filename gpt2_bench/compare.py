@@ -313,6 +313,8 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
     Runs live in ``<out_dir>/quality``, each beside the settings it ran with. A finished run
     with the same settings is read back instead of trained again, so the long quality runs are
     made once (in the background, or over several sessions) and the timed sweeps added later.
+    An interrupted run (``<name>.started.json`` with the same settings) resumes from its newest
+    checkpoint, with the same losses as an uninterrupted one.
     """
     eval_interval = max(1, steps // 15)  # from the steps alone: the timed runs' settings do not change it
     results = {}
@@ -323,7 +325,9 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
                                   out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
                                   checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS))
         settings, log = out / f"{cfg.run_name}.config.json", out / f"{cfg.run_name}.jsonl"
-        if settings.exists() and log.exists() and _same_math(json.loads(settings.read_text()), json.loads(cfg.to_json())):
+        started = out / f"{cfg.run_name}.started.json"
+        wanted = json.loads(cfg.to_json())
+        if settings.exists() and log.exists() and _same_math(json.loads(settings.read_text()), wanted):
             try:
                 results[method] = summarise(cfg, log, "none")
                 print(f"quality: {method}: reusing the finished run in {log}", file=sys.stderr)
@@ -331,9 +335,16 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
             except (StopIteration, ValueError, KeyError):  # an unfinished log: train again
                 pass
         settings.unlink(missing_ok=True)
-        shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # another run's checkpoints must not be resumed
+        if started.exists() and _same_math(json.loads(started.read_text()), wanted):
+            cfg = dataclasses.replace(cfg, resume=True)  # an interrupted run (a killed session): go on from its checkpoint
+            print(f"quality: {method}: resuming the unfinished run from {cfg.checkpoint_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # another run's checkpoints must not be resumed
+            out.mkdir(parents=True, exist_ok=True)
+            started.write_text(cfg.to_json())
         results[method] = run(cfg, data_dir, link="none", attempts=RUN_ATTEMPTS)
         settings.write_text(cfg.to_json())
+        started.unlink(missing_ok=True)
     return results
 
 

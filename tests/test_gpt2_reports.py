@@ -1,5 +1,9 @@
 """The benchmark reports (tables and plots) on synthetic rows: every column present, files written."""
 
+from pathlib import Path
+
+import pytest
+
 from gpt2_bench import compare, integrations
 
 
@@ -148,6 +152,35 @@ def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypa
     assert trained == [] and again["fsdp"]["val_loss"] == first["fsdp"]["val_loss"]
     compare.quality_runs(compare.dataclasses.replace(base, lr=1e-3), ["fsdp"], 3, data_dir)
     assert [cfg.lr for cfg in trained] == [1e-3]
+
+
+def test_an_interrupted_quality_run_resumes_from_its_checkpoints(tmp_path, monkeypatch):
+    """A run killed mid-way (no finished settings, its started settings on disk) resumes from
+    its checkpoints; a started run with other settings is discarded, checkpoints and all."""
+    base = compare.TrainConfig(preset="tiny", block_size=32, out_dir=str(tmp_path))
+    trained = []
+
+    def fake_run(cfg, *args, **kwargs):
+        trained.append(cfg)
+        raise KeyboardInterrupt  # the session ends mid-run
+
+    monkeypatch.setattr(compare, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        compare.quality_runs(base, ["fsdp"], 30, "unused")
+    first = trained[-1]
+    assert not first.resume and (tmp_path / "quality" / f"{first.run_name}.started.json").exists()
+    Path(first.checkpoint_dir, "step-10").mkdir(parents=True)  # what the killed run left
+
+    monkeypatch.setattr(compare, "run", lambda cfg, *a, **k: trained.append(cfg) or {"val_loss": 1.0})
+    compare.quality_runs(base, ["fsdp"], 30, "unused")
+    assert trained[-1].resume and Path(first.checkpoint_dir, "step-10").exists()
+    assert not (tmp_path / "quality" / f"{first.run_name}.started.json").exists()
+
+    (tmp_path / "quality" / f"{first.run_name}.config.json").unlink()  # as if it never finished
+    (tmp_path / "quality" / f"{first.run_name}.started.json").write_text(
+        compare.dataclasses.replace(first, lr=1e-3).to_json())  # another run's, under the same name
+    compare.quality_runs(base, ["fsdp"], 30, "unused")
+    assert not trained[-1].resume and not Path(first.checkpoint_dir, "step-10").exists()
 
 
 def test_a_setting_added_after_a_run_counts_as_its_default():
