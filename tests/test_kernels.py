@@ -221,7 +221,8 @@ def test_compress_with_explicit_tau(bits):
     assert torch.equal(index, index_r) and torch.equal(res_k, res_r)
     torch.testing.assert_close(table, table_r, rtol=1e-6, atol=1e-5)
     kept = index_to_mask(index[1], 2500, bits)
-    assert torch.equal(kept, (residual[1] + grad[1]).abs() >= 2.0)
+    above = (residual[1] + grad[1]).abs() > 2.0  # ~390 of 2,500: past the capacity (250), the first 250 are kept
+    assert torch.equal(kept, above & (above.cumsum(0) <= capacity(2500, 0.1)))
 
 
 # ---------------------------------------------------------------- peeling decode
@@ -529,8 +530,10 @@ def test_ops_fake_implementations():
     with FakeTensorMode(allow_non_fake_inputs=True):
         grad, residual = torch.empty(2, 1000), torch.empty(2, 1000)
         assert ops.row_thresholds(residual, grad, 0.1).shape == (2,)
-        index, table = ops.compress_(grad, residual, torch.empty(2), t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 4, 100)
+        index, table, held = ops.compress_(grad, residual, torch.empty(2), t.rows, t.signs, t.lane_xor, layout.lane_bits,
+                                           layout.table_numel, 4, 100, 110)
         assert index.shape == (2, 500) and index.dtype == torch.uint8 and table.shape == (2, layout.table_numel)
+        assert held.shape == (2,) and held.dtype == torch.int64
         out, state, work, stats = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4, 0)
         assert out.shape == (1000,) and work.dtype == torch.float64 and stats.shape == (len(PEEL_STATS),)
 
@@ -542,15 +545,15 @@ def test_ops_under_torch_compile():
     def step(grad, residual):
         tau = torch.ops.tagc.row_thresholds(residual, grad, 0.05)
         return torch.ops.tagc.compress(grad, residual, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 1,
-                                       keep_limit(1000, 0.05))
+                                       keep_limit(1000, 0.05), capacity(1000, 0.05))
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     grad = torch.randn(2, 1000, device=DEVICE)
     residual = torch.randn(2, 1000, device=DEVICE)
     res_ref = residual.clone()
-    index, table = compiled(grad, residual)
-    index_r, table_r = compress_(grad, res_ref, 0.05, layout, 1)
-    assert torch.equal(index, index_r) and torch.equal(residual, res_ref)
+    index, table, held = compiled(grad, residual)
+    index_r, table_r, held_r = compress_(grad, res_ref, 0.05, layout, 1, return_held=True)
+    assert torch.equal(index, index_r) and torch.equal(residual, res_ref) and torch.equal(held, held_r)
     torch.testing.assert_close(table, table_r, rtol=1e-6, atol=1e-5)
 
 
@@ -614,8 +617,8 @@ def test_kernels_compile_for_sm90():
             for p in (0, 1):
                 build(radix_select._radix_hist_kernel, dict(res_ptr="*fp32", grad_ptr=grad, hist_ptr="*i32", prefix_ptr="*i32", numel="i32", size="i32", stride="i32"), dict(HAS_GRAD=True, SAMPLED=p == 1, PASS=p, BLOCK=1024))
             for bits in (1, 4):
-                build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", counts_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
-                build(compress._ties_kernel, dict(res_ptr=grad, tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", counts_ptr="*i32", before_ptr="*i32", room_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
+                build(compress._count_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"), dict(BITS=bits, BLOCK=1024))
+                build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", table_ptr="*fp32", above_before_ptr="*i32", ties_before_ptr="*i32", room_ptr="*i32", cap="i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", nbytes="i32", table_numel="i32"), dict(LANE_BITS=6, BITS=bits, BLOCK=1024))
         for bits, fallback, lane_bits, group in ((1, 0, 10, 4), (4, 1, 0, 1)):
             build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", index_ptr="*u8", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", blocks="i32", table_rows="i32"), dict(LANE_BITS=lane_bits, BITS=bits, G=group, BLOCK_B=1024 // group, TILE=1024, FALLBACK=fallback))
         build(positions._count_kernel, dict(index_ptr="*u8", counts_ptr="*i32", numel="i32", stride="i32", blocks="i32"), {})

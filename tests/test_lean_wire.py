@@ -14,6 +14,7 @@ from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.engine import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.index import index_to_mask
+from tagc.sketch.sparsify import keep_limit
 from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "bucket/part"
@@ -149,21 +150,32 @@ def test_scaled_float16_round_trip_within_its_rounding(columns):
     assert unpack_values(pack_values(poisoned, torch.float16))[0, 0].isnan()
 
 
-def test_tagc_row_over_the_coded_capacity_sends_nothing_and_keeps_it_all(monkeypatch):
-    """A row whose kept count exceeds the coded wire's capacity keeps nothing this step (exactly)."""
+@pytest.mark.parametrize("positions", ["coded", "bitmap"])
+def test_tagc_rows_keep_at_most_the_capacity_and_hold_back_the_rest(monkeypatch, positions):
+    """A wire that holds fewer entries than the threshold keeps (here 100 of ~3,500): each row
+    sends its first 100 above the threshold in index order, exactly; the rest stay in the
+    residual and are counted by the rank that held them back."""
     from tagc.hooks.codecs import TAGCCodec
+    from tagc.hooks.nonfinite import thresholds
 
-    world, numel = 2, 100_000
+    world, numel, cap = 2, 100_000, 100
     real = TAGCCodec._capacity
-    monkeypatch.setattr(TAGCCodec, "_capacity", lambda self, n, w: (100, real(self, n, w)[1]))  # far below the count
+    monkeypatch.setattr(TAGCCodec, "_capacity", lambda self, n, w: (cap, real(self, n, w)[1]))  # far below the count
     gen = torch.Generator().manual_seed(4)
     grads = [torch.randn(world, numel, generator=gen) for _ in range(world)]
-    outputs, sent, codecs, stats = exchange("tagc", {"positions": "coded"}, grads)
-    for owner in range(world):
-        assert torch.equal(outputs[0][owner], torch.zeros(numel))  # nothing was sent
-        assert int(stats[owner].overflow) == world  # each rank counts the rows it sent empty (all of its own here)
+    outputs, sent, codecs, stats = exchange("tagc", {"positions": positions}, grads)
+    density = codecs[0].config.density(world)
+    limit = keep_limit(numel, density)
     for rank, codec in enumerate(codecs):
-        assert torch.equal(codec.residuals[KEY], grads[rank])  # residual = 0 + grad, bit for bit
+        tau = thresholds(torch.zeros(world, numel), grads[rank], density, numel)[:, None]
+        above, ties = grads[rank].abs() > tau, grads[rank].abs() == tau  # the sample's own entry ties
+        kept = codec.residuals[KEY] != grads[rank]
+        assert torch.equal(kept, above & (above.cumsum(1) <= cap))  # the first 100 in index order
+        by_rule = above.sum(1) + torch.minimum(ties.sum(1), (limit - above.sum(1)).clamp(min=0))
+        assert int(stats[rank].overflow) == int((by_rule - cap).sum())
+    for owner in range(world):
+        torch.testing.assert_close(outputs[0][owner], sent[0][owner].float(), rtol=1e-6, atol=1e-6)
+        assert int(stats[owner].unpeeled) == 0
 
 
 @pytest.mark.parametrize("name", ["tagc", "topk"])

@@ -143,30 +143,3 @@ def test_bad_arguments_are_clear_errors():
         ref.decode_positions(torch.zeros(1, 3, dtype=torch.uint8), 10_000, 100, 4)
     with pytest.raises(ValueError, match="uint8"):
         ref.decode_positions(torch.zeros(1, 3), 10_000, 100, 4)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
-def test_kept_counts_and_the_capacity_guard(backend, residual_dtype):
-    """Counts above / tied with tau match the reference (ties built on purpose); over-cap rows get +inf."""
-    gen = torch.Generator().manual_seed(9)
-    rows, numel = 3, 20_000
-    grad = torch.randn(rows, numel, generator=gen)
-    residual = torch.randn(rows, numel, generator=gen).to(residual_dtype)
-    tau = torch.tensor([1.0, 2.0, float("inf")])
-    residual[0, :50], grad[0, :50] = 0.5, 0.5  # a == tau exactly: ties (also with the opposite sign)
-    residual[0, 50:60], grad[0, 50:60] = -0.25, -0.75
-    above, ties = dispatch.kept_counts(residual, grad, tau, backend=backend)
-    want_above, want_ties = ref.kept_counts(residual, grad, tau)
-    assert torch.equal(above, want_above) and torch.equal(ties, want_ties)
-    assert int(ties[0]) >= 60 and int(above[2]) == int(ties[2]) == 0
-    exact = (residual.float() + grad).to(residual_dtype).float().abs()
-    assert int(above[1]) == int((exact[1] > 2.0).sum())
-    limit = int(above[0]) + 10  # ties fill the row up to the limit
-    cap = int(above[0]) + 9
-    capped, overflow = ref.cap_thresholds(above, ties, tau, limit, cap=cap)
-    row1_over = int(above[1]) + min(int(ties[1]), max(limit - int(above[1]), 0)) > cap
-    assert torch.isinf(capped[0]) and int(overflow) == 1 + row1_over and torch.isinf(capped[2])
-    assert torch.equal(ref.cap_thresholds(above, ties, tau, limit, cap=cap + 1)[0][0], tau[0])  # exactly at the cap: kept
-    capped, overflow = ref.cap_thresholds(above, ties, tau, limit, cap=numel)
-    assert torch.equal(capped, tau) and int(overflow) == 0

@@ -30,6 +30,7 @@ from tagc.sketch import (
     sparsify,
 )
 from tagc.sketch.codec import FLOAT32_UNIT_ROUNDOFF
+from tagc.sketch.sparsify import capacity
 
 U = FLOAT32_UNIT_ROUNDOFF
 
@@ -254,6 +255,69 @@ def test_tie_parity_across_backends(kind, bits):
     assert (kept.sum(1) <= keep_limit(numel, 0.05)).all()
 
 
+@pytest.mark.parametrize("bits", [1, 4])
+def test_a_misjudged_threshold_keeps_at_most_the_capacity(bits):
+    """A threshold far below the planned count's (a sample that misjudged the row) keeps the
+    first ``capacity`` entries above it in index order, ties none, the rest stay in the
+    residual and are counted as held back; the same bit for bit on every back end."""
+    gen = torch.Generator().manual_seed(11)
+    numel, density = 70_001, 0.1  # a sampled row (above MIN_SAMPLE): its capacity exceeds the planned count
+    layout = SketchLayout(numel, 8.0, lane=2)
+    grad = torch.randn(3, numel, generator=gen)
+    residual = torch.randn(3, numel, generator=gen) * 0.5
+    residual[1], grad[1] = 0.0, grad[1] * 0.05
+    grad[1, ::7] = 0.25  # row 1: 10,001 ties at tau, more than the limit, and next to none above it
+    tau = torch.tensor([0.05, 0.25, float("inf")])  # row 0: ~96% above; row 2: nothing
+    cap, limit = capacity(numel, density), keep_limit(numel, density)
+    assert limit < cap < numel
+    results = {}
+    for backend in _available(BACKENDS):
+        res = residual.clone()
+        index, table, held = dispatch.compress_(grad, res, density, layout, bits, tau=tau, return_held=True,
+                                                backend=backend)
+        results[backend] = (index, table, res)
+        assert held.dtype == torch.int64 and held.shape == (3,)
+        results[backend + " held"] = held
+    held = {k: results.pop(k) for k in list(results) if k.endswith(" held")}
+    _assert_same(results, exact_table=False)
+    before = residual + grad
+    kept = before != results["torch"][2]
+    above = before.abs() > tau[:, None]
+    assert int(kept[0].sum()) == cap and torch.equal(kept[0], above[0] & (above[0].cumsum(0) <= cap))
+    assert int(above[1].sum()) < 10 and int(kept[1].sum()) == limit  # ties fill up to the limit only
+    assert int(kept[2].sum()) == 0
+    for name, value in held.items():
+        assert value.tolist() == [int(above[0].sum()) - cap, 0, 0], name
+
+
+@pytest.mark.parametrize("kind", ["integer", "pm1", "bf16"])
+def test_a_wire_capacity_below_the_limit_cuts_ties_too(kind):
+    """A wire that holds fewer than the planned count (``cap < limit``) keeps the first ``cap``
+    of what the rule keeps, ties included, in index order; held back = the rest; every back
+    end bit for bit."""
+    gen = torch.Generator().manual_seed(21)
+    numel, density, cap = 4099, 0.1, 37
+    layout = SketchLayout(numel, 8.0, lane=2)
+    grad = tie_input(kind, (2, numel), gen)
+    tau = {"integer": torch.tensor([1.0, 8.0]), "pm1": torch.tensor([1.0, 1.0]), "bf16": torch.tensor([2.0, 3.0])}[kind]
+    limit = keep_limit(numel, density)
+    results, held = {}, {}
+    for backend in _available(BACKENDS):
+        res = torch.zeros(2, numel)
+        index, table, held[backend] = dispatch.compress_(grad, res, density, layout, 1, tau=tau, return_held=True,
+                                                         cap=cap, backend=backend)
+        results[backend] = (index, table, res)
+    _assert_same(results, exact_table=kind != "bf16")
+    magnitude = grad.abs()
+    above, ties = magnitude > tau[:, None], magnitude == tau[:, None]
+    room = (limit - above.sum(1, keepdim=True)).clamp(min=0)
+    by_rule = above | (ties & (ties.cumsum(1) <= room))
+    want = by_rule & (by_rule.cumsum(1) <= cap)
+    assert torch.equal(results["torch"][2] != grad, want) and int(by_rule[0].sum()) > cap
+    for backend, value in held.items():
+        assert torch.equal(value, (by_rule.sum(1) - cap).clamp(min=0)), backend
+
+
 @pytest.mark.parametrize("kind", ["integer", "all_equal"])
 def test_tie_parity_with_bf16_residual_and_given_tau(kind):
     """bf16 residuals compare in bf16 on every back end; a given ``tau`` keeps ties the same way."""
@@ -268,10 +332,10 @@ def test_tie_parity_with_bf16_residual_and_given_tau(kind):
     results = _all_backends_compress(grad, torch.zeros(2, numel), 0.05, layout, 4, _available(BACKENDS), tau=tau)
     _assert_same(results)
     kept = (results["torch"][2] == 0) & (grad != 0)
-    limit = keep_limit(numel, 0.05)
+    limit, cap = keep_limit(numel, 0.05), capacity(numel, 0.05)  # a given tau far too low: the capacity binds
     above = (grad.abs() > tau[:, None]).sum(1)
-    assert torch.equal(kept.sum(1), torch.maximum(above, torch.minimum(above + (grad.abs() == tau[:, None]).sum(1),
-                                                                       torch.tensor(limit))))
+    ties = (grad.abs() == tau[:, None]).sum(1)
+    assert torch.equal(kept.sum(1), above.clamp(max=cap) + torch.minimum(ties, (limit - above).clamp(min=0)))
 
 
 @given(numel=st.integers(1, 3000), ranks=st.integers(1, 3), density=st.floats(0.0, 1.0),

@@ -49,7 +49,7 @@ from tagc.config import TAGCConfig
 from tagc.hooks import nonfinite
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import gather_from_owners
-from tagc.kernels.dispatch import code_index, compress_, decode, union_index
+from tagc.kernels.dispatch import code_index, decode, union_index
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
 from tagc.sketch.kept_list import capacity, finite  # finite: the one NaN/Inf check; the codecs import it from here
@@ -236,7 +236,7 @@ class TAGCCodec(Codec):
         self.residual_dtype = residual_dtype
         self.positions = positions
         self.value_dtype = value_dtype
-        self._overflow: dict[str, torch.Tensor] = {}  # rows this rank sent empty (coded positions' capacity)
+        self._overflow: dict[str, torch.Tensor] = {}  # entries the rows' capacity held back, per part
         self.residuals: dict[str, torch.Tensor] = {}
         self._accumulated: dict[str, torch.Tensor] = {}  # fallback="raw": grad + residual until decode
         self.layout = functools.lru_cache(maxsize=4096)(self._layout)  # per instance: no hook kept alive by a cache
@@ -273,20 +273,19 @@ class TAGCCodec(Codec):
         ok, grad = nonfinite.zero_unless_finite(grad)
         if self.config.fallback == "raw":
             self._accumulated[key] = residual.to(torch.float32, copy=True).add_(grad)
-        coded = self.positions == "coded"
-        cap, low = self._capacity(numel, world) if coded else (None, 0)
-        index, table, overflow = nonfinite.compress_(ok, grad, residual, self.config.density(world), layout,
-                                                     self.config.index_bits, cap=cap)
-        if coded:
+        cap, low = self._capacity(numel, world)  # no row keeps more: the coded wire holds it
+        index, table, held = nonfinite.compress_(ok, grad, residual, self.config.density(world), layout,
+                                                 self.config.index_bits, cap)
+        self._overflow[key] = held
+        if self.positions == "coded":
             index = code_index(index, numel, cap, low)
-            self._overflow[key] = overflow
         return (index, *pack_values(table, self.value_dtype))
 
     def _union(self, indexes: torch.Tensor, numel: int, key: str, stats: ExchangeStats) -> torch.Tensor:
         """Every rank's support merged: the union of the coded rows, or the bitmaps' OR / sum."""
+        stats.overflow = stats.overflow + self._overflow.pop(key, 0)  # counted by the rank that held them back
         if self.positions == "coded":
             cap, low = self._capacity(numel, indexes.shape[0])
-            stats.overflow = stats.overflow + self._overflow.pop(key, 0)  # counted by the rank that sent empty
             stats.bitmap_blocks = stats.bitmap_blocks + bitmap_blocks(indexes, numel, low)
             return union_index(indexes.contiguous(), numel, cap, low)
         bits = self.config.index_bits

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Optional
 
 import torch
 
@@ -34,7 +33,6 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.kernels import dispatch
 from tagc.sketch import SketchLayout
 from tagc.sketch.kept_list import finite
-from tagc.sketch.positions import cap_thresholds
 
 _sparsify = importlib.import_module("tagc.sketch.sparsify")  # the module (tagc.sketch re-exports a function of its name)
 
@@ -62,19 +60,15 @@ def thresholds(residual: torch.Tensor, grad: torch.Tensor, density: float, numel
 
 
 def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout,
-              bits: int, cap: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              bits: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused compress under the NaN/Inf policy; ``ok, grad`` from :func:`zero_unless_finite`.
 
-    With ``cap`` (coded positions), a row that would keep more than ``cap`` keeps nothing
-    (:func:`tagc.sketch.positions.cap_thresholds`). Returns ``(index, table, overflowed rows)``.
+    Returns ``(index, table, held)``: ``held`` (int64 0-d) counts the entries the rows'
+    capacity ``cap`` (:func:`tagc.sketch.sparsify.capacity`) left in the residual.
     """
     tau = torch.where(ok, thresholds(residual, grad, density, layout.numel), math.inf)
-    overflow = torch.zeros((), dtype=torch.int64, device=grad.device)
-    if cap is not None:
-        above, ties = dispatch.kept_counts(residual.reshape(-1, layout.numel), grad.reshape(-1, layout.numel), tau)
-        tau, overflow = cap_thresholds(above, ties, tau, _sparsify.keep_limit(layout.numel, density), cap)
-    index, table = dispatch.compress_(grad, residual, density, layout, bits, tau=tau)
-    return index, torch.where(ok, table, math.nan), overflow
+    index, table, held = dispatch.compress_(grad, residual, density, layout, bits, tau=tau, return_held=True, cap=cap)
+    return index, torch.where(ok, table, math.nan), held.sum()
 
 
 def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,

@@ -29,9 +29,9 @@ class ExchangeStats:
     estimated: int = 0
     raw: int = 0
     overflow: int = 0
-    """``topk``: kept entries that did not fit the fixed-size list; ``tagc`` with coded positions:
-    rows sent empty because they would have kept more than the wire holds. Both stay in the
-    residual and are sent later."""
+    """Entries above the threshold that a row's capacity (:func:`tagc.sketch.sparsify.capacity`)
+    held back: ``topk``'s fixed-size lists, and ``tagc``'s rows on every wire (a sample that
+    misjudged its row). They stay in the residual and are sent later."""
     bitmap_blocks: int = 0
     """Coded positions: blocks dense enough to travel as their bitmap (:mod:`tagc.sketch.positions`)."""
     compress_s: float = 0.0

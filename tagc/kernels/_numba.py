@@ -34,10 +34,11 @@ def accumulate_row(grad, residual, n, t, candidates):
 
 
 @njit(cache=True, nogil=True)
-def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor, lane_bits, bits, index, table):
+def compress_rows(grad, residual, tau, limit, cap, block_rows, block_signs, lane_xor, lane_bits, bits, index, table, held):
     """Per chunk, error feedback and the selection rule of :mod:`tagc.sketch.sparsify`
-    (``|a| > tau``, plus the first ``limit - count(|a| > tau)`` ties ``|a| == tau`` in index
-    order), then index bits, sketch cells and residual.
+    (``|a| > tau`` and the first ``limit - count(|a| > tau)`` ties ``|a| == tau``, of those
+    the first ``cap``, in index order), then index bits, sketch cells and residual;
+    ``held[n]`` counts the entries the capacity left in the residual.
 
     One pass over the chunk writes ``a`` into the residual and lists the candidates
     ``|a| >= tau`` (one compare per entry on the hot path); a second walk over that short
@@ -51,7 +52,9 @@ def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor,
         t = tau[n]
         count, above = accumulate_row(grad, residual, n, t, candidates)
         room = limit - above
+        held[n] = max(0, above + min(count - above, max(room, 0)) - cap)
         rank = 0
+        kept = 0
         for i in range(count):
             p = candidates[i]
             a = residual[n, p]
@@ -59,6 +62,9 @@ def compress_rows(grad, residual, tau, limit, block_rows, block_signs, lane_xor,
                 rank += 1
                 if rank > room:
                     continue
+            kept += 1
+            if kept > cap:  # past the capacity: stays in the residual
+                break
             b = p >> lane_bits
             for j in range(3):
                 table[n, cell(p, j, block_rows, lane_xor, lane_bits)] += block_signs[b, j] * a
@@ -401,21 +407,3 @@ def union_bitmap(code, blocks, low, block_bits, numel, cap, index):
             p = scratch[i]
             if p < numel:
                 index[p >> 3] |= np.uint8(1 << (p & 7))
-
-
-@njit(cache=True, nogil=True)
-def kept_counts(residual, grad, tau, above, ties):
-    """Per row, ``|residual + grad|`` above ``tau`` and equal to it (read only: the compress adds later)."""
-    for n in range(residual.shape[0]):
-        t = tau[n]
-        a_count = 0
-        t_count = 0
-        for p in range(residual.shape[1]):
-            a = abs(residual[n, p] + grad[n, p])
-            if a >= t:
-                if a > t:
-                    a_count += 1
-                else:
-                    t_count += 1
-        above[n] = a_count
-        ties[n] = t_count

@@ -3,20 +3,24 @@
 Two kernels over programs of ``BLOCK`` consecutive elements of one chunk (a multiple of 8,
 so a program owns whole index bytes), with a tiny scan between them; no host sync:
 
-1. ``_compress_kernel`` reads ``grad`` and ``residual``, forms ``a = residual + grad``
-   (rounded to the residual's dtype, as ``residual.add_(grad)`` does) and keeps the
-   entries strictly above the threshold, ``|a| > tau[row]``: writes the new residual
-   (``a`` with those zeroed, ties ``|a| == tau`` still in it), packs them into 1- or 4-bit
-   index bytes (viewing the block as ``[BLOCK/8, 8]`` or ``[BLOCK/2, 2]`` and summing
-   shifted bits along the short axis), atomically adds them, in float32, with their signs
-   into their three sketch cells, and stores the block's counts above ``tau`` and of ties.
-2. In torch, per row: ``room = limit - (count above tau)`` and the exclusive prefix sum
-   of the blocks' tie counts (the ties before each block).
-3. ``_ties_kernel`` keeps the first ``room`` ties of the row in index order (the selection
-   rule of :mod:`tagc.sketch.sparsify`): a block with no tie to keep (none, or its prefix
-   already ``>= room``) reads nothing; the others re-read their residual, rank their ties
-   as prefix + in-block cumulative sum, and for those within ``room`` zero the residual,
-   OR their bits into the index bytes and add them to the sketch.
+1. ``_count_kernel`` reads ``grad`` and ``residual``, forms ``a = residual + grad``
+   (rounded to the residual's dtype, as ``residual.add_(grad)`` does) and stores the block's
+   counts above the threshold (``|a| > tau[row]``) and of ties (``|a| == tau``). It writes
+   nothing else.
+2. In torch, per row: the exclusive prefix sums of the blocks' counts (the entries above
+   ``tau`` and the ties before each block), ``room = limit - (count above tau)`` and what
+   the capacity holds back, ``max(0, count above tau - cap)``.
+3. ``_compress_kernel`` reads them again and applies the selection rule of
+   :mod:`tagc.sketch.sparsify`: the entries above ``tau`` and the ties whose rank in the row
+   (the prefix + the running count in the block, in index order) is within ``room``, and of
+   those the first ``cap``. It writes the new residual (``a``, with the kept entries zeroed), packs
+   them into 1- or 4-bit index bytes (viewing the block as ``[BLOCK/8, 8]`` or ``[BLOCK/2, 2]``
+   and summing shifted bits along the short axis) and atomically adds them, in float32, with
+   their signs into their three sketch cells.
+
+Counting first costs one more read of ``grad`` and ``residual`` (memory-bound: about 20
+bytes per element against 12), and buys a row that never keeps more than ``cap``, whatever
+the sample made of it, with one write pass.
 
 The per-block rows / signs / lane-xor tables are loaded from :meth:`SketchLayout.tables`,
 so the cells are exactly the reference's. The threshold ``tau`` comes from
@@ -54,13 +58,50 @@ def _add_to_sketch(table, p, value, keep, rows_ptr, signs_ptr, xor_ptr, LANE_BIT
 
 
 @triton.jit
+def _accumulated(grad_ptr, res_ptr, row, numel, p, m):
+    """``a = residual + grad`` at positions ``p`` of ``row``, rounded to the residual's dtype."""
+    g = tl.load(grad_ptr + row * numel + p, mask=m, other=0.0)
+    r = tl.load(res_ptr + row * numel + p, mask=m, other=0.0)
+    return round_to_dtype(r.to(tl.float32) + g.to(tl.float32), res_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _rank_in_block(flag):
+    """1-based rank in index order of each set entry of ``flag`` ``[BLOCK / PER, PER]`` (int32)."""
+    per_byte = tl.sum(flag, axis=1)
+    return (tl.cumsum(per_byte, axis=0) - per_byte)[:, None] + tl.cumsum(flag, axis=1)
+
+
+@triton.jit
+def _count_kernel(grad_ptr, res_ptr, tau_ptr, counts_ptr, numel, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Store this block's counts of ``|a| > tau`` and ``|a| == tau`` (``a != 0``)."""
+    PER: tl.constexpr = 8 // BITS
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1).to(tl.int64)
+    byte = block * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
+    p = byte[:, None] * PER + tl.arange(0, PER)[None, :]
+    m = p < numel
+    af = _accumulated(grad_ptr, res_ptr, row, numel, p, m)
+    tau = tl.load(tau_ptr + row)  # > 0: zeros are never kept
+    nonzero = (af != 0.0) & m  # redundant with tau > 0, unless a device flushes subnormals
+    above = ((tl.abs(af) > tau) & nonzero).to(tl.int32)
+    tie = ((tl.abs(af) == tau) & nonzero).to(tl.int32)
+    counts = counts_ptr + (row * tl.num_programs(1) + block) * 2
+    tl.store(counts, tl.sum(tl.sum(above, axis=1), axis=0))
+    tl.store(counts + 1, tl.sum(tl.sum(tie, axis=1), axis=0))
+
+
+@triton.jit
 def _compress_kernel(
     grad_ptr,
     res_ptr,
     tau_ptr,
     index_ptr,
     table_ptr,
-    counts_ptr,
+    above_before_ptr,
+    ties_before_ptr,
+    room_ptr,
+    cap,
     rows_ptr,
     signs_ptr,
     xor_ptr,
@@ -71,75 +112,30 @@ def _compress_kernel(
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Keep the entries above ``tau`` and the ties ranked within ``room[row]``, of those the
+    first ``cap`` (ranks: the counts before the block + the running count in it, in index order)."""
     PER: tl.constexpr = 8 // BITS  # elements per index byte
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1).to(tl.int64)
+    slot = row * tl.num_programs(1) + block
     byte = block * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
     sub = tl.arange(0, PER)
     p = byte[:, None] * PER + sub[None, :]  # [BLOCK / PER, PER] chunk positions
     m = p < numel
-    g = tl.load(grad_ptr + row * numel + p, mask=m, other=0.0)
-    r = tl.load(res_ptr + row * numel + p, mask=m, other=0.0)
-    af = round_to_dtype(r.to(tl.float32) + g.to(tl.float32), res_ptr.dtype.element_ty)
-    tau = tl.load(tau_ptr + row)  # > 0: zeros are never kept
-    nonzero = (af != 0.0) & m  # redundant with tau > 0, unless a device flushes subnormals
+    af = _accumulated(grad_ptr, res_ptr, row, numel, p, m)
+    tau = tl.load(tau_ptr + row)
+    nonzero = (af != 0.0) & m
     above = (tl.abs(af) > tau) & nonzero
     tie = (tl.abs(af) == tau) & nonzero
-    tl.store(res_ptr + row * numel + p, tl.where(above, 0.0, af).to(res_ptr.dtype.element_ty), mask=m)
-    field = above.to(tl.int32) << (sub * BITS)[None, :]
-    tl.store(index_ptr + row * nbytes + byte, tl.sum(field, axis=1).to(tl.uint8), mask=byte < nbytes)
-    _add_to_sketch(table_ptr + row * table_numel, p, af, above, rows_ptr, signs_ptr, xor_ptr, LANE_BITS)
-    counts = counts_ptr + (row * tl.num_programs(1) + block) * 2
-    tl.store(counts, tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0))
-    tl.store(counts + 1, tl.sum(tl.sum(tie.to(tl.int32), axis=1), axis=0))
-
-
-@triton.jit
-def _ties_kernel(
-    res_ptr,
-    tau_ptr,
-    index_ptr,
-    table_ptr,
-    counts_ptr,
-    before_ptr,
-    room_ptr,
-    rows_ptr,
-    signs_ptr,
-    xor_ptr,
-    numel,
-    nbytes,
-    table_numel,
-    LANE_BITS: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Keep the ties of this block whose rank in the row (ties before the block + rank in
-    the block) is at most ``room[row]``; blocks with none to keep read nothing."""
-    PER: tl.constexpr = 8 // BITS
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
-    slot = row * tl.num_programs(1) + block
-    ties = tl.load(counts_ptr + slot * 2 + 1)
-    before = tl.load(before_ptr + slot)
     room = tl.load(room_ptr + row)
-    active = ((ties > 0) & (before < room)).to(tl.int32)
-    byte = block * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
-    sub = tl.arange(0, PER)
-    p = byte[:, None] * PER + sub[None, :]
-    live = (byte * 0 + active) != 0  # [BLOCK / PER]: the interpreter cannot AND a scalar bool into a tensor mask
-    m = (p < numel) & live[:, None]
-    a = tl.load(res_ptr + row * numel + p, mask=m, other=0.0).to(tl.float32)
-    tau = tl.load(tau_ptr + row)
-    tie = ((tl.abs(a) == tau) & (a != 0.0) & m).to(tl.int32)
-    per_byte = tl.sum(tie, axis=1)
-    rank = before + (tl.cumsum(per_byte, axis=0) - per_byte)[:, None] + tl.cumsum(tie, axis=1)  # 1-based, index order
-    keep = (tie != 0) & (rank <= room)
-    tl.store(res_ptr + row * numel + p, tl.zeros(p.shape, res_ptr.dtype.element_ty), mask=keep)
-    bm = (byte < nbytes) & live
-    old = tl.load(index_ptr + row * nbytes + byte, mask=bm, other=0).to(tl.int32)
+    above_through = tl.load(above_before_ptr + slot) + _rank_in_block(above.to(tl.int32))  # up to each position
+    ties_through = tl.load(ties_before_ptr + slot) + _rank_in_block(tie.to(tl.int32))
+    kept_through = above_through + tl.minimum(ties_through, tl.maximum(room, 0))  # kept before the capacity
+    keep = (above | (tie & (ties_through <= room))) & (kept_through <= cap)
+    tl.store(res_ptr + row * numel + p, tl.where(keep, 0.0, af).to(res_ptr.dtype.element_ty), mask=m)
     field = keep.to(tl.int32) << (sub * BITS)[None, :]
-    tl.store(index_ptr + row * nbytes + byte, (old | tl.sum(field, axis=1)).to(tl.uint8), mask=bm)
-    _add_to_sketch(table_ptr + row * table_numel, p, a, keep, rows_ptr, signs_ptr, xor_ptr, LANE_BITS)
+    tl.store(index_ptr + row * nbytes + byte, tl.sum(field, axis=1).to(tl.uint8), mask=byte < nbytes)
+    _add_to_sketch(table_ptr + row * table_numel, p, af, keep, rows_ptr, signs_ptr, xor_ptr, LANE_BITS)
 
 
 def launch_compress(
@@ -153,30 +149,34 @@ def launch_compress(
     table_numel: int,
     bits: int,
     limit: int,
+    cap: int,
     wrap: Callable = lambda k: k,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the two kernels on contiguous ``[N, S]`` ``grad``/``residual`` (residual in place)
-    with positive thresholds ``tau`` ``[N]`` and the per-row ``limit`` (:func:`keep_limit`).
+    with positive thresholds ``tau`` ``[N]``, the per-row ``limit`` (:func:`keep_limit`) and
+    capacity ``cap`` (:func:`capacity`).
 
-    Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)``.
+    Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32, held [N] int64)``:
+    ``held``, the entries the capacity left in the residual.
     """
     n_rows, numel = residual.shape
     nbytes = index_nbytes(numel, bits)
     index = torch.empty(n_rows, nbytes, dtype=torch.uint8, device=residual.device)
     table = torch.zeros(n_rows, table_numel, dtype=torch.float32, device=residual.device)
+    held = torch.zeros(n_rows, dtype=torch.int64, device=residual.device)
     if n_rows and numel:
         blocks = triton.cdiv(numel, BLOCK)
         grid = (n_rows, blocks)
         counts = torch.empty(n_rows, blocks, 2, dtype=torch.int32, device=residual.device)  # above tau, ties
+        wrap(_count_kernel)[grid](grad, residual, tau, counts, numel, BITS=bits, BLOCK=BLOCK)
+        above, ties = counts[:, :, 0], counts[:, :, 1]
+        above_before = (above.cumsum(1, dtype=torch.int32) - above).contiguous()  # in earlier blocks of the row
+        ties_before = (ties.cumsum(1, dtype=torch.int32) - ties).contiguous()
+        above_total = above.sum(1, dtype=torch.int64)
+        room = (limit - above_total).clamp(-1, 2**31 - 1).to(torch.int32)
+        held = (above_total + torch.minimum(ties.sum(1, dtype=torch.int64), room.clamp(min=0)) - cap).clamp_(min=0)
         wrap(_compress_kernel)[grid](
-            grad, residual, tau, index, table, counts, rows, signs, lane_xor, numel, nbytes, table_numel,
-            LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
+            grad, residual, tau, index, table, above_before, ties_before, room, cap, rows, signs, lane_xor, numel,
+            nbytes, table_numel, LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
         )
-        ties = counts[:, :, 1]
-        before = (ties.cumsum(1, dtype=torch.int32) - ties).contiguous()  # ties in earlier blocks of the row
-        room = (limit - counts[:, :, 0].sum(1, dtype=torch.int64)).clamp(-1, 2**31 - 1).to(torch.int32)
-        wrap(_ties_kernel)[grid](
-            residual, tau, index, table, counts, before, room, rows, signs, lane_xor, numel, nbytes, table_numel,
-            LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
-        )
-    return index, table
+    return index, table, held

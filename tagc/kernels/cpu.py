@@ -6,11 +6,11 @@ nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes 
 index operations per round. These kernels do the same arithmetic in one loop each:
 
 * :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; the entries the
-  selection rule keeps (``|a| > tau``, plus ties ``|a| == tau`` in index order up to
-  :func:`~tagc.sketch.sparsify.keep_limit`; ``tau`` from the reference's sample,
-  :func:`row_thresholds`) set their index bit, add ``sign * a`` to their three cells and
-  leave 0 in the residual; the rest stay in the residual. A second walk over the short
-  list of candidates settles the ties. Positions are added in the reference's order, so
+  selection rule keeps (``|a| > tau`` up to :func:`~tagc.sketch.sparsify.capacity`, plus
+  ties ``|a| == tau`` up to :func:`~tagc.sketch.sparsify.keep_limit`, in index order; ``tau``
+  from the reference's sample, :func:`row_thresholds`) set their index bit, add ``sign * a``
+  to their three cells and leave 0 in the residual; the rest stay in the residual. A second
+  walk over the short list of candidates settles the ties and the capacity. Positions are added in the reference's order, so
   index, residual and table equal the reference's bit for bit.
 * :func:`decode_cpu` - unpack the union, count and id-sum every cell, then peel with a
   queue of pure cells, generation by generation (``rounds`` is the reference's round
@@ -38,6 +38,7 @@ from tagc.sketch.kept_list import POSITION_BLOCK, check_list_args, finite, posit
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import BLOCK_BITS, check_coded, code_blocks, coded_row_bytes
 from tagc.sketch.sparsify import (
+    capacity,
     check_finite,
     keep_limit,
     positive_threshold,
@@ -83,8 +84,9 @@ def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> 
 
 
 def compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None,
+    return_held: bool = False, cap=None,
+):
     """:func:`tagc.sketch.compress_` in one pass per chunk (same arguments, same results).
 
     A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
@@ -94,7 +96,7 @@ def compress_cpu(
     if residual.dtype != torch.float32 or not residual.is_contiguous():
         from tagc.sketch.compress import compress_
 
-        return compress_(grad, residual, density, layout, bits, tau=tau)
+        return compress_(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
     rows = residual.view(-1, layout.numel)
     grads = grad.reshape(rows.shape).to(torch.float32)  # a strided view is fine
     n_chunks = rows.shape[0]
@@ -103,9 +105,11 @@ def compress_cpu(
     tau = positive_threshold(tau, torch.float32).reshape(n_chunks)
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
+    held = torch.empty(n_chunks, dtype=torch.int64)
     _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), keep_limit(layout.numel, density),
-                             *_tables(layout), layout.lane_bits, bits, index.numpy(), table.numpy())
-    return index, table
+                             capacity(layout.numel, density) if cap is None else cap, *_tables(layout), layout.lane_bits, bits, index.numpy(),
+                             table.numpy(), held.numpy())
+    return (index, table, held) if return_held else (index, table)
 
 
 def decode_cpu(
@@ -192,13 +196,3 @@ def union_index_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> torch
     index = torch.zeros(index_nbytes(numel, 1), dtype=torch.uint8)
     _kernels().union_bitmap(code.contiguous().numpy(), code_blocks(numel), low, BLOCK_BITS, numel, cap, index.numpy())
     return index
-
-
-def kept_counts_cpu(residual: torch.Tensor, grad: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tagc.sketch.positions.kept_counts` in one pass (float32 residual; same counts)."""
-    rows = residual.shape[0]
-    level = positive_threshold(tau, torch.float32).reshape(rows).contiguous()
-    above = torch.zeros(rows, dtype=torch.int64)
-    ties = torch.zeros(rows, dtype=torch.int64)
-    _kernels().kept_counts(residual.numpy(), grad.to(torch.float32).numpy(), level.numpy(), above.numpy(), ties.numpy())
-    return above, ties

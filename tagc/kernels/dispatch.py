@@ -84,21 +84,25 @@ def compress_(
     bits: int,
     *,
     tau: Optional[torch.Tensor] = None,
+    return_held: bool = False,
+    cap: Optional[int] = None,
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+):
     """Fused error feedback + sparsify + index + sketch; see :func:`tagc.sketch.compress_`.
 
     Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)`` and updates
-    ``residual`` in place. ``tau`` optionally fixes the per-chunk thresholds.
+    ``residual`` in place; with ``return_held`` also ``held`` (int64 ``[N]``, the entries the
+    capacity left in the residual). ``tau`` optionally fixes the per-chunk thresholds, ``cap``
+    the capacity (default :func:`tagc.sketch.sparsify.capacity`).
     """
     chosen = resolve_backend(grad, residual, backend=backend)
     if chosen == "triton":
         from tagc.kernels.ops import compress_triton
 
-        return compress_triton(grad, residual, density, layout, bits, tau=tau)
+        return compress_triton(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
     if chosen == "numba":
-        return _cpu.compress_cpu(grad, residual, density, layout, bits, tau=tau)
-    return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau)
+        return _cpu.compress_cpu(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
+    return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
 
 
 def list_kept_(
@@ -139,16 +143,6 @@ def sum_lists(
         return _cpu.sum_lists_cpu(counts, offsets, values, numel)
     return _ref_kept_list.sum_lists(counts, offsets, values, numel)
 
-
-
-def kept_counts(
-    residual: torch.Tensor, grad: torch.Tensor, tau: torch.Tensor, *, backend: Optional[str] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, entries of ``residual + grad`` above ``tau`` and tied with it; see
-    :func:`tagc.sketch.positions.kept_counts` (one fused pass on a CPU)."""
-    if resolve_backend(residual, grad, backend=backend) == "numba" and residual.dtype == torch.float32:
-        return _cpu.kept_counts_cpu(residual, grad, tau)
-    return _ref_positions.kept_counts(residual, grad, tau)
 
 
 def encode_positions(

@@ -44,7 +44,7 @@ from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import check_list_args, position_blocks
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import MAX_LOW_BITS, check_coded, coded_row_bytes
-from tagc.sketch.sparsify import check_density, check_finite, keep_limit, positive_threshold
+from tagc.sketch.sparsify import capacity, check_density, check_finite, keep_limit, positive_threshold
 
 TRACEABLE_KERNELS = not interpreting()
 """True when the ops are ``triton_op`` (the compiler traces into the kernels)."""
@@ -84,15 +84,18 @@ def _compress_op(
     table_numel: int,
     bits: int,
     limit: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, wrap=_wrap)
+    cap: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap,
+                           wrap=_wrap)
 
 
 @_compress_op.register_fake
-def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit):
+def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap):
     n_rows, numel = residual.shape
     index = residual.new_empty(n_rows, index_nbytes(numel, bits), dtype=torch.uint8)
-    return index, residual.new_empty(n_rows, table_numel, dtype=torch.float32)
+    return (index, residual.new_empty(n_rows, table_numel, dtype=torch.float32),
+            residual.new_empty(n_rows, dtype=torch.int64))
 
 
 @_register("tagc::peel", mutates_args=())
@@ -189,10 +192,13 @@ def row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density
     return torch.ops.tagc.row_thresholds(residual, grad, density)
 
 
-def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_numel: int, bits: int, limit: int):
+def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_numel: int, bits: int, limit: int,
+              cap: int):
     """``torch.ops.tagc.compress``: the fused kernels (updates ``residual``); ``tau`` positive, ``limit``
-    from :func:`tagc.sketch.sparsify.keep_limit`."""
-    return torch.ops.tagc.compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit)
+    and ``cap`` from :func:`tagc.sketch.sparsify.keep_limit` and :func:`~tagc.sketch.sparsify.capacity`.
+    Returns ``(index, table, held)``."""
+    return torch.ops.tagc.compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit,
+                                   cap)
 
 
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int):
@@ -214,7 +220,7 @@ def row_thresholds_triton(rows: torch.Tensor, density: float, grad: Optional[tor
 
 
 def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int,
-                    tau: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tau: Optional[torch.Tensor] = None, return_held: bool = False, cap: Optional[int] = None):
     """Triton twin of :func:`tagc.sketch.compress_` (same arguments, same results).
 
     ``tau`` (``[N]`` float32 on the device) skips the threshold selection; by default it
@@ -233,8 +239,10 @@ def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, 
     # compared as the reference does, in the residual's dtype, never below its smallest subnormal
     tau = positive_threshold(tau, rows.dtype).to(torch.float32).contiguous()
     t = layout.tables(rows.device)
-    return compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, bits,
-                     keep_limit(layout.numel, float(density)))
+    index, table, held = compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel,
+                                   bits, keep_limit(layout.numel, float(density)),
+                                   capacity(layout.numel, float(density)) if cap is None else cap)
+    return (index, table, held) if return_held else (index, table)
 
 
 def decode_async(

@@ -3,7 +3,8 @@
 A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
 chunk: add the gradient into the error-feedback residual, threshold it, take the selected
 entries out of the residual (at most :func:`keep_limit` of them unless more are strictly
-above the threshold: ties are broken by index, see :mod:`tagc.sketch.sparsify`), and build
+above the threshold: ties are broken by index; and never more than :func:`capacity`, see
+:mod:`tagc.sketch.sparsify`), and build
 their index and count sketch. The composition of :func:`sparsify`, :func:`build_index` and
 :func:`encode`, without materialising the dense kept tensor.
 """
@@ -16,7 +17,7 @@ import torch
 
 from tagc.sketch.index import pack_mask
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import check_density, check_sketch_dtype, keep_limit, keep_mask, row_thresholds
+from tagc.sketch.sparsify import capacity, check_density, check_sketch_dtype, held_back, keep_limit, keep_mask, row_thresholds
 
 
 def check_compress_args(grad: torch.Tensor, residual: torch.Tensor, density: float) -> None:
@@ -35,7 +36,9 @@ def compress_(
     layout: SketchLayout,
     bits: int,
     tau: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_held: bool = False,
+    cap: Optional[int] = None,
+):
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
     Args:
@@ -49,17 +52,25 @@ def compress_(
         bits: index bits per element (1 or 4).
         tau: optional per-chunk thresholds ``[N]`` to use instead of
             :func:`row_thresholds` (so another back end's threshold can be replayed).
+        return_held: also return how many entries above the threshold each chunk's
+            capacity held back in the residual.
+        cap: the most entries a chunk keeps (default :func:`capacity`; a wire that holds
+            fewer passes its own).
 
     Returns:
         ``(index, table)``: uint8 ``[N, index_nbytes(S, bits)]`` and float32
-        ``[N, layout.table_numel]``; row ``s`` goes to the owner of chunk ``s``.
+        ``[N, layout.table_numel]``; row ``s`` goes to the owner of chunk ``s``. With
+        ``return_held``, ``(index, table, held)``, ``held`` int64 ``[N]``.
     """
     check_compress_args(grad, residual, density)
     rows = residual.view(-1, layout.numel)
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
     tau = row_thresholds(rows, density) if tau is None else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
-    mask = keep_mask(rows, tau[:, None], keep_limit(layout.numel, density))
+    cap = capacity(layout.numel, density) if cap is None else cap
+    limit = keep_limit(layout.numel, density)
+    held = held_back(rows, tau, limit, cap) if return_held else None
+    mask = keep_mask(rows, tau[:, None], limit, cap)
     positions = mask.view(-1).nonzero().squeeze(1)
     chunk, local = positions // layout.numel, positions % layout.numel
     table = torch.zeros(n_chunks * layout.table_numel, dtype=torch.float32, device=rows.device)
@@ -69,4 +80,5 @@ def compress_(
     table.scatter_add_(0, cells.reshape(-1), (signs * kept[:, None]).reshape(-1))
     index = torch.stack([pack_mask(m, bits) for m in mask]) if n_chunks else torch.zeros(0, 0, dtype=torch.uint8)
     rows.masked_fill_(mask, 0)
-    return index, table.view(n_chunks, layout.table_numel)
+    table = table.view(n_chunks, layout.table_numel)
+    return (index, table, held) if return_held else (index, table)

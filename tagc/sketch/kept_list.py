@@ -20,46 +20,20 @@ instead of ``nonzero()``); :mod:`tagc.kernels.dispatch` gives the same results f
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from tagc.sketch.sparsify import check_density, check_sketch_dtype, keep_limit, keep_mask, row_thresholds, sample_size
+from tagc.sketch.sparsify import capacity  # noqa: F401  (the lists' length: the selection rule's capacity)
+from tagc.sketch.sparsify import check_density, check_sketch_dtype, keep_limit, keep_mask, row_thresholds
 
 POSITION_BLOCK = 1 << 16
 """Positions travel as uint16 offsets within blocks of this many entries, plus a count per block."""
-SLACK_SIGMAS = 4.0
-"""Capacity covers the planned count plus this many standard deviations of the kept count."""
-MARGIN = 8
-"""A few more entries, for parts so small that the spread is below one element."""
 
 
 def position_blocks(numel: int) -> int:
     """Blocks of :data:`POSITION_BLOCK` positions in a row of ``numel``."""
     return -(-numel // POSITION_BLOCK)
-
-
-def capacity(numel: int, density: float) -> int:
-    """Entries per rank row: room for every entry the selection keeps, but for rare sampling outliers.
-
-    A row of at most :data:`~tagc.sketch.sparsify.MIN_SAMPLE` entries (or at density >= 1) is
-    thresholded exactly and keeps at most ``k = keep_limit(numel, density)``: capacity ``k``.
-    A larger row's threshold is the ``h``-th largest of a spread sample holding
-    ``h = keep_limit(sample, density)`` >= ``SAMPLE_HITS`` = 4096 kept entries, so the kept
-    fraction it yields has a relative spread ~``1/sqrt(h)`` (a Beta quantile, 1.6% at 4096);
-    the rest of the row then keeps a binomial count around it (spread ``sqrt(mu)``). With
-    ``mu = density * numel`` and ``sigma = sqrt(mu + mu^2 / h)`` the capacity is
-    ``ceil(mu + 4 sigma) + 8``: +6.25% for large rows at h = 4096, overflow odds ~3e-5 per row
-    under that model. Gradients the sample misjudges can still overflow (counted, see above).
-    """
-    size = sample_size(numel, density) if density < 1.0 else numel
-    if size >= numel:
-        return keep_limit(numel, density)
-    hits = keep_limit(size, density)
-    mean = density * numel
-    sigma = math.sqrt(mean + mean * mean / hits)
-    return min(numel, math.ceil(mean + SLACK_SIGMAS * sigma) + MARGIN)
 
 
 def check_list_args(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int) -> None:

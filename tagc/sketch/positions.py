@@ -39,7 +39,6 @@ import math
 import torch
 
 from tagc.sketch.index import pack_mask, unpack_counts
-from tagc.sketch.sparsify import positive_threshold
 
 CODE_BLOCK = 1 << 12
 """Positions per coded block: small enough that the 16-bit count header costs 0.004 bits per
@@ -217,30 +216,3 @@ def union_index(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Ten
     """Coded rows -> the packed 1-bit index of the union of their positions (TAGC's owner merge)."""
     positions, _ = decode_positions(code, numel, cap, low)
     return pack_mask(mask_from_positions(positions, numel).any(dim=0), 1)
-
-
-def kept_counts(residual: torch.Tensor, grad: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``a = residual + grad`` (rounded to the residual's dtype, as the compress rounds
-    it): how many ``|a| > tau`` and how many ``|a| == tau`` (int64 ``[N]`` each; ``tau`` as the
-    compress takes it, :func:`~tagc.sketch.sparsify.positive_threshold` applied here)."""
-    accumulated = (residual.float() + grad.float()).to(residual.dtype).float().abs_()
-    level = positive_threshold(tau, residual.dtype).float().reshape(-1, 1)
-    return (accumulated > level).sum(dim=1), (accumulated == level).sum(dim=1)
-
-
-def cap_thresholds(above: torch.Tensor, ties: torch.Tensor, tau: torch.Tensor, limit: int,
-                   cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Thresholds under which no row keeps more than ``cap``: a row that would (its sample
-    misjudged it) gets ``+inf`` and keeps nothing this step (error feedback sends it later).
-
-    Args:
-        above, ties: :func:`kept_counts` of the rows; tau: ``[N]`` thresholds of the compress;
-        limit: :func:`~tagc.sketch.sparsify.keep_limit` (ties fill a row up to it); cap: the
-        coded wire's capacity.
-    Returns:
-        ``(tau [N], overflow)``: the thresholds to compress with, and how many rows overflowed
-        (int64 0-d tensor). No host read.
-    """
-    kept = above + torch.minimum(ties, (limit - above).clamp_(min=0))
-    over = kept > cap
-    return torch.where(over, math.inf, tau.reshape(-1)), over.sum()

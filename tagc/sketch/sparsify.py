@@ -2,17 +2,22 @@
 
 **The selection rule** (every back end: this reference, the Numba and the Triton kernels).
 A row (chunk) ``a`` of ``numel`` entries with threshold ``tau`` (:func:`row_thresholds`,
-made positive by :func:`positive_threshold`) and limit ``k = keep_limit(numel, density)``
-keeps
+made positive by :func:`positive_threshold`), limit ``k = keep_limit(numel, density)`` and
+capacity ``cap = capacity(numel, density)`` (``>= k``) keeps
 
-* every entry with ``|a| > tau`` (all of them, even if there are more than ``k``: the
-  sampled threshold may overshoot the planned count by its sampling error), and
+* the entries with ``|a| > tau`` (the sampled threshold may overshoot ``k`` by its sampling
+  error, a few percent), and
 * of the entries with ``|a| == tau`` (ties), the first ``k - count(|a| > tau)`` in index
-  order (none if that is ``<= 0``).
+  order (none if that is ``<= 0``),
 
-So ties can never push a row past ``k``: integer, +-1, 0/1 or bf16-rounded gradients keep
-``k`` entries, not every entry equal to the threshold. Every entry is either kept or stays
-in the residual (error feedback), never both and never neither.
+and of those the first ``cap`` in index order: a sample that misjudged the row cannot
+overfill it, the rest stay in the residual. (With the default capacity, ``cap >= k``, so
+the capacity only ever cuts entries above ``tau``; a wire may pass a smaller one.)
+
+So ties can never push a row past ``k``, nor anything past ``cap``: integer, +-1, 0/1 or
+bf16-rounded gradients keep ``k`` entries, not every entry equal to the threshold, and the
+union of the ranks' rows never loads a sketch past its plan by more than ``cap / k``. Every
+entry is either kept or stays in the residual (error feedback), never both and never neither.
 """
 
 from __future__ import annotations
@@ -90,6 +95,33 @@ def keep_limit(numel: int, density: float) -> int:
     return min(numel, max(1, round(density * numel)))
 
 
+SLACK_SIGMAS = 4.0
+"""Capacity covers the planned count plus this many standard deviations of the kept count."""
+MARGIN = 8
+"""A few more entries, for parts so small that the spread is below one element."""
+
+
+def capacity(numel: int, density: float) -> int:
+    """The most entries a row keeps (the selection rule's ``cap``): room for every entry the
+    threshold keeps, but for rare sampling outliers and inputs the sample misjudges.
+
+    A row of at most :data:`MIN_SAMPLE` entries (or at density >= 1) is thresholded exactly
+    and keeps at most ``k = keep_limit(numel, density)``: capacity ``k``. A larger row's
+    threshold is the ``h``-th largest of a spread sample holding ``h = keep_limit(sample,
+    density)`` >= ``SAMPLE_HITS`` = 4096 kept entries, so the kept fraction it yields has a
+    relative spread ~``1/sqrt(h)`` (a Beta quantile, 1.6% at 4096); the rest of the row then
+    keeps a binomial count around it (spread ``sqrt(mu)``). With ``mu = density * numel`` and
+    ``sigma = sqrt(mu + mu^2 / h)`` the capacity is ``ceil(mu + 4 sigma) + 8``: +6.25% for
+    large rows at h = 4096, reached with odds ~3e-5 per row under that model.
+    """
+    if not 0.0 < density < 1.0 or sample_size(numel, density) >= numel:
+        return keep_limit(numel, density)
+    hits = keep_limit(sample_size(numel, density), density)
+    mean = density * numel
+    sigma = math.sqrt(mean + mean * mean / hits)
+    return min(numel, math.ceil(mean + SLACK_SIGMAS * sigma) + MARGIN)
+
+
 def sample_size(numel: int, density: float) -> int:
     """How many entries :func:`row_thresholds` samples from a row of ``numel`` at ``density``."""
     wanted = SAMPLE_HITS / density  # a float: inf for denormal densities
@@ -133,14 +165,16 @@ def sparsify(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tenso
     """Split ``x`` into its ~``density`` largest-magnitude entries and the rest.
 
     ``x`` is one row (flattened): the selection rule of the module docstring, with ties at
-    the threshold broken by flat index, at most ``keep_limit(x.numel(), density)`` of them.
-    Returns ``(kept, residual)`` with ``kept + residual == x`` exactly (every entry lands in
-    exactly one of them). Raises ``ValueError`` on NaN/Inf.
+    the threshold broken by flat index, at most ``keep_limit(x.numel(), density)`` of them,
+    and at most ``capacity(x.numel(), density)`` in all. Returns ``(kept, residual)`` with
+    ``kept + residual == x`` exactly (every entry lands in exactly one of them). Raises
+    ``ValueError`` on NaN/Inf.
     """
     check_density(density)
     check_finite(x)
     rows = x.reshape(1, -1)
-    keep = keep_mask(rows, row_thresholds(rows, density)[:, None], keep_limit(x.numel(), density)).view(x.shape)
+    limit, cap = keep_limit(x.numel(), density), capacity(x.numel(), density)
+    keep = keep_mask(rows, row_thresholds(rows, density)[:, None], limit, cap).view(x.shape)
     return x.where(keep, 0), x.where(~keep, 0)
 
 
@@ -176,14 +210,14 @@ def positive_threshold(tau: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tau.to(dtype).clamp_min(info.tiny * info.eps)
 
 
-def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int) -> torch.Tensor:
+def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: Optional[int] = None) -> torch.Tensor:
     """The kept entries (bool ``[N, S]``) of ``rows`` ``[N, S]`` under thresholds ``tau``
-    (``[N, 1]`` or a scalar) and the per-row limit ``limit`` (:func:`keep_limit`): the
-    selection rule of the module docstring.
+    (``[N, 1]`` or a scalar), the per-row limit ``limit`` (:func:`keep_limit`) and capacity
+    ``cap`` (:func:`capacity`; ``None``: no capacity): the selection rule of the module docstring.
 
-    No host synchronisation (ties are ranked with a cumulative sum). The result lives in a
-    scratch buffer reused by the next call of the same shape: consume it (or copy it)
-    before calling again.
+    No host synchronisation (ties and the capacity are ranked with cumulative sums). The
+    result lives in a scratch buffer reused by the next call of the same shape: consume it
+    (or copy it) before calling again.
     """
     tau = positive_threshold(tau, rows.dtype)
     keep, tie, other = _scratch(tuple(rows.shape), rows.device)
@@ -196,4 +230,17 @@ def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int) -> torch.Tensor
     rank = tie.cumsum(dim=-1, dtype=torch.int32)  # 1-based rank of each tie in its row
     room = limit - (keep.sum(dim=-1, keepdim=True, dtype=torch.int32) - rank[..., -1:])  # limit - count(|a| > tau)
     torch.gt(rank, room, out=other)
-    return keep.logical_and_(other.logical_and_(tie).logical_not_())
+    keep.logical_and_(other.logical_and_(tie).logical_not_())
+    if cap is not None and cap < rows.shape[-1]:
+        keep.logical_and_(keep.cumsum(dim=-1, dtype=torch.int32) <= cap)
+    return keep
+
+
+def held_back(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: int) -> torch.Tensor:
+    """Per row, the entries the selection rule would keep but the capacity ``cap`` held back
+    (int64 ``[N]``): ``max(0, count(|a| > tau) + min(ties, max(0, limit - count(|a| > tau))) - cap)``."""
+    level = positive_threshold(tau, rows.dtype).reshape(-1, 1)
+    magnitude = rows.abs()
+    above = (magnitude > level).sum(dim=-1)
+    ties = (magnitude == level).sum(dim=-1)
+    return (above + torch.minimum(ties, (limit - above).clamp(min=0)) - cap).clamp_(min=0)
