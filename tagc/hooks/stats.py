@@ -29,7 +29,7 @@ class ExchangeStats:
     estimated: int = 0
     raw: int = 0
     overflow: int = 0
-    """Entries above the threshold that a row's capacity (:func:`tagc.sketch.sparsify.capacity`)
+    """Entries the selection rule keeps but a row's capacity (:func:`tagc.sketch.sparsify.capacity`)
     held back: ``topk``'s fixed-size lists, and ``tagc``'s rows on every wire (a sample that
     misjudged its row). They stay in the residual and are sent later."""
     bitmap_blocks: int = 0

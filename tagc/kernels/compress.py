@@ -9,7 +9,7 @@ so a program owns whole index bytes), with a tiny scan between them; no host syn
    nothing else.
 2. In torch, per row: the exclusive prefix sums of the blocks' counts (the entries above
    ``tau`` and the ties before each block), ``room = limit - (count above tau)`` and what
-   the capacity holds back, ``max(0, count above tau - cap)``.
+   the capacity holds back (what the rule keeps, past ``cap``).
 3. ``_compress_kernel`` reads them again and applies the selection rule of
    :mod:`tagc.sketch.sparsify`: the entries above ``tau`` and the ties whose rank in the row
    (the prefix + the running count in the block, in index order) is within ``room``, and of
