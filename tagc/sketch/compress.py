@@ -52,8 +52,8 @@ def compress_(
         bits: index bits per element (1 or 4).
         tau: optional per-chunk thresholds ``[N]`` to use instead of
             :func:`row_thresholds` (so another back end's threshold can be replayed).
-        return_held: also return how many entries above the threshold each chunk's
-            capacity held back in the residual.
+        return_held: also return how many entries the selection rule keeps but each
+            chunk's capacity held back in the residual.
         cap: the most entries a chunk keeps (default :func:`capacity`; a wire that holds
             fewer passes its own).
 
