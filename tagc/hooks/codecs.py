@@ -52,7 +52,8 @@ from tagc.hooks.transport import gather_from_owners
 from tagc.kernels.dispatch import code_index, decode, union_index
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
-from tagc.sketch.kept_list import capacity, finite  # finite: the one NaN/Inf check; the codecs import it from here
+from tagc.sketch.kept_list import finite  # the one NaN/Inf check; the codecs import it from here
+from tagc.sketch.sparsify import capacity
 from tagc.sketch.positions import bitmap_blocks, coded_row_bytes, low_bits
 
 if TYPE_CHECKING:
