@@ -164,7 +164,8 @@ def _wait(launch: Launch, cfg: TrainConfig) -> None:
             newest = checkpoint.latest(cfg.checkpoint_dir)
             resume = (f"newest complete checkpoint: {newest}; rerun with --resume to continue from it" if newest
                       else f"no complete checkpoint in {cfg.checkpoint_dir} yet")
-        raise RankFailed(f"training {failure}; see its traceback above. {resume}", failure.rank, failure.code) from None
+        where = f"training {failure}; see its traceback above" if failure.rank is not None else str(failure)
+        raise RankFailed(f"{where}. {resume}", failure.rank, failure.code) from None
 
 
 def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:

@@ -146,3 +146,24 @@ def test_scaled_link_gives_the_share_to_the_exchange_or_past_its_reach_to_the_li
     measured = (volume / rate if share_of == "exchange" else 3 * volume / rate) / step_s
     assert info["share_of"] == share_of and measured == pytest.approx(share, rel=0.01)
     assert info["modelled_exchange_share"] == pytest.approx(volume / rate / step_s, rel=0.01)
+
+
+class _FailingLaunch:
+    def __init__(self, failure):
+        self.failure = failure
+
+    def wait(self, **_):
+        raise self.failure
+
+
+@pytest.mark.parametrize("rank", [None, 1])
+def test_a_failed_launch_says_what_failed_once_and_where_to_resume(tmp_path, rank):
+    from gpt2_bench.config import TrainConfig
+    from gpt2_bench.launch import RankFailed, _wait
+
+    inner = "rank 1 failed first (exit code 1)" if rank is not None else "training ranks failed (host 0: exit code 1); see the output above"
+    with pytest.raises(RankFailed) as caught:
+        _wait(_FailingLaunch(RankFailed(inner, rank, 1)), TrainConfig(checkpoint_dir=str(tmp_path / "none"), checkpoint_every=2))
+    message = str(caught.value)
+    assert message.count("training") == 1 and message.count("above") == 1, message
+    assert f"no complete checkpoint in {tmp_path / 'none'} yet" in message and caught.value.rank == rank
