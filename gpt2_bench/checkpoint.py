@@ -23,13 +23,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 _COMPLETE = re.compile(r"^step-(\d+)$")
 
 
-def latest(directory: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``directory`` (``None`` if there is none)."""
+def complete(directory: str | Path) -> list[tuple[int, Path]]:
+    """Every complete checkpoint under ``directory`` as ``(steps done, path)``, oldest first."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
-    found = [(int(m.group(1)), path) for path in directory.iterdir() if path.is_dir() and (m := _COMPLETE.match(path.name))]
-    return max(found)[1] if found else None
+        return []
+    return sorted((int(m.group(1)), path) for path in directory.iterdir() if path.is_dir() and (m := _COMPLETE.match(path.name)))
+
+
+def latest(directory: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``directory`` (``None`` if there is none)."""
+    found = complete(directory)
+    return found[-1][1] if found else None
 
 
 def step_of(path: str | Path) -> int:
@@ -50,8 +55,12 @@ def _state(model, optimizer, hook, generator: torch.Generator) -> dict:
     return state
 
 
-def save(directory: str | Path, steps_done: int, model, optimizer, hook, generator: torch.Generator) -> Path:
-    """Write ``step-<steps_done>`` under ``directory`` on every rank (a collective); returns its path."""
+def save(directory: str | Path, steps_done: int, model, optimizer, hook, generator: torch.Generator, keep: int = 0) -> Path:
+    """Write ``step-<steps_done>`` under ``directory`` on every rank (a collective); returns its path.
+
+    With ``keep`` > 0, only the newest ``keep`` complete checkpoints stay: older ones are removed
+    once the new one is complete, so there is always one to resume from.
+    """
     directory = Path(directory)
     final = directory / f"step-{steps_done}"
     partial = directory / f"step-{steps_done}.partial"
@@ -64,6 +73,8 @@ def save(directory: str | Path, steps_done: int, model, optimizer, hook, generat
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
+        for _, old in complete(directory)[:-keep] if keep else ():
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 

@@ -289,7 +289,7 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     return rows, link_info
 
 
-HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "resume", "max_time_s", "group_timeout_s", "fault_step")
+HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "max_time_s", "group_timeout_s", "fault_step")
 """Settings that change how a run is carried out, not its losses."""
 
 
@@ -323,7 +323,7 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
         out = Path(base.out_dir) / "quality"
         cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
-                                  checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS))
+                                  checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS), keep_checkpoints=2)
         settings, log = out / f"{cfg.run_name}.config.json", out / f"{cfg.run_name}.jsonl"
         started = out / f"{cfg.run_name}.started.json"
         wanted = json.loads(cfg.to_json())

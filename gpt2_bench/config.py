@@ -85,6 +85,8 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     """Write a sharded checkpoint (:mod:`gpt2_bench.checkpoint`) every this many steps (0: never)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many complete checkpoints, removing older ones as new ones land (0: keep all)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``checkpoint_dir`` (from scratch if there is none)."""
     fault_step: Optional[int] = None
@@ -135,6 +137,8 @@ class TrainConfig:
             raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
             raise ValueError(f"checkpoint_every must be >= 0 and needs checkpoint_dir, got {self.checkpoint_every!r}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
         for field in ("group_timeout_s", "max_time_s"):
@@ -232,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: no limit")
     p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=0,
+                   help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is ~0.4-0.6 GB")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",

@@ -241,7 +241,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or out_of_time):
             from gpt2_bench import checkpoint
 
-            checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, gen)
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, gen, keep=cfg.keep_checkpoints)
         if out_of_time:
             stopped_at = step + 1
             break

@@ -114,7 +114,8 @@ def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_
 
 
 @pytest.mark.parametrize("kwargs, message", [({"checkpoint_every": 2}, "checkpoint_dir"), ({"resume": True}, "checkpoint_dir"),
-                                             ({"max_time_s": 0}, "max_time_s"), ({"group_timeout_s": -1}, "group_timeout_s")])
+                                             ({"max_time_s": 0}, "max_time_s"), ({"group_timeout_s": -1}, "group_timeout_s"),
+                                             ({"keep_checkpoints": -1}, "keep_checkpoints")])
 def test_checkpoint_and_time_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
@@ -167,3 +168,29 @@ def test_a_failed_launch_says_what_failed_once_and_where_to_resume(tmp_path, ran
     message = str(caught.value)
     assert message.count("training") == 1 and message.count("above") == 1, message
     assert f"no complete checkpoint in {tmp_path / 'none'} yet" in message and caught.value.rank == rank
+
+
+def _save_five_keeping_two(rank, world, directory):
+    import torch
+
+    from gpt2_bench import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept = []
+    for steps_done in range(1, 6):
+        model.weight.data.fill_(steps_done)
+        checkpoint.save(directory, steps_done, model, optimizer, None, torch.Generator(), keep=2)
+        kept.append([step for step, _ in checkpoint.complete(directory)])
+    model.weight.data.zero_()
+    resumed_at = checkpoint.load(checkpoint.latest(directory), model, optimizer, None, torch.Generator())
+    return kept, resumed_at, float(model.weight.data.mean())
+
+
+def test_keep_checkpoints_removes_the_older_ones_once_a_newer_one_is_complete(tmp_path):
+    from tests.distributed import run_ranks
+
+    for kept, resumed_at, weight in run_ranks(_save_five_keeping_two, 2, str(tmp_path / "ckpt")):
+        assert kept == [[1], [1, 2], [2, 3], [3, 4], [4, 5]]
+        assert resumed_at == 5 and weight == 5.0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-5"]
