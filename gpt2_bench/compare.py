@@ -507,8 +507,21 @@ def plot_speedup_vs_share(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def val_loss_vs_fsdp(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per method, ``(step, percent)``: its val loss against fsdp's at the same evaluation step
+    (only the steps both evaluated); empty without an ``fsdp`` row."""
+    curves = {row["method"]: [c for c in row["curve"] if c.get("val_loss") is not None] for row in rows}
+    plain = {c["step"]: c["val_loss"] for c in curves.get("fsdp", [])}
+    if not plain:
+        return {}
+    return {method: [(c["step"], 100 * (c["val_loss"] / plain[c["step"]] - 1)) for c in curve if c["step"] in plain]
+            for method, curve in curves.items()}
+
+
 def plot_method_losses(rows: list[dict], path: Path) -> None:
-    """Every method's training loss (and val loss points) against step."""
+    """Every method's training loss and val loss against step; with ``fsdp`` among them, also
+    each val loss relative to fsdp's at the same step (long runs part by a few percent, which
+    the absolute curves hide)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -518,15 +531,23 @@ def plot_method_losses(rows: list[dict], path: Path) -> None:
     for row in rows:
         seen.setdefault(row["method"], row)
     colors = _label_colors(list(seen))
-    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    relative = val_loss_vs_fsdp(list(seen.values()))
+    plain = bool(relative)
+    fig, axes = plt.subplots(1, 3 if plain else 2, figsize=(16 if plain else 11, 4))
+    train_ax, val_ax = axes[0], axes[1]
     for method, row in seen.items():
         curve = row["curve"]
         train_ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=method, color=colors[method], lw=0.9)
         vals = [c for c in curve if c.get("val_loss") is not None]
         val_ax.plot([c["step"] for c in vals], [c["val_loss"] for c in vals], marker="o", label=method, color=colors[method])
+        if plain:
+            axes[2].plot(*zip(*relative[method]), marker="o", label=method, color=colors[method])
     train_ax.set(xlabel="step", ylabel="training loss", title="training loss")
     val_ax.set(xlabel="step", ylabel="val loss", title="val loss")
-    for ax in (train_ax, val_ax):
+    if plain:
+        axes[2].axhspan(-1, 1, color="grey", alpha=0.12, label="within 1% of fsdp")
+        axes[2].set(xlabel="step", ylabel="val loss vs fsdp's at the same step (%)", title="val loss against fsdp")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -658,9 +679,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         quality = quality_runs(base, methods, args.quality_steps, str(prepare(base.dataset, base.cache_dir)),
                                args.quality_dense_steps)
         plain = quality.get("fsdp", {}).get("val_loss")
+        plot_method_losses([{"method": method, **result} for method, result in quality.items()],
+                           Path(base.out_dir) / "quality" / "losses.png")
         for method, result in quality.items():
             delta = f" ({result['val_loss'] / plain - 1:+.2%} vs fsdp)" if plain else ""
             print(f"{method}: val loss {result['val_loss']:.4f} after {args.quality_steps} steps{delta}")
+        print(f"curves: {Path(base.out_dir) / 'quality' / 'losses.png'}", file=sys.stderr)
         return 0
     if args.loss_from and args.quality_steps:
         parser.error("--loss-from and --quality-steps are two sources of the loss: give one")

@@ -214,3 +214,17 @@ def test_losses_can_come_from_another_compares_rows(tmp_path):
         compare.losses_from(str(tmp_path / "empty.json"))
     with pytest.raises(SystemExit):
         compare.main(["--methods", "fsdp", "--loss-from", str(rows), "--quality-steps", "3"])
+
+
+def test_val_loss_against_fsdp_is_taken_at_the_steps_both_evaluated(tmp_path):
+    def row(method, evals):
+        return {"method": method, "curve": [{"step": s, "loss": 9.0, **({"val_loss": v} if v else {})} for s, v in evals]}
+
+    rows = [row("fsdp", [(0, None), (10, 8.0), (20, 6.0)]), row("int4", [(10, 8.08), (15, 7.0), (20, 5.97)])]
+    relative = compare.val_loss_vs_fsdp(rows)
+    assert [s for s, _ in relative["int4"]] == [10, 20] and relative["fsdp"] == [(10, 0.0), (20, 0.0)]
+    assert relative["int4"][0][1] == pytest.approx(1.0) and relative["int4"][1][1] == pytest.approx(-0.5)
+    assert compare.val_loss_vs_fsdp(rows[1:]) == {}
+    compare.plot_method_losses(rows, tmp_path / "losses.png")  # three panels with fsdp, two without
+    compare.plot_method_losses(rows[1:], tmp_path / "alone.png")
+    assert (tmp_path / "losses.png").stat().st_size > 0 and (tmp_path / "alone.png").stat().st_size > 0
