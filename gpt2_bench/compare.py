@@ -532,19 +532,18 @@ def plot_method_losses(rows: list[dict], path: Path) -> None:
         seen.setdefault(row["method"], row)
     colors = _label_colors(list(seen))
     relative = val_loss_vs_fsdp(list(seen.values()))
-    plain = bool(relative)
-    fig, axes = plt.subplots(1, 3 if plain else 2, figsize=(16 if plain else 11, 4))
+    fig, axes = plt.subplots(1, 3 if relative else 2, figsize=(16 if relative else 11, 4))
     train_ax, val_ax = axes[0], axes[1]
     for method, row in seen.items():
         curve = row["curve"]
         train_ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=method, color=colors[method], lw=0.9)
         vals = [c for c in curve if c.get("val_loss") is not None]
         val_ax.plot([c["step"] for c in vals], [c["val_loss"] for c in vals], marker="o", label=method, color=colors[method])
-        if plain:
+        if relative:
             axes[2].plot(*zip(*relative[method]), marker="o", label=method, color=colors[method])
     train_ax.set(xlabel="step", ylabel="training loss", title="training loss")
     val_ax.set(xlabel="step", ylabel="val loss", title="val loss")
-    if plain:
+    if relative:
         axes[2].axhspan(-1, 1, color="grey", alpha=0.12, label="within 1% of fsdp")
         axes[2].set(xlabel="step", ylabel="val loss vs fsdp's at the same step (%)", title="val loss against fsdp")
     for ax in axes:

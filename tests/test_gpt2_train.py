@@ -159,7 +159,6 @@ class _FailingLaunch:
 
 @pytest.mark.parametrize("rank", [None, 1])
 def test_a_failed_launch_says_what_failed_once_and_where_to_resume(tmp_path, rank):
-    from gpt2_bench.config import TrainConfig
     from gpt2_bench.launch import RankFailed, _wait
 
     inner = "rank 1 failed first (exit code 1)" if rank is not None else "training ranks failed (host 0: exit code 1); see the output above"

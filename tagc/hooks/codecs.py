@@ -53,8 +53,8 @@ from tagc.kernels.dispatch import code_index, decode, union_index
 from tagc.sketch import SketchLayout
 from tagc.sketch.index import merge_index
 from tagc.sketch.kept_list import finite  # the one NaN/Inf check; the codecs import it from here
-from tagc.sketch.sparsify import capacity
 from tagc.sketch.positions import bitmap_blocks, coded_row_bytes, low_bits
+from tagc.sketch.sparsify import capacity
 
 if TYPE_CHECKING:
     from tagc.hooks.segment import Segment
