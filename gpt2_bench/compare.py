@@ -260,6 +260,8 @@ HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "steps": 12, "eval_interv
 
 QUALITY_CHECKPOINTS = 6
 """A quality run checkpoints this many times, so a crash costs at most a sixth of it."""
+QUALITY_KEPT_CHECKPOINTS = 2
+"""A quality run keeps its newest checkpoints only (a long run's full set fills a disk)."""
 
 
 def _pooled_median(values: list[float]) -> float:
@@ -323,7 +325,8 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
         out = Path(base.out_dir) / "quality"
         cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
-                                  checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS), keep_checkpoints=2)
+                                  checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS),
+                                  keep_checkpoints=QUALITY_KEPT_CHECKPOINTS)
         settings, log = out / f"{cfg.run_name}.config.json", out / f"{cfg.run_name}.jsonl"
         started = out / f"{cfg.run_name}.started.json"
         wanted = json.loads(cfg.to_json())
@@ -554,6 +557,43 @@ def plot_method_losses(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def format_quality_report(quality: dict[str, dict], steps: int, plateau: Optional[float] = None) -> str:
+    """The quality runs as Markdown: each method's val loss at every evaluation step, against
+    fsdp's at the same step, and the final verdict per method; with ``plateau`` (the unigram
+    loss, :meth:`gpt2_bench.data.TokenData.unigram_loss`), how far below it plain fell."""
+    rows = [{"method": method, **result} for method, result in quality.items()]
+    relative = dict(val_loss_vs_fsdp(rows))
+    evals = {row["method"]: {c["step"]: c["val_loss"] for c in row.get("curve", []) if c.get("val_loss") is not None}
+             for row in rows}
+    methods = list(evals)
+    lines = [f"# GPT-2: val loss of the quality runs ({steps} steps, unshaped)", ""]
+    plain = quality.get("fsdp", {}).get("val_loss")
+    if plateau is not None:
+        where = (f"; fsdp ends at {plain:.4f}, {plateau - plain:.2f} nats below it" if plain is not None else "")
+        lines += [f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}{where}. "
+                  f"Methods part only past it.", ""]
+    steps_seen = sorted({step for curve in evals.values() for step in curve})
+    if steps_seen:
+        lines += ["| step | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+        for step in steps_seen:
+            cells = []
+            for method in methods:
+                value = evals[method].get(step)
+                percent = dict(relative.get(method, [])).get(step) if method != "fsdp" else None
+                cells.append("" if value is None else f"{value:.4f}" + (f" ({percent:+.2f}%)" if percent is not None else ""))
+            lines.append(f"| {step} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for method, result in quality.items():
+        text = f"- `{method}`: val loss {result['val_loss']:.4f}"
+        if plain is not None and method != "fsdp":
+            delta = result["val_loss"] / plain - 1
+            text += f", {delta:+.2%} against fsdp: " + ("within" if delta <= LOSS_TOLERANCE else "outside") + \
+                    f" {LOSS_TOLERANCE:.0%}"
+        lines.append(text)
+    lines += ["", "![losses](losses.png)", ""]
+    return "\n".join(lines)
+
+
 SHARE_ARITHMETIC = (
     "Where the shares come from. **0.31** is the paper's: TAGC cut its exchange from 0.76 to 0.51 ms/MB (x0.67) and "
     "its iteration from 25.2 to 22.6, so the exchange was 2.6 / (1 - 0.67) = 7.9 of 25.2 units. **0.9** is an "
@@ -673,17 +713,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quality_only:
         if not args.quality_steps:
             parser.error("--quality-only needs --quality-steps")
-        from gpt2_bench.data import prepare
+        from gpt2_bench.data import TokenData, prepare
 
         quality = quality_runs(base, methods, args.quality_steps, str(prepare(base.dataset, base.cache_dir)),
                                args.quality_dense_steps)
-        plain = quality.get("fsdp", {}).get("val_loss")
-        plot_method_losses([{"method": method, **result} for method, result in quality.items()],
-                           Path(base.out_dir) / "quality" / "losses.png")
-        for method, result in quality.items():
-            delta = f" ({result['val_loss'] / plain - 1:+.2%} vs fsdp)" if plain else ""
-            print(f"{method}: val loss {result['val_loss']:.4f} after {args.quality_steps} steps{delta}")
-        print(f"curves: {Path(base.out_dir) / 'quality' / 'losses.png'}", file=sys.stderr)
+        folder = Path(base.out_dir) / "quality"
+        plot_method_losses([{"method": method, **result} for method, result in quality.items()], folder / "losses.png")
+        plateau = TokenData(prepare(base.dataset, base.cache_dir)).unigram_loss()
+        report = format_quality_report(quality, args.quality_steps, plateau)
+        (folder / "quality.md").write_text(report)
+        print(report)
+        print(f"report: {folder / 'quality.md'}", file=sys.stderr)
         return 0
     if args.loss_from and args.quality_steps:
         parser.error("--loss-from and --quality-steps are two sources of the loss: give one")

@@ -212,6 +212,19 @@ class TokenData:
             raise DataError(f"{path} is empty")
         return np.memmap(path, dtype=np.uint16, mode="r")
 
+    def unigram_loss(self, split: str = "val", smoothing: float = 1.0) -> float:
+        """Cross-entropy (nats per token) of ``split`` under the train split's token frequencies,
+        add-``smoothing`` over the vocabulary: the plateau a language model sits on before it
+        learns anything past token frequencies, and the bar a quality run must fall clearly below."""
+        if smoothing <= 0:
+            raise ValueError(f"smoothing must be > 0 (unseen tokens need a probability), got {smoothing}")
+        vocab = int(self.meta.get("vocab_size", 0))
+        train, target = np.asarray(self.tokens("train")), np.asarray(self.tokens(split))
+        vocab = max(vocab, int(train.max()) + 1, int(target.max()) + 1)
+        counts = np.bincount(train, minlength=vocab).astype(np.float64)
+        log_p = np.log(counts + smoothing) - np.log(counts.sum() + smoothing * vocab)
+        return float(-log_p[target].mean())
+
     def get_batch(
         self,
         split: str,

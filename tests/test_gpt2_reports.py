@@ -228,3 +228,19 @@ def test_val_loss_against_fsdp_is_taken_at_the_steps_both_evaluated(tmp_path):
     compare.plot_method_losses(rows, tmp_path / "losses.png")  # three panels with fsdp, two without
     compare.plot_method_losses(rows[1:], tmp_path / "alone.png")
     assert (tmp_path / "losses.png").stat().st_size > 0 and (tmp_path / "alone.png").stat().st_size > 0
+
+
+def test_the_quality_report_tables_every_evaluation_and_names_who_is_within_1_percent():
+    def result(evals):
+        return {"val_loss": evals[-1][1], "curve": [{"step": s, "loss": 9.0, "val_loss": v} for s, v in evals]}
+
+    quality = {"fsdp": result([(10, 8.0), (20, 6.0)]), "int4": result([(10, 8.08), (20, 6.054)]),
+               "tagc-non-attn": result([(10, 8.2), (15, 7.0), (20, 6.12)])}
+    report = compare.format_quality_report(quality, 20, plateau=7.37)
+    assert "| 10 | 8.0000 | 8.0800 (+1.00%) | 8.2000 (+2.50%) |" in report
+    assert "| 15 |  |  | 7.0000 |" in report  # a step only one method evaluated: no percent without fsdp's
+    assert "fsdp ends at 6.0000, 1.37 nats below it" in report
+    assert "`int4`: val loss 6.0540, +0.90% against fsdp: within 1%" in report
+    assert "`tagc-non-attn`: val loss 6.1200, +2.00% against fsdp: outside 1%" in report
+    alone = compare.format_quality_report({"int4": quality["int4"]}, 20)
+    assert "plateau" not in alone and "against fsdp" not in alone and "| 20 | 6.0540 |" in alone
