@@ -3,13 +3,17 @@
 FSDP1 flattens each wrapped unit into one buffer and splits it across ranks *by position*,
 so one parameter may span several ranks' chunks; selection is therefore per unit: a unit is
 compressed when the policy selects (nearly) all of its elements — wrap the layers you want
-compressed as their own units, e.g. an auto-wrap policy over the linears. FSDP1
+compressed as their own units, e.g. an auto-wrap policy over the linears. A policy that returns
+a ratio (:func:`tagc.hooks.selection.ratio_for`) gives the unit the smallest ratio its parameters
+ask for. FSDP1
 calls a registered hook instead of its reduce-scatter and applies no divide factors
 around it, so the hook averages itself. The exchange blocks (``overlap`` does not apply):
 FSDP1 reads the output as soon as the hook returns, to accumulate or cast the sharded gradient.
 """
 
 from __future__ import annotations
+
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -41,12 +45,31 @@ class _UnitState:
             flat = handle.flat_param if handle is not None else None
             names = [self.prefix + fqn for fqn in flat._fqns] if flat is not None else []
             numels = list(flat._numels) if flat is not None else []
-            chosen = sum(n for name, n in zip(names, numels) if self.hook.select(name, None))
-            selected = bool(numels) and chosen >= FSDP1_SELECTED_FRACTION * sum(numels)
+            selected = unit_selection([self.hook.select(name, None) for name in names], numels, self.hook.config.ratio)
             label = "+".join(names) or "<empty>"
             shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it
             self._segments[chunk] = (Segment(label, 0, chunk, selected=selected, shape=shape),)
         return self._segments[chunk]
+
+
+def unit_selection(choices: list, numels: list[int], default_ratio: float) -> Union[bool, float]:
+    """What an FSDP1 unit's one segment is given, from its parameters' ``select`` answers
+    (``choices``, one per parameter of ``numels`` elements): ``False`` unless the answers select
+    at least :data:`FSDP1_SELECTED_FRACTION` of its elements; ``True`` (the hook's ratio) when
+    none is a number; else the smallest ratio asked for (``True`` counting as ``default_ratio``),
+    so that no parameter in the shared flat buffer is compressed harder than its policy asked.
+    An answer that is neither ``bool`` nor a number is passed on for the hook to name
+    (:meth:`TAGCHook._ratio_of`)."""
+    chosen = sum(n for choice, n in zip(choices, numels) if choice)
+    if not numels or chosen < FSDP1_SELECTED_FRACTION * sum(numels):
+        return False
+    asked = [choice for choice in choices if choice is not None and choice is not False]
+    invalid = [choice for choice in asked if choice is not True and not isinstance(choice, (int, float))]
+    if invalid:
+        return invalid[0]
+    if all(choice is True for choice in asked):
+        return True
+    return min(default_ratio if choice is True else float(choice) for choice in asked)
 
 
 def _tagc_fsdp1_hook(state: _UnitState, grad: torch.Tensor, output: torch.Tensor) -> None:

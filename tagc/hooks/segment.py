@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn as nn
 
@@ -16,8 +16,9 @@ class Segment:
     start: int
     numel: int
     module: Optional[nn.Module] = dataclasses.field(default=None, compare=False, hash=False)
-    selected: Optional[bool] = None
-    """Whether to compress it, when the adapter decided already; ``None`` asks the hook's policy."""
+    selected: Optional[Union[bool, float]] = None
+    """Whether to compress it (or its compression ratio), when the adapter decided already;
+    ``None`` asks the hook's policy."""
     shape: Optional[tuple[int, ...]] = None
     """The unsharded parameter's shape, where the concatenation over ranks of this segment starts
     with the parameter flattened (dim-0 sharding); ``None`` where unknown. Codecs that work on
