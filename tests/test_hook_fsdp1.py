@@ -55,13 +55,17 @@ def test_fsdp1_unsupported_strategy_is_a_clear_error():
     assert all(run_ranks(hybrid, 2))
 
 
-def unit_selection(rank, world):
+def decided_segments(rank, world, c_fc_ratio=None):
+    """Each FSDP1 unit's segment decision on GPT tiny: non-attention linears, or with the MLPs'
+    first linear at ``c_fc_ratio``."""
     from gpt2_bench.model import GPT, GPTConfig
     from gpt2_bench.sharding import fsdp1_wrap_policy
+    from tagc.hooks.selection import ratio_for
 
     model = GPT(GPTConfig.preset("tiny"))
     model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
-    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, select="non_attention_linear"))
+    select = "non_attention_linear" if c_fc_ratio is None else ratio_for(r"mlp\.c_fc\.", c_fc_ratio)
+    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, select=select))
     decided = {}
     for unit in FSDP.fsdp_modules(model):
         (segment,) = unit._comm_hook_state.segments(1000)
@@ -70,7 +74,7 @@ def unit_selection(rank, world):
 
 
 def test_fsdp1_units_are_selected_by_their_full_names():
-    decided = run_ranks(unit_selection, 2)[0]
+    decided = run_ranks(decided_segments, 2)[0]
     assert decided["transformer.h.0.attn.c_attn.weight+transformer.h.0.attn.c_attn.bias"] is False
     assert decided["transformer.h.1.mlp.c_fc.weight+transformer.h.1.mlp.c_fc.bias"] is True
     assert decided["transformer.h.0.attn.c_proj.weight+transformer.h.0.attn.c_proj.bias"] is True
@@ -92,23 +96,8 @@ def test_fsdp1_a_unit_takes_the_smallest_ratio_its_parameters_ask_for():
     assert unit_selection(["dense", True], [50, 50], 10.0) == "dense"  # passed on for the hook to name
 
 
-def ratio_answers(rank, world):
-    from gpt2_bench.model import GPT, GPTConfig
-    from gpt2_bench.sharding import fsdp1_wrap_policy
-    from tagc.hooks.selection import ratio_for
-
-    model = GPT(GPTConfig.preset("tiny"))
-    model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
-    tagc.register_comm_hook(model, tagc.hook(dense_steps=0, select=ratio_for(r"mlp\.c_fc\.", 4)))
-    decided = {}
-    for unit in FSDP.fsdp_modules(model):
-        (segment,) = unit._comm_hook_state.segments(1000)
-        decided[segment.name] = segment.selected
-    return decided
-
-
 def test_fsdp1_units_carry_the_ratio_their_policy_gives():
-    decided = run_ranks(ratio_answers, 2)[0]
+    decided = run_ranks(decided_segments, 2, 4)[0]
     assert decided["transformer.h.1.mlp.c_fc.weight+transformer.h.1.mlp.c_fc.bias"] == 4.0
     assert decided["transformer.h.1.mlp.c_proj.weight+transformer.h.1.mlp.c_proj.bias"] is True
     assert decided["transformer.h.0.attn.c_attn.weight+transformer.h.0.attn.c_attn.bias"] is False
