@@ -562,7 +562,7 @@ def format_quality_report(quality: dict[str, dict], steps: int, plateau: Optiona
     fsdp's at the same step, and the final verdict per method; with ``plateau`` (the unigram
     loss, :meth:`gpt2_bench.data.TokenData.unigram_loss`), how far below it plain fell."""
     rows = [{"method": method, **result} for method, result in quality.items()]
-    relative = dict(val_loss_vs_fsdp(rows))
+    relative = {method: dict(points) for method, points in val_loss_vs_fsdp(rows).items()}
     evals = {row["method"]: {c["step"]: c["val_loss"] for c in row.get("curve", []) if c.get("val_loss") is not None}
              for row in rows}
     methods = list(evals)
@@ -579,7 +579,7 @@ def format_quality_report(quality: dict[str, dict], steps: int, plateau: Optiona
             cells = []
             for method in methods:
                 value = evals[method].get(step)
-                percent = dict(relative.get(method, [])).get(step) if method != "fsdp" else None
+                percent = relative.get(method, {}).get(step) if method != "fsdp" else None
                 cells.append("" if value is None else f"{value:.4f}" + (f" ({percent:+.2f}%)" if percent is not None else ""))
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
         lines.append("")

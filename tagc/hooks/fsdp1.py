@@ -5,9 +5,8 @@ so one parameter may span several ranks' chunks; selection is therefore per unit
 compressed when the policy selects (nearly) all of its elements — wrap the layers you want
 compressed as their own units, e.g. an auto-wrap policy over the linears. A policy that returns
 a ratio (:func:`tagc.hooks.selection.ratio_for`) gives the unit the smallest ratio its parameters
-ask for. FSDP1
-calls a registered hook instead of its reduce-scatter and applies no divide factors
-around it, so the hook averages itself. The exchange blocks (``overlap`` does not apply):
+ask for. FSDP1 calls a registered hook instead of its reduce-scatter and applies no divide
+factors around it, so the hook averages itself. The exchange blocks (``overlap`` does not apply):
 FSDP1 reads the output as soon as the hook returns, to accumulate or cast the sharded gradient.
 """
 
