@@ -54,8 +54,8 @@ over 10 steps at ratio 7 (+0.64% against +0.63%). Noise is about +-0.8 points.
 
 These are 300-step figures. Over 2,000 steps (the same settings, fsdp's val loss 6.1346) TAGC
 on the default wire ends +1.91% at ratio 10, +2.57% at ratio 7 and +1.10% at ratio 4, and
-``powersgd-lean`` +1.25%: past the plateau no error-feedback codec run that long stayed within
-1%, where ``int4`` did (+0.81%; README, "Which ratio keeps plain's loss").
+``powersgd-lean`` +1.25%; ``powersgd`` ends +0.97% and ``int4`` +0.81% (README, "Which ratio
+keeps plain's loss").
 
 ``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
 
