@@ -383,9 +383,17 @@ def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optio
         row["bytes_model"] = None if model_ms is None or model_ms <= 0 else plain["iter_ms"] / model_ms
         row["bytes_model_ms"] = model_ms
     plain_loss = quality["fsdp"]["val_loss"] if quality and "fsdp" in quality else (plain or {}).get("val_loss")
+    plain_steps = (plain or {}).get("val_loss_steps")
     for row in rows:
-        row["val_loss_delta"] = None if plain_loss is None else row["val_loss"] / plain_loss - 1
+        row["val_loss_delta"] = None if plain_loss is None or not same_run_length(row, plain_steps) else row["val_loss"] / plain_loss - 1
     return rows
+
+
+def same_run_length(row: dict, plain_steps: Optional[int]) -> bool:
+    """Whether ``row``'s val loss comes from a run as long as fsdp's (unknown lengths count as
+    the same): a 300-step loss set against a 2,000-step one would be a gap of training, not of method."""
+    steps = row.get("val_loss_steps")
+    return steps is None or plain_steps is None or steps == plain_steps
 
 
 LOSS_TOLERANCE = 0.01
@@ -427,8 +435,13 @@ def format_methods_table(rows: list[dict]) -> str:
             f"{fmt(row.get('speedup'), '.2f', 'x')} | {fmt(row.get('speedup_vs_fsdp_bf16'), '.2f', 'x')} | "
             f"{fmt(row.get('bytes_model'), '.2f', 'x')} | {fmt(None if wire is None else wire / 1e6, '.2f')} | "
             f"{fmt(row.get('bits_per_param'), '.2f')} | {fmt(row.get('codec_ms'), '.0f')} | {fmt(row.get('exposed_ms'), '.0f')} | "
-            f"{row['val_loss']:.4f} | {fmt(None if delta is None else 100 * delta, '+.2f', '%')} |")
+            f"{row['val_loss']:.4f}{other_length(row)} | {fmt(None if delta is None else 100 * delta, '+.2f', '%')} |")
     return "\n".join(lines)
+
+
+def other_length(row: dict) -> str:
+    """`` (N steps)`` after a val loss from a run of another length than fsdp's (so not compared)."""
+    return f" ({row['val_loss_steps']} steps)" if row.get("val_loss_delta") is None and row.get("val_loss_steps") else ""
 
 
 def format_verdict(rows: list[dict]) -> str:
@@ -453,10 +466,16 @@ def format_verdict(rows: list[dict]) -> str:
         if best is not None and best is not row:
             text += f"; against {best['method']}: {explain_gap(row, best)}"
         faster = [other["method"] for other in rows if other is not row and other["iter_ms"] < row["iter_ms"]
-                  and (other.get("val_loss_delta") or 0) <= (row.get("val_loss_delta") or 0)]
+                  and _no_worse_loss(other, row)]
         text += f". Dominated by {', '.join(faster)} (faster, and no worse in loss)." if faster else ". Not dominated."
         lines.append(text)
     return "\n".join(lines)
+
+
+def _no_worse_loss(other: dict, row: dict) -> bool:
+    """``other``'s val loss is no worse than ``row``'s, from runs of the same length."""
+    comparable = same_run_length(other, row.get("val_loss_steps"))
+    return comparable and other["val_loss"] <= row["val_loss"]
 
 
 def _label_colors(methods: Sequence[str]) -> dict:
@@ -480,7 +499,7 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
     for ax, share in zip(axes[0], shares):
         for row in (r for r in rows if r["share"] == share):
             ax.scatter(row["iter_ms"], row["val_loss"], color=colors[row["method"]], marker=markers[methods.index(row["method"]) % 7], s=50)
-            ax.annotate(row["method"], (row["iter_ms"], row["val_loss"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            ax.annotate(row["method"] + other_length(row), (row["iter_ms"], row["val_loss"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set(xlabel="median step (ms)", ylabel="val loss", title=f"share {share:g}: time against loss")
         ax.grid(alpha=0.3)
     fig.tight_layout()

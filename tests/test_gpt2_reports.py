@@ -244,3 +244,20 @@ def test_the_quality_report_tables_every_evaluation_and_names_who_is_within_1_pe
     assert "`tagc-non-attn`: val loss 6.1200, +2.00% against fsdp: outside 1%" in report
     alone = compare.format_quality_report({"int4": quality["int4"]}, 20)
     assert "plateau" not in alone and "against fsdp" not in alone and "| 20 | 6.0540 |" in alone
+
+
+def test_a_loss_from_a_run_of_another_length_is_shown_but_not_compared():
+    """A 300-step val loss beside 2,000-step ones: no gap to fsdp, no winner, no dominance."""
+    found = {"fsdp": {"val_loss": 6.13, "steps": 2000}, "tagc-non-attn": {"val_loss": 6.25, "steps": 2000},
+             "fsdp-bf16": {"val_loss": 6.84, "steps": 300}, "int4": {"val_loss": 6.18, "steps": 2000}}
+    timed = [{"method": m, "algorithm": "fsdp" if m.startswith("fsdp") else "tagc", "compressed": "all", "iter_ms": t,
+              "n_params": 10, "wire_bytes_per_step": 80, "val_loss": 9.0, "share": 0.9}
+             for m, t in [("fsdp", 100.0), ("fsdp-bf16", 60.0), ("tagc-non-attn", 80.0), ("int4", 70.0)]]
+    compare.add_method_columns(timed, None, found)
+    by = {r["method"]: r for r in timed}
+    assert by["fsdp-bf16"]["val_loss_delta"] is None and by["int4"]["val_loss_delta"] == pytest.approx(0.05 / 6.13)
+    assert compare.winner(timed)["method"] == "int4"  # fsdp-bf16 is faster, but its loss is not comparable
+    table = compare.format_methods_table(timed)
+    assert "6.8400 (300 steps) | - |" in table and "6.1800 |" in table
+    verdict = compare.format_verdict(timed)
+    assert "Dominated by int4 (" in verdict and "fsdp-bf16," not in verdict.split("Dominated by")[1]
