@@ -75,8 +75,15 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
     from tagc.sketch import build_index, encode
 
     dec_table, dec_index = encode(union, layout), build_index(union, bits)
-    values, stats = dispatch.decode(dec_table, dec_index, layout, bits, **triton)
-    checked = checked and stats.unpeeled == 0 and bool(torch.allclose(values, union, rtol=1e-5, atol=1e-6))
+    # A small chunk keeps a stopping set now and then (a property of the code): the check is
+    # parity with the reference and exactness wherever peeling settled.
+    values, stats = dispatch.decode(dec_table, dec_index, layout, bits, "raw", **triton)
+    want, stats_r = ref_decode(dec_table, dec_index, layout, bits, "raw")
+    settled = torch.ones(numel, dtype=torch.bool, device=device)
+    if stats.raw_positions is not None:
+        settled[stats.raw_positions] = False
+    checked = (checked and stats.as_dict() == stats_r.as_dict() and bool(torch.allclose(values, want, rtol=1e-5, atol=1e-6))
+               and bool(torch.allclose(values[settled], union[settled], rtol=1e-5, atol=1e-6)))
 
     tau = dispatch.row_thresholds(residual, density, grad=grad, **triton)
     elem_in = grad.element_size() + residual.element_size()
@@ -92,7 +99,7 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
         "compress": numel * (elem_in + residual.element_size()) + numel * bits // 8 + 3 * 4 * int(density * numel),
         "decode": layout.table_numel * (4 + 8 + 8) + numel * bits // 8 + numel * 4,  # table in, f64 work, index, out
     }
-    row: dict[str, Any] = {"numel": numel, "lanes": layout.lanes, "density": density, "checked": checked}
+    row: dict[str, Any] = {"numel": numel, "lanes": layout.lanes, "density": density, "checked": checked, "unpeeled": stats.unpeeled}
     for name in ms:
         row[f"{name}_ms"] = ms[name]
         row[f"{name}_gbps"] = moved[name] / ms[name] / 1e6
