@@ -3,12 +3,22 @@
 import json
 import math
 import os
+import signal
 import subprocess
 
 import pytest
 
 from testbed import exchange
 from testbed.link import LinkError, ShapedLink, format_rate, parse_rate, tbf_params
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm_default():
+    """``exchange.main`` turns SIGTERM into a clean exit for its own process; run inside pytest,
+    the handler must not outlive the test (a later SIGTERM would surface as some other test's failure)."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 def open_or_skip(link: ShapedLink) -> ShapedLink:
