@@ -284,7 +284,8 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     rows = []
     for method in methods:
         last = runs[method][-1]
-        row = {**last, "method": method, "share": share, "link": link_info["rate"], "rounds": rounds,
+        row = {**last, "method": method, "share": share, "link": link_info["rate"], "link_info": link_info,
+               "preset": base.preset, "rounds": rounds,
                "iter_ms": _pooled_median([ms for result in runs[method] for ms in result["steady_iter_ms"]]),
                "iter_ms_per_round": [result["iter_ms"] for result in runs[method]]}
         rows.append(row)
@@ -362,6 +363,31 @@ def losses_from(path: str) -> dict[str, dict]:
                                     "preset": row.get("preset")}
     if not found:
         raise ValueError(f"{path} holds no rows with a method and a val_loss (write one with --json)")
+    return found
+
+
+def timed_rows_from(path: str, methods: Sequence[str], preset: str) -> list[tuple[float, list[dict], dict]]:
+    """Another compare's timed rows (``--json``), per share in their order, with each share's link:
+    the report made again without timing again, e.g. once a longer run's losses arrive (``--loss-from``)."""
+    rows = [row for row in json.loads(Path(path).read_text()) if row.get("method") and row.get("iter_ms")]
+    if not rows:
+        raise ValueError(f"{path} holds no timed rows (write them with --json)")
+    presets = {row["preset"] for row in rows if row.get("preset")}
+    if presets - {preset}:
+        raise ValueError(f"--timed-from {path} was timed on preset {', '.join(sorted(presets))}: give --preset "
+                         f"{sorted(presets)[0]}")
+    shares = list(dict.fromkeys(row.get("share") for row in rows))
+    found = []
+    for share in shares:
+        by_method = {row["method"]: dict(row) for row in rows if row.get("share") == share}
+        missing = [method for method in methods if method not in by_method]
+        if missing:
+            raise ValueError(f"--timed-from {path} has no rows for {', '.join(missing)} at share {share}; "
+                             f"it has {', '.join(by_method)}")
+        share_rows = [by_method[method] for method in methods]
+        link_info = share_rows[0].get("link_info") or {"rate": share_rows[0]["link"], "exchange_share": share,
+                                                      "rate_bps": parse_rate(share_rows[0]["link"]), "timed_in": path}
+        found.append((share, share_rows, link_info))
     return found
 
 
@@ -627,6 +653,8 @@ def format_share_arithmetic(link_info: dict) -> str:
     """How the scaled link gives the plain exchange its share of a step."""
     if not link_info.get("rate_bps"):
         return f"- link {link_info['rate']} (not scaled)"
+    if link_info.get("timed_in"):  # rows written before they carried their link's arithmetic
+        return f"- share {link_info['exchange_share']:g}: link {link_info['rate']}; timed in {link_info['timed_in']}."
     share = link_info["exchange_share"]
     if link_info.get("share_of") == "link":
         what = (f"the link-bound time of a non-overlapped plain step (exchange and all-gathers) is {share:.0%} of it; "
@@ -640,12 +668,14 @@ def format_share_arithmetic(link_info: dict) -> str:
 
 
 def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int,
-                   quality_dense_steps: Optional[int] = None, loss_from: Optional[str] = None) -> tuple[list[dict], str]:
+                   quality_dense_steps: Optional[int] = None, loss_from: Optional[str] = None,
+                   timed_from: Optional[str] = None) -> tuple[list[dict], str]:
     """Time every method at every share (and measure its loss once, unshaped); returns the rows and
-    a Markdown report, with plots written next to it."""
+    a Markdown report, with plots written next to it. ``timed_from`` takes the timed rows of an
+    earlier compare instead of timing again (its shares, rounds and steps)."""
     from gpt2_bench.data import prepare
 
-    data_dir = str(prepare(base.dataset, base.cache_dir))
+    data_dir = str(prepare(base.dataset, base.cache_dir)) if quality_steps or not timed_from else ""
     quality = quality_runs(base, methods, quality_steps, data_dir, quality_dense_steps) if quality_steps else None
     if loss_from:
         quality = losses_from(loss_from)
@@ -653,8 +683,12 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
         if missing:
             raise ValueError(f"--loss-from {loss_from} has no val loss for {', '.join(missing)}")
     rows, sections = [], []
-    for share in shares:
-        share_rows, link_info = time_methods(base, methods, share, rounds, data_dir)
+    timed = (timed_rows_from(timed_from, methods, base.preset) if timed_from else
+             [(share, *time_methods(base, methods, share, rounds, data_dir)) for share in shares])
+    if timed_from:
+        shares = [share for share, _, _ in timed]
+        rounds, base = timed[0][1][0].get("rounds", rounds), dataclasses.replace(base, steps=timed[0][1][0]["steps"])
+    for share, share_rows, link_info in timed:
         add_method_columns(share_rows, parse_rate(link_info["rate"]), quality)
         rows.extend(share_rows)
         title = f"Share {share:g}" if link_info.get("rate_bps") else f"Link {link_info['rate']}"
@@ -677,7 +711,8 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
               f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} tokens per "
               f"rank and step, integration `{base.integration}`, seed {base.seed}; timed runs of {base.steps} steps, "
               f"{rounds} round(s) per share, every other round in reverse order, step time = median of the steady steps "
-              f"pooled over rounds (dense warm-up steps excluded); {loss_source}. TAGC and top-k at ratio {base.ratio:g}; "
+              f"pooled over rounds (dense warm-up steps excluded{f'; timed in {timed_from}' if timed_from else ''}); "
+              f"{loss_source}. TAGC and top-k at ratio {base.ratio:g}; "
               f"error-feedback codecs dense for the first {base.dense_steps} steps.\n\n"
               f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; `bits/param`: "
               f"wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); `codec ms`: encode + decode "
@@ -714,6 +749,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--loss-from", default=None,
                         help="take each method's val loss from another compare's --json rows (e.g. the small preset's "
                              "quality runs, for a timing-only sweep of gpt2-untied)")
+    parser.add_argument("--timed-from", default=None,
+                        help="take the timed rows (and their shares) from an earlier compare's --json instead of timing "
+                             "again: its report made again, e.g. with --loss-from a longer run's losses")
     parser.add_argument("--quality-only", action="store_true",
                         help="run (or read back) the quality runs and print their val losses; no timed runs")
     parser.add_argument("--quality-dense-steps", type=int, default=None,
@@ -746,9 +784,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.loss_from and args.quality_steps:
         parser.error("--loss-from and --quality-steps are two sources of the loss: give one")
-    if methods != PAPER_METHODS or args.shares or args.quality_steps or args.loss_from:
+    if args.timed_from and args.shares:
+        parser.error("--timed-from brings its own shares: leave out --shares")
+    if methods != PAPER_METHODS or args.shares or args.quality_steps or args.loss_from or args.timed_from:
+        if args.timed_from:
+            try:
+                timed_rows_from(args.timed_from, methods, base.preset)
+            except (OSError, ValueError) as error:
+                parser.error(str(error))
         rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps, args.quality_dense_steps,
-                                      args.loss_from)
+                                      args.loss_from, args.timed_from)
         print(report)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

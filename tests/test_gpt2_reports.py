@@ -261,3 +261,48 @@ def test_a_loss_from_a_run_of_another_length_is_shown_but_not_compared():
     assert "6.8400 (300 steps) | - |" in table and "6.1800 |" in table
     verdict = compare.format_verdict(timed)
     assert "Dominated by int4 (" in verdict and "fsdp-bf16," not in verdict.split("Dominated by")[1]
+
+
+def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_path, monkeypatch):
+    """``--timed-from`` times nothing: it takes the earlier rows (their shares, rounds and steps) and
+    the losses of ``--loss-from``, so a longer run's loss can name another winner."""
+    import json
+
+    def fail(*args, **kwargs):
+        raise AssertionError("--timed-from must not train or time")
+
+    monkeypatch.setattr(compare, "run", fail)
+    monkeypatch.setattr(compare, "time_methods", fail)
+    timed = [{"method": m, "algorithm": "fsdp" if m.startswith("fsdp") else "tagc", "compressed": "all", "iter_ms": t,
+              "n_params": 10, "wire_bytes_per_step": b, "val_loss": 9.0, "share": share, "link": "948mbit",
+              "rounds": 2, "steps": 4, "preset": "small"}
+             for share in (0.31, 0.9) for m, t, b in [("fsdp", 100.0, 80), ("fsdp-bf16", 60.0, 40), ("int4", 70.0, 10)]]
+    timed[0]["link_info"] = {"rate": "948mbit", "rate_bps": 948_000_000, "rest_ms": 4721.0, "exchange_share": 0.31,
+                             "share_of": "exchange", "modelled_exchange_share": 0.31, "slowdown": 10.5,
+                             "first_guess": "1.22gbit", "first_guess_share": 0.27}
+    (tmp_path / "timed.json").write_text(json.dumps(timed))
+    losses = [{"method": "fsdp", "val_loss": 6.13, "steps": 2000}, {"method": "int4", "val_loss": 6.18, "steps": 2000}]
+    (tmp_path / "short.json").write_text(json.dumps(losses + [{"method": "fsdp-bf16", "val_loss": 6.84, "steps": 300}]))
+    (tmp_path / "long.json").write_text(json.dumps(losses + [{"method": "fsdp-bf16", "val_loss": 6.15, "steps": 2000}]))
+    args = ["--methods", "fsdp,fsdp-bf16,int4", "--timed-from", str(tmp_path / "timed.json")]
+
+    def report(losses_file):
+        out = tmp_path / f"out-{losses_file}"
+        assert compare.main(args + ["--loss-from", str(tmp_path / losses_file), "--out-dir", str(out),
+                                    "--json", str(out / "rows.json")]) == 0
+        return (out / "methods.md").read_text(), json.loads((out / "rows.json").read_text())
+
+    text, rows = report("short.json")
+    assert text.count("Fastest within 1% of fsdp's val loss: **int4**") == 2 and "timed in" in text
+    assert "a plain step computes 4721 ms here" in text  # share 0.31's rows carry their link's arithmetic
+    assert "- share 0.9: link 948mbit; timed in" in text  # share 0.9's predate it
+    assert "4 steps, 2 round(s) per share" in text.replace("timed runs of ", "")
+    text, rows = report("long.json")
+    assert text.count("Fastest within 1% of fsdp's val loss: **fsdp-bf16**") == 2
+    by = {(r["share"], r["method"]): r for r in rows}
+    assert by[(0.9, "fsdp-bf16")]["val_loss_delta"] == pytest.approx(0.02 / 6.13)
+    assert by[(0.9, "int4")]["speedup"] == pytest.approx(100 / 70) and len(rows) == 6
+
+    for wrong in (["--methods", "fsdp,topk"], ["--preset", "gpt2-untied"], ["--shares", "0.31"]):
+        with pytest.raises(SystemExit):
+            compare.main(args + wrong + ["--loss-from", str(tmp_path / "long.json"), "--out-dir", str(tmp_path / "x")])
