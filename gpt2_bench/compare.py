@@ -285,7 +285,7 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     for method in methods:
         last = runs[method][-1]
         row = {**last, "method": method, "share": share, "link": link_info["rate"], "link_info": link_info,
-               "preset": base.preset, "rounds": rounds,
+               "preset": base.preset, "dense_steps": base.dense_steps, "rounds": rounds,
                "iter_ms": _pooled_median([ms for result in runs[method] for ms in result["steady_iter_ms"]]),
                "iter_ms_per_round": [result["iter_ms"] for result in runs[method]]}
         rows.append(row)
@@ -687,7 +687,9 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
              [(share, *time_methods(base, methods, share, rounds, data_dir)) for share in shares])
     if timed_from:
         shares = [share for share, _, _ in timed]
-        rounds, base = timed[0][1][0].get("rounds", rounds), dataclasses.replace(base, steps=timed[0][1][0]["steps"])
+        first = timed[0][1][0]
+        rounds = first.get("rounds", rounds)
+        base = dataclasses.replace(base, steps=first["steps"], dense_steps=first.get("dense_steps", base.dense_steps))
     for share, share_rows, link_info in timed:
         add_method_columns(share_rows, parse_rate(link_info["rate"]), quality)
         rows.extend(share_rows)

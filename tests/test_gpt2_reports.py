@@ -275,7 +275,7 @@ def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_pa
     monkeypatch.setattr(compare, "time_methods", fail)
     timed = [{"method": m, "algorithm": "fsdp" if m.startswith("fsdp") else "tagc", "compressed": "all", "iter_ms": t,
               "n_params": 10, "wire_bytes_per_step": b, "val_loss": 9.0, "share": share, "link": "948mbit",
-              "rounds": 2, "steps": 4, "preset": "small"}
+              "rounds": 2, "steps": 4, "preset": "small", "dense_steps": 1}
              for share in (0.31, 0.9) for m, t, b in [("fsdp", 100.0, 80), ("fsdp-bf16", 60.0, 40), ("int4", 70.0, 10)]]
     timed[0]["link_info"] = {"rate": "948mbit", "rate_bps": 948_000_000, "rest_ms": 4721.0, "exchange_share": 0.31,
                              "share_of": "exchange", "modelled_exchange_share": 0.31, "slowdown": 10.5,
@@ -297,6 +297,7 @@ def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_pa
     assert "a plain step computes 4721 ms here" in text  # share 0.31's rows carry their link's arithmetic
     assert "- share 0.9: link 948mbit; timed in" in text  # share 0.9's predate it
     assert "4 steps, 2 round(s) per share" in text.replace("timed runs of ", "")
+    assert "dense for the first 1 steps" in text  # the timed rows' warm-up, not the command line's default
     text, rows = report("long.json")
     assert text.count("Fastest within 1% of fsdp's val loss: **fsdp-bf16**") == 2
     by = {(r["share"], r["method"]): r for r in rows}
