@@ -672,7 +672,7 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
                    timed_from: Optional[str] = None) -> tuple[list[dict], str]:
     """Time every method at every share (and measure its loss once, unshaped); returns the rows and
     a Markdown report, with plots written next to it. ``timed_from`` takes the timed rows of an
-    earlier compare instead of timing again (its shares, rounds and steps)."""
+    earlier compare instead of timing again (its shares, rounds, steps and dense warm-up)."""
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir)) if quality_steps or not timed_from else ""
