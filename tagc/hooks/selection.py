@@ -1,6 +1,9 @@
-"""Which parameters TAGC compresses: a policy over parameter names and module types.
+"""Which parameters TAGC compresses: a policy over parameter names and module roles.
 
-Selection is by module role, never by parameter counts. A policy is any callable
+Selection is by module role, never by parameter counts, and never by the class that implements
+a role: a linear map is a linear map whether it is an ``nn.Linear``, HuggingFace's ``Conv1D``
+(GPT-2's, its weight stored transposed as ``[in, out]``) or any other module whose ``weight`` is a
+2-D matrix (:func:`is_projection`). A policy is any callable
 ``(param_fqn, module) -> bool``; the shipped ones are also reachable by name. A policy may
 also return a number, the compression ratio of that parameter (``tagc`` and ``topk``), e.g.
 a denser embedding and LM head: :func:`ratio_for`.
@@ -17,21 +20,51 @@ SelectPolicy = Callable[[str, Optional[nn.Module]], Union[bool, float]]
 
 _ATTENTION_INPUT = re.compile(r"(^|[._])(c_attn|qkv|q_proj|k_proj|v_proj|query|key|value|in_proj\w*|wq|wk|wv)([._]|$)")
 _POSITIONAL = re.compile(r"(^|[._])(wpe|pos\w*|position\w*)([._]|$)")
+_NORM = re.compile(r"(^|[._])(ln\w*|norm\w*|layernorm\w*)([._]|$)")
+_EMBEDDING_OR_HEAD = re.compile(r"(^|[._])(wte|embed\w*|tok_embeddings|word_embeddings|lm_head|embed_out)([._]|$)|(^|\.)output$")
+
+
+def is_projection(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear map (a projection or an embedding table): it owns a 2-D
+    ``weight`` parameter and is not a normalisation layer.
+
+    By duck typing, so that every implementation of a linear layer counts: ``nn.Linear``,
+    ``nn.Embedding``, HuggingFace's ``Conv1D`` (weight ``[in, out]``), quantised or fused
+    linears of other libraries. Reads the registered parameter (``module._parameters``), never the
+    ``weight`` attribute: under SimpleFSDP that attribute all-gathers the unit."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return True
+    weight = getattr(module, "_parameters", {}).get("weight")
+    if weight is None or weight.dim() != 2:
+        return False
+    return "norm" not in type(module).__name__.lower()
 
 
 def non_attention_linear(fqn: str, module: Optional[nn.Module] = None) -> bool:
     """GPT-2-style selection (the TAGC paper's): weights of the MLP linears, the attention
-    output projection, the token embedding and the LM head. Not the attention QKV
-    projection, layer norms, biases or position embeddings."""
+    output projection, the token embedding and the LM head, whatever class implements them
+    (:func:`is_projection`). Not the attention QKV projection, layer norms, biases or
+    position embeddings. Without ``module`` (FSDP1 units) by the name alone."""
     name = fqn.rsplit(".", 1)
     owner, leaf = (name[0], name[1]) if len(name) == 2 else ("", name[0])
     if leaf != "weight":
         return False
-    if module is not None and not isinstance(module, (nn.Linear, nn.Embedding)):
+    if module is not None and not is_projection(module):
         return False
-    if module is None and re.search(r"(^|[._])(ln\w*|norm\w*|layernorm\w*)([._]|$)", owner):
+    if module is None and _NORM.search(owner):
         return False
     return not (_ATTENTION_INPUT.search(owner) or _POSITIONAL.search(owner))
+
+
+def is_embedding_or_head(fqn: str, module: Optional[nn.Module] = None) -> bool:
+    """Whether parameter ``fqn`` is an embedding table or an LM head (tied or not): an
+    ``nn.Embedding``, or by the names GPT-2, nanoGPT, Llama and BERT-style models give them
+    (``wte``, ``embed_tokens``, ``tok_embeddings``, ``word_embeddings``, ``lm_head``, and a module
+    named ``output`` as Meta's Llama names its head; not BERT's ``attention.output.dense``).
+    A hook that compresses only these leaves every transformer block plain (:mod:`tagc.hooks.describe`)."""
+    if isinstance(module, nn.Embedding):
+        return True
+    return bool(_EMBEDDING_OR_HEAD.search(fqn.rsplit(".", 1)[0]))
 
 
 def select_all(fqn: str, module: Optional[nn.Module] = None) -> bool:
