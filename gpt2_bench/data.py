@@ -23,9 +23,9 @@ The tokenizer is GPT-2's BPE via ``tiktoken``; offline, its ranks come from the
 their dependencies: see :data:`OFFLINE_ASSETS_PIP`.
 
 Documents are separated by ``<|endoftext|>``; every ``val_every``-th document goes to
-``val.bin`` (a fixed, deterministic split: whole documents, never token offsets). The cache directory holds ``train.bin``,
-``val.bin`` and ``meta.json``; ``meta.json`` is written last, so its presence marks a
-complete preparation.
+``val.bin`` (a fixed, deterministic split: whole documents, never token offsets). The cache
+directory holds ``train.bin``, ``val.bin`` and ``meta.json``; ``meta.json`` is written last, so
+its presence marks a complete preparation.
 """
 
 from __future__ import annotations

