@@ -38,13 +38,25 @@ from tagc.kernels.positions import (
     launch_union_index,
 )
 from tagc.kernels.radix_select import launch_row_thresholds
-from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
+from tagc.sketch.codec import (
+    EXACT_SOLVE_LIMIT,
+    DecodeStats,
+    check_consistent,
+    check_decode_args,
+    unrecovered_error,
+)
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import check_list_args, position_blocks
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import MAX_LOW_BITS, check_coded, coded_row_bytes
-from tagc.sketch.sparsify import capacity, check_density, check_finite, keep_limit, positive_threshold
+from tagc.sketch.sparsify import capacity, check_density, keep_limit, positive_threshold
+
+STAT_FIELDS = tuple(DecodeStats().as_dict())
+"""The decode statistics :func:`decode_async` returns, in order (:data:`tagc.kernels.STAT_FIELDS`)."""
+NONFINITE_HINT = ("TAGC cannot encode non-finite values (fix the loss scale or clip gradients, or let the hook send "
+                  "such buckets uncompressed)")
+"""What :func:`decode_triton` says after the NaN/Inf it found (the words of :func:`tagc.sketch.sparsify.check_finite`)."""
 
 TRACEABLE_KERNELS = not interpreting()
 """True when the ops are ``triton_op`` (the compiler traces into the kernels)."""
@@ -109,17 +121,18 @@ def _peel_op(
     lane_bits: int,
     bits: int,
     fallback: int,
+    tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, wrap=_wrap)
+    return launch_peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile=tile, wrap=_wrap)
 
 
 @_peel_op.register_fake
-def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback):
+def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile):
     return (
         table.new_empty(numel, dtype=torch.float32),
         table.new_empty(numel, dtype=torch.int8),
-        table.new_empty(table.numel(), dtype=torch.float64),
         table.new_empty(len(PEEL_STATS), dtype=torch.int64),
+        table.new_empty(EXACT_SOLVE_LIMIT, dtype=torch.int64),
     )
 
 
@@ -201,9 +214,10 @@ def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_
                                    cap)
 
 
-def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int):
-    """``torch.ops.tagc.peel``: the peeling kernel."""
-    return torch.ops.tagc.peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback)
+def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int, tile: int = 0):
+    """``torch.ops.tagc.peel``: the device decode (:func:`tagc.kernels.peel.launch_peel`; ``tile`` 0 is its
+    default). Returns ``(values, state, stats, rest)``."""
+    return torch.ops.tagc.peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile)
 
 
 # ---------------------------------------------------------------- the Triton path's entry points
@@ -245,49 +259,57 @@ def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, 
     return (index, table, held) if return_held else (index, table)
 
 
-def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Peel on the device with no host synchronisation: ``(values, stats)``.
-
-    ``stats`` is an int64 device tensor in :data:`tagc.kernels.STAT_FIELDS` order. No exact
-    solve of stopping sets: what peeling leaves gets the fallback directly (``"error"`` cannot be
-    raised without a sync, so it behaves like ``"raw"`` here, and is not counted as raw).
-    Does not check the table for NaN/Inf, nor raise on an inconsistent table and index
-    (that would sync): the latter's count is not part of ``stats``; :func:`decode_triton`
-    checks both.
-    """
+def _peel_chunk(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,
+                tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_decode_args(table, index, layout, bits, fallback)
     t = layout.tables(table.device)
-    out, _state, _work, stats = peel(
-        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
-        FALLBACK_CODES[fallback],
-    )
-    return out, stats[:-1]  # DecodeStats's fields, without the inconsistent count
+    return peel(table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits,
+                bits, FALLBACK_CODES[fallback], tile)
+
+
+def decode_async(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+    tile: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device decode with no host synchronisation: ``(values, stats)``.
+
+    The same values as :func:`decode_triton` (peeling, the exact solve of the stopping sets, the
+    fallback), bit for bit from run to run; ``stats`` is an int64 device tensor in
+    :data:`tagc.kernels.STAT_FIELDS` order. ``"error"`` cannot raise without a sync, so it
+    leaves what is unrecovered at 0, as ``"raw"`` does, without counting it as raw. Nothing
+    raises on a table holding NaN/Inf nor on an inconsistent table and index (that would
+    sync): the caller decides (:func:`decode_triton` raises on both).
+    """
+    out, _state, stats, _rest = _peel_chunk(table, index, layout, bits, fallback, tile)
+    return out, stats[: len(STAT_FIELDS)]
 
 
 def decode_triton(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+    tile: int = 0,
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Triton twin of :func:`tagc.sketch.decode`: same arguments, results and statistics.
 
-    Peeling (and the median estimate) run in the kernel; then one host read of the stats,
-    and only if peeling left positions, the reference's exact solve of the stopping sets in
-    torch, then the fallback for what is still undetermined.
+    Everything runs on the device (:func:`tagc.kernels.peel.launch_peel`: peeling, the exact
+    solve of the stopping sets, the fallback, the NaN/Inf and consistency checks); then one host
+    read, of the statistics (``DecodeStats`` holds ints), from which it raises what the
+    reference raises. With ``fallback="raw"`` the unrecovered positions come from the solve's
+    list when it ran, else from a ``nonzero_static`` sized by that read: no second sync.
     """
-    check_decode_args(table, index, layout, bits, fallback)
-    check_finite(table, "sketch table")
-    t = layout.tables(table.device)
-    out, state, work, dev_stats = peel(
-        table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, bits,
-        FALLBACK_CODES[fallback],
-    )
-    host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one sync: DecodeStats holds ints
+    out, state, dev_stats, rest = _peel_chunk(table, index, layout, bits, fallback, tile)
+    host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one host read
+    if host["nan_cells"] or host["inf_cells"]:
+        bad = "NaN" if host["nan_cells"] else "Inf"
+        raise ValueError(f"sketch table contains {bad}; {NONFINITE_HINT}")
     check_consistent(host["inconsistent"], layout)
-    stats = DecodeStats(support=host["support"], rounds=host["rounds"])
-    stuck = (state == 1).nonzero().squeeze(1) if host["unpeeled"] else torch.empty(0, dtype=torch.int64, device=out.device)
-    rest_positions, rest_values = finish_decode(work, stuck, layout, stats, fallback)
-    out.index_copy_(0, rest_positions, rest_values.float())
+    stats = DecodeStats(**{name: host[name] for name in STAT_FIELDS})
+    if stats.unpeeled and fallback == "error":
+        raise unrecovered_error(stats.unpeeled, stats.support, layout)
+    if fallback == "raw":
+        if stats.raw <= rest.numel():  # the solve ran (or nothing is left): its list, in order
+            stats.raw_positions = rest[: stats.raw]
+        else:
+            stats.raw_positions = torch.nonzero_static(state == 1, size=stats.raw).squeeze(1)
     return out, stats
 
 

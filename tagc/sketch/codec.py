@@ -182,6 +182,15 @@ def _solve_stopping_sets(work: torch.Tensor, cells: torch.Tensor, signs: torch.T
     return x, determined
 
 
+def unrecovered_error(unrecovered: int, support: int, layout: SketchLayout) -> RuntimeError:
+    """The error ``fallback="error"`` raises when ``unrecovered`` of ``support`` positions are left (every back end)."""
+    return RuntimeError(
+        f"TAGC decode could not recover {unrecovered} of {support} positions of {layout} "
+        f"(load {support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
+        "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
+    )
+
+
 def finish_decode(
     work: torch.Tensor, stuck: torch.Tensor, layout: SketchLayout, stats: DecodeStats, fallback: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,11 +212,7 @@ def finish_decode(
     stats.unpeeled = stuck.numel()
     if stuck.numel():
         if fallback == "error":
-            raise RuntimeError(
-                f"TAGC decode could not recover {stuck.numel()} of {stats.support} positions of {layout} "
-                f"(load {stats.support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
-                "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
-            )
+            raise unrecovered_error(stuck.numel(), stats.support, layout)
         if fallback == "estimate":
             written.append((stuck, (signs.double() * work[cells]).median(dim=1).values))
             stats.estimated = stuck.numel()
