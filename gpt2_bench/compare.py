@@ -292,7 +292,8 @@ def time_methods(base: TrainConfig, methods: Sequence[str], share: float, rounds
     return rows, link_info
 
 
-HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "max_time_s", "group_timeout_s", "fault_step")
+HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "max_time_s", "group_timeout_s", "fault_step",
+                "diagnostics")
 """Settings that change how a run is carried out, not its losses."""
 
 
@@ -729,9 +730,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     parser.prog = "python -m gpt2_bench.compare"
     parser.description = __doc__.split("\n\n")[0]
-    # 60 steps of 4x128 tokens per rank (~15 min on 2 CPU cores), TAGC dense for the first 10 (``--dense-steps 0`` to see
-    # plain top-k from step 0: +11% val loss at 30 steps, the early LM-head moves that error feedback spreads out).
-    parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20, dense_steps=10)
+    # 60 steps of 4x128 tokens per rank (~15 min on 2 CPU cores); the dense warm-up is the library's (tagc.hook(): 10 steps
+    # for TAGC; ``--dense-steps 0`` to see plain top-k from step 0: +11% val loss at 30 steps, the early LM-head moves that
+    # error feedback spreads out).
+    parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20)
     hosts_probe = argparse.ArgumentParser(add_help=False)
     hosts_probe.add_argument("--hosts", type=int, default=1)
     if hosts_probe.parse_known_args(argv)[0].hosts > 1:  # emulated hosts: a short job per method on the tiny model

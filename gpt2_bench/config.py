@@ -38,7 +38,11 @@ class TrainConfig:
     index_bits: int = 1
     sparsity: Any = "auto"
     min_compress_numel: int = 65536
-    dense_steps: int = 0
+    dense_steps: Optional[int] = None
+    """Steps sent uncompressed before the codec starts. ``None`` (the default): the library's own
+    default for the codec (:func:`library_dense_steps`: ``tagc.hook()``'s warm-up for error-feedback
+    codecs, none for the others), resolved when the config is made so that the run's settings
+    record the number."""
     ramp_steps: int = 0
     """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
     embedding_ratio: Optional[float] = None
@@ -54,6 +58,8 @@ class TrainConfig:
     eval_interval: int = 20
     eval_batches: int = 4
     seed: int = 1337
+    """Seeds the model's initialisation (``torch.manual_seed``) and the order of the training
+    windows (the sampler's generator); the val windows are drawn from ``seed + 999``."""
     compile: bool = False
     compile_backend: str = "inductor"
     world: int = 2
@@ -95,12 +101,26 @@ class TrainConfig:
     """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
     overlap: bool = True
     """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
+    diagnostics: bool = False
+    """Log, per step, the grad norm and clipping, the AdamW update's RMS and ``exp_avg_sq`` per
+    parameter group, and the steps since each compressed element was last sent
+    (:mod:`gpt2_bench.diagnostics`), to ``<run>.diagnostics.jsonl`` beside the run's log. Reads
+    device values every step: for diagnosis, not for timing."""
     device: str = "auto"
     """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
+
+        if self.dense_steps is None:
+            self.dense_steps = library_dense_steps(self.codec, self.compression)
+        if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
+            raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
+                             f"got {self.dense_steps!r}")
+        if self.diagnostics and self.integration == "fsdp1":
+            raise ValueError("diagnostics read each parameter by name: use integration 'simple' or 'fsdp2' "
+                             "(FSDP1 flattens the parameters)")
 
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
@@ -192,6 +212,19 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
+def library_dense_steps(codec: str, compression: str) -> int:
+    """The dense warm-up ``tagc.hook(codec=codec)`` gives when ``dense_steps`` is not passed
+    (:data:`tagc.hooks.engine.DENSE_STEPS` for a codec with error feedback, else 0); 0 for
+    ``compression="none"``, which runs no codec."""
+    if compression == "none":
+        return 0
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.engine import DENSE_STEPS
+
+    return DENSE_STEPS if make_codec(codec, TAGCConfig()).error_feedback else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.")
     defaults = TrainConfig()
@@ -212,8 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
-                  "min_compress_numel", "dense_steps"):
+                  "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    p.add_argument("--dense-steps", type=int, default=None,
+                   help="steps sent uncompressed before the codec starts (default: the library's, tagc.hook()'s: "
+                        "10 for the error-feedback codecs tagc, topk, sign, powersgd; 0 for the others)")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="log per step the grad norm and clipping, the AdamW update's RMS and exp_avg_sq per parameter "
+                        "group, and the staleness of compressed elements, to <run>.diagnostics.jsonl (compare two runs "
+                        "with python -m gpt2_bench.diagnostics PLAIN RUN)")
     p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
                    help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)")
     p.add_argument("--embedding-ratio", type=float, default=None,

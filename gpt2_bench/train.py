@@ -174,6 +174,14 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     gen = torch.Generator().manual_seed(cfg.seed)
     first_step = _restore(cfg, model, opt, hook, gen)
     log = _open_log(log_path, first_step) if rank == 0 else None
+    diagnostics = None
+    if cfg.diagnostics:
+        from gpt2_bench.diagnostics import StepDiagnostics
+
+        codec = cfg.codec if cfg.compression != "none" else "none"
+        header = {"run": cfg.run_name, "codec": codec, "seed": cfg.seed} if first_step == 0 else None
+        diagnostics = StepDiagnostics(model, opt, hook, _open_diagnostics(log_path, first_step) if rank == 0 else None,
+                                      cfg.compression, cfg.grad_clip, header=header)
     host_counter = HostCounter.for_rank(log_path)
     progress = None
     if rank == 0:
@@ -203,8 +211,11 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         loss.backward()
         _sync(device)
         backward_s = time.perf_counter() - tick - forward_s
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = None
+        if cfg.grad_clip or diagnostics is not None:  # without clipping, max_norm inf scales by 1.0: a no-op
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        if diagnostics is not None:
+            diagnostics.before_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
@@ -217,6 +228,10 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if hook is not None:
             hook.end_step()
             stats = hook.stats()
+        if diagnostics is not None:
+            diagnostics.after_step(step, learning_rate(cfg, step), grad_norm,
+                                   dense=hook is None or cfg.compression == "none" or step < hook.dense_steps)
+        if hook is not None:
             last = stats["last_step"]
             exchange_s = last["compress_s"] + last["exposed_s"] + last["decode_s"]  # the step's time on the exchange
             record.update(exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
@@ -247,6 +262,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             break
     if host_counter is not None:
         host_counter.close()
+    if diagnostics is not None:
+        diagnostics.close()
     if rank == 0:
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
@@ -283,6 +300,17 @@ def _open_log(log_path: str, first_step: int):
             if line.strip() and json.loads(line).get("step", math.inf) < first_step]
     path.write_text("".join(line + "\n" for line in kept))
     return open(log_path, "a")
+
+
+def _open_diagnostics(log_path: str, first_step: int) -> str:
+    """``<run>.diagnostics.jsonl`` beside the run's log; on resume, trimmed to the steps not redone
+    (the header kept) so that :class:`~gpt2_bench.diagnostics.StepDiagnostics` appends."""
+    path = Path(log_path).with_name(Path(log_path).name.removesuffix(".jsonl") + ".diagnostics.jsonl")
+    if first_step:
+        kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                if line.strip() and json.loads(line).get("step", -1) < first_step]
+        path.write_text("".join(line + "\n" for line in kept))
+    return str(path)
 
 
 def _any_rank(flag: bool, device=None) -> bool:

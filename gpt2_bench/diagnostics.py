@@ -1,0 +1,432 @@
+"""Per-step diagnostics of how a gradient codec meets AdamW, and their comparison against plain FSDP.
+
+Why sparse error feedback trails plain FSDP's loss is a question about the optimizer: an
+element sent every k steps arrives as a burst, which may inflate Adam's second moment, raise
+the gradient's norm (and so clip every parameter), or act on stale values. The trainer's
+``--diagnostics`` flag logs, per step, what tells those apart (:class:`StepDiagnostics`), to
+``<run>.diagnostics.jsonl`` beside the run's log:
+
+- ``grad_norm`` (before clipping) and ``clipped`` (it exceeded ``grad_clip``);
+- per parameter group (:func:`parameter_group`: ``embedding``, ``linear`` (the other
+  non-attention linears), ``attention``, ``other``): the RMS of the step's parameter change
+  (``delta_rms``) and of that change over the learning rate (``update_rms``: AdamW's update
+  direction, weight decay included), and Adam's ``exp_avg_sq``: mean, geometric mean and
+  quantiles (from a histogram of its log10 in :data:`V_BIN` wide bins, summed over ranks);
+- ``staleness``: for every element of the codec's error-feedback residuals (every rank's), the
+  steps since it was last sent, binned (:data:`AGE_EDGES`). An element counts as sent in a step
+  when its residual is exactly zero after it: the sparsifying codecs (``tagc``, ``topk`` on
+  their default float32 wire) zero what they send. Codecs that feed back a rounding error
+  (the lean wires, ``sign``, ``int4``) or a low-rank one (``powersgd``) leave no zeros, so
+  their ages only grow and say nothing.
+
+All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
+are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
+step: a diagnostic run is for diagnosis, not for timing.
+
+``python -m gpt2_bench.diagnostics PLAIN RUN`` sets a run's diagnostics against plain FSDP's
+at the same steps (:func:`compare_runs`): the update-RMS and ``exp_avg_sq`` ratios on the
+run's compressed groups, both clip fractions, the grad-norm ratio and the staleness
+histogram, as a Markdown table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+GROUPS = ("embedding", "linear", "attention", "other")
+"""Parameter groups, by role: the tied token embedding / LM head; the other linears TAGC's
+default selection compresses (MLP and attention output projections); the attention input
+projection; everything else (position embedding, norms, biases)."""
+
+COMPRESSED_GROUPS = {"none": (), "non-attn": ("embedding", "linear"), "all": GROUPS}
+"""The groups a run's ``compression`` setting routes to its codec (buckets below
+``min_compress_numel`` aside)."""
+
+V_RANGE = (-30.0, 2.0)
+"""The log10 range of the ``exp_avg_sq`` histogram (values outside are counted at its ends)."""
+V_BIN = 0.01
+"""Width of an ``exp_avg_sq`` histogram bin in log10: quantiles are exact to 2.3%."""
+V_BINS = round((V_RANGE[1] - V_RANGE[0]) / V_BIN)
+QUANTILES = (0.1, 0.5, 0.9)
+
+AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
+AGE_LABELS = ("0", "1", *(f"{a}-{b - 1}" for a, b in zip(AGE_EDGES[1:], AGE_EDGES[2:])), f"{AGE_EDGES[-1]}+")
+
+_WRAPPERS = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|\.original$)")
+_EMBEDDING = re.compile(r"(^|\.)(wte|lm_head)\.weight$")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts (``parametrizations.``, ``.original``, ...)."""
+    return _WRAPPERS.sub("", name)
+
+
+def parameter_group(name: str, dim: int) -> str:
+    """The group (:data:`GROUPS`) of the parameter called ``name`` with ``dim`` dimensions."""
+    from tagc.hooks.selection import non_attention_linear
+
+    name = clean_name(name)
+    if _EMBEDDING.search(name):
+        return "embedding"
+    if dim >= 2 and non_attention_linear(name) and not re.search(r"(^|\.)wpe\.", name):
+        return "linear"
+    if dim >= 2 and "attn" in name:
+        return "attention"
+    return "other"
+
+
+def _local(tensor):
+    """A DTensor's local shard, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class StaleAges:
+    """Steps since each element of the codec's residuals was last sent (residual exactly zero)."""
+
+    def __init__(self) -> None:
+        self.ages: dict[tuple[str, int], Any] = {}
+
+    def update(self, residuals: dict) -> Any:
+        """Advance every age by one step, zero those sent, and return the counts per bin
+        (:data:`AGE_LABELS`, float64, on the residuals' device; an empty dict gives zeros)."""
+        import torch
+
+        counts = None
+        edges = None
+        for key, parts in residuals.items():
+            for index, residual in enumerate(parts):
+                age = self.ages.get((key, index))
+                if age is None or age.shape != residual.shape or age.device != residual.device:
+                    age = self.ages[(key, index)] = torch.zeros(residual.shape, dtype=torch.int32, device=residual.device)
+                age.add_(1).masked_fill_(residual == 0, 0)
+                if edges is None:
+                    edges = torch.tensor(AGE_EDGES, dtype=torch.int32, device=age.device)
+                    counts = torch.zeros(len(AGE_LABELS), dtype=torch.float64, device=age.device)
+                bins = torch.bucketize(age.reshape(-1), edges, right=True)
+                counts += torch.bincount(bins, minlength=len(AGE_LABELS)).to(torch.float64)
+        return counts if counts is not None else torch.zeros(len(AGE_LABELS), dtype=torch.float64)
+
+
+def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, qs: Sequence[float]) -> list[float]:
+    """The ``qs`` quantiles of values binned in ``counts`` (bin ``i`` covers ``[low + i*width,
+    low + (i+1)*width)``), linear within a bin; NaN for an empty histogram."""
+    total = sum(counts)
+    if total <= 0:
+        return [math.nan for _ in qs]
+    out = []
+    for q in qs:
+        target, seen = q * total, 0.0
+        for i, count in enumerate(counts):
+            if count > 0 and seen + count >= target:
+                out.append(low + (i + (target - seen) / count) * width)
+                break
+            seen += count
+        else:
+            out.append(low + len(counts) * width)
+    return out
+
+
+class StepDiagnostics:
+    """The per-step diagnostics of one rank; rank 0 writes them (see the module's docstring).
+
+    Call :meth:`before_step` before ``optimizer.step()`` and :meth:`after_step` after it, on every
+    rank (it is a collective). Parameters are read by name, so FSDP1's flat parameters are out.
+    """
+
+    def __init__(self, model, optimizer, hook, path: Optional[str], compression: str, grad_clip: float,
+                 header: Optional[dict] = None) -> None:
+        self.optimizer = optimizer
+        self.hook = hook
+        self.grad_clip = grad_clip
+        self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("diagnostics found no trainable parameters")
+        self.ages = StaleAges()
+        self._before: list = []
+        self.log = open(path, "a" if header is None else "w") if path else None  # noqa: SIM115 - closed by close()
+        if self.log is not None and header is not None:
+            numel = {group: 0 for group in GROUPS}
+            for group, p in self.params:
+                numel[group] += p.numel()
+            self.log.write(json.dumps({"header": True, **header, "compression": compression,
+                                       "compressed_groups": list(COMPRESSED_GROUPS[compression]), "grad_clip": grad_clip,
+                                       "numel": numel, "age_bins": list(AGE_LABELS), "v_bin": V_BIN}) + "\n")
+            self.log.flush()
+
+    def before_step(self) -> None:
+        """Keep this rank's parameter shards as they are before the optimizer moves them."""
+        self._before = [_local(p).detach().clone() for _, p in self.params]
+
+    def after_step(self, step: int, lr: float, grad_norm, dense: bool) -> Optional[dict]:
+        """Measure the step just taken (``grad_norm``: what ``clip_grad_norm_`` returned; ``dense``:
+        the hook sent this step uncompressed, so no element aged); rank 0 writes and returns it."""
+        import torch
+        import torch.distributed as dist
+
+        device = _local(self.params[0][1]).device
+        width = 4 + V_BINS  # n, sum delta^2, sum v, sum log v, then the log10 v histogram
+        stats = torch.zeros(len(GROUPS), width, dtype=torch.float64, device=device)
+        for (group, p), before in zip(self.params, self._before):
+            row = stats[GROUPS.index(group)]
+            local = _local(p).detach()
+            delta = (local.double() - before.double()).reshape(-1)
+            row[0] += delta.numel()
+            row[1] += delta.square().sum()
+            state = self.optimizer.state.get(p, {})
+            v = state.get("exp_avg_sq")
+            if v is not None:
+                v = _local(v).detach().double().reshape(-1)
+                row[2] += v.sum()
+                log_v = v.clamp_min(10.0 ** V_RANGE[0]).log10().clamp(V_RANGE[0], V_RANGE[1] - V_BIN / 2)
+                row[3] += log_v.sum()
+                row[4:] += torch.histc(log_v, bins=V_BINS, min=V_RANGE[0], max=V_RANGE[1])
+        self._before = []
+        ages = self.ages.update(self.hook.residuals) if self.hook is not None and not dense else None
+        ages = torch.zeros(len(AGE_LABELS), dtype=torch.float64) if ages is None else ages
+        vector = torch.cat([stats.reshape(-1), ages.to(device)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vector)
+        if self.log is None:
+            return None
+        stats = vector[: stats.numel()].reshape(len(GROUPS), width).cpu()
+        age_counts = vector[stats.numel():].cpu().tolist()
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        norm = float(norm) if norm is not None else math.nan
+        record: dict[str, Any] = {"step": step, "lr": lr, "grad_norm": norm,
+                                  "clipped": bool(self.grad_clip) and norm > self.grad_clip, "groups": {}}
+        for index, group in enumerate(GROUPS):
+            n, sq, v_sum, log_sum = stats[index, :4].tolist()
+            if n == 0:
+                continue
+            p10, p50, p90 = (10.0 ** x for x in quantiles_from_histogram(stats[index, 4:].tolist(), V_RANGE[0], V_BIN,
+                                                                         QUANTILES))
+            rms = math.sqrt(sq / n)
+            record["groups"][group] = {"n": int(n), "delta_rms": rms, "update_rms": rms / lr if lr else math.nan,
+                                       "v_mean": v_sum / n, "v_geomean": 10.0 ** (log_sum / n),
+                                       "v_p10": p10, "v_p50": p50, "v_p90": p90}
+        total = sum(age_counts)
+        if total:
+            mean_age_floor = sum(count * (0 if i == 0 else AGE_EDGES[i - 1]) for i, count in enumerate(age_counts)) / total
+            record["staleness"] = {"counts": age_counts, "elements": int(total), "sent": age_counts[0] / total,
+                                   "age_lower_bound_mean": mean_age_floor}
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+        return record
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+# ----------------------------------------------------------------------------- two runs side by side
+
+
+def diagnostics_path(path: str | Path) -> Path:
+    """A run's diagnostics log: ``path`` itself, or ``<run>.diagnostics.jsonl`` beside a run's ``<run>.jsonl``."""
+    path = Path(path)
+    if path.name.endswith(".diagnostics.jsonl"):
+        return path
+    candidate = path.with_name(path.name.removesuffix(".jsonl") + ".diagnostics.jsonl")
+    return candidate if candidate.exists() else path
+
+
+def read_diagnostics(path: str | Path) -> tuple[dict, dict[int, dict]]:
+    """``(header, {step: record})`` of a diagnostics log (the last record of a step wins: a resumed run)."""
+    path = diagnostics_path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no diagnostics log at {path}: train with --diagnostics")
+    header: dict = {}
+    records: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("header"):
+            header = record
+        elif "step" in record:
+            records[record["step"]] = record
+    return header, records
+
+
+def _pooled(record: dict, groups: Sequence[str]) -> dict:
+    """The compressed groups pooled: the RMS over all their elements, ``exp_avg_sq``'s mean over them."""
+    chosen = [record["groups"][g] for g in groups if g in record.get("groups", {})]
+    n = sum(g["n"] for g in chosen)
+    if not n:
+        return {}
+    return {"update_rms": math.sqrt(sum(g["update_rms"] ** 2 * g["n"] for g in chosen) / n),
+            "v_mean": sum(g["v_mean"] * g["n"] for g in chosen) / n,
+            "v_geomean": 10.0 ** (sum(math.log10(g["v_geomean"]) * g["n"] for g in chosen) / n)}
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None or not b or math.isnan(a) or math.isnan(b) else a / b
+
+
+def _mean(values: list) -> Optional[float]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10) -> dict:
+    """A run's diagnostics against plain's at the steps both logged: per step the ratios (run /
+    plain) of the update RMS and of ``exp_avg_sq`` (mean and geometric mean) on the run's
+    compressed groups (all groups when it compresses none), pooled and per group; both clip
+    flags and grad norms; the run's staleness. Then the same averaged over ``windows`` equal
+    spans of steps, and the staleness histogram summed over the run's compressed steps."""
+    plain_header, plain = read_diagnostics(plain_path)
+    run_header, run = read_diagnostics(run_path)
+    groups = tuple(run_header.get("compressed_groups") or ()) or GROUPS
+    steps = sorted(set(plain) & set(run))
+    if not steps:
+        raise ValueError(f"{plain_path} and {run_path} share no logged step")
+    per_step = []
+    for step in steps:
+        a, b = plain[step], run[step]
+        pooled_a, pooled_b = _pooled(a, groups), _pooled(b, groups)
+        row = {"step": step, "plain_clipped": a["clipped"], "run_clipped": b["clipped"],
+               "plain_grad_norm": a["grad_norm"], "run_grad_norm": b["grad_norm"],
+               "grad_norm_ratio": _ratio(b["grad_norm"], a["grad_norm"]),
+               "update_rms_ratio": _ratio(pooled_b.get("update_rms"), pooled_a.get("update_rms")),
+               "v_mean_ratio": _ratio(pooled_b.get("v_mean"), pooled_a.get("v_mean")),
+               "v_geomean_ratio": _ratio(pooled_b.get("v_geomean"), pooled_a.get("v_geomean")),
+               "groups": {g: {"update_rms_ratio": _ratio(b["groups"][g]["update_rms"], a["groups"][g]["update_rms"]),
+                              "v_p50_ratio": _ratio(b["groups"][g]["v_p50"], a["groups"][g]["v_p50"]),
+                              "v_p90_ratio": _ratio(b["groups"][g]["v_p90"], a["groups"][g]["v_p90"])}
+                          for g in groups if g in a.get("groups", {}) and g in b.get("groups", {})},
+               "staleness": b.get("staleness")}
+        per_step.append(row)
+    size = max(1, math.ceil(len(per_step) / windows))
+    spans = []
+    for start in range(0, len(per_step), size):
+        chunk = per_step[start:start + size]
+        stale = [r["staleness"] for r in chunk if r["staleness"]]
+        spans.append({"first": chunk[0]["step"], "last": chunk[-1]["step"], "steps": len(chunk),
+                      "plain_clip_fraction": sum(r["plain_clipped"] for r in chunk) / len(chunk),
+                      "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
+                      **{key: _mean([r[key] for r in chunk]) for key in
+                         ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio")},
+                      "sent": _mean([s["sent"] for s in stale]),
+                      "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale])})
+    histogram = [0.0] * len(AGE_LABELS)
+    for row in per_step:
+        if row["staleness"]:
+            histogram = [h + c for h, c in zip(histogram, row["staleness"]["counts"])]
+    return {"plain": plain_header, "run": run_header, "groups": list(groups), "per_step": per_step, "windows": spans,
+            "staleness_histogram": histogram}
+
+
+def format_comparison(result: dict) -> str:
+    """:func:`compare_runs`' result as Markdown: the windows' table, the per-group ratios over all
+    shared steps, and the staleness histogram."""
+    fmt = lambda value, spec="{:.3f}": "-" if value is None else spec.format(value)  # noqa: E731
+    plain, run = result["plain"].get("run", "plain"), result["run"].get("run", "run")
+    lines = [f"# Diagnostics: `{run}` against `{plain}`", "",
+             f"Ratios are the run's over plain's at the same step, on the run's compressed groups "
+             f"({', '.join(result['groups'])}; pooled over their elements), averaged over each span's steps. "
+             f"`update RMS`: RMS of the parameter change over the learning rate (AdamW's update); `v`: Adam's "
+             f"exp_avg_sq. `sent`: share of the residual's elements sent in a step; `age 8+`: share last sent 8 or "
+             f"more steps before.", "",
+             "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for span in result["windows"]:
+        lines.append(f"| {span['first']}-{span['last']} | {span['plain_clip_fraction']:.0%} | {span['run_clip_fraction']:.0%} | "
+                     f"{fmt(span['grad_norm_ratio'])} | {fmt(span['update_rms_ratio'])} | {fmt(span['v_mean_ratio'])} | "
+                     f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} |")
+    lines += ["", "Per group, over all shared steps:", "", "| group | update RMS | v p50 | v p90 |", "|---|---:|---:|---:|"]
+    for group in result["groups"]:
+        values = [row["groups"].get(group) for row in result["per_step"] if row["groups"].get(group)]
+        if values:
+            lines.append(f"| {group} | {fmt(_mean([v['update_rms_ratio'] for v in values]))} | "
+                         f"{fmt(_mean([v['v_p50_ratio'] for v in values]))} | {fmt(_mean([v['v_p90_ratio'] for v in values]))} |")
+    total = sum(result["staleness_histogram"])
+    if total:
+        lines += ["", "Steps since an element was last sent (all compressed steps, every rank's residuals):", "",
+                  "| age | " + " | ".join(AGE_LABELS) + " |", "|---|" + "---:|" * len(AGE_LABELS),
+                  "| share | " + " | ".join(f"{c / total:.1%}" for c in result["staleness_histogram"]) + " |"]
+    else:
+        lines += ["", "No staleness: the run logged no residual (plain, a dense-only run, or a codec without error feedback)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(result: dict, path: Path) -> None:
+    """Four panels: update-RMS and ``exp_avg_sq`` ratios against step, both grad norms with the
+    clip threshold, and the staleness histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["per_step"]
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    ax = axes[0, 0]
+    ax.plot(steps, [r["update_rms_ratio"] for r in rows], label="compressed groups", color="black", lw=1)
+    for group in result["groups"]:
+        ax.plot(steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7, alpha=0.7)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="step", ylabel="run / plain", title="AdamW update RMS")
+    ax = axes[0, 1]
+    ax.plot(steps, [r["v_mean_ratio"] for r in rows], label="mean", color="black", lw=1)
+    ax.plot(steps, [r["v_geomean_ratio"] for r in rows], label="geometric mean", color="tab:orange", lw=1)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xlabel="step", ylabel="run / plain", title="Adam exp_avg_sq (compressed groups)")
+    ax = axes[1, 0]
+    ax.plot(steps, read_norms(result, "plain"), label="plain", lw=0.8)
+    ax.plot(steps, read_norms(result, "run"), label="run", lw=0.8)
+    clip = result["run"].get("grad_clip")
+    if clip:
+        ax.axhline(clip, color="red", lw=0.8, label="clip")
+    ax.set(xlabel="step", ylabel="grad norm (before clipping)", title="gradient norm", yscale="log")
+    ax = axes[1, 1]
+    total = sum(result["staleness_histogram"])
+    ax.bar(range(len(AGE_LABELS)), [c / total if total else 0 for c in result["staleness_histogram"]])
+    ax.set_xticks(range(len(AGE_LABELS)), AGE_LABELS, fontsize=7)
+    ax.set(xlabel="steps since last sent", ylabel="share of elements", title="staleness (compressed steps)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_norms(result: dict, which: str) -> list[Optional[float]]:
+    """Per shared step, the grad norm of ``which`` (``"plain"`` or ``"run"``), from the ratio's inputs."""
+    return [r.get(f"{which}_grad_norm") for r in result["per_step"]]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m gpt2_bench.diagnostics PLAIN RUN [--out DIR]``: the comparison as Markdown and a plot."""
+    p = argparse.ArgumentParser(prog="python -m gpt2_bench.diagnostics", description=__doc__.split("\n\n")[0])
+    p.add_argument("plain", help="plain FSDP's run log (<run>.jsonl) or its <run>.diagnostics.jsonl")
+    p.add_argument("run", help="the run to set against it (same settings but the codec)")
+    p.add_argument("--out", default=None, help="folder for diagnostics.md and diagnostics.png (default: the run's folder)")
+    p.add_argument("--windows", type=int, default=10, help="spans of steps in the table (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        result = compare_runs(args.plain, args.run, args.windows)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else diagnostics_path(args.run).parent
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"diagnostics-{result['run'].get('run', 'run')}-vs-{result['plain'].get('run', 'plain')}"
+    report = format_comparison(result) + f"\n![diagnostics]({stem}.png)\n"
+    (out / f"{stem}.md").write_text(report)
+    plot_comparison(result, out / f"{stem}.png")
+    print(report)
+    print(f"report: {out / f'{stem}.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
