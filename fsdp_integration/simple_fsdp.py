@@ -93,13 +93,16 @@ def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units + [("", model)]
 
 
-def _check_identical_across_ranks(model: nn.Module) -> None:
-    """Sharding keeps each rank's own slice, so every rank must start from the same weights."""
+def _check_identical_across_ranks(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sharding keeps each rank's own slice, so every rank must start from the same weights.
+
+    The check all-reduces on the mesh's ``group``, with tensors on the parameters' device (the
+    group's own: NCCL takes no CPU tensor), never on another group or the host."""
     with torch.no_grad():
-        sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+        sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     low, high = sums.clone(), sums.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(low, high):
         names = [n for (n, _), same in zip(model.named_parameters(), (low == high).tolist()) if not same]
         raise ValueError(f"parameters differ across ranks ({names[:3]}...): seed every rank the same "
@@ -165,7 +168,7 @@ def simple_fsdp(
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {name!r} is already a DTensor; simple_fsdp wants plain parameters")
 
-    _check_identical_across_ranks(model)
+    _check_identical_across_ranks(model, mesh.get_group())
 
     named = dict(model.named_modules())
     missing = [n for n in units or () if n not in named]

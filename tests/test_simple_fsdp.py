@@ -45,9 +45,12 @@ def _recording_backend(graphs: dict):
 
     from fsdp_integration.compile import with_resharding
 
+    def name(node) -> str:  # an op that mutates (tagc's ops: their state token) is wrapped: the op's name
+        return str(node.args[0]) if str(node.target).startswith("auto_functionalized") else str(node.target)
+
     def record(kind):
         def compiler(gm, example_inputs):
-            graphs.setdefault(kind, []).append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            graphs.setdefault(kind, []).append([name(n) for n in gm.graph.nodes if n.op == "call_function"])
             return make_boxed_func(gm.forward)
 
         return compiler
@@ -209,8 +212,10 @@ def _traced_halves(rank, world, poison):
             if poison and step == 1 and rank == 1:
                 packed[first_compressed] = float("nan")  # bound for rank 0: every rank must still agree
             before = {k: [p.clone() for p in v] for k, v in hook.residuals.items()}
-            exchange = traced_reduce_scatter if path == "traced" else reduce_scatter
-            outs.append(exchange(packed, handle))
+            if path == "traced":
+                outs.append(traced_reduce_scatter(packed, handle))
+            else:
+                outs.append(reduce_scatter(packed, _registry[handle].state, handle))
         after_equal = all(torch.equal(a, b) for k, v in before.items() for a, b in zip(v, hook.residuals[k]))
         results.append((outs, after_equal, plain_columns, hook.stats()["total"]))
     return results

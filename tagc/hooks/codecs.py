@@ -158,6 +158,10 @@ class Codec:
     """Whether the codec has a compression ratio (:meth:`at_ratio`): per-parameter ratios and the density ramp."""
     error_feedback: bool = False
     """Whether the codec keeps what it did not send (a residual): the codecs a dense warm-up serves."""
+    summed_rows: bool = False
+    """Whether :meth:`decode` only sums the rows it receives (one wire tensor, float32 accumulation), so
+    the transport may sum them on the wire instead: NCCL's reduce-scatter (:mod:`tagc.hooks.transport`)
+    hands decode the one summed row."""
 
     def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
         """For ``whole_segments`` codecs, once per part when a bucket is planned: the part's
@@ -202,9 +206,11 @@ class Codec:
 
 class PlainCodec(Codec):
     """The columns as they are (the reduce dtype), summed in float32 at the owner: a fair
-    reduce-scatter, ``(N-1)/N`` of the buffer per rank, no state."""
+    reduce-scatter, ``(N-1)/N`` of the buffer per rank, no state. On NCCL the transport sums them
+    with NCCL's own reduce-scatter (in the reduce dtype, as FSDP does) and decode gets one row."""
 
     name = "plain"
+    summed_rows = True
 
     def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
         return (Wire(numel, dtype),)

@@ -29,9 +29,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import pickle
+import re
 import time
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,7 @@ from tagc.hooks.hierarchy import Topology, check_hierarchy, group_ranks, host_re
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PIECE_BYTES, PendingExchange, all_to_all_rows
+from tagc.hooks.transport import PendingExchange, _peer_errors, all_to_all_rows, backend_of, reduce_scatter_rows
 
 MIN_PART = 1 << 20
 """Compressed columns are split into pipeline parts of at least this many elements. Each part
@@ -156,8 +159,11 @@ class UnitTiming:
                 "decode_s": self.decode_s, "events": list(self.events)}
 
 
-def op_scale(op, world_size: int) -> float:
-    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor)."""
+def op_scale(op, world_size: int) -> Union[float, torch.Tensor]:
+    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor).
+
+    A PREMUL_SUM factor given as a tensor is returned as that tensor, never read on the host (on a
+    GPU that read would wait for the device): :func:`scale_into` applies it on the device."""
     kind = getattr(op, "op", op)
     if kind == dist.ReduceOp.SUM:
         return 1.0
@@ -165,14 +171,19 @@ def op_scale(op, world_size: int) -> float:
         return 1.0 / world_size
     if kind == dist.ReduceOp.PREMUL_SUM:
         factor = op.factor
-        return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        return factor if isinstance(factor, torch.Tensor) else float(factor)
     raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
 
 
-def _scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float) -> None:
-    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order."""
+def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: Union[float, torch.Tensor]) -> None:
+    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order.
+
+    The scale divides as its float64 reciprocal, a Python float or a tensor alike (a tensor scale
+    stays where it is: no host read)."""
     output.copy_(summed)
-    if scale != 1.0:
+    if isinstance(scale, torch.Tensor):
+        output.div_(torch.reciprocal(scale.detach().to(torch.float64)))
+    elif scale != 1.0:
         output.div_(1.0 / scale)
 
 
@@ -198,7 +209,7 @@ def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
 class PendingBucket:
     """One bucket's exchange in flight; :meth:`wait` returns the output shard once it is reduced."""
 
-    def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: float, group,
+    def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: Union[float, torch.Tensor], group,
                  stats: ExchangeStats, timing: UnitTiming, stream=None, remote_rows: int = 0) -> None:
         self.hook = hook
         self.plan = plan
@@ -252,7 +263,7 @@ class PendingBucket:
             self.stats.wire_s += self.timing.wire_s
             self.timing.wire_bytes = self.stats.wire_bytes
             self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit only)
-            _scale_into(self.output, self.summed, self.scale)
+            scale_into(self.output, self.summed, self.scale)
             self.hook._record(self.stats, self.timing)
             raise_nonfinite = self.hook.nonfinite == "raise" and bool(self.stats.nonfinite_parts)  # no host read under "propagate"
         if self.stream is not None:
@@ -309,7 +320,7 @@ class TAGCHook:
         nonfinite: str = "propagate",
         residual_dtype: torch.dtype = torch.float32,
         min_part: int = MIN_PART,
-        piece_bytes: int = PIECE_BYTES,
+        piece_bytes: Optional[int] = None,
         dense_steps: Optional[int] = None,
         codec: str = "tagc",
         overlap: bool = True,
@@ -330,8 +341,9 @@ class TAGCHook:
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
         if isinstance(min_part, bool) or not isinstance(min_part, int) or min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
-        if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be a positive integer, got {piece_bytes!r}")
+        if piece_bytes is not None and (isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1):
+            raise ValueError(f"piece_bytes must be None (pieces on gloo, whole collectives on NCCL) or a positive integer, "
+                             f"got {piece_bytes!r}")
         if dense_steps is not None and (isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0):
             raise ValueError(f"dense_steps must be a non-negative integer or None (the codec's default), got {dense_steps!r}")
         if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
@@ -344,6 +356,7 @@ class TAGCHook:
         self.residual_dtype = residual_dtype
         self.min_part = min_part
         self.piece_bytes = piece_bytes
+        """Bytes per peer of each all-to-all piece: ``None`` cuts them on gloo only (:mod:`tagc.hooks.transport`)."""
         self.ramp_steps = ramp_steps
         self.overlap = overlap
         self.codec_options = resolve_options(codec, codec_options)
@@ -357,7 +370,13 @@ class TAGCHook:
         self.plain = make_codec(PLAIN_CODECS[plain], config) if plain != "fp32" else PlainCodec()
         self.step_count = 0  # sets warmed_up too
         self._seen_this_step: set[str] = set()
-        self._verified: set[int] = set()
+        self._verified: set[tuple[int, str]] = set()
+        self._selection: dict[str, Optional[Union[float, str]]] = {}
+        """What ``select`` gives each parameter the hook was bound to (:meth:`note_parameters`)."""
+        self._bound = False
+        self._restored: Optional[set[str]] = None
+        """Bucket parts a loaded checkpoint holds codec state for, until the first step after the load."""
+        self._restored_select: Optional[str] = None
         self._topologies: dict[tuple[int, ...], Topology] = {}
         self._plans: dict[tuple, _BucketPlan] = {}
         self._in_flight: list[PendingBucket] = []
@@ -404,42 +423,118 @@ class TAGCHook:
         return grouped
 
     def settings(self) -> dict:
-        """Every setting that changes what crosses the wire, or when: must agree across ranks."""
-        select = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
+        """Every setting that changes what crosses the wire, or when: must agree across ranks.
+
+        ``select`` is compared by what it selects (:meth:`select_fingerprint`), not by its name."""
         return {**dataclasses.asdict(self.config), "codec": self.codec.name,
-                "codec_options": sorted(self.codec_options.items()), "select": select, "min_part": self.min_part,
+                "codec_options": sorted(self.codec_options.items()), "select": self.select_fingerprint(), "min_part": self.min_part,
                 "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite,
                 "plain": self.plain_name, "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
 
+    # ------------------------------------------------------------------ what select selects
+
+    def note_parameters(self, segments: Iterable[Segment]) -> None:
+        """Record what ``select`` gives each of these parameters (an adapter calls this with the model's
+        parameters when it installs the hook): :meth:`select_fingerprint` is then a digest of those
+        answers, so two policies that select differently never pass the settings check as equal,
+        whatever their names (two lambdas are both ``<lambda>``)."""
+        for segment in segments:
+            self._selection[segment.name] = self._answer(segment)
+        self._bound = True
+        self._check_restored_select()
+
+    def _answer(self, segment: Segment) -> Optional[Union[float, str]]:
+        """``select``'s answer for ``segment``: its ratio, ``None`` (plain), or the repr of an answer
+        :meth:`_ratio_of` rejects (it raises when the bucket is planned)."""
+        try:
+            return self._ratio_of(segment)
+        except ValueError:
+            return repr(self.select(segment.name, segment.module) if segment.selected is None else segment.selected)
+
+    def select_fingerprint(self) -> str:
+        """``select`` by what it selects: a digest of the parameters it compresses and their ratios,
+        over the parameters the hook has seen (:meth:`note_parameters`; a hook used directly, without
+        an adapter, sees each bucket's segments as it starts). The policy's name while it has seen none,
+        or when the codec compresses nothing."""
+        name = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
+        if not self._selection or not self.codec.compresses:
+            return name
+        chosen = sorted((param, answer) for param, answer in self._selection.items() if answer is not None)
+        digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:16]
+        return f"{name}: {len(chosen)} of {len(self._selection)} parameters compressed, digest {digest}"
+
+    # ------------------------------------------------------------------ checkpoints
+
     def state_dict(self) -> dict:
-        """The codec's state (this rank's residuals, keyed by rank, bucket and part) and the step counter."""
+        """The codec's state (this rank's residuals, keyed by rank, bucket and part), the step counter,
+        and the settings the keys follow from (``config``; ``select``: :meth:`select_fingerprint`)."""
         self._join_streams()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return {"step": self.step_count, "config": repr(self.config.fingerprint()),
+        return {"step": self.step_count, "config": repr(self.config.fingerprint()), "select": self.select_fingerprint(),
                 **{f"residual.rank{rank}.{key}": value for key, value in self.codec.state_dict().items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict`'s output, before the first step or later.
+
+        Residuals are keyed by the bucket's compressed parameters and part: a checkpoint whose keys
+        this hook would not use is an error, never a silent restart of error feedback from zeros.
+        It is raised here when the checkpoint's ``select`` fingerprint differs from this hook's (once
+        the hook is installed on its model), else at the first compressed part the checkpoint holds
+        no state for."""
         if state.get("config") != repr(self.config.fingerprint()):
             raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {self.config}")
         self._join_streams()
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"residual.rank{rank}."
-        self.codec.load_state_dict({name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)})
+        codec_state = {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
+        self._restored_select = state.get("select")
+        self._restored = {_part_key(key) for key in codec_state} or None
+        self._check_restored_select()
+        self.codec.load_state_dict(codec_state)
         self.step_count = int(state["step"])
 
-    def verify(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Check once per group that every rank has the same settings (a clear error otherwise)."""
-        if id(group) in self._verified or not dist.is_initialized():
+    def _check_restored_select(self) -> None:
+        """A loaded checkpoint's ``select`` against this hook's, where both are fingerprints of what they select."""
+        saved, mine = self._restored_select, self.select_fingerprint()
+        if self._restored is None or saved is None or not self._bound or "digest" not in saved or "digest" not in mine:
             return
-        world = dist.get_world_size(group)
+        if saved != mine:
+            raise ValueError(f"this checkpoint's residuals are keyed for select={saved!r}; the hook has select={mine!r}: "
+                             "build the hook with the select policy (and ratios) the checkpoint was written with")
+
+    def _check_restored_part(self, part: _Part) -> None:
+        """The first steps after a load: a compressed part must find the checkpoint's state for it."""
+        if self._restored is None or part.codec is self.plain or part.key in self._restored:
+            return
+        held = sorted(self._restored)
+        raise ValueError(
+            f"this checkpoint's residuals are keyed for buckets {held[:4]}{' ...' if len(held) > 4 else ''}; this hook "
+            f"compresses bucket part {part.key!r}, for which it holds none (checkpoint select={self._restored_select!r}, "
+            f"the hook has select={self.select_fingerprint()!r}): select, its ratios, min_part or min_compress_numel differ "
+            "from the hook that wrote it. Build the hook with those settings, or start without the checkpoint's residuals")
+
+    # ------------------------------------------------------------------ the settings check
+
+    def verify(self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> None:
+        """Check once per group (and again if the parameters seen grow) that every rank has the same
+        settings (a clear error on every rank otherwise).
+
+        The settings travel as bytes in tensors on ``device`` (the exchange's own device: NCCL takes
+        no CPU tensor), by two all-gathers on ``group``: no collective on another group or device."""
+        if not dist.is_initialized():
+            return
         mine = self.settings()
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
+        key = (id(group), mine["select"])
+        if key in self._verified:
+            return
+        everyone = _all_gather_settings(mine, group, device if device is not None else _object_device(group))
         for rank, theirs in enumerate(everyone):
             differ = [f"{name} (this rank {mine[name]!r}, rank {rank} {theirs.get(name)!r})" for name in mine if theirs.get(name) != mine[name]]
             if differ:
-                raise ValueError(f"TAGC settings differ across ranks: {'; '.join(differ)}")
-        self._verified.add(id(group))
+                hint = (" (select is compared by what it selects: the policies pick different parameters or ratios)"
+                        if any(d.startswith("select ") for d in differ) else "")
+                raise ValueError(f"TAGC settings differ across ranks: {'; '.join(differ)}{hint}")
+        self._verified.add(key)
 
     def topology(self, group: Optional[dist.ProcessGroup]) -> Topology:
         """How ``group``'s ranks sit on hosts, cached by its ranks; a hierarchical topology creates its
@@ -451,6 +546,13 @@ class TAGCHook:
         if ranks not in self._topologies:
             self._topologies[ranks] = topology(group, self.hierarchy, self.ranks_per_host)
         return self._topologies[ranks]
+
+    def _note_bucket(self, segments: Sequence[Segment]) -> None:
+        """A hook no adapter bound to a model (:meth:`note_parameters`) fingerprints ``select`` by the
+        buckets it starts (host work on the first step of each bucket only)."""
+        if self.codec.compresses and any(s.name not in self._selection for s in segments):
+            for segment in segments:
+                self._selection.setdefault(segment.name, self._answer(segment))
 
     def _check_codec_world(self, world: int) -> None:
         """``index_bits=4`` counts the ranks of the codec's exchange (the hosts, when hierarchical) in 4 bits."""
@@ -484,7 +586,9 @@ class TAGCHook:
         chunk = input.numel() // world
         if chunk * world != input.numel() or output.numel() != chunk:
             raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
-        self.verify(group)
+        if not self._bound:
+            self._note_bucket(segments)
+        self.verify(group, input.device)
         topo = self.topology(group) if world > 1 else Topology(world)
         # hierarchical: the codec exchanges the host-reduced block over the cross group, planned for H ranks
         codec_group, codec_world = (topo.cross, topo.hosts) if topo.hierarchical else (group, world)
@@ -520,7 +624,8 @@ class TAGCHook:
                     timing.events.append(("wait", begin, end))  # the caller blocked on bytes, as in a wait
                 for part in plan.parts:
                     wires = self._encode_part(part, rows[:, part.index(rows.device)], codec_group, timing)
-                    pending._in_flight.append(_Flight(part, 0, self._launch(wires, codec_group, stats, timing, remote)))
+                    launched = self._launch(wires, codec_group, stats, timing, remote, summed=part.codec.summed_rows)
+                    pending._in_flight.append(_Flight(part, 0, launched))
         self._in_flight.append(pending)
         return pending
 
@@ -568,9 +673,13 @@ class TAGCHook:
         self._in_flight.remove(pending)
 
     def _launch(self, wires: Sequence[torch.Tensor], group, stats: ExchangeStats, timing: UnitTiming,
-                remote_rows: int = 0) -> list[PendingExchange]:
-        """Start every wire tensor's all-to-all; ``remote_rows`` of its rows go to other hosts."""
-        exchanges = [all_to_all_rows(w, group, self.piece_bytes) for w in wires]
+                remote_rows: int = 0, summed: bool = False) -> list[PendingExchange]:
+        """Start every wire tensor's all-to-all; ``remote_rows`` of its rows go to other hosts.
+
+        ``summed``: the codec's decode only sums the rows it receives (:attr:`Codec.summed_rows`), so the
+        transport may reduce on the wire (NCCL's reduce-scatter: :func:`tagc.hooks.transport.reduce_scatter_rows`)."""
+        send = reduce_scatter_rows if summed else all_to_all_rows
+        exchanges = [send(w, group, self.piece_bytes) for w in wires]
         if exchanges:
             timing.launched = timing.launched or exchanges[0].launched
         stats.wire_bytes += sum(x.sent_bytes for x in exchanges)
@@ -579,6 +688,8 @@ class TAGCHook:
 
     def _encode_part(self, part: _Part, grad, group, timing: UnitTiming, round: int = 0) -> tuple[torch.Tensor, ...]:
         """Round 0: ``grad`` is this rank's rows; a later round: what the previous round received."""
+        if round == 0:
+            self._check_restored_part(part)
         start = time.perf_counter()
         wires = part.codec.encode(grad, part.key, group) if round == 0 else part.codec.next_round(round, grad, part.key, group)
         if part.codec.compresses:
@@ -626,7 +737,9 @@ class TAGCHook:
     def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
         one all-to-all per bucket, whose wait a compiler can move past later compute."""
-        self.verify(group)
+        if not self._bound:
+            self._note_bucket(segments)
+        self.verify(group, packed.device)
         world = dist.get_world_size(group)
         self._check_codec_world(world)
         rows = packed.view(world, -1)
@@ -665,7 +778,7 @@ class TAGCHook:
                 at += wire.row_bytes
             summed[part.index(summed.device)] = self._decode_part(part, part_received, group, stats)
         output = torch.empty(chunk, dtype=dtype, device=summed.device)
-        _scale_into(output, summed, op_scale(op, full))
+        scale_into(output, summed, op_scale(op, full))
         if into is not None:
             into.add(stats)
         else:
@@ -686,6 +799,8 @@ class TAGCHook:
         """Close this step's statistics (``stats()["last_step"]``, ``stats()["units"]``). Optional: a
         bucket seen twice also starts a new step, but calling this after ``optimizer.step()`` is
         exact, e.g. with gradient accumulation."""
+        if self._restored is not None and self.step_count >= self.dense_steps:
+            self._restored = None  # a compressed step ran: every part found its state
         self.step_count += 1
         self.last_step = self._current
         self.last_units = self._units
@@ -780,6 +895,43 @@ class TAGCHook:
                 for a, b in zip(bounds, bounds[1:]):
                     parts.append(_Part(_selector(columns[a:b]), b - a, codec, f"{key}/part{next(numbered)}"))
         return _BucketPlan(key=key, chunk=chunk, parts=parts)
+
+
+_PART_KEY = re.compile(r"^(.*?/part\d+)(?=$|[/#])")
+
+
+def _part_key(state_key: str) -> str:
+    """The bucket part a codec state entry belongs to: codecs key their state by the part's key
+    (``"<parameters>#<chunk>/part<k>"``), some with a suffix (``/residual``, ``#steps``, ...)."""
+    match = _PART_KEY.match(state_key)
+    return match.group(1) if match else state_key
+
+
+def _object_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where :meth:`TAGCHook.verify` puts its bytes when the caller names no device: the CPU on a gloo
+    group, else this rank's current CUDA device."""
+    if backend_of(group, torch.device("cpu")) == "gloo" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _all_gather_settings(settings: dict, group: Optional[dist.ProcessGroup], device: torch.device) -> list[dict]:
+    """Every rank's ``settings`` (by group rank), through two all-gathers of tensors on ``device``:
+    the lengths, then the pickled bytes padded to the longest. Once per group: its host reads are
+    the settings check's, not the exchange's."""
+    world = dist.get_world_size(group)
+    payload = pickle.dumps(settings)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    length = torch.full((1,), len(payload), dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    with _peer_errors():
+        dist.all_gather(lengths, length, group=group)
+        sizes = torch.cat(lengths).cpu().tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        padded[: len(payload)] = data
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(row[:size].cpu().numpy().tobytes()) for row, size in zip(gathered, sizes)]
 
 
 def _part_order(key: str) -> tuple[str, int]:

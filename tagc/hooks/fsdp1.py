@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 from tagc.hooks.engine import Segment, TAGCHook
+from tagc.hooks.stats import warn_once
 
 _SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 
@@ -44,8 +45,14 @@ class _UnitState:
             flat = handle.flat_param if handle is not None else None
             names = [self.prefix + fqn for fqn in flat._fqns] if flat is not None else []
             numels = list(flat._numels) if flat is not None else []
-            selected = unit_selection([self.hook.select(name, None) for name in names], numels, self.hook.config.ratio)
+            choices = [self.hook.select(name, None) for name in names]
+            selected = unit_selection(choices, numels, self.hook.config.ratio)
             label = "+".join(names) or "<empty>"
+            if selected is False and any(choices) and self.hook.codec.compresses:
+                share = sum(n for choice, n in zip(choices, numels) if choice) / sum(numels)
+                warn_once("fsdp1-unit-plain", f"TAGC on FSDP1: unit {self.prefix.rstrip('.') or '<root>'!r} goes plain although "
+                          f"select picks {share:.0%} of its elements (a unit is compressed only when select picks at least "
+                          f"{FSDP1_SELECTED_FRACTION:.0%}): wrap the layers to compress as their own FSDP units")
             shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it
             self._segments[chunk] = (Segment(label, 0, chunk, selected=selected, shape=shape),)
         return self._segments[chunk]
@@ -91,10 +98,15 @@ def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
         if unit._comm_hook is not None:
             raise ValueError("a communication hook is already registered on this FSDP1 model")
     paths = {id(module): _clean(name) for name, module in model.named_modules()}
+    parameters = []
     for unit in units:  # what FSDP.register_comm_hook does, but with a state per unit
         unit._comm_hook = _tagc_fsdp1_hook
         path = paths.get(id(unit), "")
         unit._comm_hook_state = _UnitState(hook, unit, f"{path}." if path else "")
+        flat = unit._handle.flat_param if unit._handle is not None else None
+        if flat is not None:
+            parameters += [Segment(f"{path}.{fqn}" if path else fqn, 0, numel) for fqn, numel in zip(flat._fqns, flat._numels)]
+    hook.note_parameters(parameters)  # the settings check compares what select picks, not its name
 
 
 def _clean(name: str) -> str:

@@ -46,9 +46,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale
+from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.stats import ExchangeStats, warn_once
 from tagc.hooks.transport import plain_reduce_scatter
 
 
@@ -100,14 +100,11 @@ class TAGCReduceScatter(ReduceScatter):
 
     def _host_step(self, output: torch.Tensor, input: torch.Tensor, group, op) -> None:
         """HSDP's intra-host reduce-scatter over the shard group: plain, fair, summed in float32 (blocking)."""
-        self.hook.verify(group)
+        self.hook.verify(group, input.device)
         world, chunk = dist.get_world_size(group), output.numel()
         begin = time.perf_counter()
         summed, sent = plain_reduce_scatter(input.view(world, chunk), group, self.hook.piece_bytes)
-        output.copy_(summed)
-        scale = op_scale(op, world)
-        if scale != 1.0:
-            output.div_(1.0 / scale)
+        scale_into(output, summed, op_scale(op, world))
         remote = layout(group_ranks(group), dist.get_rank(), self.hook.ranks_per_host, dist.get_world_size())[1]
         self._host_stats = ExchangeStats(wire_bytes=sent, plain_equivalent_bytes=(world - 1) * chunk * 4,
                                          inter_host_bytes=remote * chunk * input.element_size(),
@@ -195,6 +192,9 @@ class _Pieces:
     @classmethod
     def build(cls, segments: tuple[Segment, ...], numel: int, hosts: int, device: torch.device) -> "_Pieces":
         if sum(s.numel for s in segments) != numel:  # e.g. parameters without a gradient: one segment
+            warn_once("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its parameters' "
+                      f"segments ({sum(s.numel for s in segments)} elements): it is exchanged as one segment '<shard>', "
+                      "which select sees without the parameters' names (e.g. some parameters have no gradient)")
             segments = (Segment("<shard>", 0, numel),)
         columns, pieces, at = [], [], 0
         for s in segments:
@@ -372,4 +372,13 @@ def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
                 _split_hsdp(groups[0], comm)
             module.set_custom_reduce_scatter(comm)
             installed += 1
+    if installed:
+        hook.note_parameters(_parameters(model))  # the settings check compares what select picks, not its name
     return installed
+
+
+def _parameters(model: nn.Module) -> list[Segment]:
+    """Every parameter of ``model`` (once, by its name), with the module that holds it: what ``select`` sees."""
+    modules = dict(model.named_modules())
+    return [Segment(name, 0, param.numel(), modules[name.rpartition(".")[0]], shape=tuple(param.shape))
+            for name, param in model.named_parameters()]

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.transport import PIECE_BYTES, plain_reduce_scatter
+from tagc.hooks.transport import plain_reduce_scatter
 
 HIERARCHIES = ("auto", "flat")
 """``hierarchy=``: ``"auto"`` exchanges hierarchically when a group spans more than one host,
@@ -135,10 +135,11 @@ def topology(group: Optional[dist.ProcessGroup], hierarchy: str, ranks_per_host:
     return Topology(world, hosts, remote, local=made[index // per], cross=made[hosts + index % per])
 
 
-def host_reduce(rows: torch.Tensor, topo: Topology, piece_bytes: int = PIECE_BYTES) -> tuple[torch.Tensor, int]:
+def host_reduce(rows: torch.Tensor, topo: Topology, piece_bytes: Optional[int] = None) -> tuple[torch.Tensor, int]:
     """Step 1, plain: ``rows`` (``[N, C]``, row ``j`` = group rank ``j``'s chunk) -> this rank's
     host-reduced block ``[H, C]`` (row ``h'`` = the chunk of rank ``(h', l)``, summed over this host's
-    ranks in float32, returned in ``rows``' dtype) and the bytes this rank sent. Blocking."""
+    ranks in float32 (on NCCL by its own reduce-scatter: :func:`tagc.hooks.transport.reduce_scatter_rows`),
+    returned in ``rows``' dtype) and the bytes this rank sent. Blocking."""
     hosts, per = topo.hosts, topo.per_host
     chunk = rows.shape[1]
     send = rows.view(hosts, per, chunk).transpose(0, 1).reshape(per, hosts * chunk)

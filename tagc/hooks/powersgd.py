@@ -20,8 +20,9 @@ Each sum over ranks is an all-reduce built from two all-to-all rounds (a reduce-
 ``ceil(len / N)`` float32 per rank row, then every owner sends its summed slice to every rank):
 ``2 (N-1)/N`` of the vector per rank, a ring all-reduce's volume, and every rank adds the same
 values in the same order, so the orthonormalisation sees identical input everywhere. Four
-rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments without a known matrix shape
-(biases, FSDP1's multi-parameter units) ride plain in round 0.
+rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments that are no matrix (biases) ride
+plain in round 0, and so do those whose shape the adapter cannot give (FSDP1's multi-parameter
+units), with a warning (once).
 
 Bytes this rank sends per bucket: ``(N-1) * (8 ceil(sum m r / N) + 8 ceil(sum n r / N)
 + plain columns * reduce itemsize)``. ``value_dtype="bfloat16"`` halves all three (as DDP's
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from tagc.hooks.codecs import Codec, finite, resolve_value_dtype
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.stats import ExchangeStats, warn_once
 
 if TYPE_CHECKING:
     from tagc.hooks.segment import Segment
@@ -154,6 +155,10 @@ class PowerSGDCodec(Codec):
         matrices, plain = [], []
         for s in segments:
             if s.shape is None or len(s.shape) < 2 or math.prod(s.shape) == 0:
+                if s.shape is None:  # a selected matrix whose shape the adapter cannot give: not what was asked for
+                    warn_once("powersgd-no-shape", f"powersgd sends the selected {s.name!r} uncompressed: its matrix shape "
+                              "is unknown here (an FSDP1 unit of several parameters, FSDP2 Shard(dim > 0), or an HSDP "
+                              "piece); wrap it as its own unit, shard it on dim 0, or pick another codec")
                 plain.append((s.start, s.numel))
                 continue
             rows, cols = s.shape[0], math.prod(s.shape[1:])

@@ -34,7 +34,12 @@ and never imports ``fsdp_integration``.
 
 The data-dependent steps are ``torch.library`` custom ops with shape-only fake
 implementations; the hook state (residuals, statistics) is reached through a small
-registry keyed by an integer, since custom ops take only tensors and scalars. The registry
+registry keyed by an integer, since custom ops take only tensors and scalars. That state
+changes in every call, so each op also takes the unit's *state token* (``state``: one int64
+on the gradient's device, :attr:`_Binding.state`), bumps it and declares it mutated
+(``mutates_args=("state",)``): a compiler then keeps every call, once, in program order
+(``encode`` before ``decode`` of a unit), even where an op's result goes unused, and never
+merges two calls with equal arguments. The registry
 holds its entries weakly: an entry lives as long as the unit's installed reduce-scatter
 (which holds it), and goes when the model (or a hook installed over it) lets that go. Settings
 with data-dependent sizes (``fallback="raw"``) and buckets with nothing to compress run the
@@ -68,6 +73,9 @@ class _Binding:
     unit: str
     topology: Optional[Topology] = None
     """The group's topology (hierarchical: the codec's halves run on its cross group)."""
+    state: Optional[torch.Tensor] = None
+    """The unit's state token: every op that changes the hook's state (residuals, statistics) for this
+    unit bumps it and declares it mutated, so a compiler can neither drop, merge nor reorder those calls."""
 
     @property
     def codec_group(self) -> dist.ProcessGroup:
@@ -87,44 +95,52 @@ def _codec_world(handle: int) -> int:
     return dist.get_world_size(_registry[handle].codec_group)
 
 
-@torch.library.custom_op("tagc::reduce_scatter", mutates_args=())
-def reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
-    """The averaged chunk of this rank from ``packed`` (``[world * S]``), through a TAGC hook."""
+@torch.library.custom_op("tagc::reduce_scatter", mutates_args=("state",))
+def reduce_scatter(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
+    """The averaged chunk of this rank from ``packed`` (``[world * S]``), through a TAGC hook
+    (updates the residuals and statistics: bumps ``state``)."""
     binding = _registry[handle]
     output = packed.new_empty(packed.numel() // dist.get_world_size(binding.group))
     binding.hook.reduce_scatter(output, packed, binding.group, dist.ReduceOp.AVG, binding.segments, binding.unit)
+    state.add_(1)
     return output
 
 
 @reduce_scatter.register_fake
-def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
+def _(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
     return packed.new_empty(packed.numel() // _world(handle))
 
 
-@torch.library.custom_op("tagc::encode", mutates_args=())
-def encode(packed: torch.Tensor, handle: int) -> torch.Tensor:
-    """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals)."""
+@torch.library.custom_op("tagc::encode", mutates_args=("state",))
+def encode(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
+    """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals and
+    statistics: bumps ``state``)."""
     binding = _registry[handle]
-    return binding.hook.encode_bucket(packed, binding.codec_group, binding.segments)
+    wire = binding.hook.encode_bucket(packed, binding.codec_group, binding.segments)
+    state.add_(1)
+    return wire
 
 
 @encode.register_fake
-def _(packed: torch.Tensor, handle: int) -> torch.Tensor:
+def _(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
     binding = _registry[handle]
     world = _codec_world(handle)
     return packed.new_empty(world, binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype),
                             dtype=torch.uint8)
 
 
-@torch.library.custom_op("tagc::decode", mutates_args=())
-def decode(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk."""
+@torch.library.custom_op("tagc::decode", mutates_args=("state",))
+def decode(received: torch.Tensor, state: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk (updates
+    the statistics: bumps ``state``)."""
     binding = _registry[handle]
-    return binding.hook.decode_bucket(received, binding.codec_group, binding.segments, chunk, dtype, topology=binding.topology)
+    output = binding.hook.decode_bucket(received, binding.codec_group, binding.segments, chunk, dtype, topology=binding.topology)
+    state.add_(1)
+    return output
 
 
 @decode.register_fake
-def _(received: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+def _(received: torch.Tensor, state: torch.Tensor, handle: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     return received.new_empty(chunk, dtype=dtype)
 
 
@@ -137,16 +153,16 @@ def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
     binding = _registry[handle]
     topo = binding.topology
     if topo is not None and topo.hierarchical:
-        return _traced_hierarchical(packed, handle, topo)
-    return _traced(packed, handle, binding.group, dist.get_world_size(binding.group))
+        return _traced_hierarchical(packed, handle, binding.state, topo)
+    return _traced(packed, handle, binding.state, binding.group, dist.get_world_size(binding.group))
 
 
-def _traced(packed: torch.Tensor, handle: int, group, world: int) -> torch.Tensor:
-    received = _all_to_all(encode(packed, handle), group)
-    return decode(received, handle, packed.numel() // world, packed.dtype)
+def _traced(packed: torch.Tensor, handle: int, state: torch.Tensor, group, world: int) -> torch.Tensor:
+    received = _all_to_all(encode(packed, state, handle), group)
+    return decode(received, state, handle, packed.numel() // world, packed.dtype)
 
 
-def _traced_hierarchical(packed: torch.Tensor, handle: int, topo: Topology) -> torch.Tensor:
+def _traced_hierarchical(packed: torch.Tensor, handle: int, state: torch.Tensor, topo: Topology) -> torch.Tensor:
     """Step 1 with a functional all-to-all on the local group (row ``l`` of the ``[G, H*S]`` view
     to local rank ``l``) and a float32 sum, as :func:`tagc.hooks.hierarchy.host_reduce`; step 2,
     the codec's halves on the cross group."""
@@ -154,7 +170,7 @@ def _traced_hierarchical(packed: torch.Tensor, handle: int, topo: Topology) -> t
     chunk = packed.numel() // topo.world
     send = packed.view(hosts, per, chunk).transpose(0, 1).reshape(per, hosts * chunk)
     block = _all_to_all(send, topo.local).sum(dim=0, dtype=torch.float32).to(packed.dtype)
-    return _traced(block, handle, topo.cross, hosts)
+    return _traced(block, handle, state, topo.cross, hosts)
 
 
 def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
@@ -171,10 +187,12 @@ def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tens
         Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
         for entry, module in zip(bucket.entries, unit.owner_modules)
     )
+    hook.note_parameters(segments)  # the settings check compares what select picks, not its name
     handle = next(_handles)
     # every rank binds the same units in the same order: the subgroups of a hierarchical topology are made here
     topo = hook.topology(bucket.group) if bucket.world > 1 else None
-    binding = _Binding(hook, bucket.group, segments, unit.name, topo)
+    device = unit.params[0].device if getattr(unit, "params", None) else torch.device("cpu")
+    binding = _Binding(hook, bucket.group, segments, unit.name, topo, torch.zeros(1, dtype=torch.int64, device=device))
     _registry[handle] = binding
     hierarchical = topo is not None and topo.hierarchical
     traced = hook.traceable_settings(segments, bucket.chunk, topo.hosts if hierarchical else bucket.world)
@@ -183,9 +201,9 @@ def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tens
         # no registry look-up in traced code; during the warm-up (its wire changes shape) one opaque op
         if traced and hook.warmed_up and torch.compiler.is_compiling():
             if hierarchical:
-                return _traced_hierarchical(packed, handle, topo)
-            return _traced(packed, handle, bucket.group, bucket.world)
-        return reduce_scatter(packed, handle)
+                return _traced_hierarchical(packed, handle, binding.state, topo)
+            return _traced(packed, handle, binding.state, bucket.group, bucket.world)
+        return reduce_scatter(packed, binding.state, handle)
 
     def hooked_start(packed: torch.Tensor) -> Callable[[], torch.Tensor]:
         output = packed.new_empty(bucket.chunk)

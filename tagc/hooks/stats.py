@@ -1,10 +1,22 @@
-"""Counters a TAGC hook keeps: what went on the wire, how decoding went, where time went."""
+"""What a TAGC hook reports: counters (what went on the wire, how decoding went, where time went),
+and a once-only warning where the hook gives the user something other than what was asked for."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
+
+_warned: set[str] = set()
+
+
+def warn_once(kind: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time a fallback of ``kind`` happens in this process
+    (one warning per kind, not per bucket or step)."""
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,18 @@
-"""Fair transports on any process group: true reduce-scatter volume, line-rate pieces.
+"""Fair transports on any process group: true reduce-scatter volume, line-rate pieces on gloo.
 
-Gloo's ``reduce_scatter_tensor`` is an all-reduce underneath (twice the bytes), and one large
-gloo message reaches about half of a shaped link's rate. Here every exchange is an
-all-to-all split into pieces of at most :data:`PIECE_BYTES` per peer: each rank sends
-``(N-1)/N`` of its buffer, the volume of a ring reduce-scatter, and reduces locally.
+Every exchange is an all-to-all (row ``j`` to rank ``j``): each rank sends ``(N-1)/N`` of its
+buffer, the volume of a ring reduce-scatter, and the owner reduces locally. How it is sent
+follows the backend that runs the collective (:func:`backend_of`):
+
+* **gloo** (CPU tensors): gloo's ``reduce_scatter`` is an all-reduce underneath (twice the
+  bytes), and one large gloo message reaches about half of a shaped link's rate, so an
+  all-to-all is cut into pieces of at most :data:`PIECE_BYTES` per peer;
+* **NCCL** (and any other backend): every all-to-all is sent whole (pieces would be many small
+  launches), and a plain reduce-scatter (:func:`reduce_scatter_rows`) is NCCL's own
+  ``reduce_scatter_single``, the collective FSDP itself uses: the fair baseline there.
+
+``piece_bytes`` given explicitly (an int) cuts every all-to-all on every backend; ``None``
+(the default) picks by backend as above.
 """
 
 from __future__ import annotations
@@ -18,6 +27,29 @@ import torch
 import torch.distributed as dist
 
 PIECE_BYTES = 1 << 20
+"""gloo reaches a shaped link's line rate only with messages of at most about 1 MB (docs/design.md §9)."""
+REDUCING_BACKENDS = ("nccl",)
+"""Backends whose reduce-scatter moves the reduce-scatter volume (a ring): a plain exchange uses it."""
+
+
+def backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> str:
+    """The backend that runs a collective on ``device``'s tensors over ``group``: ``"gloo"``,
+    ``"nccl"``, ... (a mixed group such as ``"cpu:gloo,cuda:nccl"`` gives the one for ``device``)."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        per_device = dict(item.split(":", 1) for item in name.split(",") if ":" in item)
+        return per_device.get(device.type, name)
+    return name
+
+
+def piece_columns(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int]) -> int:
+    """Columns of ``send`` per all-to-all piece: ``piece_bytes`` when given; else
+    :data:`PIECE_BYTES` on gloo and the whole tensor on any other backend (one launch)."""
+    if piece_bytes is None:
+        if backend_of(group, send.device) != "gloo":
+            return max(1, send.shape[1])
+        piece_bytes = PIECE_BYTES
+    return max(1, piece_bytes // max(1, send.element_size()))
 
 
 @contextlib.contextmanager
@@ -98,8 +130,9 @@ def gather_from_owners(
     return recv.view(world, wanted.numel()).sum(dim=0), sent
 
 
-def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES) -> PendingExchange:
-    """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``, in pieces.
+def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None) -> PendingExchange:
+    """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``: in pieces on gloo,
+    whole elsewhere (:func:`piece_columns`).
 
     Asynchronous: returns at once; compute can run while the bytes are on the wire.
     """
@@ -107,7 +140,7 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piec
     send = send.contiguous()
     recv = torch.empty_like(send)
     columns = send.shape[1]
-    step = max(1, piece_bytes // max(1, send.element_size()))
+    step = piece_columns(send, group, piece_bytes)
     works = []
     launched = time.perf_counter()
     with _peer_errors():
@@ -137,13 +170,39 @@ class _PieceWork:
             self.recv[:, self.start : self.stop] = self.piece
 
 
+def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None) -> PendingExchange:
+    """Start a plain reduce-scatter of ``send`` (``[N, C]``, row ``j`` for rank ``j``).
+
+    On a backend of :data:`REDUCING_BACKENDS` (NCCL) with ``piece_bytes`` unset: that backend's own
+    ``reduce_scatter_single`` (SUM, in ``send``'s dtype, as FSDP reduces), and ``wait()`` returns the
+    sum as one row ``[1, C]``. Elsewhere: :func:`all_to_all_rows` (``wait()`` returns every rank's row
+    ``[N, C]``, which the caller sums in float32). Either way, summing the rows of what ``wait()``
+    returns gives the reduced chunk, and ``sent_bytes`` is a ring reduce-scatter's volume."""
+    if piece_bytes is not None or backend_of(group, send.device) not in REDUCING_BACKENDS:
+        return all_to_all_rows(send, group, piece_bytes)
+    world, columns = send.shape
+    send = send.contiguous()
+    recv = send.new_empty(1, columns)
+    launched = time.perf_counter()
+    with _peer_errors():
+        work = _reduce_scatter(recv.view(-1), send.view(-1), group=group, async_op=True)
+    return PendingExchange(recv, [_PieceWork(work, recv, recv, 0, columns)], (world - 1) * columns * send.element_size(), launched)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool):
+    """``dist.reduce_scatter_single`` where torch has it (``reduce_scatter_tensor`` is its older, deprecated name)."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, input, group=group, async_op=async_op)
+
+
 def plain_reduce_scatter(
-    chunks: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: int = PIECE_BYTES
+    chunks: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None
 ) -> tuple[torch.Tensor, int]:
-    """Sum over ranks of row ``rank`` of ``chunks`` (``[N, S]``), accumulated in float32.
+    """Sum over ranks of row ``rank`` of ``chunks`` (``[N, S]``), as float32: accumulated in float32 from
+    the all-to-all's rows, or NCCL's reduce-scatter in ``chunks``' dtype (:func:`reduce_scatter_rows`).
 
     Returns ``(summed chunk, bytes this rank sent)``.
     """
-    pending = all_to_all_rows(chunks, group, piece_bytes)
+    pending = reduce_scatter_rows(chunks, group, piece_bytes)
     received = pending.wait()
     return received.sum(dim=0, dtype=torch.float32), pending.sent_bytes
