@@ -149,7 +149,7 @@ def test_non_attention_linear_selects_by_role_in_real_models(table, name):
 
 
 def test_transformers_conv1d_is_a_projection():
-    pytorch_utils = pytest.importorskip("transformers.pytorch_utils", reason="transformers is not installed (the [test] extra)")
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils", reason="needs transformers (the [test] extra)")
     conv = pytorch_utils.Conv1D(16, 4)
     assert tuple(conv.weight.shape) == (4, 16)  # transposed against nn.Linear's [out, in]
     assert is_projection(conv)

@@ -21,7 +21,8 @@ SelectPolicy = Callable[[str, Optional[nn.Module]], Union[bool, float]]
 _ATTENTION_INPUT = re.compile(r"(^|[._])(c_attn|qkv|q_proj|k_proj|v_proj|query|key|value|in_proj\w*|wq|wk|wv)([._]|$)")
 _POSITIONAL = re.compile(r"(^|[._])(wpe|pos\w*|position\w*)([._]|$)")
 _NORM = re.compile(r"(^|[._])(ln\w*|norm\w*|layernorm\w*)([._]|$)")
-_EMBEDDING_OR_HEAD = re.compile(r"(^|[._])(wte|embed\w*|tok_embeddings|word_embeddings|lm_head|embed_out)([._]|$)|(^|\.)output$")
+_EMBEDDING_OR_HEAD = re.compile(
+    r"(^|[._])(wte|embed\w*|tok_embeddings|word_embeddings|lm_head|embed_out)([._]|$)|(^|\.)output$")
 
 
 def is_projection(module: nn.Module) -> bool:
