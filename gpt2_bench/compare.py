@@ -310,7 +310,7 @@ def _same_math(recorded: dict, wanted: dict) -> bool:
 
 
 def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str,
-                 dense_steps: Optional[int] = None) -> dict[str, dict]:
+                 dense_steps: Optional[int] = None, folder: Optional[Path] = None) -> dict[str, dict]:
     """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link.
     ``dense_steps`` (default: the timed runs') is the error-feedback codecs' dense warm-up here.
 
@@ -318,13 +318,14 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
     with the same settings is read back instead of trained again, so the long quality runs are
     made once (in the background, or over several sessions) and the timed sweeps added later.
     An interrupted run (``<name>.started.json`` with the same settings) resumes from its newest
-    checkpoint, with the same losses as an uninterrupted one.
+    checkpoint, with the same losses as an uninterrupted one. ``folder``: where the runs live
+    (default ``<out_dir>/quality``).
     """
     eval_interval = max(1, steps // 15)  # from the steps alone: the timed runs' settings do not change it
     results = {}
     for method in methods:
         warm = base if dense_steps is None else dataclasses.replace(base, dense_steps=dense_steps)
-        out = Path(base.out_dir) / "quality"
+        out = Path(base.out_dir) / "quality" if folder is None else Path(folder)
         cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
                                   checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS),
@@ -351,6 +352,14 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
         settings.write_text(cfg.to_json())
         started.unlink(missing_ok=True)
     return results
+
+
+def seeded_quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str, seeds: Sequence[int],
+                        dense_steps: Optional[int] = None) -> dict[int, dict[str, dict]]:
+    """:func:`quality_runs` once per seed, each seed's runs in ``<out_dir>/quality/seed-<seed>``
+    (read back, or resumed, as there): ``{seed: {method: result}}``."""
+    return {seed: quality_runs(dataclasses.replace(base, seed=seed), methods, steps, data_dir, dense_steps,
+                               folder=Path(base.out_dir) / "quality" / f"seed-{seed}") for seed in seeds}
 
 
 def losses_from(path: str) -> dict[str, dict]:
@@ -670,14 +679,20 @@ def format_share_arithmetic(link_info: dict) -> str:
 
 def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[float], rounds: int, quality_steps: int,
                    quality_dense_steps: Optional[int] = None, loss_from: Optional[str] = None,
-                   timed_from: Optional[str] = None) -> tuple[list[dict], str]:
+                   timed_from: Optional[str] = None, seeds: Optional[Sequence[int]] = None) -> tuple[list[dict], str]:
     """Time every method at every share (and measure its loss once, unshaped); returns the rows and
     a Markdown report, with plots written next to it. ``timed_from`` takes the timed rows of an
-    earlier compare instead of timing again (its shares, rounds, steps and dense warm-up)."""
+    earlier compare instead of timing again (its shares, rounds, steps and dense warm-up). With
+    ``seeds``, the quality runs are made at every seed and a method's val loss is their mean."""
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir)) if quality_steps or not timed_from else ""
-    quality = quality_runs(base, methods, quality_steps, data_dir, quality_dense_steps) if quality_steps else None
+    if quality_steps and seeds:
+        from gpt2_bench.quality import mean_quality
+
+        quality = mean_quality(seeded_quality_runs(base, methods, quality_steps, data_dir, seeds, quality_dense_steps))
+    else:
+        quality = quality_runs(base, methods, quality_steps, data_dir, quality_dense_steps) if quality_steps else None
     if loss_from:
         quality = losses_from(loss_from)
         missing = [m for m in methods if m not in quality]
@@ -707,8 +722,9 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
         pictures += "\n![speed-up against share](speedup_vs_share.png)\n"
     quality_dense = base.dense_steps if quality_dense_steps is None else quality_dense_steps
     loss_source = (f"val loss from {loss_from} (its own runs: the loss does not depend on the link)" if loss_from else
-                   f"val loss from one unshaped run of {quality_steps} steps per method (the loss does not depend on the "
-                   f"link; error-feedback codecs dense for its first {quality_dense} steps)"
+                   f"val loss from {'one unshaped run' if not seeds else f'the mean of unshaped runs at seeds {seeds}'} of "
+                   f"{quality_steps} steps per method (the loss does not depend on the link; error-feedback codecs dense for "
+                   f"its first {quality_dense} steps)"
                    if quality else f"val loss from the timed runs ({base.steps} steps)")
     report = (f"# GPT-2: the methods users would pick, on one engine and one link\n\n"
               f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} tokens per "
@@ -760,6 +776,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="run (or read back) the quality runs and print their val losses; no timed runs")
     parser.add_argument("--quality-dense-steps", type=int, default=None,
                         help="the quality runs' dense warm-up for error-feedback codecs (default: --dense-steps)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds for the quality runs (e.g. 0,1): every method at every seed, each "
+                             "seed's runs in quality/seed-<seed>; the report gives the mean gap to fsdp and the "
+                             "seed-to-seed spread at every evaluation and calls a gap inside the spread a tie "
+                             "(default: one run at --seed, in quality/)")
     args = parser.parse_args(argv)
     if args.hosts > 1:
         return _hosts_main(parser, args)
@@ -770,15 +791,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(error))
     if args.rounds < 1 or args.quality_steps < 0 or (args.quality_dense_steps or 0) < 0:
         parser.error("--rounds must be >= 1, --quality-steps and --quality-dense-steps >= 0")
+    seeds = None
+    if args.seeds is not None:
+        from gpt2_bench.quality import parse_seeds
+
+        try:
+            seeds = parse_seeds(args.seeds)
+        except ValueError as error:
+            parser.error(str(error))
+        if not args.quality_steps:
+            parser.error("--seeds sets the quality runs' seeds: give --quality-steps too")
+        if "fsdp" not in methods:
+            parser.error("--seeds compares every method with fsdp's run of the same seed: add fsdp to --methods")
     base = config_from_args(args)
     if args.quality_only:
         if not args.quality_steps:
             parser.error("--quality-only needs --quality-steps")
         from gpt2_bench.data import TokenData, prepare
 
+        folder = Path(base.out_dir) / "quality"
+        if seeds is not None:
+            from gpt2_bench import quality as protocol
+
+            by_seed = seeded_quality_runs(base, methods, args.quality_steps, str(prepare(base.dataset, base.cache_dir)),
+                                          seeds, args.quality_dense_steps)
+            plateau = TokenData(prepare(base.dataset, base.cache_dir)).unigram_loss()
+            tokens = base.batch_size * (base.block_size or _preset_block_size(base.preset)) * base.world
+            report = protocol.format_seeds_report(by_seed, args.quality_steps, plateau, tokens, LOSS_TOLERANCE)
+            protocol.plot_seed_gaps(by_seed, folder / "gaps.png")
+            first = by_seed[seeds[0]]
+            plot_method_losses([{"method": method, **result} for method, result in first.items()], folder / "losses.png")
+            report += f"\n![gaps](gaps.png)\n\n![losses, seed {seeds[0]}](losses.png)\n"
+            (folder / "quality.md").write_text(report)
+            print(report)
+            print(f"report: {folder / 'quality.md'}", file=sys.stderr)
+            return 0
         quality = quality_runs(base, methods, args.quality_steps, str(prepare(base.dataset, base.cache_dir)),
                                args.quality_dense_steps)
-        folder = Path(base.out_dir) / "quality"
         plot_method_losses([{"method": method, **result} for method, result in quality.items()], folder / "losses.png")
         plateau = TokenData(prepare(base.dataset, base.cache_dir)).unigram_loss()
         report = format_quality_report(quality, args.quality_steps, plateau)
@@ -797,7 +846,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except (OSError, ValueError) as error:
                 parser.error(str(error))
         rows, report = methods_report(base, methods, shares, args.rounds, args.quality_steps, args.quality_dense_steps,
-                                      args.loss_from, args.timed_from)
+                                      args.loss_from, args.timed_from, seeds)
         print(report)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -835,6 +884,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         Path(args.json).write_text(json.dumps(public, indent=2) + "\n")
     print(f"\nreport: {report}\nplot:   {out / 'loss.png'}", file=sys.stderr)
     return 0
+
+
+def _preset_block_size(preset: str) -> int:
+    from gpt2_bench.model import GPTConfig
+
+    return GPTConfig.preset(preset).block_size
 
 
 def _hosts_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -78,6 +78,9 @@ METHODS: dict[str, dict] = {
 }
 """Method name -> the :class:`TrainConfig` fields it sets."""
 
+PLAIN_METHOD = "fsdp"
+"""The method every other is measured against."""
+
 PAPER_METHODS = ("fsdp", "tagc-all", "tagc-non-attn")
 """The TAGC paper's three runs: the compare's default."""
 

