@@ -17,6 +17,7 @@ per rank) and a 1,024-token vocabulary (the tied embedding, 65,536 per rank).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -181,9 +182,10 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- one rank's run
 
 
-def _train(name: str, wrapper: str, hook_kwargs, steps: int = STEPS) -> dict:
-    """``steps`` SGD steps of model ``name`` wrapped by ``wrapper`` (``"fsdp2"``, ``"simple"``), with the
-    one line when ``hook_kwargs`` is not ``None`` (else native FSDP2)."""
+def _train(name: str, wrapper: str, hook_kwargs, keep_tensors: bool) -> dict:
+    """:data:`STEPS` SGD steps of model ``name`` wrapped by ``wrapper`` (``"fsdp2"``, ``"simple"``), with
+    the one line when ``hook_kwargs`` is not ``None`` (else native FSDP2); ``keep_tensors``: return the
+    last step's local gradients and the final local weights too."""
     from fsdp_integration import simple_fsdp
 
     model = MODELS[name]()
@@ -195,20 +197,19 @@ def _train(name: str, wrapper: str, hook_kwargs, steps: int = STEPS) -> dict:
     else:
         model = simple_fsdp(model)
     hook = None
+    out: dict = {"losses": [], "steps": [], "names": [n for n, _ in model.named_parameters()]}
     if hook_kwargs is not None:
         hook = tagc.hook(**hook_kwargs)
         tagc.register_comm_hook(model, hook)
-    out: dict = {"losses": [], "steps": []}
-    if hook is not None:
         out["plan"] = describe_plan(hook, model)  # before the first step: FSDP2 has not named its parameters yet
         out["table"] = describe(hook, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
-    for step in range(steps):
+    for step in range(STEPS):
         idx, labels = _batch(step, rank)
         loss = _loss(name, model, idx, labels)
         loss.backward()
-        if step == steps - 1:
+        if keep_tensors and step == STEPS - 1:
             out["grads"] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
@@ -216,14 +217,33 @@ def _train(name: str, wrapper: str, hook_kwargs, steps: int = STEPS) -> dict:
         if hook is not None:
             hook.end_step()
             out["steps"].append(hook.stats())
-    out["params"] = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    if keep_tensors:
+        out["params"] = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     if hook is not None:
         out["plan_after"] = describe_plan(hook, model)
     return out
 
 
+TAGC = {**ONE_LINE, "dense_steps": 0}
+PLAIN = (("native", None), ("plain", {"codec": "plain"}), ("none", {**ONE_LINE, "select": "none"}))
+PLAIN_JOBS = {f"{name}/{kind}": (name, "fsdp2", kwargs, True)
+              for name in ("hf-gpt2", "hf-llama") for kind, kwargs in PLAIN}
+TAGC_JOBS = {f"{name}/{wrapper}": (name, wrapper, TAGC, False) for name in ("hf-gpt2", "hf-llama", "nanogpt", "ours")
+             for wrapper in ("fsdp2", "simple")}
+
+
 def _runs(rank, world, jobs):
-    return [_train(*job) for job in jobs]
+    return {key: _train(*job) for key, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Every run of this module's distributed tests, in one pair of ranks (the ranks import
+    ``transformers`` once): rank 0's results by ``"model/variant"``."""
+    jobs = {**PLAIN_JOBS, **TAGC_JOBS}
+    if importlib.util.find_spec("transformers") is None:
+        jobs = {key: job for key, job in jobs.items() if not job[0].startswith("hf-")}
+    return run_ranks(_runs, WORLD, jobs, timeout_s=300)[0]
 
 
 def _assert_identical(a: dict, b: dict, what: str) -> None:
@@ -240,13 +260,13 @@ def _assert_identical(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
-def test_plain_is_bit_identical_to_native_fsdp2(name):
+def test_plain_is_bit_identical_to_native_fsdp2(runs, name):
     _transformers()
-    native, plain, none = run_ranks(_runs, WORLD, [(name, "fsdp2", None), (name, "fsdp2", {"codec": "plain"}),
-                                                   (name, "fsdp2", {**ONE_LINE, "select": "none"})], timeout_s=120)[0]
+    native, plain, none = (runs[f"{name}/{kind}"] for kind in ("native", "plain", "none"))
     _assert_identical(plain, native, f"{name} codec='plain' vs native FSDP2")
     _assert_identical(none, native, f"{name} select='none' vs native FSDP2")
     assert all(math.isfinite(x.item()) for x in native["losses"])
+    assert all(bool(g.abs().sum() > 0) for g in native["grads"].values())  # every gradient is there to compare
     for run in (plain, none):
         last = run["steps"][-1]["last_step"]
         assert last["compressed_buckets"] == 0 and last["wire_bytes"] == last["plain_equivalent_bytes"] > 0
@@ -264,25 +284,22 @@ EXPECTED = {  # the MLP linears, the attention output projection, the embedding 
     "nanogpt": ["transformer.wte.weight"]
     + [f"transformer.h.{i}.{leaf}.weight" for i in range(LAYERS) for leaf in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")],
 }
+EXPECTED["ours"] = EXPECTED["nanogpt"]
 
 
-@pytest.mark.parametrize("name, wrapper", [
-    ("hf-gpt2", "fsdp2"), ("hf-gpt2", "simple"), ("hf-llama", "fsdp2"), ("hf-llama", "simple"),
-    ("nanogpt", "fsdp2"), ("nanogpt", "simple"),
-])
-def test_the_one_line_compresses_the_blocks_and_trains(name, wrapper):
-    if name.startswith("hf-"):
+@pytest.mark.parametrize("key", sorted(TAGC_JOBS))
+def test_the_one_line_compresses_the_blocks_and_trains(runs, key):
+    if key.startswith("hf-"):
         _transformers()
-    run = run_ranks(_runs, WORLD, [(name, wrapper, {**ONE_LINE, "dense_steps": 0})], timeout_s=120)[0][0]
+    run = runs[key]
     plan = run["plan"]
     names = [row.name for row in plan.parameters]
-    assert sorted(plan.compressed) == sorted(EXPECTED[name])
-    assert len(names) == len(set(names)) == len(run["params"])  # every parameter once (tied ones once)
+    assert sorted(plan.compressed) == sorted(EXPECTED[key.split("/")[0]])
+    assert sorted(names) == sorted(run["names"])  # every parameter once (a tied one once)
     for row in plan.parameters:
         assert (row.codec, row.ratio) == (("tagc", 10.0) if row.compressed else ("plain", None)), row
     assert run["plan_after"] == plan  # the same plan before the first step and after (FSDP2 names its parameters late)
-    blocks = [b for b in plan.buckets if b.bucket != "<root>"]
-    assert len(blocks) == LAYERS and len(plan.buckets) == LAYERS + 1
+    assert sorted(b.bucket for b in plan.buckets) == ["<root>"] + [f"{_prefix(key)}.{i}" for i in range(LAYERS)]
     assert all(b.compressed_numel > 0 for b in plan.buckets)  # every block, and the root's embedding / head
     for stats in run["steps"]:
         last = stats["last_step"]
@@ -295,37 +312,43 @@ def test_the_one_line_compresses_the_blocks_and_trains(name, wrapper):
         assert last["support"] > 0 and last["peeled"] == last["support"] and last["peel_success"] == 1.0
         assert last["unpeeled"] == 0 and last["nonfinite_parts"] == 0
     assert all(math.isfinite(x.item()) for x in run["losses"])
-    assert "transformer" in run["table"] or "model.layers" in run["table"]
     for row in plan.parameters:
         assert row.name in run["table"]
 
 
-def test_fsdp2_and_simple_fsdp_plan_the_same_buckets():
-    _transformers()
-    fsdp2, simple = run_ranks(_runs, WORLD, [("hf-gpt2", "fsdp2", {**ONE_LINE, "dense_steps": 0}),
-                                             ("hf-gpt2", "simple", {**ONE_LINE, "dense_steps": 0})], timeout_s=120)[0]
+def _prefix(key: str) -> str:
+    return "model.layers" if key.startswith("hf-llama") else "transformer.h"
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama", "nanogpt", "ours"])
+def test_fsdp2_and_simple_fsdp_plan_the_same_buckets_and_train_alike(runs, name):
+    if name.startswith("hf-"):
+        _transformers()
+    fsdp2, simple = runs[f"{name}/fsdp2"], runs[f"{name}/simple"]
     # the units come in another order (FSDP2: the root first; SimpleFSDP: the blocks, then the root)
     assert {b.bucket: b for b in fsdp2["plan"].buckets} == {b.bucket: b for b in simple["plan"].buckets}
     assert {r.name: r for r in fsdp2["plan"].parameters} == {r.name: r for r in simple["plan"].parameters}
     wires = [[s["last_step"]["wire_bytes"] for s in run["steps"]] for run in (fsdp2, simple)]
     assert wires[0] == wires[1]
+    # the same buckets, residuals and sketches: the same losses, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(fsdp2["losses"], simple["losses"], strict=True))
 
 
-def test_hf_gpt2_wire_matches_our_gpt_of_the_same_shapes():
+def test_hf_gpt2_wire_matches_our_gpt_of_the_same_shapes(runs):
     _transformers()
-    hf, ours = run_ranks(_runs, WORLD, [("hf-gpt2", "fsdp2", {**ONE_LINE, "dense_steps": 0}, 1),
-                                        ("ours", "fsdp2", {**ONE_LINE, "dense_steps": 0}, 1)], timeout_s=120)[0]
-    hf_bytes, our_bytes = (run["steps"][-1]["last_step"]["wire_bytes"] for run in (hf, ours))
-    assert abs(hf_bytes - our_bytes) <= 0.05 * our_bytes, (hf_bytes, our_bytes)
-    hf_units = {u["unit"]: u["wire_bytes"] for u in hf["steps"][-1]["units"]}
-    our_units = {u["unit"]: u["wire_bytes"] for u in ours["steps"][-1]["units"]}
-    assert hf_units.keys() == our_units.keys()
-    for unit in hf_units:
-        assert abs(hf_units[unit] - our_units[unit]) <= 0.05 * our_units[unit], (unit, hf_units[unit], our_units[unit])
+    hf, ours = runs["hf-gpt2/fsdp2"], runs["ours/fsdp2"]
+    for step in range(STEPS):
+        hf_bytes, our_bytes = (run["steps"][step]["last_step"]["wire_bytes"] for run in (hf, ours))
+        assert abs(hf_bytes - our_bytes) <= 0.05 * our_bytes, (step, hf_bytes, our_bytes)
+        hf_units = {u["unit"]: u["wire_bytes"] for u in hf["steps"][step]["units"]}
+        our_units = {u["unit"]: u["wire_bytes"] for u in ours["steps"][step]["units"]}
+        assert hf_units.keys() == our_units.keys()
+        for unit in hf_units:
+            assert abs(hf_units[unit] - our_units[unit]) <= 0.05 * our_units[unit], (step, unit, hf_units, our_units)
     # the same shapes: the same parameters, each compressed alike, in units of the same size
     assert sorted(hf["plan"].compressed) == sorted(ours["plan"].compressed)
-    assert [(b.bucket, b.chunk, b.compressed_numel) for b in hf["plan"].buckets] == \
-        [(b.bucket, b.chunk, b.compressed_numel) for b in ours["plan"].buckets]
+    assert sorted((b.bucket, b.chunk, b.compressed_numel) for b in hf["plan"].buckets) == \
+        sorted((b.bucket, b.chunk, b.compressed_numel) for b in ours["plan"].buckets)
 
 
 # ----------------------------------------------------------------------------- the first-step warning (no ranks)
