@@ -87,9 +87,13 @@ class PendingExchange:
 
         for piece in self.works:
             future = getattr(piece.work, "get_future", None)
+            try:
+                future = future() if future is not None else None
+            except RuntimeError:  # e.g. gloo's reduce-scatter: no future; the arrival is then taken at the wait
+                future = None
             if future is None:
                 return
-            future().add_done_callback(piece_done)
+            future.add_done_callback(piece_done)
 
     def is_completed(self) -> bool:
         """Whether every piece has arrived (never blocks)."""
