@@ -194,6 +194,13 @@ def _train(name: str, wrapper: str, hook_kwargs, keep_tensors: bool) -> dict:
         for block in _blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif wrapper == "fsdp1":  # a unit per block, the root for the rest
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy = ModuleWrapPolicy({type(_blocks(model)[0])})
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=policy,
+                                         use_orig_params=True)
     else:
         model = simple_fsdp(model)
     hook = None
@@ -232,6 +239,9 @@ TAGC_JOBS = {f"{name}/{wrapper}": (name, wrapper, TAGC, False) for name in ("hf-
              for wrapper in ("fsdp2", "simple")}
 
 
+FSDP1_JOB = {"nanogpt/fsdp1": ("nanogpt", "fsdp1", TAGC, False)}
+
+
 def _runs(rank, world, jobs):
     return {key: _train(*job) for key, job in jobs.items()}
 
@@ -240,7 +250,7 @@ def _runs(rank, world, jobs):
 def runs() -> dict:
     """Every run of this module's distributed tests, in one pair of ranks (the ranks import
     ``transformers`` once): rank 0's results by ``"model/variant"``."""
-    jobs = {**PLAIN_JOBS, **TAGC_JOBS}
+    jobs = {**PLAIN_JOBS, **TAGC_JOBS, **FSDP1_JOB}
     if importlib.util.find_spec("transformers") is None:
         jobs = {key: job for key, job in jobs.items() if not job[0].startswith("hf-")}
     return run_ranks(_runs, WORLD, jobs, timeout_s=300)[0]
@@ -334,6 +344,21 @@ def test_fsdp2_and_simple_fsdp_plan_the_same_buckets_and_train_alike(runs, name)
     assert all(torch.equal(x, y) for x, y in zip(fsdp2["losses"], simple["losses"], strict=True))
 
 
+def test_describe_plans_fsdp1_units_whole(runs):
+    """FSDP1 selects whole units (a block holds the attention's QKV: plain); the plan is still what the engine sends."""
+    run = runs["nanogpt/fsdp1"]
+    plan = run["plan"]
+    assert sorted(b.bucket for b in plan.buckets) == ["<root>", "transformer.h.0", "transformer.h.1"]
+    for b in plan.buckets:
+        assert b.compressed_numel == (b.chunk if b.bucket == "<root>" else 0), b
+    unwrapped = sorted(n.replace("_fsdp_wrapped_module.", "") for n in run["names"])
+    assert sorted(row.name for row in plan.parameters) == unwrapped
+    for stats in run["steps"]:
+        assert stats["last_step"]["wire_bytes"] == plan.planned_bytes
+        assert {u["unit"]: u["wire_bytes"] for u in stats["units"]} == {b.bucket: b.planned_bytes for b in plan.buckets}
+        assert stats["last_step"]["peel_success"] == 1.0 and stats["last_step"]["support"] > 0
+
+
 def test_hf_gpt2_wire_matches_our_gpt_of_the_same_shapes(runs):
     _transformers()
     hf, ours = runs["hf-gpt2/fsdp2"], runs["ours/fsdp2"]
@@ -400,3 +425,26 @@ def test_a_hook_that_compresses_nothing_says_so():
     assert _warnings_after_planning(model) == []
     assert _warnings_after_planning(model, select="none") == []  # the fair baseline asked for nothing
     assert _warnings_after_planning(model, base={}, codec="plain") == []
+
+
+def _fsdp1_warnings(units: list[tuple[list[str], bool]]) -> list[str]:
+    """FSDP1 hands the engine one segment per unit, ``a+b+...``, selected as a whole (``True``/``False``)."""
+    hook = tagc.hook(**ONE_LINE)
+    for names, selected in units:
+        hook._plan((Segment("+".join(names), 0, 1 << 17, selected=selected),), 1 << 17, WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_weak_selection(hook)
+    return [str(w.message) for w in caught]
+
+
+def test_fsdp1_units_that_compress_only_the_embedding_say_so():
+    root = ["transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"]
+    block = [f"transformer.h.0.{leaf}" for leaf in ("ln_1.weight", "attn.c_attn.weight", "attn.c_proj.weight",
+                                                     "mlp.c_fc.weight", "mlp.c_proj.weight")]
+    caught = _fsdp1_warnings([(root, True), (block, False)])
+    assert len(caught) == 1 and "only the embedding / LM head" in caught[0]
+    assert _fsdp1_warnings([(root, True), (block, True)]) == []
+    assert _fsdp1_warnings([(root + block, True)]) == []  # one unit for the whole model: the blocks too
+    caught = _fsdp1_warnings([(root, False), (block, False)])
+    assert len(caught) == 1 and caught[0].startswith("TAGC compresses nothing")

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from tagc.hooks.hierarchy import Topology, group_ranks, layout
 from tagc.hooks.segment import Segment
-from tagc.hooks.selection import is_embedding_or_head, select_none
+from tagc.hooks.selection import is_embedding_or_head, non_attention_linear, select_none
 
 if TYPE_CHECKING:  # the engine imports this module
     from tagc.hooks.engine import TAGCHook, _BucketPlan
@@ -221,8 +221,14 @@ def render(description: Description) -> str:
 
 
 def _is_embedding_or_head(segment: Segment) -> bool:
-    """FSDP1 units are one segment named ``a+b+...``: an embedding unit when every one of them is."""
-    return all(is_embedding_or_head(name, segment.module) for name in segment.name.split("+"))
+    """Whether a segment holds an embedding or an LM head and no block's linear layer. An FSDP1 unit is
+    one segment named ``a+b+...``: the root unit of a model wrapped per block holds the embedding with
+    the position embedding and the final norm, while a model wrapped as one unit holds every block too."""
+    names = segment.name.split("+")
+    module = segment.module if len(names) == 1 else None
+    if not any(is_embedding_or_head(name, module) for name in names):
+        return False
+    return not any(non_attention_linear(name, None) and not is_embedding_or_head(name, module) for name in names)
 
 
 def _part_bytes(part, world: int, dtype: torch.dtype) -> int:
