@@ -240,6 +240,11 @@ TAGC_JOBS = {f"{name}/{wrapper}": (name, wrapper, TAGC, False) for name in ("hf-
 
 
 FSDP1_JOB = {"nanogpt/fsdp1": ("nanogpt", "fsdp1", TAGC, False)}
+OTHER_CODECS = {  # describe's bytes are every codec's wire shapes, the plain columns' codec's too
+    "nanogpt/fsdp2-bf16-plain": ("nanogpt", "fsdp2", {**TAGC, "plain": "bf16"}, False),
+    "nanogpt/simple-topk": ("nanogpt", "simple", {"codec": "topk", "ratio": 10, "dense_steps": 0}, False),
+    "nanogpt/fsdp2-int4": ("nanogpt", "fsdp2", {"codec": "int4"}, False),
+}
 
 
 def _runs(rank, world, jobs):
@@ -250,7 +255,7 @@ def _runs(rank, world, jobs):
 def runs() -> dict:
     """Every run of this module's distributed tests, in one pair of ranks (the ranks import
     ``transformers`` once): rank 0's results by ``"model/variant"``."""
-    jobs = {**PLAIN_JOBS, **TAGC_JOBS, **FSDP1_JOB}
+    jobs = {**PLAIN_JOBS, **TAGC_JOBS, **FSDP1_JOB, **OTHER_CODECS}
     if importlib.util.find_spec("transformers") is None:
         jobs = {key: job for key, job in jobs.items() if not job[0].startswith("hf-")}
     return run_ranks(_runs, WORLD, jobs, timeout_s=300)[0]
@@ -357,6 +362,21 @@ def test_describe_plans_fsdp1_units_whole(runs):
         assert stats["last_step"]["wire_bytes"] == plan.planned_bytes
         assert {u["unit"]: u["wire_bytes"] for u in stats["units"]} == {b.bucket: b.planned_bytes for b in plan.buckets}
         assert stats["last_step"]["peel_success"] == 1.0 and stats["last_step"]["support"] > 0
+
+
+@pytest.mark.parametrize("key, codec, plain", [
+    ("nanogpt/fsdp2-bf16-plain", "tagc", "bf16"), ("nanogpt/simple-topk", "topk", "plain"),
+    ("nanogpt/fsdp2-int4", "int4", "plain")])
+def test_describe_counts_every_codecs_wire(runs, key, codec, plain):
+    run = runs[key]
+    plan = run["plan"]
+    assert sorted(plan.compressed) == sorted(EXPECTED["nanogpt"])
+    for row in plan.parameters:
+        assert row.codec == (codec if row.compressed else plain), row
+        assert (row.ratio is not None) == (row.compressed and codec != "int4"), row
+    for stats in run["steps"]:
+        assert stats["last_step"]["wire_bytes"] == plan.planned_bytes < plan.plain_bytes
+        assert {u["unit"]: u["wire_bytes"] for u in stats["units"]} == {b.bucket: b.planned_bytes for b in plan.buckets}
 
 
 def test_hf_gpt2_wire_matches_our_gpt_of_the_same_shapes(runs):

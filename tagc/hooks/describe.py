@@ -73,7 +73,8 @@ class BucketRow:
     compressed_numel: int
     """Columns of the chunk the hook's codec takes (0: the bucket goes plain)."""
     planned_bytes: Optional[int]
-    """Bytes this rank sends per step once the warm-up is over (``None``: not fixed by the settings, ``powersgd``)."""
+    """Bytes this rank sends per step once the warm-up is over (``None``: not fixed by the settings, ``powersgd``;
+    ``fallback="raw"``'s re-sends depend on the data and are not counted)."""
     warmup_bytes: int
     """Bytes per step of the dense warm-up (every column through the plain codec)."""
     plain_bytes: int
@@ -85,7 +86,8 @@ class Description:
     """:func:`describe_plan`'s answer: the hook's settings, a row per parameter and per bucket."""
 
     codec: str
-    ratio: float
+    ratio: Optional[float]
+    """The configured ratio, for codecs with one (``tagc``, ``topk``); a policy may give parameters their own."""
     plain: str
     select: str
     dense_steps: int
@@ -136,7 +138,7 @@ def describe_plan(hook: "TAGCHook", model: nn.Module) -> Description:
         step1 = topo.step1_bytes(chunk, dtype)
         planned = None if shares is None else step1 + sum(_part_bytes(p, codec_world, dtype) for p in plan.parts)
         warmup = step1 + (codec_world - 1) * sum(w.row_bytes for w in hook.plain.wire(chunk, codec_world, dtype))
-        compressed_numel = sum(p.numel for p in plan.compressed_parts)
+        compressed_numel = sum(p.numel for p in plan.parts if p.codec is not hook.plain)  # plain="bf16" compresses too
         buckets.append(BucketRow(label, world, codec_world, chunk, compressed_numel, planned, warmup,
                                  (world - 1) * chunk * PLAIN_BYTES_PER_ELEMENT))
         for segment, compressed, codec, ratio in _segment_codecs(hook, plan, segments):
@@ -146,7 +148,8 @@ def describe_plan(hook: "TAGCHook", model: nn.Module) -> Description:
                                                None if share is None else share * numel / max(1, segment.numel),
                                                (world - 1) * numel * PLAIN_BYTES_PER_ELEMENT))
     select = getattr(hook.select, "__name__", repr(hook.select))
-    return Description(hook.codec.name, hook.config.ratio, hook.plain_name, select, hook.dense_steps, hook.ramp_steps,
+    ratio = hook.config.ratio if hook.codec.uses_ratio else None
+    return Description(hook.codec.name, ratio, hook.plain_name, select, hook.dense_steps, hook.ramp_steps,
                        tuple(parameters), tuple(buckets))
 
 
@@ -188,8 +191,8 @@ def render(description: Description) -> str:
     def share(planned: Optional[float], plain: int) -> str:
         return "" if planned is None or not plain else f"{planned / plain:.1%}"
 
-    head = (f"TAGC plan: codec {d.codec!r} at ratio {d.ratio:g} on the selected columns, plain columns {d.plain!r}, "
-            f"select {d.select!r}")
+    at = "" if d.ratio is None else f" at ratio {d.ratio:g}"
+    head = f"TAGC plan: codec {d.codec!r}{at} on the selected columns, plain columns {d.plain!r}, select {d.select!r}"
     warm = []
     if d.dense_steps:
         warm.append(f"the first {d.dense_steps} steps send every bucket plain (dense warm-up)")
