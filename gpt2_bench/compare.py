@@ -10,6 +10,15 @@ Every run overlaps each unit's exchange with the backward of the units before it
 default); the plain run is also timed without overlap (``fsdp no-overlap``) to show what
 overlap buys and to keep the link's calibration (the plain exchange's share of a
 non-overlapped plain step). ``--no-overlap`` runs everything the old, blocking way.
+
+Quality runs (``--quality-steps``, ``--quality-only``) measure each method's val loss unshaped.
+For a decision, run them over seeds (``--seeds 0,1``): the report (:mod:`gpt2_bench.quality`)
+gives every method's mean gap to fsdp of the same seed and the seed-to-seed spread at each
+evaluation, and calls a gap inside the spread a tie. On ``--dataset mix`` a 2,000-step run reads
+no token twice. The point at 4x the tokens per step is ``--batch-size 16`` (4x the default 4
+windows per rank; one exchange per step, as a 4x larger global batch). ``--diagnostics`` logs the
+per-step diagnostics of every run (:mod:`gpt2_bench.diagnostics`). A screening run is one seed
+(``--seed``), resumed from its checkpoints like any quality run.
 """
 
 from __future__ import annotations

@@ -59,7 +59,9 @@ AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
 AGE_LABELS = ("0", "1", *(f"{a}-{b - 1}" for a, b in zip(AGE_EDGES[1:], AGE_EDGES[2:])), f"{AGE_EDGES[-1]}+")
 
-_WRAPPERS = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|\.original$)")
+_WRAPPERS = re.compile(
+    r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|\.original$)"
+)
 _EMBEDDING = re.compile(r"(^|\.)(wte|lm_head)\.weight$")
 
 
@@ -104,7 +106,9 @@ class StaleAges:
             for index, residual in enumerate(parts):
                 age = self.ages.get((key, index))
                 if age is None or age.shape != residual.shape or age.device != residual.device:
-                    age = self.ages[(key, index)] = torch.zeros(residual.shape, dtype=torch.int32, device=residual.device)
+                    age = self.ages[(key, index)] = torch.zeros(
+                        residual.shape, dtype=torch.int32, device=residual.device
+                    )
                 age.add_(1).masked_fill_(residual == 0, 0)
                 if edges is None:
                     edges = torch.tensor(AGE_EDGES, dtype=torch.int32, device=age.device)
@@ -140,8 +144,16 @@ class StepDiagnostics:
     rank (it is a collective). Parameters are read by name, so FSDP1's flat parameters are out.
     """
 
-    def __init__(self, model, optimizer, hook, path: Optional[str], compression: str, grad_clip: float,
-                 header: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        model,
+        optimizer,
+        hook,
+        path: Optional[str],
+        compression: str,
+        grad_clip: float,
+        header: Optional[dict] = None,
+    ) -> None:
         self.optimizer = optimizer
         self.hook = hook
         self.grad_clip = grad_clip
@@ -155,9 +167,21 @@ class StepDiagnostics:
             numel = {group: 0 for group in GROUPS}
             for group, p in self.params:
                 numel[group] += p.numel()
-            self.log.write(json.dumps({"header": True, **header, "compression": compression,
-                                       "compressed_groups": list(COMPRESSED_GROUPS[compression]), "grad_clip": grad_clip,
-                                       "numel": numel, "age_bins": list(AGE_LABELS), "v_bin": V_BIN}) + "\n")
+            self.log.write(
+                json.dumps(
+                    {
+                        "header": True,
+                        **header,
+                        "compression": compression,
+                        "compressed_groups": list(COMPRESSED_GROUPS[compression]),
+                        "grad_clip": grad_clip,
+                        "numel": numel,
+                        "age_bins": list(AGE_LABELS),
+                        "v_bin": V_BIN,
+                    }
+                )
+                + "\n"
+            )
             self.log.flush()
 
     def before_step(self) -> None:
@@ -196,26 +220,45 @@ class StepDiagnostics:
         if self.log is None:
             return None
         stats = vector[: stats.numel()].reshape(len(GROUPS), width).cpu()
-        age_counts = vector[stats.numel():].cpu().tolist()
+        age_counts = vector[stats.numel() :].cpu().tolist()
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         norm = float(norm) if norm is not None else math.nan
-        record: dict[str, Any] = {"step": step, "lr": lr, "grad_norm": norm,
-                                  "clipped": bool(self.grad_clip) and norm > self.grad_clip, "groups": {}}
+        record: dict[str, Any] = {
+            "step": step,
+            "lr": lr,
+            "grad_norm": norm,
+            "clipped": bool(self.grad_clip) and norm > self.grad_clip,
+            "groups": {},
+        }
         for index, group in enumerate(GROUPS):
             n, sq, v_sum, log_sum = stats[index, :4].tolist()
             if n == 0:
                 continue
-            p10, p50, p90 = (10.0 ** x for x in quantiles_from_histogram(stats[index, 4:].tolist(), V_RANGE[0], V_BIN,
-                                                                         QUANTILES))
+            p10, p50, p90 = (
+                10.0**x for x in quantiles_from_histogram(stats[index, 4:].tolist(), V_RANGE[0], V_BIN, QUANTILES)
+            )
             rms = math.sqrt(sq / n)
-            record["groups"][group] = {"n": int(n), "delta_rms": rms, "update_rms": rms / lr if lr else math.nan,
-                                       "v_mean": v_sum / n, "v_geomean": 10.0 ** (log_sum / n),
-                                       "v_p10": p10, "v_p50": p50, "v_p90": p90}
+            record["groups"][group] = {
+                "n": int(n),
+                "delta_rms": rms,
+                "update_rms": rms / lr if lr else math.nan,
+                "v_mean": v_sum / n,
+                "v_geomean": 10.0 ** (log_sum / n),
+                "v_p10": p10,
+                "v_p50": p50,
+                "v_p90": p90,
+            }
         total = sum(age_counts)
         if total:
-            mean_age_floor = sum(count * (0 if i == 0 else AGE_EDGES[i - 1]) for i, count in enumerate(age_counts)) / total
-            record["staleness"] = {"counts": age_counts, "elements": int(total), "sent": age_counts[0] / total,
-                                   "age_lower_bound_mean": mean_age_floor}
+            mean_age_floor = (
+                sum(count * (0 if i == 0 else AGE_EDGES[i - 1]) for i, count in enumerate(age_counts)) / total
+            )
+            record["staleness"] = {
+                "counts": age_counts,
+                "elements": int(total),
+                "sent": age_counts[0] / total,
+                "age_lower_bound_mean": mean_age_floor,
+            }
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
         return record
@@ -261,9 +304,11 @@ def _pooled(record: dict, groups: Sequence[str]) -> dict:
     n = sum(g["n"] for g in chosen)
     if not n:
         return {}
-    return {"update_rms": math.sqrt(sum(g["update_rms"] ** 2 * g["n"] for g in chosen) / n),
-            "v_mean": sum(g["v_mean"] * g["n"] for g in chosen) / n,
-            "v_geomean": 10.0 ** (sum(math.log10(g["v_geomean"]) * g["n"] for g in chosen) / n)}
+    return {
+        "update_rms": math.sqrt(sum(g["update_rms"] ** 2 * g["n"] for g in chosen) / n),
+        "v_mean": sum(g["v_mean"] * g["n"] for g in chosen) / n,
+        "v_geomean": 10.0 ** (sum(math.log10(g["v_geomean"]) * g["n"] for g in chosen) / n),
+    }
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -291,36 +336,60 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
     for step in steps:
         a, b = plain[step], run[step]
         pooled_a, pooled_b = _pooled(a, groups), _pooled(b, groups)
-        row = {"step": step, "plain_clipped": a["clipped"], "run_clipped": b["clipped"],
-               "plain_grad_norm": a["grad_norm"], "run_grad_norm": b["grad_norm"],
-               "grad_norm_ratio": _ratio(b["grad_norm"], a["grad_norm"]),
-               "update_rms_ratio": _ratio(pooled_b.get("update_rms"), pooled_a.get("update_rms")),
-               "v_mean_ratio": _ratio(pooled_b.get("v_mean"), pooled_a.get("v_mean")),
-               "v_geomean_ratio": _ratio(pooled_b.get("v_geomean"), pooled_a.get("v_geomean")),
-               "groups": {g: {"update_rms_ratio": _ratio(b["groups"][g]["update_rms"], a["groups"][g]["update_rms"]),
-                              "v_p50_ratio": _ratio(b["groups"][g]["v_p50"], a["groups"][g]["v_p50"]),
-                              "v_p90_ratio": _ratio(b["groups"][g]["v_p90"], a["groups"][g]["v_p90"])}
-                          for g in groups if g in a.get("groups", {}) and g in b.get("groups", {})},
-               "staleness": b.get("staleness")}
+        row = {
+            "step": step,
+            "plain_clipped": a["clipped"],
+            "run_clipped": b["clipped"],
+            "plain_grad_norm": a["grad_norm"],
+            "run_grad_norm": b["grad_norm"],
+            "grad_norm_ratio": _ratio(b["grad_norm"], a["grad_norm"]),
+            "update_rms_ratio": _ratio(pooled_b.get("update_rms"), pooled_a.get("update_rms")),
+            "v_mean_ratio": _ratio(pooled_b.get("v_mean"), pooled_a.get("v_mean")),
+            "v_geomean_ratio": _ratio(pooled_b.get("v_geomean"), pooled_a.get("v_geomean")),
+            "groups": {
+                g: {
+                    "update_rms_ratio": _ratio(b["groups"][g]["update_rms"], a["groups"][g]["update_rms"]),
+                    "v_p50_ratio": _ratio(b["groups"][g]["v_p50"], a["groups"][g]["v_p50"]),
+                    "v_p90_ratio": _ratio(b["groups"][g]["v_p90"], a["groups"][g]["v_p90"]),
+                }
+                for g in groups
+                if g in a.get("groups", {}) and g in b.get("groups", {})
+            },
+            "staleness": b.get("staleness"),
+        }
         per_step.append(row)
     size = max(1, math.ceil(len(per_step) / windows))
     spans = []
     for start in range(0, len(per_step), size):
-        chunk = per_step[start:start + size]
+        chunk = per_step[start : start + size]
         stale = [r["staleness"] for r in chunk if r["staleness"]]
-        spans.append({"first": chunk[0]["step"], "last": chunk[-1]["step"], "steps": len(chunk),
-                      "plain_clip_fraction": sum(r["plain_clipped"] for r in chunk) / len(chunk),
-                      "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
-                      **{key: _mean([r[key] for r in chunk]) for key in
-                         ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio")},
-                      "sent": _mean([s["sent"] for s in stale]),
-                      "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale])})
+        spans.append(
+            {
+                "first": chunk[0]["step"],
+                "last": chunk[-1]["step"],
+                "steps": len(chunk),
+                "plain_clip_fraction": sum(r["plain_clipped"] for r in chunk) / len(chunk),
+                "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
+                **{
+                    key: _mean([r[key] for r in chunk])
+                    for key in ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio")
+                },
+                "sent": _mean([s["sent"] for s in stale]),
+                "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale]),
+            }
+        )
     histogram = [0.0] * len(AGE_LABELS)
     for row in per_step:
         if row["staleness"]:
             histogram = [h + c for h, c in zip(histogram, row["staleness"]["counts"])]
-    return {"plain": plain_header, "run": run_header, "groups": list(groups), "per_step": per_step, "windows": spans,
-            "staleness_histogram": histogram}
+    return {
+        "plain": plain_header,
+        "run": run_header,
+        "groups": list(groups),
+        "per_step": per_step,
+        "windows": spans,
+        "staleness_histogram": histogram,
+    }
 
 
 def format_comparison(result: dict) -> str:
@@ -328,31 +397,53 @@ def format_comparison(result: dict) -> str:
     shared steps, and the staleness histogram."""
     fmt = lambda value, spec="{:.3f}": "-" if value is None else spec.format(value)  # noqa: E731
     plain, run = result["plain"].get("run", "plain"), result["run"].get("run", "run")
-    lines = [f"# Diagnostics: `{run}` against `{plain}`", "",
-             f"Ratios are the run's over plain's at the same step, on the run's compressed groups "
-             f"({', '.join(result['groups'])}; pooled over their elements), averaged over each span's steps. "
-             f"`update RMS`: RMS of the parameter change over the learning rate (AdamW's update); `v`: Adam's "
-             f"exp_avg_sq. `sent`: share of the residual's elements sent in a step; `age 8+`: share last sent 8 or "
-             f"more steps before.", "",
-             "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Diagnostics: `{run}` against `{plain}`",
+        "",
+        f"Ratios are the run's over plain's at the same step, on the run's compressed groups "
+        f"({', '.join(result['groups'])}; pooled over their elements), averaged over each span's steps. "
+        f"`update RMS`: RMS of the parameter change over the learning rate (AdamW's update); `v`: Adam's "
+        f"exp_avg_sq. `sent`: share of the residual's elements sent in a step; `age 8+`: share last sent 8 or "
+        f"more steps before.",
+        "",
+        "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for span in result["windows"]:
-        lines.append(f"| {span['first']}-{span['last']} | {span['plain_clip_fraction']:.0%} | {span['run_clip_fraction']:.0%} | "
-                     f"{fmt(span['grad_norm_ratio'])} | {fmt(span['update_rms_ratio'])} | {fmt(span['v_mean_ratio'])} | "
-                     f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} |")
-    lines += ["", "Per group, over all shared steps:", "", "| group | update RMS | v p50 | v p90 |", "|---|---:|---:|---:|"]
+        lines.append(
+            f"| {span['first']}-{span['last']} | {span['plain_clip_fraction']:.0%} | {span['run_clip_fraction']:.0%} | "
+            f"{fmt(span['grad_norm_ratio'])} | {fmt(span['update_rms_ratio'])} | {fmt(span['v_mean_ratio'])} | "
+            f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} |"
+        )
+    lines += [
+        "",
+        "Per group, over all shared steps:",
+        "",
+        "| group | update RMS | v p50 | v p90 |",
+        "|---|---:|---:|---:|",
+    ]
     for group in result["groups"]:
         values = [row["groups"].get(group) for row in result["per_step"] if row["groups"].get(group)]
         if values:
-            lines.append(f"| {group} | {fmt(_mean([v['update_rms_ratio'] for v in values]))} | "
-                         f"{fmt(_mean([v['v_p50_ratio'] for v in values]))} | {fmt(_mean([v['v_p90_ratio'] for v in values]))} |")
+            lines.append(
+                f"| {group} | {fmt(_mean([v['update_rms_ratio'] for v in values]))} | "
+                f"{fmt(_mean([v['v_p50_ratio'] for v in values]))} | {fmt(_mean([v['v_p90_ratio'] for v in values]))} |"
+            )
     total = sum(result["staleness_histogram"])
     if total:
-        lines += ["", "Steps since an element was last sent (all compressed steps, every rank's residuals):", "",
-                  "| age | " + " | ".join(AGE_LABELS) + " |", "|---|" + "---:|" * len(AGE_LABELS),
-                  "| share | " + " | ".join(f"{c / total:.1%}" for c in result["staleness_histogram"]) + " |"]
+        lines += [
+            "",
+            "Steps since an element was last sent (all compressed steps, every rank's residuals):",
+            "",
+            "| age | " + " | ".join(AGE_LABELS) + " |",
+            "|---|" + "---:|" * len(AGE_LABELS),
+            "| share | " + " | ".join(f"{c / total:.1%}" for c in result["staleness_histogram"]) + " |",
+        ]
     else:
-        lines += ["", "No staleness: the run logged no residual (plain, a dense-only run, or a codec without error feedback)."]
+        lines += [
+            "",
+            "No staleness: the run logged no residual (plain, a dense-only run, or a codec without error feedback).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -370,7 +461,9 @@ def plot_comparison(result: dict, path: Path) -> None:
     ax = axes[0, 0]
     ax.plot(steps, [r["update_rms_ratio"] for r in rows], label="compressed groups", color="black", lw=1)
     for group in result["groups"]:
-        ax.plot(steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7, alpha=0.7)
+        ax.plot(
+            steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7, alpha=0.7
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xlabel="step", ylabel="run / plain", title="AdamW update RMS")
     ax = axes[0, 1]
@@ -409,7 +502,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.diagnostics", description=__doc__.split("\n\n")[0])
     p.add_argument("plain", help="plain FSDP's run log (<run>.jsonl) or its <run>.diagnostics.jsonl")
     p.add_argument("run", help="the run to set against it (same settings but the codec)")
-    p.add_argument("--out", default=None, help="folder for diagnostics.md and diagnostics.png (default: the run's folder)")
+    p.add_argument(
+        "--out", default=None, help="folder for diagnostics.md and diagnostics.png (default: the run's folder)"
+    )
     p.add_argument("--windows", type=int, default=10, help="spans of steps in the table (default %(default)s)")
     args = p.parse_args(argv)
     try:

@@ -64,11 +64,25 @@ def seed_gaps(by_seed: dict[int, dict[str, dict]]) -> dict[str, list[dict]]:
             gap = 100 * sum(o / p - 1 for o, p in zip(ours, theirs)) / len(seeds)
             plain_spread, spread = _spread(theirs), _spread(ours)
             noise = None if plain_spread is None else max(plain_spread, spread)
-            verdict = None if noise is None or method == PLAIN_METHOD else (
-                "tie" if abs(gap) < noise else "behind" if gap > 0 else "ahead")
-            rows.append({"step": step, "seeds": len(seeds), "plain": sum(theirs) / len(seeds),
-                         "val_loss": sum(ours) / len(seeds), "gap": gap, "gaps": [100 * (o / p - 1) for o, p in zip(ours, theirs)],
-                         "plain_spread": plain_spread, "spread": spread, "noise": noise, "verdict": verdict})
+            verdict = (
+                None
+                if noise is None or method == PLAIN_METHOD
+                else ("tie" if abs(gap) < noise else "behind" if gap > 0 else "ahead")
+            )
+            rows.append(
+                {
+                    "step": step,
+                    "seeds": len(seeds),
+                    "plain": sum(theirs) / len(seeds),
+                    "val_loss": sum(ours) / len(seeds),
+                    "gap": gap,
+                    "gaps": [100 * (o / p - 1) for o, p in zip(ours, theirs)],
+                    "plain_spread": plain_spread,
+                    "spread": spread,
+                    "noise": noise,
+                    "verdict": verdict,
+                }
+            )
         out[method] = rows
     return out
 
@@ -78,12 +92,23 @@ def mean_quality(by_seed: dict[int, dict[str, dict]]) -> dict[str, dict]:
     first seed's curve and the run length; only methods run at every seed."""
     seeds = sorted(by_seed)
     methods = [m for m in dict.fromkeys(m for s in seeds for m in by_seed[s]) if all(m in by_seed[s] for s in seeds)]
-    return {m: {**by_seed[seeds[0]][m], "val_loss": sum(by_seed[s][m]["val_loss"] for s in seeds) / len(seeds),
-                "seeds": list(seeds)} for m in methods}
+    return {
+        m: {
+            **by_seed[seeds[0]][m],
+            "val_loss": sum(by_seed[s][m]["val_loss"] for s in seeds) / len(seeds),
+            "seeds": list(seeds),
+        }
+        for m in methods
+    }
 
 
-def format_seeds_report(by_seed: dict[int, dict[str, dict]], steps: int, plateau: Optional[float] = None,
-                        tokens_per_step: Optional[int] = None, tolerance: float = 0.01) -> str:
+def format_seeds_report(
+    by_seed: dict[int, dict[str, dict]],
+    steps: int,
+    plateau: Optional[float] = None,
+    tokens_per_step: Optional[int] = None,
+    tolerance: float = 0.01,
+) -> str:
     """The quality runs over seeds as Markdown: per method a table of every evaluation step (mean
     val loss, mean gap to plain, both spreads, verdict), then one line per method on the last step
     and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run."""
@@ -94,24 +119,39 @@ def format_seeds_report(by_seed: dict[int, dict[str, dict]], steps: int, plateau
     lines = [head, ""]
     if tokens_per_step:
         lines += [f"{tokens_per_step:,} tokens per step (all ranks), {steps * tokens_per_step:,} in a run.", ""]
-    lines += [f"Gap: the method's val loss against {PLAIN_METHOD}'s of the same seed, averaged over seeds. Spread: the "
-              f"range of a method's val loss over seeds, in % of its mean. A gap smaller than the larger spread "
-              f"(plain's or the method's) is a tie." + (" One seed: no spread, so no tie is called." if len(seeds) < 2 else ""),
-              ""]
+    lines += [
+        f"Gap: the method's val loss against {PLAIN_METHOD}'s of the same seed, averaged over seeds. Spread: the "
+        f"range of a method's val loss over seeds, in % of its mean. A gap smaller than the larger spread "
+        f"(plain's or the method's) is a tie."
+        + (" One seed: no spread, so no tie is called." if len(seeds) < 2 else ""),
+        "",
+    ]
     plain_rows = gaps.get(PLAIN_METHOD, [])
     if plateau is not None and plain_rows:
-        lines += [f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
-                  f"ends at {plain_rows[-1]['plain']:.4f} (mean over seeds), {plateau - plain_rows[-1]['plain']:.2f} nats "
-                  f"below it.", ""]
+        end = plain_rows[-1]["plain"]
+        lines += [
+            f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
+            f"ends at {end:.4f} (mean over seeds), {abs(plateau - end):.2f} nats "
+            f"{'below' if end < plateau else 'above'} "
+            f"it. Methods part only past it.",
+            "",
+        ]
     for method, rows in gaps.items():
         if method == PLAIN_METHOD or not rows:
             continue
-        lines += [f"## `{method}`", "", f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
-                  f"{method} spread | verdict |", "|---:|---:|---:|---:|---|---:|---:|---|"]
+        lines += [
+            f"## `{method}`",
+            "",
+            f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
+            f"{method} spread | verdict |",
+            "|---:|---:|---:|---:|---|---:|---:|---|",
+        ]
         for row in rows:
             per_seed = ", ".join(f"{g:+.2f}" for g in row["gaps"])
-            lines.append(f"| {row['step']} | {row['plain']:.4f} | {row['val_loss']:.4f} | {row['gap']:+.2f}% | {per_seed} | "
-                         f"{fmt(row['plain_spread'], '.2f')}% | {fmt(row['spread'], '.2f')}% | {row['verdict'] or '-'} |")
+            lines.append(
+                f"| {row['step']} | {row['plain']:.4f} | {row['val_loss']:.4f} | {row['gap']:+.2f}% | {per_seed} | "
+                f"{fmt(row['plain_spread'], '.2f')}% | {fmt(row['spread'], '.2f')}% | {row['verdict'] or '-'} |"
+            )
         lines.append("")
     lines += ["## Verdicts", ""]
     for method, rows in gaps.items():
@@ -120,10 +160,12 @@ def format_seeds_report(by_seed: dict[int, dict[str, dict]], steps: int, plateau
         last = rows[-1]
         judged = [row for row in rows if row["step"] + 1 >= steps // 5]
         within = all(row["gap"] <= 100 * tolerance for row in judged)
-        lines.append(f"- `{method}`: {last['gap']:+.2f}% at step {last['step']} "
-                     f"({'noise ' + format(last['noise'], '.2f') + '%: ' + last['verdict'] if last['verdict'] else 'one seed'}); "
-                     f"mean gap {'within' if within else 'outside'} {tolerance:.0%} at every evaluation from step "
-                     f"{judged[0]['step'] if judged else '-'} on.")
+        lines.append(
+            f"- `{method}`: {last['gap']:+.2f}% at step {last['step']} "
+            + (f"(noise {last['noise']:.2f}%: {last['verdict']}); " if last["verdict"] else "(one seed); ")
+            + f"mean gap {'within' if within else 'outside'} {tolerance:.0%} at every evaluation from step "
+            f"{judged[0]['step'] if judged else '-'} on."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -139,14 +181,22 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
         if method == PLAIN_METHOD or not rows:
             continue
         steps = [r["step"] for r in rows]
-        line, = ax.plot(steps, [r["gap"] for r in rows], marker="o", label=method)
+        (line,) = ax.plot(steps, [r["gap"] for r in rows], marker="o", label=method)
         noise = [r["noise"] for r in rows]
         if all(n is not None and not math.isnan(n) for n in noise):
-            ax.fill_between(steps, [r["gap"] - n for r, n in zip(rows, noise)], [r["gap"] + n for r, n in zip(rows, noise)],
-                            color=line.get_color(), alpha=0.15)
+            ax.fill_between(
+                steps,
+                [r["gap"] - n for r, n in zip(rows, noise)],
+                [r["gap"] + n for r, n in zip(rows, noise)],
+                color=line.get_color(),
+                alpha=0.15,
+            )
     ax.axhline(0, color="black", lw=0.8)
-    ax.set(xlabel="step", ylabel=f"val loss vs {PLAIN_METHOD} of the same seed (%)",
-           title="mean gap over seeds, band: +- the seed-to-seed spread")
+    ax.set(
+        xlabel="step",
+        ylabel=f"val loss vs {PLAIN_METHOD} of the same seed (%)",
+        title="mean gap over seeds, band: +- the seed-to-seed spread",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

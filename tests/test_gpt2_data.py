@@ -287,7 +287,8 @@ def _fake_mix_packages(root):
     packages = {
         "datasets-sotu": {"1791_b.txt": "Second address.", "1790_a.txt": "First address.", "1790_a.json": "{}"},
         "datasets-moby-dick": {"chapter_10.txt": "Ten.", "chapter_2.txt": "Two.", "data.txt": "All.",
-                               "contents.txt": "C.", "etymology.txt": "Whale.", "extracts.txt": "Extracts.", "epilogue.txt": "The end."},
+                               "contents.txt": "C.", "etymology.txt": "Whale.", "extracts.txt": "Extracts.",
+                               "epilogue.txt": "The end."},
         "datasets-spam-assassin": {"easy-ham-1/0001.txt": "From: a\nTo: b\n\nBody one.\n> quoted\nmore",
                                    "easy-ham-1/0001.json": "{}", "spam-1/0001.txt": "H: x\n\nBuy now",
                                    "easy-ham-2/0001.txt": "From: c\n\nBody two."},

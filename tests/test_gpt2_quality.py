@@ -12,13 +12,26 @@ from gpt2_bench.config import TrainConfig, build_parser, config_from_args
 
 def _result(evals: dict[int, float]) -> dict:
     steps = sorted(evals)
-    return {"val_loss": evals[steps[-1]], "steps": steps[-1] + 1,
-            "curve": [{"step": s, "loss": 9.0, "val_loss": evals[s]} for s in steps]}
+    return {
+        "val_loss": evals[steps[-1]],
+        "steps": steps[-1] + 1,
+        "curve": [{"step": s, "loss": 9.0, "val_loss": evals[s]} for s in steps],
+    }
 
 
 def test_the_gap_is_paired_by_seed_and_a_gap_inside_the_spread_is_a_tie():
-    by_seed = {0: {"fsdp": _result({9: 6.0, 19: 5.0}), "int4": _result({9: 6.06, 19: 5.01}), "tagc": _result({9: 6.3, 19: 5.2})},
-               1: {"fsdp": _result({9: 6.2, 19: 5.1}), "int4": _result({9: 6.2, 19: 5.1}), "tagc": _result({9: 6.51, 19: 5.304})}}
+    by_seed = {
+        0: {
+            "fsdp": _result({9: 6.0, 19: 5.0}),
+            "int4": _result({9: 6.06, 19: 5.01}),
+            "tagc": _result({9: 6.3, 19: 5.2}),
+        },
+        1: {
+            "fsdp": _result({9: 6.2, 19: 5.1}),
+            "int4": _result({9: 6.2, 19: 5.1}),
+            "tagc": _result({9: 6.51, 19: 5.304}),
+        },
+    }
     gaps = quality.seed_gaps(by_seed)
     int4, tagc = gaps["int4"], gaps["tagc"]
     assert [r["step"] for r in int4] == [9, 19]
@@ -46,7 +59,9 @@ def test_seeds_parse_and_mean_quality_averages_over_seeds():
     for bad in ("", "0,0", "a,1"):
         with pytest.raises(ValueError, match="--seeds"):
             quality.parse_seeds(bad)
-    mean = quality.mean_quality({0: {"fsdp": _result({4: 6.0}), "x": _result({4: 1.0})}, 1: {"fsdp": _result({4: 7.0})}})
+    mean = quality.mean_quality(
+        {0: {"fsdp": _result({4: 6.0}), "x": _result({4: 1.0})}, 1: {"fsdp": _result({4: 7.0})}}
+    )
     assert set(mean) == {"fsdp"} and mean["fsdp"]["val_loss"] == pytest.approx(6.5)
 
 
@@ -61,8 +76,12 @@ def test_seeded_quality_runs_keep_each_seed_apart(tmp_path, monkeypatch):
     base = TrainConfig(preset="tiny", out_dir=str(tmp_path))
     by_seed = compare.seeded_quality_runs(base, ("fsdp", "int4"), 10, "unused", (0, 3))
     assert by_seed[3]["int4"]["val_loss"] == 9.0
-    assert seen == [(0, str(tmp_path / "quality" / "seed-0"), "fsdp"), (0, str(tmp_path / "quality" / "seed-0"), "int4"),
-                    (3, str(tmp_path / "quality" / "seed-3"), "fsdp"), (3, str(tmp_path / "quality" / "seed-3"), "int4")]
+    assert seen == [
+        (0, str(tmp_path / "quality" / "seed-0"), "fsdp"),
+        (0, str(tmp_path / "quality" / "seed-0"), "int4"),
+        (3, str(tmp_path / "quality" / "seed-3"), "fsdp"),
+        (3, str(tmp_path / "quality" / "seed-3"), "int4"),
+    ]
 
 
 # ----------------------------------------------------------------------------- defaults from the library
@@ -72,7 +91,11 @@ def test_dense_steps_default_to_the_librarys_unless_a_flag_says_otherwise():
     from tagc.hooks.engine import DENSE_STEPS
 
     assert TrainConfig().dense_steps == DENSE_STEPS  # tagc on the non-attention layers, as tagc.hook() gives
-    assert TrainConfig(codec="topk").dense_steps == TrainConfig(codec="powersgd", compression="all").dense_steps == DENSE_STEPS
+    assert (
+        TrainConfig(codec="topk").dense_steps
+        == TrainConfig(codec="powersgd", compression="all").dense_steps
+        == DENSE_STEPS
+    )
     assert TrainConfig(codec="int4", compression="all").dense_steps == 0  # no error feedback: nothing to warm up
     assert TrainConfig(compression="none").dense_steps == 0
     assert TrainConfig(dense_steps=0).dense_steps == 0
@@ -113,8 +136,12 @@ def test_parameter_groups_follow_tagcs_selection_through_the_wrappers_names():
 
 def test_ages_count_steps_since_the_residual_was_last_zero():
     ages = diagnostics.StaleAges()
-    sequence = [torch.tensor([[0.0, 1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
-                torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]])]
+    sequence = [
+        torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+        torch.tensor([[1.0, 0.0, 1.0, 1.0]]),
+        torch.tensor([[1.0, 1.0, 1.0, 1.0]]),
+        torch.tensor([[0.0, 1.0, 1.0, 1.0]]),
+    ]
     for residual in sequence:
         counts = ages.update({"unit": [residual]})
     assert ages.ages[("unit", 0)].tolist() == [[0, 2, 4, 3]]  # element 2 never sent: one more each step
@@ -127,14 +154,18 @@ def test_quantiles_from_a_histogram_match_the_values_to_a_bin():
     low, width = diagnostics.V_RANGE[0], diagnostics.V_BIN
     counts = torch.histc(values, bins=diagnostics.V_BINS, min=low, max=diagnostics.V_RANGE[1]).tolist()
     got = diagnostics.quantiles_from_histogram(counts, low, width, (0.1, 0.5, 0.9))
-    assert got == pytest.approx(torch.quantile(values, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist(), abs=width)
+    assert got == pytest.approx(
+        torch.quantile(values, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist(), abs=width
+    )
     assert all(math.isnan(q) for q in diagnostics.quantiles_from_histogram([0, 0], 0, 1, (0.5,)))
 
 
 def test_step_diagnostics_measure_the_adamw_update_and_its_second_moment(tmp_path):
     """One process, no process group: the logged statistics equal those computed from the tensors directly."""
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"wte": torch.nn.Embedding(50, 8), "mlp": torch.nn.ModuleDict({"c_fc": torch.nn.Linear(8, 16)})})
+    model = torch.nn.ModuleDict(
+        {"wte": torch.nn.Embedding(50, 8), "mlp": torch.nn.ModuleDict({"c_fc": torch.nn.Linear(8, 16)})}
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     path = tmp_path / "d.jsonl"
     diag = diagnostics.StepDiagnostics(model, opt, None, str(path), "non-attn", 1.0, header={"run": "x"})
@@ -163,12 +194,26 @@ def test_step_diagnostics_measure_the_adamw_update_and_its_second_moment(tmp_pat
 
 
 def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn"):
-    header = {"header": True, "run": name, "compression": compression, "grad_clip": 1.0,
-              "compressed_groups": list(diagnostics.COMPRESSED_GROUPS[compression])}
+    header = {
+        "header": True,
+        "run": name,
+        "compression": compression,
+        "grad_clip": 1.0,
+        "compressed_groups": list(diagnostics.COMPRESSED_GROUPS[compression]),
+    }
     lines = [header]
     for step, norm in enumerate(norms):
-        groups = {g: {"n": 100 if g == "embedding" else 300, "update_rms": update * (2 if g == "attention" else 1),
-                      "v_mean": v, "v_geomean": v, "v_p50": v, "v_p90": 2 * v} for g in diagnostics.GROUPS}
+        groups = {
+            g: {
+                "n": 100 if g == "embedding" else 300,
+                "update_rms": update * (2 if g == "attention" else 1),
+                "v_mean": v,
+                "v_geomean": v,
+                "v_p50": v,
+                "v_p90": 2 * v,
+            }
+            for g in diagnostics.GROUPS
+        }
         record = {"step": step, "lr": 1e-3, "grad_norm": norm, "clipped": norm > 1.0, "groups": groups}
         if stale:
             record["staleness"] = {"counts": stale, "elements": sum(stale), "sent": stale[0] / sum(stale)}
@@ -183,14 +228,27 @@ def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
     (tmp_path / "tagc.jsonl").write_text("")
     result = diagnostics.compare_runs(tmp_path / "plain.diagnostics.jsonl", tmp_path / "tagc.jsonl", windows=2)
     assert result["groups"] == ["embedding", "linear"]
-    assert [r["update_rms_ratio"] for r in result["per_step"]] == pytest.approx([0.8] * 4)  # the attention group's 2x is left out
+    assert [r["update_rms_ratio"] for r in result["per_step"]] == pytest.approx(
+        [0.8] * 4
+    )  # the attention group's 2x is left out
     assert [r["v_mean_ratio"] for r in result["per_step"]] == pytest.approx([3.0] * 4)
     first, second = result["windows"]
     assert (first["plain_clip_fraction"], first["run_clip_fraction"], second["run_clip_fraction"]) == (0.5, 1.0, 0.0)
     assert first["grad_norm_ratio"] == pytest.approx((1 + 3) / 2) and first["stale_8_plus"] == pytest.approx(0.5)
     assert result["staleness_histogram"] == [4 * c for c in stale]
-    assert diagnostics.main([str(tmp_path / "plain.jsonl"), str(tmp_path / "tagc.diagnostics.jsonl"), "--out", str(tmp_path / "out"),
-                             "--windows", "2"]) == 0
+    assert (
+        diagnostics.main(
+            [
+                str(tmp_path / "plain.jsonl"),
+                str(tmp_path / "tagc.diagnostics.jsonl"),
+                "--out",
+                str(tmp_path / "out"),
+                "--windows",
+                "2",
+            ]
+        )
+        == 0
+    )
     report = (tmp_path / "out" / "diagnostics-tagc-vs-plain.md").read_text()
     assert "| 0-1 | 50% | 100% | 2.000 | 0.800 | 3.000 | 3.000 | 12.5% | 50.0% |" in report
     assert (tmp_path / "out" / "diagnostics-tagc-vs-plain.png").stat().st_size > 0
