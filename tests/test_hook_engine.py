@@ -338,3 +338,98 @@ def codec_times(rank, world):
 def test_step_stats_carry_the_encode_and_decode_time():
     for step_compress, unit_compress, decode_s in run_ranks(codec_times, 2):
         assert step_compress == unit_compress > 0 and decode_s > 0
+
+
+# ---------------------------------------------------------------- PREMUL_SUM: the factor stays on the device
+
+
+def test_a_tensor_premul_sum_factor_is_applied_without_a_host_read():
+    from tagc.hooks.engine import op_scale, scale_into
+    from tagc.hooks.strict import count_host_reads
+
+    summed = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        factor = torch.tensor(1.0 / 3.0)  # FSDP2's PREMUL_SUM factor as a tensor (on the device, on a GPU)
+        expected = torch.empty(4096, dtype=dtype)
+        scale_into(expected, summed, op_scale(dist._make_nccl_premul_sum(float(factor)), 2))  # the same factor, a float
+        out = torch.empty(4096, dtype=dtype)
+        with count_host_reads() as reads:
+            scale = op_scale(dist._make_nccl_premul_sum(factor), 2)
+            scale_into(out, summed, scale)
+        assert reads.count == 0, reads.sites
+        assert scale is factor and torch.equal(out, expected)
+
+
+def test_a_steady_premul_sum_exchange_reads_nothing_on_the_host():
+    """One process (world 1): the exchange's own work, PREMUL_SUM with a tensor factor, strict sync mode."""
+    hook = tagc.hook(dense_steps=0)
+    hook.strict_sync = True
+    op = dist._make_nccl_premul_sum(torch.tensor(0.25))
+    reads, outs = [], []
+    for step in range(3):
+        grad = torch.full((CHUNK,), float(step + 1))
+        out = torch.empty(CHUNK)
+        hook.start(out, grad, None, op, segments()).wait()
+        hook.end_step()
+        reads.append(hook.stats()["last_step"]["host_reads"])
+        outs.append(out)
+    assert reads[1:] == [0, 0], dict(hook.host_read_sites)  # the first step plans the bucket (host work)
+    assert all(torch.equal(out, torch.full((CHUNK,), (step + 1) * 0.25)) for step, out in enumerate(outs))
+
+
+# ---------------------------------------------------------------- select, by what it selects
+
+
+def different_lambdas(rank, world, same_selection):
+    if same_selection:  # two lambdas (both named <lambda>) that select the same parameters
+        select = (lambda name, module: "weight" in name) if rank == 0 else (lambda fqn, _: fqn.endswith("weight"))
+    else:  # two lambdas that select differently
+        select = (lambda name, module: "weight" in name) if rank == 0 else (lambda name, module: name.endswith("c_fc.weight"))
+    hook = tagc.hook(dense_steps=0, select=select)
+    assert hook.select.__name__ == "<lambda>"
+    try:
+        exchange(rank, world, hook, torch.randn(world, CHUNK))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_two_lambdas_that_select_differently_are_a_clear_error_on_every_rank():
+    for message in run_ranks(different_lambdas, 2, False):
+        assert message is not None and "settings differ" in message and "select (this rank '<lambda>: " in message, message
+        assert "pick different parameters or ratios" in message
+    assert run_ranks(different_lambdas, 2, True) == [None, None]  # what is selected agrees: no error
+
+
+# ---------------------------------------------------------------- checkpoints keyed for other buckets
+
+
+def other_buckets_checkpoint(rank, world, bound):
+    first = tagc.hook(dense_steps=0, ratio=10)  # non_attention_linear: the two weights
+    for step in range(2):
+        exchange(rank, world, first, torch.randn(world, CHUNK, generator=torch.Generator().manual_seed(10 * step + rank)))
+    state = first.state_dict()
+    other = tagc.hook(dense_steps=0, ratio=10, select="all")  # the bias too: other bucket keys
+    if bound:  # an adapter bound the hook to its parameters before the load
+        other.note_parameters(segments())
+    errors = []
+    try:
+        other.load_state_dict(state)
+        exchange(rank, world, other, torch.randn(world, CHUNK))
+    except ValueError as error:
+        errors.append(str(error))
+    same = tagc.hook(dense_steps=0, ratio=10)  # the same settings: loads, and starts from the checkpoint's residuals
+    if bound:
+        same.note_parameters(segments())
+    same.load_state_dict(state)
+    exchange(rank, world, same, torch.randn(world, CHUNK))
+    return errors, sorted(other.codec.residuals), sorted(first.codec.residuals)
+
+
+def test_a_checkpoint_keyed_for_other_buckets_is_an_error_that_names_select():
+    for bound in (False, True):  # raised at the load (the hook knows its parameters) or at the first compressed part
+        for errors, other_keys, saved_keys in run_ranks(other_buckets_checkpoint, 2, bound):
+            assert len(errors) == 1, errors
+            assert "this checkpoint's residuals are keyed for" in errors[0] and "select='select_all: " in errors[0], errors[0]
+            assert "non_attention_linear: " in errors[0]
+            assert set(other_keys) <= set(saved_keys)  # no residual of another key started from zeros

@@ -401,6 +401,53 @@ def test_generic_hook_point_and_registry_release():
         assert replaced == installed and dropped == 0
 
 
+# ----------------------------------------------------------------------------- the custom ops' state
+
+
+def test_the_custom_ops_declare_the_state_they_change():
+    """Each op that changes a hook's residuals or statistics declares its unit's state token mutated."""
+    import tagc.hooks.simple  # noqa: F401 - registers the ops
+
+    for op in (torch.ops.tagc.encode.default, torch.ops.tagc.decode.default, torch.ops.tagc.reduce_scatter.default):
+        mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert mutated == ["state"], (op, mutated)
+
+
+def _unused_results_compiled(rank, world):
+    """A compiled function that calls tagc::encode / tagc::reduce_scatter and drops their results."""
+    from tagc.hooks.simple import _registry, encode, reduce_scatter
+
+    _, model = _models(0)
+    model = simple_fsdp(model)
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
+    tagc.register_comm_hook(model, hook)
+    bucket = units(model)[0].bucket
+    handle = bucket.reduce_scatter.handle
+    state = _registry[handle].state
+
+    def encode_unused(packed):
+        encode(packed, state, handle)
+        return packed * 2
+
+    def exchange_unused(packed):
+        reduce_scatter(packed, state, handle)
+        return packed * 2
+
+    packed = torch.randn(world * bucket.chunk, generator=torch.Generator().manual_seed(rank))
+    torch.compile(encode_unused, backend="aot_eager", fullgraph=True)(packed)
+    residuals = {k: [r.clone() for r in parts] for k, parts in hook.residuals.items()}
+    hook.end_step()
+    torch.compile(exchange_unused, backend="aot_eager", fullgraph=True)(packed)
+    hook.end_step()
+    return residuals, hook.stats()["total"]["buckets"], int(state)
+
+
+def test_a_compiled_graph_keeps_the_ops_whose_results_go_unused():
+    for residuals, buckets, bumps in run_ranks(_unused_results_compiled, 2, timeout_s=180):
+        assert residuals and all(r.abs().sum() > 0 for parts in residuals.values() for r in parts)  # encode ran
+        assert buckets == 1 and bumps == 2  # and so did the whole exchange
+
+
 # ----------------------------------------------------------------------------- mixed precision
 
 
