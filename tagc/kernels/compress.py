@@ -1,39 +1,43 @@
 """Fused compress: error feedback, sparsify, residual, packed index and count sketch.
 
-Two kernels over programs of ``BLOCK`` consecutive elements of one chunk (a multiple of 8,
-so a program owns whole index bytes), with a tiny scan between them; no host sync:
+Three kernels, with a tiny scan between the first two; no host sync:
 
-1. ``_count_kernel`` reads ``grad`` and ``residual``, forms ``a = residual + grad``
-   (rounded to the residual's dtype, as ``residual.add_(grad)`` does) and stores the block's
-   counts above the threshold (``|a| > tau[row]``) and of ties (``|a| == tau``). It writes
-   nothing else.
+1. ``_count_kernel`` (programs of ``BLOCK`` consecutive elements of one chunk, a multiple of 8
+   so a program owns whole index bytes) reads ``grad`` and ``residual``, forms
+   ``a = residual + grad`` (rounded to the residual's dtype, as ``residual.add_(grad)`` does) and
+   stores the block's counts above the threshold (``|a| > tau[row]``) and of ties
+   (``|a| == tau``). It writes nothing else.
 2. In torch, per row: the exclusive prefix sums of the blocks' counts (the entries above
    ``tau`` and the ties before each block), ``room = limit - (count above tau)`` and what
    the capacity holds back (what the rule keeps, past ``cap``).
-3. ``_compress_kernel`` reads them again and applies the selection rule of
-   :mod:`tagc.sketch.sparsify`: the entries above ``tau`` and the ties whose rank in the row
-   (the prefix + the running count in the block, in index order) is within ``room``, and of
-   those the first ``cap``. It writes the new residual (``a``, with the kept entries zeroed), packs
-   them into 1- or 4-bit index bytes (viewing the block as ``[BLOCK/8, 8]`` or ``[BLOCK/2, 2]``
-   and summing shifted bits along the short axis) and atomically adds them, in float32, with
-   their signs into their three sketch cells.
+3. ``_compress_kernel`` (the same programs) reads them again and applies the selection rule
+   of :mod:`tagc.sketch.sparsify`: the entries above ``tau`` and the ties whose rank in the
+   row (the prefix + the running count in the block, in index order) is within ``room``, and
+   of those the first ``cap``. It writes the new residual (``a``, with the kept entries
+   zeroed), packs them into 1- or 4-bit index bytes (viewing the block as ``[BLOCK/8, 8]`` or
+   ``[BLOCK/2, 2]`` and summing shifted bits along the short axis) and writes what it sent
+   (``a`` where kept, else 0) into a scratch chunk.
+4. ``_table_kernel`` (one program per table row and chunk) sums the sent values with their
+   signs into the row's cells, block by block in increasing order, one lane per cell: the
+   reference's order, so the table is the reference's bit for bit, on every run (no float
+   atomics; the sketch's inverse, which blocks add into which row, is :func:`blocks_by_row`).
 
-Counting first costs one more read of ``grad`` and ``residual`` (memory-bound: about 20
-bytes per element against 12), and buys a row that never keeps more than ``cap``, whatever
-the sample made of it, with one write pass.
+Counting first costs one more read of ``grad`` and ``residual`` and the table one more write
+and read of the chunk (memory-bound: about 28 bytes per element against 12), and buys a row
+that never keeps more than ``cap``, whatever the sample made of it, and a table that is the
+same bits everywhere (ranks on any back end send the same wire).
 
-The per-block rows / signs / lane-xor tables are loaded from :meth:`SketchLayout.tables`,
-so the cells are exactly the reference's. The threshold ``tau`` comes from
-:mod:`tagc.kernels.radix_select` (or is given); :func:`tagc.kernels.ops.compress_triton` is
-the entry point that runs both. The only difference from the reference
-:func:`tagc.sketch.compress_` is the order of the float atomics in the table (so the table
-matches to float rounding, exactly where the sums are exact; index and residual match bit
-for bit).
+Programs over a chunk's blocks are on grid axis 0 (CUDA allows 2**31 - 1 there, 65,535 on
+axes 1 and 2), so any chunk below 2**31 elements launches. The per-block rows / signs /
+lane-xor tables are loaded from :meth:`SketchLayout.tables`, so the cells are exactly the
+reference's. The threshold ``tau`` comes from :mod:`tagc.kernels.radix_select` (or is given);
+:func:`tagc.kernels.ops.compress_triton` is the entry point that runs both. Index, residual
+and table match the reference :func:`tagc.sketch.compress_` bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -43,18 +47,11 @@ from tagc.kernels.fp import round_to_dtype
 from tagc.sketch.index import index_nbytes
 
 BLOCK = 1024
-
-
-@triton.jit
-def _add_to_sketch(table, p, value, keep, rows_ptr, signs_ptr, xor_ptr, LANE_BITS: tl.constexpr):
-    """Atomically add ``sign * value`` of the ``keep`` positions ``p`` to their three cells:
-    ``rows[b, j] * L + (t ^ xor[b])``."""
-    b = p >> LANE_BITS
-    col = (p & ((1 << LANE_BITS) - 1)) ^ tl.load(xor_ptr + b, mask=keep, other=0)
-    for j in tl.static_range(3):
-        cell_row = tl.load(rows_ptr + b * 3 + j, mask=keep, other=0)
-        sign = tl.load(signs_ptr + b * 3 + j, mask=keep, other=0.0)
-        tl.atomic_add(table + (cell_row << LANE_BITS) + col, sign * value, mask=keep)
+"""Elements per program of the count and compress kernels (a multiple of 8: whole index bytes)."""
+TABLE_TILE = 2048
+"""Cells per program of the table kernel (whole rows: at least one)."""
+TABLE_TILE_INTERPRETER = 16384
+"""The same under the interpreter, whose cost is per operation."""
 
 
 @triton.jit
@@ -76,8 +73,8 @@ def _rank_in_block(flag):
 def _count_kernel(grad_ptr, res_ptr, tau_ptr, counts_ptr, numel, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Store this block's counts of ``|a| > tau`` and ``|a| == tau`` (``a != 0``)."""
     PER: tl.constexpr = 8 // BITS
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
+    block = tl.program_id(0).to(tl.int64)  # axis 0: up to 2**31 - 1 programs (axes 1 and 2 stop at 65,535)
+    row = tl.program_id(1).to(tl.int64)
     byte = block * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
     p = byte[:, None] * PER + tl.arange(0, PER)[None, :]
     m = p < numel
@@ -86,7 +83,7 @@ def _count_kernel(grad_ptr, res_ptr, tau_ptr, counts_ptr, numel, BITS: tl.conste
     nonzero = (af != 0.0) & m  # redundant with tau > 0, unless a device flushes subnormals
     above = ((tl.abs(af) > tau) & nonzero).to(tl.int32)
     tie = ((tl.abs(af) == tau) & nonzero).to(tl.int32)
-    counts = counts_ptr + (row * tl.num_programs(1) + block) * 2
+    counts = counts_ptr + (row * tl.num_programs(0) + block) * 2
     tl.store(counts, tl.sum(tl.sum(above, axis=1), axis=0))
     tl.store(counts + 1, tl.sum(tl.sum(tie, axis=1), axis=0))
 
@@ -97,27 +94,22 @@ def _compress_kernel(
     res_ptr,
     tau_ptr,
     index_ptr,
-    table_ptr,
+    sent_ptr,
     above_before_ptr,
     ties_before_ptr,
     room_ptr,
     cap,
-    rows_ptr,
-    signs_ptr,
-    xor_ptr,
     numel,
     nbytes,
-    table_numel,
-    LANE_BITS: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Keep the entries above ``tau`` and the ties ranked within ``room[row]``, of those the
     first ``cap`` (ranks: the counts before the block + the running count in it, in index order)."""
     PER: tl.constexpr = 8 // BITS  # elements per index byte
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1).to(tl.int64)
-    slot = row * tl.num_programs(1) + block
+    block = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    slot = row * tl.num_programs(0) + block
     byte = block * (BLOCK // PER) + tl.arange(0, BLOCK // PER)
     sub = tl.arange(0, PER)
     p = byte[:, None] * PER + sub[None, :]  # [BLOCK / PER, PER] chunk positions
@@ -135,7 +127,32 @@ def _compress_kernel(
     tl.store(res_ptr + row * numel + p, tl.where(keep, 0.0, af).to(res_ptr.dtype.element_ty), mask=m)
     field = keep.to(tl.int32) << (sub * BITS)[None, :]
     tl.store(index_ptr + row * nbytes + byte, tl.sum(field, axis=1).to(tl.uint8), mask=byte < nbytes)
-    _add_to_sketch(table_ptr + row * table_numel, p, af, keep, rows_ptr, signs_ptr, xor_ptr, LANE_BITS)
+    tl.store(sent_ptr + row * numel + p, tl.where(keep, af, 0.0), mask=m)
+
+
+@triton.jit
+def _table_kernel(sent_ptr, table_ptr, by_row_ptr, row_start_ptr, signs_ptr, xor_ptr, numel, table_numel, table_rows,
+                  LANE_BITS: tl.constexpr, ROWS: tl.constexpr):
+    """``ROWS`` table rows of chunk ``program_id(1)``: into each row, every block that adds into it, in
+    increasing block order (the reference's order, position by position), ``sign * sent`` summed into
+    the row's ``L`` cells in float32, each cell by one lane: no atomics, the same bits on every run
+    and as the reference's ``scatter_add_``."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    chunk = tl.program_id(1).to(tl.int64)
+    rm = r < table_rows
+    start = tl.load(row_start_ptr + r, mask=rm, other=0)
+    count = tl.load(row_start_ptr + r + 1, mask=rm, other=0) - start
+    col = tl.arange(0, 1 << LANE_BITS).to(tl.int64)
+    acc = tl.zeros([ROWS, 1 << LANE_BITS], tl.float32)
+    for e in range(0, tl.max(count, axis=0)):
+        has = e < count
+        entry = tl.load(by_row_ptr + start + e, mask=has, other=0)  # block * 3 + j
+        b = entry // 3
+        x = tl.load(xor_ptr + b, mask=has, other=0)
+        p = (b << LANE_BITS)[:, None] + (col[None, :] ^ x[:, None])
+        sent = tl.load(sent_ptr + chunk * numel + p, mask=has[:, None] & (p < numel), other=0.0)
+        acc += tl.load(signs_ptr + entry, mask=has, other=0.0)[:, None] * sent  # + 0 where nothing was sent: exact
+    tl.store(table_ptr + chunk * table_numel + (r << LANE_BITS)[:, None] + col[None, :], acc, mask=rm[:, None])
 
 
 def launch_compress(
@@ -150,11 +167,14 @@ def launch_compress(
     bits: int,
     limit: int,
     cap: int,
+    by_row: Optional[torch.Tensor] = None,
+    row_start: Optional[torch.Tensor] = None,
     wrap: Callable = lambda k: k,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the two kernels on contiguous ``[N, S]`` ``grad``/``residual`` (residual in place)
     with positive thresholds ``tau`` ``[N]``, the per-row ``limit`` (:func:`keep_limit`) and
-    capacity ``cap`` (:func:`capacity`).
+    capacity ``cap`` (:func:`capacity`). ``by_row, row_start`` are :func:`blocks_by_row` of ``rows``
+    (computed here when not given).
 
     Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32, held [N] int64)``:
     ``held``, the entries the capacity left in the residual.
@@ -166,7 +186,7 @@ def launch_compress(
     held = torch.zeros(n_rows, dtype=torch.int64, device=residual.device)
     if n_rows and numel:
         blocks = triton.cdiv(numel, BLOCK)
-        grid = (n_rows, blocks)
+        grid = (blocks, n_rows)  # blocks on axis 0: a chunk of up to 2**31 elements launches
         counts = torch.empty(n_rows, blocks, 2, dtype=torch.int32, device=residual.device)  # above tau, ties
         wrap(_count_kernel)[grid](grad, residual, tau, counts, numel, BITS=bits, BLOCK=BLOCK)
         above, ties = counts[:, :, 0], counts[:, :, 1]
@@ -175,8 +195,30 @@ def launch_compress(
         above_total = above.sum(1, dtype=torch.int64)
         room = (limit - above_total).clamp(-1, 2**31 - 1).to(torch.int32)
         held = (above_total + torch.minimum(ties.sum(1, dtype=torch.int64), room.clamp(min=0)) - cap).clamp_(min=0)
+        sent = torch.empty(n_rows, numel, dtype=torch.float32, device=residual.device)
         wrap(_compress_kernel)[grid](
-            grad, residual, tau, index, table, above_before, ties_before, room, cap, rows, signs, lane_xor, numel,
-            nbytes, table_numel, LANE_BITS=lane_bits, BITS=bits, BLOCK=BLOCK,
+            grad, residual, tau, index, sent, above_before, ties_before, room, cap, numel, nbytes, BITS=bits,
+            BLOCK=BLOCK,
+        )
+        if by_row is None or row_start is None:
+            by_row, row_start = blocks_by_row(rows, table_numel >> lane_bits)
+        table_rows = table_numel >> lane_bits
+        rows_each = max(1, min(triton.next_power_of_2(table_rows),
+                               (TABLE_TILE_INTERPRETER if residual.device.type == "cpu" else TABLE_TILE) >> lane_bits))
+        wrap(_table_kernel)[(triton.cdiv(table_rows, rows_each), n_rows)](
+            sent, table, by_row, row_start, signs, lane_xor, numel, table_numel, table_rows, LANE_BITS=lane_bits,
+            ROWS=rows_each,
         )
     return index, table, held
+
+
+def blocks_by_row(rows: torch.Tensor, table_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of the layout's block rows: ``(by_row, row_start)``, int64.
+
+    ``by_row[row_start[r]:row_start[r + 1]]`` are the entries ``b * 3 + j`` with ``rows[b, j] == r``,
+    in increasing block order (a stable sort of ``rows``' flat entries). Device ops only.
+    """
+    flat = rows.reshape(-1)
+    by_row = torch.argsort(flat, stable=True)
+    row_start = torch.searchsorted(flat[by_row], torch.arange(table_rows + 1, device=rows.device, dtype=flat.dtype))
+    return by_row.contiguous(), row_start.contiguous()

@@ -23,12 +23,13 @@ Triton path.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from tagc.kernels._triton import interpreting
-from tagc.kernels.compress import launch_compress
+from tagc.kernels.compress import blocks_by_row, launch_compress
 from tagc.kernels.kept_list import launch_list_kept, launch_sum_lists
 from tagc.kernels.peel import FALLBACK_CODES, PEEL_STATS, launch_peel
 from tagc.kernels.positions import (
@@ -97,13 +98,15 @@ def _compress_op(
     bits: int,
     limit: int,
     cap: int,
+    by_row: torch.Tensor,
+    row_start: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap,
-                           wrap=_wrap)
+                           by_row=by_row, row_start=row_start, wrap=_wrap)
 
 
 @_compress_op.register_fake
-def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap):
+def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap, by_row, row_start):
     n_rows, numel = residual.shape
     index = residual.new_empty(n_rows, index_nbytes(numel, bits), dtype=torch.uint8)
     return (index, residual.new_empty(n_rows, table_numel, dtype=torch.float32),
@@ -206,12 +209,21 @@ def row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density
 
 
 def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_numel: int, bits: int, limit: int,
-              cap: int):
+              cap: int, by_row: Optional[torch.Tensor] = None, row_start: Optional[torch.Tensor] = None):
     """``torch.ops.tagc.compress``: the fused kernels (updates ``residual``); ``tau`` positive, ``limit``
-    and ``cap`` from :func:`tagc.sketch.sparsify.keep_limit` and :func:`~tagc.sketch.sparsify.capacity`.
-    Returns ``(index, table, held)``."""
+    and ``cap`` from :func:`tagc.sketch.sparsify.keep_limit` and :func:`~tagc.sketch.sparsify.capacity`,
+    ``by_row, row_start`` :func:`tagc.kernels.compress.blocks_by_row` of ``rows`` (computed when not
+    given). Returns ``(index, table, held)``."""
+    if by_row is None or row_start is None:
+        by_row, row_start = blocks_by_row(rows, table_numel >> lane_bits)
     return torch.ops.tagc.compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit,
-                                   cap)
+                                   cap, by_row, row_start)
+
+
+@functools.lru_cache(maxsize=256)
+def sketch_inverse(layout: SketchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.kernels.compress.blocks_by_row` of ``layout`` on ``device``, made once per layout."""
+    return blocks_by_row(layout.tables(device).rows, layout.rows)
 
 
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int, tile: int = 0):
@@ -255,7 +267,8 @@ def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, 
     t = layout.tables(rows.device)
     index, table, held = compress_(g, rows, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel,
                                    bits, keep_limit(layout.numel, float(density)),
-                                   capacity(layout.numel, float(density)) if cap is None else cap)
+                                   capacity(layout.numel, float(density)) if cap is None else cap,
+                                   *sketch_inverse(layout, rows.device))
     return (index, table, held) if return_held else (index, table)
 
 

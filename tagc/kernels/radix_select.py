@@ -48,13 +48,13 @@ def _radix_hist_kernel(
     PASS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Histogram one 16-bit digit of ``|residual (+ grad)|`` for row ``program_id(0)``.
+    """Histogram one 16-bit digit of ``|residual (+ grad)|`` for row ``program_id(1)``.
 
     Pass 0 bins the high digit; pass 1 bins the low digit of the elements whose high digit
     equals ``prefix[row]``. Sample ``i`` of a row reads position ``i * stride % numel``.
     """
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # axis 0: up to 2**31 - 1 programs
+    row = tl.program_id(1).to(tl.int64)
     m = i < size
     if SAMPLED:
         pos = (i * stride) % numel
@@ -109,7 +109,7 @@ def launch_row_thresholds(
     if density <= 0.0:
         return torch.full((n_rows,), math.inf, dtype=torch.float32, device=device)
     size, stride, keep = sample_plan(numel, density)
-    grid = (n_rows, triton.cdiv(size, BLOCK))
+    grid = (triton.cdiv(size, BLOCK), n_rows)  # blocks on axis 0: a whole-chunk sample of any size launches
     common = dict(HAS_GRAD=grad is not None, SAMPLED=size != numel, BLOCK=BLOCK)
     g = grad if grad is not None else residual
     high = torch.zeros(n_rows, HIGH_BINS, dtype=torch.int32, device=device)
