@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from tagc.kernels.fallbacks import warn_fallback
 from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
@@ -68,6 +69,12 @@ def _kernels():
     return _numba
 
 
+def _warn_reference(residual: torch.Tensor) -> None:
+    warn_fallback("numba-residual", f"TAGC: the CPU kernels take contiguous float32 residuals; this one is "
+                  f"{residual.dtype}{'' if residual.is_contiguous() else ', not contiguous'}, so the torch reference "
+                  "compresses it (slower). Keep residual_dtype=torch.float32 for the CPU kernels.")
+
+
 def _tables(layout: SketchLayout):
     t = layout.tables("cpu")
     return t.rows.numpy(), t.signs.numpy(), t.lane_xor.numpy()
@@ -94,6 +101,7 @@ def compress_cpu(
     check_compress_args(grad, residual, density)
     check_bits(bits)
     if residual.dtype != torch.float32 or not residual.is_contiguous():
+        _warn_reference(residual)
         from tagc.sketch.compress import compress_
 
         return compress_(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
@@ -139,6 +147,7 @@ def list_kept_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, ca
     """
     check_list_args(grad, residual, density, cap)
     if residual.dtype != torch.float32 or not residual.is_contiguous():
+        _warn_reference(residual)
         from tagc.sketch.kept_list import list_kept_
 
         return list_kept_(grad, residual, density, cap, tau=tau)

@@ -5,7 +5,8 @@ environment variable, then ``"auto"``: Triton for CUDA tensors (when triton impo
 Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors (when numba imports), the
 reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that needs
 ``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
-the reference. Callers never branch: every back end takes the same arguments and returns
+the reference. ``"auto"`` warns once (:func:`~tagc.kernels.fallbacks.warn_fallback`) when it
+takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import. Callers never branch: every back end takes the same arguments and returns
 the same things.
 
 Nothing here imports triton or numba until their path is taken.
@@ -21,6 +22,7 @@ import torch
 
 from tagc.kernels import cpu as _cpu
 from tagc.kernels._triton import require_triton, triton_available
+from tagc.kernels.fallbacks import warn_fallback
 from tagc.sketch import codec as _ref_codec
 from tagc.sketch import compress as _ref_compress
 from tagc.sketch import kept_list as _ref_kept_list
@@ -45,8 +47,15 @@ def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> st
         on_cuda = any(t.device.type == "cuda" for t in tensors)
         if on_cuda:
             choice = "triton" if triton_available() else "torch"
+            if choice == "torch":
+                warn_fallback("triton-missing", "TAGC: CUDA tensors, but triton does not import: the torch reference "
+                              "runs instead of the Triton kernels (slower, and its decode reads the device on the host). "
+                              "Install triton (pip install triton, or tagc[triton]).")
         else:
             choice = "numba" if _cpu.supports(*tensors) else "torch"
+            if choice == "torch" and not _cpu.numba_available():
+                warn_fallback("numba-missing", "TAGC: numba does not import: the torch reference runs instead of the "
+                              "CPU kernels (several times slower). Install numba (pip install numba, or tagc[numba]).")
     if choice == "triton":
         require_triton(*tensors)
     if choice == "numba" and not _cpu.supports(*tensors):
@@ -209,9 +218,9 @@ def decode(
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Recover a chunk from its summed table and union index; see :func:`tagc.sketch.decode`.
 
-    On the Triton path peeling runs in one kernel; the host reads the statistics once at
-    the end (``DecodeStats`` holds ints), and the exact stopping-set solve runs in torch
-    only when peeling left positions.
+    On the Triton path everything runs on the device (peeling, the exact solve of the stopping
+    sets, the fallback, the checks; bit-identical from run to run) and the host reads the
+    statistics once, at the end (``DecodeStats`` holds ints).
     """
     chosen = resolve_backend(table, index, backend=backend)
     if chosen == "triton":
@@ -234,9 +243,10 @@ def decode_async(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order).
 
-    Triton: no host synchronisation and no exact solve (what peeling leaves gets the
-    fallback; ``"error"`` cannot raise and acts like ``"raw"``). CPU back ends: the full
-    :func:`tagc.sketch.decode`, its statistics packed into a tensor.
+    Triton: no host synchronisation, the same values as :func:`decode` (the stopping sets solved
+    exactly on the device); ``"error"`` cannot raise and leaves what is unrecovered at 0, as
+    ``"raw"`` does, without counting it as raw; nothing raises on NaN/Inf or an inconsistent
+    table. CPU back ends: the full :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
     if resolve_backend(table, index, backend=backend) == "triton":
         from tagc.kernels.ops import decode_async as _decode_async
