@@ -59,3 +59,26 @@ def test_tagc_matches_default_reduce_scatter_on_sparse_gradients(reduce_dtype, o
         assert stats["total"]["unpeeled"] == 0 and stats["total"]["support"] > 0
         for name, value in plain[rank].items():
             torch.testing.assert_close(compressed[rank][name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def lambdas_on_fsdp2(rank, world):
+    """Two lambdas (both ``<lambda>``) that select different parameters of the same FSDP2 model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = sparse_embedding_model()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    select = (lambda name, module: True) if rank == 0 else (lambda name, module: name.startswith("0."))
+    hook = tagc.hook(dense_steps=0, select=select, min_compress_numel=1024)
+    tagc.register_comm_hook(model, hook)
+    with pytest.raises(ValueError, match="settings differ") as error:
+        model(torch.randint(0, 4096, (16,))).square().mean().backward()
+    return str(error.value), hook.settings()["select"]
+
+
+def test_fsdp2_two_lambdas_selecting_differently_are_an_error_on_every_rank():
+    (message0, fingerprint0), (message1, fingerprint1) = run_ranks(lambdas_on_fsdp2, 2)
+    assert fingerprint0.startswith("<lambda>: 3 of 3 parameters") and fingerprint1.startswith("<lambda>: 1 of 3 parameters")
+    for message in (message0, message1):
+        assert "select (this rank '<lambda>: " in message and "pick different parameters or ratios" in message
