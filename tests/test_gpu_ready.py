@@ -31,6 +31,8 @@ ALLOWED_HOST_FACTORIES = {
     ("powersgd.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("quantized.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("fsdp2.py", "build"): "an HSDP shard's piece layout, built once per shard size on the host, moved .to(device) before use",
+    ("describe.py", "_column_bytes"): "hook.describe's report: planned bytes per column, on the host, never exchanged",
+    ("describe.py", "_segment_codecs"): "hook.describe's report: which part owns each column, on the host, never exchanged",
 }
 """Tensor factories in tagc/hooks allowed on the host (no ``device=``, or ``device="cpu"``)."""
 
