@@ -52,6 +52,7 @@ Statistics are accumulated on the device into an int64 ``stats`` tensor: the
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -67,6 +68,9 @@ INTERPRETER_TILE = 8192
 """The same under the interpreter, whose cost is per operation rather than per element."""
 SETUP_TILE = 4096
 """Candidates (``blocks x lanes``) per program of the setup kernels (wider under the interpreter)."""
+PROGRAMS_PER_SM = 4
+"""Setup programs a GPU's multiprocessor gets when the chunk is large enough (the rounds run one program
+per table column: a column's rounds need the barriers of one program)."""
 CHECK_BLOCK = 1024
 """Cells per program of the consistency check."""
 SOLVE_ROWS = 16
@@ -379,9 +383,22 @@ def _solve_kernel(work_ptr, stuck_ptr, system_ptr, rhs_ptr, out_ptr, state_ptr, 
             tl.store(stats_ptr + 5, tl.load(stats_ptr + 5) - count)
 
 
-def setup_rows(lanes: int, blocks: int, tile: int) -> int:
-    """Blocks per setup program: ``tile`` candidates (a power of two), at least one block."""
-    return max(1, min(triton.next_power_of_2(blocks), tile // lanes))
+@functools.lru_cache(maxsize=16)
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property: no synchronisation)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def setup_rows(lanes: int, blocks: int, device: torch.device) -> int:
+    """Blocks per program of the setup kernels (a power of two): at most :data:`SETUP_TILE` candidates a
+    program, and on a GPU few enough that the chunk gives every multiprocessor four programs when it
+    can. The interpreter takes the widest programs (its cost is per operation)."""
+    if device.type == "cuda":
+        rows = min(max(1, SETUP_TILE // lanes), max(1, blocks // (PROGRAMS_PER_SM * multiprocessors(device))))
+    else:
+        rows = max(1, INTERPRETER_TILE // lanes)
+    rows = min(rows, triton.next_power_of_2(blocks))
+    return 1 << (rows.bit_length() - 1)
 
 
 def launch_peel(
@@ -396,12 +413,14 @@ def launch_peel(
     fallback: int,
     tile: Optional[int] = None,
     wrap: Callable = lambda k: k,
+    setup_blocks: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode on the device: peel, solve the stopping sets, apply the fallback.
 
     ``tile`` is the pending positions a column's program handles per step (default
-    :data:`TILE`, :data:`INTERPRETER_TILE` on CPU tensors; a power of two): results do not
-    depend on it. Returns ``(values f32 [numel], state i8 [numel], stats i64 [len(PEEL_STATS)],
+    :data:`TILE`, :data:`INTERPRETER_TILE` on CPU tensors; a power of two) and ``setup_blocks``
+    the blocks per setup program (default :func:`setup_rows`, from the work and the device): results
+    do not depend on either. Returns ``(values f32 [numel], state i8 [numel], stats i64 [len(PEEL_STATS)],
     rest i64 [EXACT_SOLVE_LIMIT])``: ``state == 1`` marks the positions neither peeling nor the
     solve recovered; when the solve ran, ``rest`` lists them first, in increasing order (as
     the reference's ``raw_positions``).
@@ -422,7 +441,9 @@ def launch_peel(
     stats = torch.zeros(len(PEEL_STATS), dtype=torch.int64, device=device)
     stuck = torch.full((EXACT_SOLVE_LIMIT,), _SENTINEL, dtype=torch.int64, device=device)
     rest = torch.full((EXACT_SOLVE_LIMIT,), -1, dtype=torch.int64, device=device)
-    bb = setup_rows(lanes, blocks, INTERPRETER_TILE if on_cpu else SETUP_TILE)
+    bb = setup_blocks or setup_rows(lanes, blocks, device)
+    if bb & (bb - 1):
+        raise ValueError(f"setup_blocks must be a power of two, got {bb}")
     programs = triton.cdiv(blocks, bb)
     per_column = torch.empty(programs, lanes, dtype=torch.int32, device=device)
     wrap(_setup_kernel)[(programs,)](index, state, counts, per_column, rows, lane_xor, numel, blocks,
