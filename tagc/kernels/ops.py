@@ -23,10 +23,10 @@ Triton path.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from tagc.kernels._triton import interpreting
 from tagc.kernels.compress import blocks_by_row, launch_compress
@@ -220,10 +220,21 @@ def compress_(grad, residual, tau, rows, signs, lane_xor, lane_bits: int, table_
                                    cap, by_row, row_start)
 
 
-@functools.lru_cache(maxsize=256)
+_INVERSES: dict[tuple[SketchLayout, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def sketch_inverse(layout: SketchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tagc.kernels.compress.blocks_by_row` of ``layout`` on ``device``, made once per layout."""
-    return blocks_by_row(layout.tables(device).rows, layout.rows)
+    """:func:`tagc.kernels.compress.blocks_by_row` of ``layout`` on ``device``, made once per layout and device
+    (never kept when made of fake tensors, under tracing)."""
+    key = (layout, torch.device(device))
+    if key not in _INVERSES:
+        inverse = blocks_by_row(layout.tables(device).rows, layout.rows)
+        if any(is_fake(t) for t in inverse):
+            return inverse
+        if len(_INVERSES) >= 256:
+            _INVERSES.clear()
+        _INVERSES[key] = inverse
+    return _INVERSES[key]
 
 
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int, tile: int = 0):
