@@ -5,9 +5,8 @@ For a user with a GPU (one is enough). Without one it says so and exits 0. With 
 1. **kernel tests on the device**: ``pytest tests/test_kernels.py`` with real Triton kernels
    (``TRITON_INTERPRET=0``) on CUDA tensors, in a source checkout (skipped when the tests are
    not there). They assert the device contract of :mod:`tests.test_kernels`: exact index,
-   support, residual, thresholds and statistics; tables and decoded values within float32
-   rounding (atomic adds sum a sketch cell in another order than the reference: not
-   bit-identical).
+   support, residual, thresholds, tables and statistics; decoded values the same bits from run
+   to run and within float32 rounding of the CPU back ends, stopping sets included.
 2. **one-GPU exchange self-test**:
 
    * the codec round trip over emulated ranks: every rank's :meth:`TAGCCodec.encode` on the

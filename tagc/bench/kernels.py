@@ -96,8 +96,11 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
     }
     moved = {
         "threshold": 2 * sample * elem_in,  # two histogram passes over the sample
-        "compress": numel * (elem_in + residual.element_size()) + numel * bits // 8 + 3 * 4 * int(density * numel),
-        "decode": layout.table_numel * (4 + 8 + 8) + numel * bits // 8 + numel * 4,  # table in, f64 work, index, out
+        # count and compress passes, index out, what was sent written then read once more, the table out
+        "compress": numel * (2 * elem_in + residual.element_size()) + numel * bits // 8 + 2 * 4 * numel
+        + 4 * layout.table_numel,
+        # table in, f64 work, counts and owners, index, state, lists, values out
+        "decode": layout.table_numel * (4 + 8 + 4 + 4) + numel * bits // 8 + numel * (1 + 4 + 4),
     }
     row: dict[str, Any] = {"numel": numel, "lanes": layout.lanes, "density": density, "checked": checked, "unpeeled": stats.unpeeled}
     for name in ms:

@@ -5,8 +5,9 @@ Every table column is an independent peeling problem: column ``c`` holds, for ea
 ``rows[b, j] * L + c``. :func:`launch_peel` runs five kernels, one after another on the
 stream, and reads nothing on the host:
 
-1. ``_setup_kernel`` (one program per ``SETUP_TILE`` candidates, ``[blocks, L]`` of them, so
-   any chunk fills the device): marks the positions the union index selects (``state = 1``),
+1. ``_setup_kernel`` (programs of whole blocks, ``[blocks, L]`` candidates each, at most
+   :data:`SETUP_TILE`, and on a GPU enough of them for :data:`PROGRAMS_PER_SM` per multiprocessor
+   when the chunk allows: :func:`setup_rows`): marks the positions the union index selects (``state = 1``),
    counts how many hit each cell (integer atomics) and how many each column holds per program.
    An exclusive scan in torch turns those counts into where each column's positions go.
 2. ``_list_kernel`` (the same programs): writes every column's positions, in increasing order,
@@ -14,7 +15,8 @@ stream, and reads nothing on the host:
 3. ``_check_kernel`` (one program per 1,024 cells): the consistency check of
    :func:`tagc.sketch.decode` (cells no position hits, yet non-zero) and the count of NaN and
    Inf cells, so the caller can raise without a second look at the table.
-4. ``_peel_kernel`` (one program per column): rounds until one peels nothing, over the
+4. ``_peel_kernel`` (one program per column, the most programs whose rounds need no barrier
+   across programs): rounds until one peels nothing, over the
    pending list only, each in two phases separated by a barrier so a round sees the table as
    it was at its start, exactly as the reference's vectorised rounds do:
    A) every pending position with a cell of count 1 records which cell (``state = 2 + j``,
