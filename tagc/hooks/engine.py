@@ -374,6 +374,7 @@ class TAGCHook:
         self._selection: dict[str, Optional[Union[float, str]]] = {}
         """What ``select`` gives each parameter the hook was bound to (:meth:`note_parameters`)."""
         self._bound = False
+        self._fingerprint: Optional[str] = None  # select_fingerprint(), until _selection changes
         self._restored: Optional[set[str]] = None
         """Bucket parts a loaded checkpoint holds codec state for, until the first step after the load."""
         self._restored_select: Optional[str] = None
@@ -440,8 +441,8 @@ class TAGCHook:
         whatever their names (two lambdas are both ``<lambda>``)."""
         for segment in segments:
             self._selection[segment.name] = self._answer(segment)
-        self._bound = True
-        self._check_restored_select()
+        self._fingerprint = None
+        self._bound = True  # a loaded checkpoint's select is compared at the next verify(): the adapter may bind in steps
 
     def _answer(self, segment: Segment) -> Optional[Union[float, str]]:
         """``select``'s answer for ``segment``: its ratio, ``None`` (plain), or the repr of an answer
@@ -456,12 +457,14 @@ class TAGCHook:
         over the parameters the hook has seen (:meth:`note_parameters`; a hook used directly, without
         an adapter, sees each bucket's segments as it starts). The policy's name while it has seen none,
         or when the codec compresses nothing."""
-        name = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
-        if not self._selection or not self.codec.compresses:
-            return name
-        chosen = sorted((param, answer) for param, answer in self._selection.items() if answer is not None)
-        digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:16]
-        return f"{name}: {len(chosen)} of {len(self._selection)} parameters compressed, digest {digest}"
+        if self._fingerprint is None:
+            name = self.select.__name__ if hasattr(self.select, "__name__") else repr(self.select)
+            if not self._selection or not self.codec.compresses:
+                return name
+            chosen = sorted((param, answer) for param, answer in self._selection.items() if answer is not None)
+            digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:16]
+            self._fingerprint = f"{name}: {len(chosen)} of {len(self._selection)} parameters compressed, digest {digest}"
+        return self._fingerprint
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -523,10 +526,11 @@ class TAGCHook:
         no CPU tensor), by two all-gathers on ``group``: no collective on another group or device."""
         if not dist.is_initialized():
             return
-        mine = self.settings()
-        key = (id(group), mine["select"])
+        self._check_restored_select()
+        key = (id(group), self.select_fingerprint())
         if key in self._verified:
             return
+        mine = self.settings()
         everyone = _all_gather_settings(mine, group, device if device is not None else _object_device(group))
         for rank, theirs in enumerate(everyone):
             differ = [f"{name} (this rank {mine[name]!r}, rank {rank} {theirs.get(name)!r})" for name in mine if theirs.get(name) != mine[name]]
@@ -553,6 +557,7 @@ class TAGCHook:
         if self.codec.compresses and any(s.name not in self._selection for s in segments):
             for segment in segments:
                 self._selection.setdefault(segment.name, self._answer(segment))
+            self._fingerprint = None
 
     def _check_codec_world(self, world: int) -> None:
         """``index_bits=4`` counts the ranks of the codec's exchange (the hosts, when hierarchical) in 4 bits."""

@@ -21,7 +21,8 @@ are all the others: the ones a GPU run would pay. Where they come from is in
 ``hook.host_read_sites`` (``"file:line" -> count``).
 
 Known host reads that remain by design (not in a steady ``propagate`` exchange):
-plan building (a bucket's first step), ``nonfinite="raise"`` (one read per bucket, to
+plan building (a bucket's first step), the settings check (once per group: the sizes of the
+settings' bytes), ``nonfinite="raise"`` (one read per bucket, to
 raise), ``fallback="raw"`` (data-dependent re-send sizes) and ``fallback="error"`` (to raise),
 and the torch reference decode when Triton is missing on a GPU.
 """
