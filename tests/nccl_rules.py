@@ -53,10 +53,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WATCH = (str(ROOT / "tagc"), str(ROOT / "fsdp_integration"))
 BACKEND_FILES = (os.path.join("tagc", "kernels", "cpu.py"), os.path.join("tagc", "kernels", "_numba.py"))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "reduce",
-               "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
-OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
-                      "recv_object_list")
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+               "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
 FUNCTIONAL_HELPERS = ("wait_tensor", "_wrap_tensor_autograd")
 """Functional-collective ops that move no data."""
 READS = ("__bool__", "item", "__int__", "__float__", "tolist", "__index__")
@@ -237,7 +237,9 @@ class _Placement(TorchFunctionMode):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        qualified = getattr(func, "_qualified_op_name", None) or (func.name() if isinstance(func, torch._ops.OpOverload) else "")
+        qualified = getattr(func, "_qualified_op_name", None)
+        if qualified is None:
+            qualified = func.name() if isinstance(func, torch._ops.OpOverload) else ""
         namespace, _, op = qualified.partition("::")
         if namespace in ("_c10d_functional", "c10d_functional") and op not in FUNCTIONAL_HELPERS:
             rules.collectives[f"funcol.{name}"] = rules.collectives.get(f"funcol.{name}", 0) + 1

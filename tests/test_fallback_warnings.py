@@ -54,7 +54,8 @@ def fsdp1_partly_selected_unit(rank, world):
         for _ in range(2):
             model(torch.randn(4, 64)).sum().backward()
             hook.end_step()
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], hook.stats()["total"]["compressed_buckets"]
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return messages, hook.stats()["total"]["compressed_buckets"]
 
 
 def test_fsdp1_unit_that_select_picks_in_part_goes_plain_with_one_warning():

@@ -384,7 +384,8 @@ def different_lambdas(rank, world, same_selection):
     if same_selection:  # two lambdas (both named <lambda>) that select the same parameters
         select = (lambda name, module: "weight" in name) if rank == 0 else (lambda fqn, _: fqn.endswith("weight"))
     else:  # two lambdas that select differently
-        select = (lambda name, module: "weight" in name) if rank == 0 else (lambda name, module: name.endswith("c_fc.weight"))
+        select = ((lambda name, module: "weight" in name) if rank == 0
+                  else (lambda name, module: name.endswith("c_fc.weight")))
     hook = tagc.hook(dense_steps=0, select=select)
     assert hook.select.__name__ == "<lambda>"
     try:
@@ -396,7 +397,8 @@ def different_lambdas(rank, world, same_selection):
 
 def test_two_lambdas_that_select_differently_are_a_clear_error_on_every_rank():
     for message in run_ranks(different_lambdas, 2, False):
-        assert message is not None and "settings differ" in message and "select (this rank '<lambda>: " in message, message
+        assert message is not None and "settings differ" in message, message
+        assert "select (this rank '<lambda>: " in message, message
         assert "pick different parameters or ratios" in message
     assert run_ranks(different_lambdas, 2, True) == [None, None]  # what is selected agrees: no error
 
@@ -407,7 +409,8 @@ def test_two_lambdas_that_select_differently_are_a_clear_error_on_every_rank():
 def other_buckets_checkpoint(rank, world, bound):
     first = tagc.hook(dense_steps=0, ratio=10)  # non_attention_linear: the two weights
     for step in range(2):
-        exchange(rank, world, first, torch.randn(world, CHUNK, generator=torch.Generator().manual_seed(10 * step + rank)))
+        grad = torch.randn(world, CHUNK, generator=torch.Generator().manual_seed(10 * step + rank))
+        exchange(rank, world, first, grad)
     state = first.state_dict()
     other = tagc.hook(dense_steps=0, ratio=10, select="all")  # the bias too: other bucket keys
     if bound:  # an adapter bound the hook to its parameters before the load
@@ -435,6 +438,7 @@ def test_a_checkpoint_keyed_for_other_buckets_is_an_error_that_names_select():
     for rank_results in run_ranks(both_bindings, 2):
         for errors, other_keys, saved_keys in rank_results:
             assert len(errors) == 1, errors
-            assert "this checkpoint's residuals are keyed for" in errors[0] and "select='select_all: " in errors[0], errors[0]
+            assert "this checkpoint's residuals are keyed for" in errors[0], errors[0]
+            assert "select='select_all: " in errors[0], errors[0]
             assert "non_attention_linear: " in errors[0]
             assert set(other_keys) <= set(saved_keys)  # no residual of another key started from zeros

@@ -27,8 +27,9 @@ def _old_settings_check(model: nn.Module) -> None:
 def stand_in_cases(rank, world):
     model = nn.Linear(4, 4)
     found = {}
-    for case in ("host_all_reduce", "default_device_factory", "device_factory", "object_collective", "functional_on_host",
-                 "moved_to_device", "read_outside", "read_inside", "nonzero_inside", "host_read_inside"):
+    for case in ("host_all_reduce", "default_device_factory", "device_factory", "object_collective",
+                 "functional_on_host", "moved_to_device", "read_outside", "read_inside", "nonzero_inside",
+                 "host_read_inside"):
         rules = NcclRules(watch=(__file__,))  # this file plays the code under test
         with rules:
             x = model.weight.detach()  # made before the rules opened: a device tensor
@@ -118,7 +119,8 @@ def steps_under_the_rules(rank, world, wrapper, codec):
     rules = NcclRules()
     with rules:
         model = _wrap(Net(), wrapper, world)  # the wrapper's own checks and collectives, under the rules
-        hook = tagc.hook(dense_steps=0, min_compress_numel=1024, codec=codec, select="all" if wrapper == "fsdp1" else "non_attention_linear")
+        select = "all" if wrapper == "fsdp1" else "non_attention_linear"  # FSDP1: whole units
+        hook = tagc.hook(dense_steps=0, min_compress_numel=1024, codec=codec, select=select)
         tagc.register_comm_hook(model, hook)
         hook.strict_sync = True
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -139,7 +141,8 @@ def steps_under_the_rules(rank, world, wrapper, codec):
 
 
 def _check_adapter(wrapper, codec="tagc"):
-    for violations, collectives, reads, compressed, sites in run_ranks(steps_under_the_rules, 2, wrapper, codec, timeout_s=180):
+    results = run_ranks(steps_under_the_rules, 2, wrapper, codec, timeout_s=180)
+    for violations, collectives, reads, compressed, sites in results:
         assert violations == [], "\n".join(violations)
         assert collectives.get("all_to_all_single", 0) > 0, collectives  # the exchange went through the rules
         assert reads[1:] == [0] * (STEPS - 1), (reads, sites)  # strict sync mode: the steady steps read nothing

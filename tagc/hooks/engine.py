@@ -209,7 +209,8 @@ def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
 class PendingBucket:
     """One bucket's exchange in flight; :meth:`wait` returns the output shard once it is reduced."""
 
-    def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: Union[float, torch.Tensor], group,
+    def __init__(self, hook: "TAGCHook", plan: _BucketPlan, output: torch.Tensor, scale: Union[float, torch.Tensor],
+                 group,
                  stats: ExchangeStats, timing: UnitTiming, stream=None, remote_rows: int = 0) -> None:
         self.hook = hook
         self.plan = plan
@@ -341,9 +342,10 @@ class TAGCHook:
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}")
         if isinstance(min_part, bool) or not isinstance(min_part, int) or min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {min_part!r}")
-        if piece_bytes is not None and (isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 1):
-            raise ValueError(f"piece_bytes must be None (pieces on gloo, whole collectives on NCCL) or a positive integer, "
-                             f"got {piece_bytes!r}")
+        if piece_bytes is not None and (isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int)
+                                        or piece_bytes < 1):
+            raise ValueError("piece_bytes must be None (pieces on gloo, whole collectives on NCCL) or a positive "
+                             f"integer, got {piece_bytes!r}")
         if dense_steps is not None and (isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0):
             raise ValueError(f"dense_steps must be a non-negative integer or None (the codec's default), got {dense_steps!r}")
         if isinstance(ramp_steps, bool) or not isinstance(ramp_steps, int) or ramp_steps < 0:
@@ -428,7 +430,8 @@ class TAGCHook:
 
         ``select`` is compared by what it selects (:meth:`select_fingerprint`), not by its name."""
         return {**dataclasses.asdict(self.config), "codec": self.codec.name,
-                "codec_options": sorted(self.codec_options.items()), "select": self.select_fingerprint(), "min_part": self.min_part,
+                "codec_options": sorted(self.codec_options.items()), "select": self.select_fingerprint(),
+                "min_part": self.min_part,
                 "piece_bytes": self.piece_bytes, "dense_steps": self.dense_steps, "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite,
                 "plain": self.plain_name, "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
 
@@ -442,7 +445,7 @@ class TAGCHook:
         for segment in segments:
             self._selection[segment.name] = self._answer(segment)
         self._fingerprint = None
-        self._bound = True  # a loaded checkpoint's select is compared at the next verify(): the adapter may bind in steps
+        self._bound = True  # a loaded checkpoint's select is compared at the next verify(): adapters bind in steps
 
     def _answer(self, segment: Segment) -> Optional[Union[float, str]]:
         """``select``'s answer for ``segment``: its ratio, ``None`` (plain), or the repr of an answer
@@ -463,7 +466,8 @@ class TAGCHook:
                 return name
             chosen = sorted((param, answer) for param, answer in self._selection.items() if answer is not None)
             digest = hashlib.sha256(repr(chosen).encode()).hexdigest()[:16]
-            self._fingerprint = f"{name}: {len(chosen)} of {len(self._selection)} parameters compressed, digest {digest}"
+            total = len(self._selection)
+            self._fingerprint = f"{name}: {len(chosen)} of {total} parameters compressed, digest {digest}"
         return self._fingerprint
 
     # ------------------------------------------------------------------ checkpoints
@@ -502,8 +506,9 @@ class TAGCHook:
         if self._restored is None or saved is None or not self._bound or "digest" not in saved or "digest" not in mine:
             return
         if saved != mine:
-            raise ValueError(f"this checkpoint's residuals are keyed for select={saved!r}; the hook has select={mine!r}: "
-                             "build the hook with the select policy (and ratios) the checkpoint was written with")
+            raise ValueError(f"this checkpoint's residuals are keyed for select={saved!r}; the hook has "
+                             f"select={mine!r}: build the hook with the select policy (and ratios) the checkpoint "
+                             "was written with")
 
     def _check_restored_part(self, part: _Part) -> None:
         """The first steps after a load: a compressed part must find the checkpoint's state for it."""
@@ -511,10 +516,11 @@ class TAGCHook:
             return
         held = sorted(self._restored)
         raise ValueError(
-            f"this checkpoint's residuals are keyed for buckets {held[:4]}{' ...' if len(held) > 4 else ''}; this hook "
-            f"compresses bucket part {part.key!r}, for which it holds none (checkpoint select={self._restored_select!r}, "
-            f"the hook has select={self.select_fingerprint()!r}): select, its ratios, min_part or min_compress_numel differ "
-            "from the hook that wrote it. Build the hook with those settings, or start without the checkpoint's residuals")
+            f"this checkpoint's residuals are keyed for buckets {held[:4]}{' ...' if len(held) > 4 else ''}; this "
+            f"hook compresses bucket part {part.key!r}, for which it holds none (checkpoint "
+            f"select={self._restored_select!r}, the hook has select={self.select_fingerprint()!r}): select, its "
+            "ratios, min_part or min_compress_numel differ from the hook that wrote it. Build the hook with those "
+            "settings, or start without the checkpoint's residuals")
 
     # ------------------------------------------------------------------ the settings check
 

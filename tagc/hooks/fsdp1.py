@@ -50,8 +50,9 @@ class _UnitState:
             label = "+".join(names) or "<empty>"
             if selected is False and any(choices) and self.hook.codec.compresses:
                 share = sum(n for choice, n in zip(choices, numels) if choice) / sum(numels)
-                warn_once("fsdp1-unit-plain", f"TAGC on FSDP1: unit {self.prefix.rstrip('.') or '<root>'!r} goes plain although "
-                          f"select picks {share:.0%} of its elements (a unit is compressed only when select picks at least "
+                unit = self.prefix.rstrip(".") or "<root>"
+                warn_once("fsdp1-unit-plain", f"TAGC on FSDP1: unit {unit!r} goes plain although select picks "
+                          f"{share:.0%} of its elements (a unit is compressed only when select picks at least "
                           f"{FSDP1_SELECTED_FRACTION:.0%}): wrap the layers to compress as their own FSDP units")
             shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it
             self._segments[chunk] = (Segment(label, 0, chunk, selected=selected, shape=shape),)
@@ -105,7 +106,8 @@ def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
         unit._comm_hook_state = _UnitState(hook, unit, f"{path}." if path else "")
         flat = unit._handle.flat_param if unit._handle is not None else None
         if flat is not None:
-            parameters += [Segment(f"{path}.{fqn}" if path else fqn, 0, numel) for fqn, numel in zip(flat._fqns, flat._numels)]
+            parameters += [Segment(f"{path}.{fqn}" if path else fqn, 0, numel)
+                           for fqn, numel in zip(flat._fqns, flat._numels)]
     hook.note_parameters(parameters)  # the settings check compares what select picks, not its name
 
 

@@ -192,9 +192,10 @@ class _Pieces:
     @classmethod
     def build(cls, segments: tuple[Segment, ...], numel: int, hosts: int, device: torch.device) -> "_Pieces":
         if sum(s.numel for s in segments) != numel:  # e.g. parameters without a gradient: one segment
-            warn_once("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its parameters' "
-                      f"segments ({sum(s.numel for s in segments)} elements): it is exchanged as one segment '<shard>', "
-                      "which select sees without the parameters' names (e.g. some parameters have no gradient)")
+            covered = sum(s.numel for s in segments)
+            warn_once("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its "
+                      f"parameters' segments ({covered} elements): it is exchanged as one segment '<shard>', which "
+                      "select sees without the parameters' names (e.g. some parameters have no gradient)")
             segments = (Segment("<shard>", 0, numel),)
         columns, pieces, at = [], [], 0
         for s in segments:

@@ -156,9 +156,10 @@ class PowerSGDCodec(Codec):
         for s in segments:
             if s.shape is None or len(s.shape) < 2 or math.prod(s.shape) == 0:
                 if s.shape is None:  # a selected matrix whose shape the adapter cannot give: not what was asked for
-                    warn_once("powersgd-no-shape", f"powersgd sends the selected {s.name!r} uncompressed: its matrix shape "
-                              "is unknown here (an FSDP1 unit of several parameters, FSDP2 Shard(dim > 0), or an HSDP "
-                              "piece); wrap it as its own unit, shard it on dim 0, or pick another codec")
+                    warn_once("powersgd-no-shape", f"powersgd sends the selected {s.name!r} uncompressed: its "
+                              "matrix shape is unknown here (an FSDP1 unit of several parameters, FSDP2 "
+                              "Shard(dim > 0), or an HSDP piece); wrap it as its own unit, shard it on dim 0, or pick "
+                              "another codec")
                 plain.append((s.start, s.numel))
                 continue
             rows, cols = s.shape[0], math.prod(s.shape[1:])

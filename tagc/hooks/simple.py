@@ -134,7 +134,8 @@ def decode(received: torch.Tensor, state: torch.Tensor, handle: int, chunk: int,
     """Every rank's row of bytes (row ``j`` from rank ``j``) -> this rank's averaged chunk (updates
     the statistics: bumps ``state``)."""
     binding = _registry[handle]
-    output = binding.hook.decode_bucket(received, binding.codec_group, binding.segments, chunk, dtype, topology=binding.topology)
+    output = binding.hook.decode_bucket(received, binding.codec_group, binding.segments, chunk, dtype,
+                                        topology=binding.topology)
     state.add_(1)
     return output
 

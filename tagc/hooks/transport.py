@@ -134,7 +134,8 @@ def gather_from_owners(
     return recv.view(world, wanted.numel()).sum(dim=0), sent
 
 
-def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None) -> PendingExchange:
+def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup],
+                    piece_bytes: Optional[int] = None) -> PendingExchange:
     """Start sending row ``s`` of ``send`` (``[N, C]``) to rank ``s`` of ``group``: in pieces on gloo,
     whole elsewhere (:func:`piece_columns`).
 
@@ -174,7 +175,8 @@ class _PieceWork:
             self.recv[:, self.start : self.stop] = self.piece
 
 
-def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None) -> PendingExchange:
+def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup],
+                        piece_bytes: Optional[int] = None) -> PendingExchange:
     """Start a plain reduce-scatter of ``send`` (``[N, C]``, row ``j`` for rank ``j``).
 
     On a backend of :data:`REDUCING_BACKENDS` (NCCL) with ``piece_bytes`` unset: that backend's own
@@ -190,7 +192,8 @@ def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup], 
     launched = time.perf_counter()
     with _peer_errors():
         work = _reduce_scatter(recv.view(-1), send.view(-1), group=group, async_op=True)
-    return PendingExchange(recv, [_PieceWork(work, recv, recv, 0, columns)], (world - 1) * columns * send.element_size(), launched)
+    sent = (world - 1) * columns * send.element_size()
+    return PendingExchange(recv, [_PieceWork(work, recv, recv, 0, columns)], sent, launched)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool):
