@@ -35,6 +35,7 @@ def hook(
     hierarchy: str = "auto",
     ranks_per_host: Optional[int] = None,
     ramp_steps: int = 0,
+    piece_bytes: Optional[int] = None,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -88,6 +89,9 @@ def hook(
         ranks_per_host: ranks per host, numbered host-major as torchrun does (global rank ``r``
             on host ``r // ranks_per_host``); must divide the world size. ``None`` (default):
             torchrun's ``LOCAL_WORLD_SIZE`` when set, else one host.
+        piece_bytes: bytes per peer of each all-to-all piece. ``None`` (default): pieces of
+            :data:`~tagc.hooks.transport.PIECE_BYTES` on gloo, whole collectives on NCCL (whose plain
+            columns go through its own reduce-scatter); a number cuts pieces on every backend.
         **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
@@ -108,7 +112,8 @@ def hook(
     config = TAGCConfig(**config_args)
     return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
                     dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain,
-                    hierarchy=hierarchy, ranks_per_host=ranks_per_host, ramp_steps=ramp_steps)
+                    hierarchy=hierarchy, ranks_per_host=ranks_per_host, ramp_steps=ramp_steps,
+                    piece_bytes=piece_bytes)
 
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import tagc
-from tagc.hooks.describe import describe, describe_plan, warn_if_weak_selection
+from tagc.hooks.describe import describe_plan, warn_if_weak_selection
 from tagc.hooks.segment import Segment
 from tests.distributed import run_ranks
 
@@ -209,21 +209,24 @@ def _train(name: str, wrapper: str, hook_kwargs, keep_tensors: bool) -> dict:
         hook = tagc.hook(**hook_kwargs)
         tagc.register_comm_hook(model, hook)
         out["plan"] = describe_plan(hook, model)  # before the first step: FSDP2 has not named its parameters yet
-        out["table"] = describe(hook, model)
+        out["table"] = hook.describe(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
-    for step in range(STEPS):
-        idx, labels = _batch(step, rank)
-        loss = _loss(name, model, idx, labels)
-        loss.backward()
-        if keep_tensors and step == STEPS - 1:
-            out["grads"] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append(loss.detach().clone())
-        if hook is not None:
-            hook.end_step()
-            out["steps"].append(hook.stats())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            idx, labels = _batch(step, rank)
+            loss = _loss(name, model, idx, labels)
+            loss.backward()
+            if keep_tensors and step == STEPS - 1:
+                out["grads"] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            out["losses"].append(loss.detach().clone())
+            if hook is not None:
+                hook.end_step()
+                out["steps"].append(hook.stats())
+    out["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("TAGC compresses")]
     if keep_tensors:
         out["params"] = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
     if hook is not None:
@@ -255,7 +258,7 @@ def _runs(rank, world, jobs):
 def runs() -> dict:
     """Every run of this module's distributed tests, in one pair of ranks (the ranks import
     ``transformers`` once): rank 0's results by ``"model/variant"``."""
-    jobs = {**PLAIN_JOBS, **TAGC_JOBS, **FSDP1_JOB, **OTHER_CODECS}
+    jobs = {**PLAIN_JOBS, **TAGC_JOBS, **FSDP1_JOB, **OTHER_CODECS, **OLD_SELECTION}
     if importlib.util.find_spec("transformers") is None:
         jobs = {key: job for key, job in jobs.items() if not job[0].startswith("hf-")}
     return run_ranks(_runs, WORLD, jobs, timeout_s=300)[0]
@@ -379,6 +382,14 @@ def test_describe_counts_every_codecs_wire(runs, key, codec, plain):
         assert {u["unit"]: u["wire_bytes"] for u in stats["units"]} == {b.bucket: b.planned_bytes for b in plan.buckets}
 
 
+def test_the_engine_warns_once_when_a_hook_compresses_only_the_embedding(runs):
+    _transformers()
+    caught = runs["hf-gpt2/old-selection"]["warnings"]
+    assert len(caught) == 1 and "only the embedding / LM head (transformer.wte.weight)" in caught[0]
+    for key in TAGC_JOBS:
+        assert runs[key]["warnings"] == [], key
+
+
 def test_hf_gpt2_wire_matches_our_gpt_of_the_same_shapes(runs):
     _transformers()
     hf, ours = runs["hf-gpt2/fsdp2"], runs["ours/fsdp2"]
@@ -425,6 +436,12 @@ def _old_selection(fqn, module):
     from tagc.hooks.selection import non_attention_linear
 
     return isinstance(module, (nn.Linear, nn.Embedding)) and non_attention_linear(fqn, module)
+
+
+OLD_SELECTION = {"hf-gpt2/old-selection": ("hf-gpt2", "fsdp2", {**ONE_LINE, "dense_steps": 2, "select": _old_selection},
+                                         False)}
+"""The selection before HF's ``Conv1D`` counted as a linear layer: the engine warns once, at the end of the first
+step after the dense warm-up (the first step whose buckets are planned compressed)."""
 
 
 def test_a_hook_that_compresses_only_the_embedding_says_so():

@@ -87,3 +87,6 @@ def test_piece_bytes_is_a_setting_the_ranks_agree_on():
     assert TAGCHook(TAGCConfig(), piece_bytes=1 << 16).settings()["piece_bytes"] == 1 << 16
     with pytest.raises(ValueError, match="piece_bytes"):
         TAGCHook(TAGCConfig(), piece_bytes=0)
+    assert tagc.hook(piece_bytes=1 << 16).settings()["piece_bytes"] == 1 << 16  # reachable from the one line
+    with pytest.raises(ValueError, match="piece_bytes"):
+        tagc.hook(piece_bytes=-1)

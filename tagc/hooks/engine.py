@@ -43,6 +43,7 @@ from tagc.config import TAGCConfig
 from tagc.hooks import strict
 from tagc.hooks.codec_registry import make_codec, resolve_options
 from tagc.hooks.codecs import Codec, PlainCodec, Wire
+from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.hierarchy import Topology, check_hierarchy, group_ranks, host_reduce, resolve_ranks_per_host, topology
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
@@ -378,6 +379,7 @@ class TAGCHook:
         self._bound = False
         self._fingerprint: Optional[str] = None  # select_fingerprint(), until _selection changes
         self._restored: Optional[set[str]] = None
+        self._selection_checked = False  # warn_if_weak_selection ran (after the first warmed-up step)
         """Bucket parts a loaded checkpoint holds codec state for, until the first step after the load."""
         self._restored_select: Optional[str] = None
         self._topologies: dict[tuple[int, ...], Topology] = {}
@@ -416,6 +418,13 @@ class TAGCHook:
         self._join_streams()
         return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(),
                 "units": [unit.as_dict() for unit in self.last_units]}
+
+    def describe(self, model: torch.nn.Module) -> str:
+        """A table of what this hook does to ``model`` (wrapped by SimpleFSDP, FSDP2 or FSDP1): every
+        parameter, compressed or plain, at which ratio and by which codec, and the planned wire bytes
+        per step against plain, per unit and in all (:func:`tagc.hooks.describe.describe_plan` gives
+        the rows). Runs no collective."""
+        return describe(self, model)
 
     @property
     def residuals(self) -> dict[str, list[torch.Tensor]]:
@@ -812,6 +821,9 @@ class TAGCHook:
         exact, e.g. with gradient accumulation."""
         if self._restored is not None and self.step_count >= self.dense_steps:
             self._restored = None  # a compressed step ran: every part found its state
+        if not self._selection_checked and not self.warming_up:  # the first warmed-up step planned every bucket
+            self._selection_checked = True
+            warn_if_weak_selection(self)
         self.step_count += 1
         self.last_step = self._current
         self.last_units = self._units
