@@ -279,9 +279,9 @@ def test_decode_async_stats_on_device():
         torch.testing.assert_close(out, values, rtol=1e-6, atol=1e-6)
 
 
-def _stopping_sets(numel: int = 600, load: float = 0.9, tries: int = 200, unsolved: bool = True):
+def _stopping_sets(numel: int = 300, load: float = 1.0, tries: int = 200, unsolved: bool = True):
     """A fresh random chunk on an overloaded small sketch whose decode leaves stopping sets, some solved
-    exactly, and (``unsolved``) some not (about one draw in five at the defaults):
+    exactly, and (``unsolved``) some not (about one draw in seven at the defaults, ~60 positions stuck):
     ``(layout, values, table, index)``."""
     layout = SketchLayout(numel, 4.0, lane=1)
     for _ in range(tries):
@@ -329,16 +329,16 @@ def test_device_decode_solves_stopping_sets_like_the_cpu(fallback):
 
 def test_device_decode_is_the_same_bits_at_any_tile_and_launch_size():
     """The tile of a column's rounds and the setup programs' size change the order the device works in,
-    never the bits: a tile of 64 carries the rounds over many tiles (hundreds of pending positions per
-    column), with parity to the reference."""
-    layout, values, table, index = _stopping_sets(numel=3000, load=0.85, unsolved=False)
+    never the bits: tiles of 16 and 32 carry the rounds over many tiles (dozens of pending positions in the
+    one column), with stopping sets solved, and parity to the reference."""
+    layout, values, table, index = _stopping_sets()
     t = layout.tables(table.device)
     args = (table, index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits, 1, 0)
     from tagc.kernels.peel import launch_peel
 
     base = launch_peel(*args)
-    assert int(((index_to_mask(index, layout.numel, 1)).sum())) > 4 * 64 * layout.lanes  # many tiles per column
-    for tile, setup in ((64, 1), (128, 4), (64, 1024)):
+    assert int(((index_to_mask(index, layout.numel, 1)).sum())) > 3 * 16 * layout.lanes  # many tiles per column
+    for tile, setup in ((16, 1), (32, 4), (16, 1024)):
         other = launch_peel(*args, tile=tile, setup_blocks=setup)
         for a, b in zip(base, other):
             assert torch.equal(a, b), (tile, setup)
@@ -362,6 +362,7 @@ def test_device_decode_reads_the_host_once(fallback):
     assert reads.count == 0, dict(reads.sites)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on the NaN table
 def test_device_decode_raises_what_the_reference_raises():
     layout = _layout(1000)
     values = _sparse(1000, 0.5, layout)

@@ -76,7 +76,7 @@ per table column: a column's rounds need the barriers of one program)."""
 CHECK_BLOCK = 1024
 """Cells per program of the consistency check."""
 SOLVE_ROWS = 16
-"""Rows of the normal equations per step of the solve kernel."""
+"""Rows of the normal equations per step of the solve kernel on a GPU (all of them under the interpreter)."""
 DETERMINED_TOL = 1e-9
 """The solve's thresholds: a pivot below ``DETERMINED_TOL * 3`` (an unknown's own diagonal is 3,
 one per cell) ends the elimination; a free unknown whose coefficient in a pivot's row is below
@@ -464,6 +464,7 @@ def launch_peel(
     system = torch.empty(EXACT_SOLVE_LIMIT * EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
     rhs = torch.empty(EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
     wrap(_solve_kernel)[(1,)](work, stuck, system, rhs, out, state, stats, rest, rows, signs, lane_xor,
-                              LANE_BITS=lane_bits, M=EXACT_SOLVE_LIMIT, ROWS=SOLVE_ROWS, FALLBACK=fallback,
+                              LANE_BITS=lane_bits, M=EXACT_SOLVE_LIMIT,
+                              ROWS=EXACT_SOLVE_LIMIT if on_cpu else SOLVE_ROWS, FALLBACK=fallback,
                               TOL=3.0 * DETERMINED_TOL)
     return out, state, stats, rest
