@@ -650,7 +650,8 @@ def test_ops_fake_implementations():
                                            layout.table_numel, 4, 100, 110, *inverse)
         assert index.shape == (2, 500) and index.dtype == torch.uint8 and table.shape == (2, layout.table_numel)
         assert held.shape == (2,) and held.dtype == torch.int64
-        out, state, stats, rest = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4, 0)
+        out, state, stats, rest = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4,
+                                           0)
         assert out.shape == (1000,) and state.dtype == torch.int8 and stats.shape == (len(PEEL_STATS),)
         assert rest.dtype == torch.int64
 

@@ -6,8 +6,8 @@ Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors (when numba imports)
 reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that needs
 ``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
 the reference. ``"auto"`` warns once (:func:`~tagc.kernels.fallbacks.warn_fallback`) when it
-takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import. Callers never branch: every back end takes the same arguments and returns
-the same things.
+takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import.
+Callers never branch: every back end takes the same arguments and returns the same things.
 
 Nothing here imports triton or numba until their path is taken.
 """
@@ -48,9 +48,9 @@ def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> st
         if on_cuda:
             choice = "triton" if triton_available() else "torch"
             if choice == "torch":
-                warn_fallback("triton-missing", "TAGC: CUDA tensors, but triton does not import: the torch reference "
-                              "runs instead of the Triton kernels (slower, and its decode reads the device on the host). "
-                              "Install triton (pip install triton, or tagc[triton]).")
+                warn_fallback("triton-missing", "TAGC: CUDA tensors, but triton does not import: the torch "
+                              "reference runs instead of the Triton kernels (slower, and its decode reads the device "
+                              "on the host). Install triton (pip install triton, or tagc[triton]).")
         else:
             choice = "numba" if _cpu.supports(*tensors) else "torch"
             if choice == "torch" and not _cpu.numba_available():

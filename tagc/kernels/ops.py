@@ -57,7 +57,7 @@ STAT_FIELDS = tuple(DecodeStats().as_dict())
 """The decode statistics :func:`decode_async` returns, in order (:data:`tagc.kernels.STAT_FIELDS`)."""
 NONFINITE_HINT = ("TAGC cannot encode non-finite values (fix the loss scale or clip gradients, or let the hook send "
                   "such buckets uncompressed)")
-"""What :func:`decode_triton` says after the NaN/Inf it found (the words of :func:`tagc.sketch.sparsify.check_finite`)."""
+"""What :func:`decode_triton` says after the NaN/Inf it found (as :func:`tagc.sketch.sparsify.check_finite`)."""
 
 TRACEABLE_KERNELS = not interpreting()
 """True when the ops are ``triton_op`` (the compiler traces into the kernels)."""

@@ -450,7 +450,7 @@ def launch_peel(
     per_column = torch.empty(programs, lanes, dtype=torch.int32, device=device)
     wrap(_setup_kernel)[(programs,)](index, state, counts, per_column, rows, lane_xor, numel, blocks,
                                      LANE_BITS=lane_bits, BITS=bits, BB=bb)
-    first = (per_column.cumsum(0, dtype=torch.int32) - per_column).contiguous()  # a column's positions before a program's
+    first = (per_column.cumsum(0, dtype=torch.int32) - per_column).contiguous()  # a column's, before a program's
     support = per_column.sum(0, dtype=torch.int32)
     lists = torch.empty(2 * blocks * lanes, dtype=torch.int32, device=device)
     wrap(_list_kernel)[(programs,)](state, first, lists, lane_xor, numel, blocks, LANE_BITS=lane_bits, BB=bb)
