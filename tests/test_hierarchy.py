@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import tagc
 from tagc.hooks import Segment
+from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import run_ranks
 
 WORLD, PER_HOST = 4, 2
@@ -56,7 +57,8 @@ def _engine(rank, world):
     # tagc: what the owner decodes is the exact sum of what the cross ranks kept (their residual + kept == block)
     hook = tagc.hook(dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
     host, local = divmod(rank, PER_HOST)
-    outs, checks = [], []
+    density = hook.config.density(HOSTS)
+    outs, checks, rows, unions = [], [], [], []
     for step in range(3):
         before = {k: [r.clone() for r in v] for k, v in hook.residuals.items()}
         outs.append(_exchange(hook, _grad(step, rank)))
@@ -68,9 +70,14 @@ def _engine(rank, world):
                 kept[:, part.columns] += old
             kept[:, part.columns] -= residual
             assert ((kept[:, part.columns] == 0) | (residual == 0)).all()  # a value is sent or kept back, never split
+            for row, held in zip(kept[:, part.columns], residual):  # per owner host: its largest magnitudes, as planned
+                sent = row[row != 0].abs()
+                rows.append((sent.numel(), keep_limit(row.numel(), density), capacity(row.numel(), density),
+                             sent.min().item() if sent.numel() else float("inf"), held.abs().max().item()))
         everyone = [torch.empty_like(kept) for _ in range(world)]
         dist.all_gather(everyone, kept)
         expected = sum(everyone[h * PER_HOST + local][host] for h in range(HOSTS)) / world
+        unions.append(int((sum((everyone[h * PER_HOST + local][host, : CHUNK - 500] != 0).int() for h in range(HOSTS)) > 0).sum()))
         checks.append(((outs[-1] - expected).norm() / expected.norm()).item())
         checks.append(bool(torch.equal(outs[-1] != 0, expected != 0)))
     residuals = {k: [tuple(r.shape) for r in v] for k, v in hook.residuals.items()}
@@ -92,7 +99,7 @@ def _engine(rank, world):
     resumed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     resumes = bool(torch.equal(_exchange(resumed, _grad(9, rank)), _exchange(hook, _grad(9, rank))))
     return {"plain_error": plain_error, "checks": checks, "residuals": residuals, "feedback": feedback, "stats": stats,
-            "density": hook.config.density(HOSTS), "state": sorted(state), "resumes": resumes}
+            "density": density, "state": sorted(state), "resumes": resumes, "rows": rows, "unions": unions}
 
 
 def test_hierarchical_reduce_scatter_is_exact_and_keeps_error_feedback():
@@ -103,10 +110,18 @@ def test_hierarchical_reduce_scatter_is_exact_and_keeps_error_feedback():
         assert result["feedback"] <= 1e-6
         assert result["residuals"] == {f"mlp.c_fc.weight#{CHUNK}": [(HOSTS, CHUNK - 500)]}  # H rows, not N
         assert any(key.startswith("residual.rank") for key in result["state"]) and result["resumes"]
+        # each cross rank sent its largest magnitudes (none held back is larger), about as many as planned for H:
+        # a codec that sent nothing, or everything, or the wrong entries fails here
+        for count, planned, cap, smallest_sent, largest_held in result["rows"]:
+            assert 0.95 * planned <= count <= cap, (count, planned, cap)
+            assert smallest_sent >= largest_held, (smallest_sent, largest_held)
         stats = result["stats"]
         assert stats["unpeeled"] == 0 and stats["compressed_buckets"] == 3
-        # the support the owner decodes is the union over H ranks, selected at the density planned for H
-        assert stats["support"] / 3 <= (CHUNK - 500) * (1 - (1 - 1.1 * result["density"]) ** HOSTS)
+        # the support the owner decodes is the union over H ranks of what they sent, at the density planned for H
+        assert stats["support"] == sum(result["unions"])
+        density = result["density"]
+        for union in result["unions"]:
+            assert 1 - (1 - 0.95 * density) ** HOSTS <= union / (CHUNK - 500) <= 1 - (1 - 1.1 * density) ** HOSTS
 
 
 def _bytes(rank, world):
