@@ -14,7 +14,7 @@ from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.engine import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.index import index_to_mask
-from tagc.sketch.sparsify import keep_limit
+from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "bucket/part"
@@ -63,7 +63,11 @@ def test_lean_options_cut_the_wire_as_documented(world):
     index_bits = tagc_lean - 16 / 10
     assert index_bits < 0.3 and index_bits < density * (math.log2(1 / density) + 3)  # ~d (log2(1/d) + 2) + slack; the bitmap's is 1
     assert topk_lean < 0.55 * topk_offsets  # 16-bit offsets + fp32 -> ~7-bit codes + bf16
-    assert topk_lean * (world - 1) / world <= 0.45 or world > 2  # the target at N = 2
+    # topk's lean list: a bf16 value and an Elias-Fano code (~log2(1/d) + 2 bits) per entry of its capacity
+    cap = capacity(numel, density) / numel
+    assert cap * (16 + math.log2(1 / density)) <= topk_lean <= cap * (16 + math.log2(1 / density) + 3)
+    if world == 2:
+        assert topk_lean * (world - 1) / world <= 0.45  # the target at N = 2
 
 
 # ----------------------------------------------------------------------------- exactness

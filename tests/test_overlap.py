@@ -169,7 +169,10 @@ def test_backward_computes_while_the_exchange_is_in_flight():
 
 
 def _failed_backward(rank, world):
-    """A backward pass that raises after launching exchanges: the next one is still right."""
+    """A backward pass that raises after launching exchanges: the next one is still right. Nothing of
+    the failed pass may reach it but the residuals (the finite rank's compressed parts left what they
+    did not send there): it gives, bit for bit, the gradients of a new model and hook loaded with
+    those residuals."""
     _, model = _models(0)
     model = simple_fsdp(model)
     hook = tagc.hook(dense_steps=0, min_compress_numel=1024, nonfinite="raise")
@@ -182,14 +185,28 @@ def _failed_backward(rank, world):
     except FloatingPointError:
         raised = True
     model.zero_grad()
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hook.state_dict().items()}
+    residuals = [v for k, v in state.items() if k.startswith("residual.")]
     clean = _train(model, rank, world, 1)
-    return raised, clean
+    _, fresh = _models(0)
+    fresh = simple_fsdp(fresh)
+    fresh_hook = tagc.hook(dense_steps=0, min_compress_numel=1024, nonfinite="raise")
+    tagc.register_comm_hook(fresh, fresh_hook)
+    fresh_hook.load_state_dict(state)
+    return raised, clean, _train(fresh, rank, world, 1), residuals
 
 
 def test_a_raising_backward_leaves_nothing_in_flight():
-    for raised, clean in run_ranks(_failed_backward, 2, timeout_s=120):
+    for rank, (raised, clean, fresh, residuals) in enumerate(run_ranks(_failed_backward, 2, timeout_s=120)):
         assert raised
-        assert all(torch.isfinite(g).all() for step in clean for g in step)
+        assert all(r.isfinite().all() for r in residuals)
+        if rank == 1:  # the rank with the NaN kept its residuals as they were: zero
+            assert all(torch.equal(r, torch.zeros_like(r)) for r in residuals)
+        else:  # the finite rank held back what it did not send
+            assert residuals and all(r.abs().sum() > 0 for r in residuals)
+        for step, reference in zip(clean, fresh):
+            assert all(torch.equal(g, r) for g, r in zip(step, reference))
+            assert any(r.abs().sum() > 0 for r in reference)
 
 
 def test_bad_overlap_argument():

@@ -625,15 +625,29 @@ def test_consistency_check_is_quiet_on_legitimate_extremes(backend):
 
 def test_detection_rate_of_single_missing_positions():
     """How often one missing position is caught at the planned load (documented: about one
-    in three), each one independently, by a cell no other support position touches."""
+    in three), each one independently: decode raises exactly for the positions one of whose
+    cells no other support position touches."""
     gen = torch.Generator().manual_seed(51)
     ratio, ranks = 10.0, 4
     layout = SketchLayout(30_000, ratio)
     tables, indexes = _exchange(layout, ranks, plan_density(ratio, ranks), 1, gen)
-    union = _merge(indexes, 1)
+    table, union = torch.stack(tables).sum(0), _merge(indexes, 1)
     support = index_positions(union, layout.numel, 1)
     cells, _ = layout.cells(support)
     count = torch.zeros(layout.table_numel, dtype=torch.int64).index_add_(0, cells.reshape(-1), torch.ones(cells.numel(), dtype=torch.int64))
-    # a missing position q: caught iff one of its cells has no other support position
-    caught = (count[cells] == 1).any(1).double().mean().item()
-    assert 0.25 < caught < 0.45, caught
+    predicted = (count[cells] == 1).any(1)  # a missing position q: caught iff one of its cells has no other support position
+    tried = torch.randperm(support.numel(), generator=gen)[:300]
+    caught = []
+    for i in tried.tolist():
+        q = int(support[i])
+        missing = union.clone()
+        missing[q // 8] &= ~(1 << (q % 8))  # q's bit cleared: its value is still in the table
+        assert int(index_positions(missing, layout.numel, 1).numel()) == support.numel() - 1
+        try:
+            decode(table, missing, layout, 1)
+            caught.append(False)
+        except InconsistentSketchError:
+            caught.append(True)
+    caught = torch.tensor(caught)
+    assert torch.equal(caught, predicted[tried])
+    assert 0.25 < caught.double().mean().item() < 0.45, caught.double().mean().item()
