@@ -343,17 +343,39 @@ def test_dense_warmup_sends_the_first_steps_plain():
         assert comp2 == 1 and res2 == 1 and wire2 < wire1 / 4 and err2 > 1e-3  # then compressed (lossy vs dense)
 
 
+ENCODE_S, DECODE_S = 0.03, 0.02
+"""What each compressed part's encode and decode is made to take (a sleep) in the timing test."""
+
+
 def codec_times(rank, world):
+    import time
+
     hook = tagc.hook(dense_steps=0, ratio=10, min_part=1 << 17)
+    calls = {"encode": 0, "decode": 0}
+    codec = hook.codec  # every compressed part's codec (one ratio)
+
+    def slowed(name, method):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            time.sleep(ENCODE_S if name == "encode" else DECODE_S)
+            return method(*args, **kwargs)
+        return run
+
+    codec.encode, codec.decode = slowed("encode", codec.encode), slowed("decode", codec.decode)
+    start = time.perf_counter()
     exchange(rank, world, hook, torch.randn(world, CHUNK))
     hook.end_step()
+    elapsed = time.perf_counter() - start
     last, (unit,) = hook.stats()["last_step"], hook.stats()["units"]
-    return last["compress_s"], unit["compress_s"], last["decode_s"]
+    return last["compress_s"], unit["compress_s"], last["decode_s"], calls, elapsed
 
 
 def test_step_stats_carry_the_encode_and_decode_time():
-    for step_compress, unit_compress, decode_s in run_ranks(codec_times, 2):
-        assert step_compress == unit_compress > 0 and decode_s > 0
+    for step_compress, unit_compress, decode_s, calls, elapsed in run_ranks(codec_times, 2):
+        assert calls["encode"] == calls["decode"] >= 2  # the compressed columns in parts
+        assert step_compress == unit_compress  # the step's time is its one unit's
+        assert step_compress >= calls["encode"] * ENCODE_S and decode_s >= calls["decode"] * DECODE_S
+        assert step_compress + decode_s <= elapsed  # one after the other, inside the exchange
 
 
 # ---------------------------------------------------------------- PREMUL_SUM: the factor stays on the device
