@@ -1,41 +1,43 @@
-"""The one-line entry points: ``tagc.hook(...)`` and ``tagc.register_comm_hook(model, hook)``."""
+"""The one-line entry points: ``tagc.hook(...)``, ``tagc.register_comm_hook(model, hook)`` and, for
+users who call DDP's own ``register_comm_hook``, ``tagc.ddp_hook(model, ...)``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Union
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
+from torch import nn
 
 from tagc.config import TAGCConfig
 from tagc.hooks.codec_registry import codec_names, spec
+from tagc.hooks.ddp import DDPHookState, bind_ddp, register_ddp
 from tagc.hooks.engine import MIN_PART, TAGCHook
 from tagc.hooks.selection import SelectPolicy
-
 
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
 _SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
 
 
 def hook(
-    ratio: Optional[float] = None,
-    index_bits: Optional[int] = None,
-    sparsity: Union[float, str, None] = None,
-    select: Union[str, SelectPolicy] = "non_attention_linear",
+    ratio: float | None = None,
+    index_bits: int | None = None,
+    sparsity: float | str | None = None,
+    select: str | SelectPolicy = "non_attention_linear",
     *,
     codec: str = "tagc",
     overlap: bool = True,
     nonfinite: str = "propagate",
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
-    dense_steps: Optional[int] = None,
+    dense_steps: int | None = None,
     plain: str = "fp32",
     hierarchy: str = "auto",
-    ranks_per_host: Optional[int] = None,
+    ranks_per_host: int | None = None,
     ramp_steps: int = 0,
-    piece_bytes: Optional[int] = None,
+    piece_bytes: int | None = None,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -116,12 +118,33 @@ def hook(
                     piece_bytes=piece_bytes)
 
 
+def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.ProcessGroup | None = None,
+             **settings) -> tuple[DDPHookState, Callable]:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: every codec of
+    :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.ddp`)::
+
+        ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model, ratio=10))
+
+    ``model``: the DDP model, so that ``select`` sees parameter names, error feedback is keyed by
+    them, and the hook knows when DDP's buckets are final (its first iteration is reduced as DDP
+    reduces it). ``group``: the group DDP reduces over (default: the DDP model's,
+    else the default group). ``*args, **settings``: exactly :func:`hook`'s, checked by it.
+    ``tagc.register_comm_hook(ddp_model, tagc.hook(...))`` does the same in one call. ``state``
+    has ``state_dict``/``load_state_dict``/``stats``/``end_step``; ``state.hook`` is the
+    :class:`TAGCHook`."""
+    return bind_ddp(model, hook(*args, **settings), group)
+
+
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
-    """Install ``comm_hook`` on a SimpleFSDP, FSDP2 (``fully_shard``) or FSDP1 model; returns the model."""
+    """Install ``comm_hook`` on a SimpleFSDP, FSDP2 (``fully_shard``), FSDP1 or DDP
+    (``DistributedDataParallel``: :mod:`tagc.hooks.ddp`) model; returns the model."""
     from tagc.hooks.fsdp2 import register_fsdp2
 
     if not isinstance(comm_hook, TAGCHook):
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(comm_hook).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        register_ddp(model, comm_hook)
+        return model
     if getattr(model, "_simple_fsdp_units", None) is not None:  # SimpleFSDP: through its reduce-scatter hook point
         from tagc.hooks.simple import bind
 
@@ -138,6 +161,6 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
     if register_fsdp2(model, comm_hook) == 0:
         raise ValueError(
             "no FSDP module found: wrap the model first with fsdp_integration.simple_fsdp(...) (SimpleFSDP), "
-            "fully_shard(...) (FSDP2) or FullyShardedDataParallel (FSDP1)"
+            "fully_shard(...) (FSDP2), FullyShardedDataParallel (FSDP1) or DistributedDataParallel (DDP)"
         )
     return model

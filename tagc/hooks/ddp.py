@@ -1,0 +1,442 @@
+"""DDP adapter: every codec of the engine as a ``DistributedDataParallel`` comm hook.
+
+DDP hands a comm hook one bucket at a time: a flat buffer (``bucket.buffer()``) holding the
+gradients of ``bucket.parameters()`` back to back, which the hook replaces by their average over
+the ranks, returned in a future. :class:`DDPHookState` is DDP's ``state`` (the :class:`TAGCHook`
+with its settings and error-feedback state, bound to the model so ``select`` sees parameter
+names), :func:`ddp_comm_hook` the hook. Each bucket is reduced in one of four *forms*:
+
+* ``"allreduce"``: the buffer scaled by ``1/N``, then all-reduced: DDP's own reduction
+  (its gradients bit for bit). For ``codec="plain"`` with ``plain="fp32"``, and every step of a
+  dense warm-up with ``plain="fp32"``.
+* ``"sketch"``: the all-reduce form. TAGC (bitmap positions, float32 cells, ``fallback="estimate"``,
+  ``plain="fp32"``): each rank compresses its whole bucket once (the threshold planned for ``N``
+  ranks); the count-sketch tables and the plain columns are summed by one ``all_reduce(SUM)``
+  (sketches add); the 1-bit index is merged by ``all_reduce(BOR)`` on gloo (NCCL has no bitwise
+  reduction: an all-gather and OR there), the 4-bit rank counts by ``all_reduce(SUM)`` of the
+  packed nibbles (exact: at most 15 ranks, so no nibble carries). Every rank decodes the whole
+  bucket. PowerSGD (float32 values, ``plain="fp32"``) likewise, as torch's ``powerSGD_hook``
+  does: ``P`` with the uncompressed columns in one ``all_reduce``, then ``Q``; every rank forms
+  ``P Q^T`` itself.
+* ``"rs+ag"``: the engine's compressed reduce-scatter over the bucket cut as HSDP cuts a shard
+  (each parameter padded and cut into ``N`` pieces: rank ``j`` owns piece ``j`` of every
+  parameter), then an all-gather of the reduced pieces (float32, or bf16 with ``plain="bf16"``).
+  Every codec.
+* ``"gather"``: each rank's encoded pieces all-gathered and every rank decodes all ``N`` pieces
+  (fixed-shape wires: ``tagc``, ``topk``, the quantized peers).
+
+Bytes each rank sends per bucket of ``n`` elements (ring volumes; ``ring(x) = 2 (N-1) x / N``):
+``allreduce`` ``ring(4 n)``; ``sketch`` ``ring(4 T + 4 p) + ring(I)`` with ``T`` the sketch cells,
+``p`` the plain columns and ``I = ceil(n_c bits / 8)`` the index bytes of ``n_c`` compressed
+elements (``(N-1) I`` where the index is all-gathered); PowerSGD ``ring(4 (sum m r + sum n r + p))``;
+``rs+ag`` ``(N-1) (W + c s)`` with ``W`` the engine's wire bytes per rank row of a ``c``-element
+piece and ``s`` the all-gather's element size; ``gather`` ``(N-1) N W``. Where several forms apply
+the hook takes the one that sends the fewest bytes, chosen once per bucket from its settings
+(never from data), so a bucket keeps its form, and its residuals, from step to step.
+
+The ``sketch`` and ``gather`` forms decode on every rank, so the ranks' gradients must come out
+bit-identical: they run on the CPU, or on CUDA with ``torch.use_deterministic_algorithms(True)``;
+elsewhere the bucket goes ``rs+ag`` (one owner decodes each piece, everyone gathers its bits).
+
+Error feedback is keyed by the bucket's parameters (their names) and the part, as for FSDP, never
+by call order or bucket index. DDP's first iteration runs on buckets it rebuilds afterwards: that
+iteration is reduced as DDP reduces it and is not counted as a step (:meth:`DDPHookState.settled`).
+Steps are counted as the engine counts them (a bucket seen twice), or exactly by
+:meth:`DDPHookState.end_step` after ``optimizer.step()``. The hook is blocking per bucket except in the ``allreduce`` form, whose future completes when the all-reduce does.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tagc.hooks import nonfinite
+from tagc.hooks.codecs import TAGCCodec
+from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
+from tagc.hooks.fsdp2 import _GatheredWires, _gathers_wires, _parameters, _PendingAllReduce, _Pieces
+from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
+from tagc.hooks.segment import Segment
+from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.transport import backend_of
+from tagc.sketch.index import merge_index
+from tagc.sketch.kept_list import finite
+
+FORMS = ("allreduce", "sketch", "rs+ag", "gather")
+"""How a bucket is reduced (module docstring)."""
+
+
+def ring(nbytes: int, world: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N-1) / N`` of them."""
+    return 2 * (world - 1) * nbytes // world
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """One DDP bucket: its parameters as segments at their offsets in the flat buffer, its form."""
+
+    segments: tuple[Segment, ...]
+    numel: int
+    form: str | None = None
+    planned_bytes: dict = dataclasses.field(default_factory=dict)
+    pieces: dict = dataclasses.field(default_factory=dict)  # device -> _Pieces
+
+
+class DDPHookState:
+    """DDP's comm-hook state: a :class:`TAGCHook` bound to the DDP model that registers it.
+
+    ``model``: the :class:`~torch.nn.parallel.DistributedDataParallel` model (parameter names are
+    its module's; it also tells when its buckets are final: :meth:`settled`). ``group``: the process
+    group DDP reduces over (``None``: the default group, as DDP's)."""
+
+    def __init__(self, hook: TAGCHook, model: nn.parallel.DistributedDataParallel,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(hook, TAGCHook):
+            raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError(f"expected the DDP model (DistributedDataParallel) that registers the hook, got "
+                            f"{type(model).__name__}: wrap the module first, then bind the hook to the wrapper")
+        self.hook = hook
+        self.group = group
+        self._ddp = model
+        modules = dict(model.module.named_modules())
+        self._params = {id(p): (name, modules[name.rpartition(".")[0]]) for name, p in model.module.named_parameters()}
+        self._buckets: dict[tuple, _Bucket] = {}
+        self._unsettled_step = False  # this step's buckets were DDP's first ones, reduced as DDP does
+        hook.note_parameters(_parameters(model.module))  # the settings check compares what select picks
+
+    def settled(self) -> bool:
+        """Whether DDP's buckets are final. DDP rebuilds them once, in the order gradients became ready
+        in the first iteration (unless ``find_unused_parameters`` without ``static_graph``): buckets
+        of the first iteration differ from every later one's, so their residuals would be keyed for
+        buckets that never come back. Until then every bucket is reduced as DDP reduces it (as
+        torch's PowerSGD hook runs plain all-reduces first), and the step is not counted."""
+        ddp = self._ddp
+        return ddp._has_rebuilt_buckets or (ddp.find_unused_parameters and not ddp.static_graph)
+
+    # ------------------------------------------------------------------ delegation
+
+    def state_dict(self) -> dict:
+        """The hook's checkpoint state (:meth:`TAGCHook.state_dict`): step, settings, residuals."""
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict`'s output (:meth:`TAGCHook.load_state_dict`)."""
+        self.hook.load_state_dict(state)
+
+    def stats(self) -> dict:
+        """The hook's statistics (:meth:`TAGCHook.stats`)."""
+        return self.hook.stats()
+
+    def end_step(self) -> None:
+        """Close a step (after ``optimizer.step()``): exact step counting, e.g. with gradient accumulation.
+        A step before DDP's buckets are final (:meth:`settled`) is not counted."""
+        if self._unsettled_step:
+            self._unsettled_step = False
+            return
+        self.hook.end_step()
+
+    def forms(self) -> dict[str, tuple[str, dict]]:
+        """Every bucket seen: its parameters (joined by ``|``) -> ``(form, planned bytes per form)``."""
+        return {"|".join(s.name for s in b.segments): (b.form, dict(b.planned_bytes)) for b in self._buckets.values()
+                if b.form is not None}
+
+    # ------------------------------------------------------------------ the exchange
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Average ``bucket``'s buffer over the group in the bucket's form; a future of the buffer."""
+        buffer = bucket.buffer()
+        world = dist.get_world_size(self.group)
+        if world == 1:
+            return _done(buffer)
+        hook = self.hook
+        hook.verify(self.group, buffer.device)
+        if not self.settled():
+            self._unsettled_step = True
+            return self._allreduce(buffer, world)
+        self._unsettled_step = False
+        layout = self._layout(bucket, buffer)
+        hook._check_codec_world(world)
+        steady = hook._plan(layout.segments, layout.numel, world)
+        hook._begin_bucket(steady.key)  # one key per bucket and step, whatever the form: steps are counted
+        dense = hook.step_count < hook.dense_steps or not hook.codec.compresses
+        if dense and hook.plain_name == "fp32":  # DDP's own reduction
+            return self._allreduce(buffer, world)
+        if layout.form is None:
+            layout.form, layout.planned_bytes = self._choose(layout, buffer, world, steady)
+        if layout.form == "sketch" and hook.step_count >= hook.dense_steps:
+            plan = steady
+            if hook.warming_up:  # the density ramp: this stage's ratios, the same parts and residuals
+                plan = hook._plan(layout.segments, layout.numel, world, hook.step_count - hook.dense_steps)
+            self._sketch(buffer, plan, world)
+            return _done(buffer)
+        self._pieces_exchange(layout, buffer, world)
+        return _done(buffer)
+
+    def _layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _Bucket:
+        params = bucket.parameters()
+        key = (tuple(id(p) for p in params), buffer.numel())
+        if key not in self._buckets:
+            segments, start = [], 0
+            for param in params:
+                if id(param) not in self._params:
+                    raise ValueError("a parameter of this DDP bucket is not a parameter of the model the hook was "
+                                     "bound to: bind the hook to the DDP model that registers it")
+                name, module = self._params[id(param)]
+                segments.append(Segment(name, start, param.numel(), module, shape=tuple(param.shape)))
+                start += param.numel()
+            if start != buffer.numel():
+                raise ValueError(f"DDP bucket of {buffer.numel()} elements does not hold its parameters back to back "
+                                 f"({start} elements): sparse or strided gradients are not supported")
+            self._buckets[key] = _Bucket(tuple(segments), start)
+        return self._buckets[key]
+
+    def _allreduce(self, buffer: torch.Tensor, world: int) -> torch.futures.Future:
+        """DDP's own reduction without a hook: scale by ``1/N`` (its reducer multiplies by the reciprocal), then
+        all-reduce."""
+        nbytes = buffer.numel() * buffer.element_size()
+        self.hook._record(ExchangeStats(buckets=1, wire_bytes=ring(nbytes, world),
+                                        plain_equivalent_bytes=ring(buffer.numel() * 4, world)), None)
+        buffer.mul_(1.0 / world)  # as DDP's reducer scales a bucket without a hook: by the reciprocal
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    # ------------------------------------------------------------------ choosing a form
+
+    def _choose(self, layout: _Bucket, buffer: torch.Tensor, world: int, steady: _BucketPlan) -> tuple[str, dict]:
+        """The form sending the fewest bytes among those the settings allow (module docstring)."""
+        hook = self.hook
+        identical = buffer.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+        planned = {}
+        sketch = self._sketch_bytes(steady, world, buffer.device) if identical else None
+        if sketch is not None:
+            planned["sketch"] = sketch
+        if not isinstance(hook.codec, PowerSGDCodec):  # powersgd's wire follows the shapes: not planned in bytes
+            pieces = self._pieces(layout, world, buffer.device)
+            chunk = pieces.index.shape[1]
+            row = hook.wire_row_bytes(pieces.segments, chunk, world, buffer.dtype)
+            gather_size = 2 if hook.plain_name == "bf16" else buffer.element_size()
+            planned["rs+ag"] = (world - 1) * (row + chunk * gather_size)
+            if identical and all(part.codec.traceable() for part in hook._plan(pieces.segments, chunk, world).parts):
+                planned["gather"] = (world - 1) * world * row
+        if not planned:
+            return "rs+ag", planned
+        return min(planned, key=lambda form: (planned[form], FORMS.index(form))), planned
+
+    def _sketch_bytes(self, plan: _BucketPlan, world: int, device: torch.device) -> int | None:
+        """Bytes of the all-reduce form, or ``None`` where the settings do not allow it."""
+        hook = self.hook
+        if hook.plain_name != "fp32" or not plan.compressed:
+            return None
+        plain = sum(p.numel for p in plan.parts if p.codec is hook.plain)
+        compressed = [p for p in plan.parts if p.codec is not hook.plain]
+        if all(isinstance(p.codec, TAGCCodec) for p in compressed):
+            if any(p.codec.positions != "bitmap" or p.codec.value_dtype != torch.float32
+                   or p.codec.config.fallback != "estimate" for p in compressed):
+                return None
+            cells = sum(p.codec.layout(p.numel).table_numel for p in compressed)
+            index = sum(-(-p.numel * p.codec.config.index_bits // 8) for p in compressed)
+            gathered = self._index_gathered(compressed[0].codec.config.index_bits, device)
+            return ring(4 * (cells + plain), world) + ((world - 1) * index if gathered else ring(index, world))
+        if all(isinstance(p.codec, PowerSGDCodec) for p in compressed) and len(compressed) == 1:
+            codec = compressed[0].codec
+            if codec.value_dtype != torch.float32:
+                return None
+            shapes = codec._layouts[compressed[0].key]
+            plain += sum(count for _, count in shapes.plain)
+            return ring(4 * (sum(shapes.p_sizes) + plain), world) + ring(4 * sum(shapes.q_sizes), world)
+        return None
+
+    def _index_gathered(self, bits: int, device: torch.device) -> bool:
+        """Whether the 1-bit index is merged by all-gather and OR (no bitwise all-reduce on the backend)."""
+        return bits == 1 and backend_of(self.group, device) != "gloo"
+
+    # ------------------------------------------------------------------ the all-reduce form
+
+    def _sketch(self, buffer: torch.Tensor, plan: _BucketPlan, world: int) -> None:
+        hook = self.hook
+        n = buffer.numel()
+        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=ring(4 * n, world))
+        compressed = [p for p in plan.parts if p.codec is not hook.plain]
+        plain = [p for p in plan.parts if p.codec is hook.plain]
+        for part in compressed:
+            hook._check_restored_part(part)
+        if isinstance(compressed[0].codec, PowerSGDCodec):
+            summed = self._powersgd(buffer, compressed[0], plain, stats, world)
+        else:
+            summed = self._tagc(buffer, compressed, plain, stats, world)
+        scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
+        hook._record(stats, None)
+        if hook.nonfinite == "raise" and bool(stats.nonfinite_parts):  # no host read under "propagate"
+            raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank "
+                                     "(nonfinite='raise')")
+
+    def _all_reduce(self, tensor: torch.Tensor, stats: ExchangeStats, op=dist.ReduceOp.SUM) -> None:
+        stats.wire_bytes += ring(tensor.numel() * tensor.element_size(), dist.get_world_size(self.group))
+        dist.all_reduce(tensor, op=op, group=self.group)
+
+    def _tagc(self, buffer: torch.Tensor, parts: list[_Part], plain: list[_Part], stats: ExchangeStats,
+              world: int) -> torch.Tensor:
+        """TAGC's all-reduce form: compress every part whole, sum the tables, merge the indexes, decode."""
+        device = buffer.device
+        indexes, tables = [], []
+        for part in parts:
+            codec: TAGCCodec = part.codec
+            grad = buffer[part.index(device)].view(1, part.numel)
+            residual = codec.residuals.get(part.key)
+            if residual is None:
+                residual = codec.residuals[part.key] = torch.zeros_like(grad, dtype=codec.residual_dtype)
+            ok, grad = nonfinite.zero_unless_finite(grad)
+            cap, _ = codec._capacity(part.numel, world)
+            index, table, held = nonfinite.compress_(ok, grad, residual, codec.config.density(world),
+                                                     codec.layout(part.numel), codec.config.index_bits, cap)
+            stats.overflow = stats.overflow + held
+            indexes.append(index.reshape(-1))
+            tables.append(table.reshape(-1).float())
+        values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)
+        self._all_reduce(values, stats)
+        merged = self._merge_indexes(torch.cat(indexes), parts[0].codec.config.index_bits, stats)
+        summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
+        at = 0
+        for part in plain:
+            summed[part.index(device)] = values[at : at + part.numel]
+            at += part.numel
+        index_at = 0
+        for part in parts:
+            codec = part.codec
+            layout = codec.layout(part.numel)
+            table = values[at : at + layout.table_numel]
+            index_bytes = -(-part.numel * codec.config.index_bits // 8)
+            union = merged[index_at : index_at + index_bytes]
+            bits = codec.config.index_bits
+            summed[part.index(device)] = nonfinite.decode_(table, union, layout, bits, "estimate", stats)
+            at += layout.table_numel
+            index_at += index_bytes
+        return summed
+
+    def _merge_indexes(self, index: torch.Tensor, bits: int, stats: ExchangeStats) -> torch.Tensor:
+        """Every rank's index bytes merged: OR of the 1-bit bitmaps, sum of the 4-bit counts."""
+        if bits == 4:
+            self._all_reduce(index, stats)  # packed nibbles add without carrying: at most 15 ranks
+            return index
+        if not self._index_gathered(bits, index.device):
+            self._all_reduce(index, stats, dist.ReduceOp.BOR)
+            return index
+        world = dist.get_world_size(self.group)
+        gathered = index.new_empty(world * index.numel())
+        dist.all_gather_into_tensor(gathered, index, group=self.group)
+        stats.wire_bytes += (world - 1) * index.numel()
+        rows = gathered.view(world, -1)
+        merged = rows[0]
+        for row in rows[1:]:  # one OR per rank, not per element
+            merged = merge_index(merged, row, 1)
+        return merged
+
+    def _powersgd(self, buffer: torch.Tensor, part: _Part, plain: list[_Part], stats: ExchangeStats,
+                  world: int) -> torch.Tensor:
+        """PowerSGD's all-reduce form, the DDP hook's algorithm on the codec's state (:mod:`tagc.hooks.powersgd`)."""
+        codec: PowerSGDCodec = part.codec
+        shapes = codec._layouts[part.key]
+        device = buffer.device
+        grad = buffer[part.index(device)]
+        ms, qs = [], []
+        for mat in shapes.matrices:
+            name = f"{part.key}/{mat.name}"
+            m = grad[mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols).to(torch.float32, copy=True)
+            residual = codec.residuals.get(name)
+            if residual is not None:
+                m.add_(residual)
+            ms.append(m)
+            qs.append(orthonormal(codec._q(name, mat, device)))
+        uncompressed = [grad[start : start + count] for start, count in shapes.plain]
+        uncompressed += [buffer[p.index(device)] for p in plain]
+        first = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)] + [t.float() for t in uncompressed])
+        self._all_reduce(first, stats)
+        p_total = sum(shapes.p_sizes)
+        summed_ps = first[:p_total].split(shapes.p_sizes)
+        ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
+        second = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else first.new_zeros(0)
+        self._all_reduce(second, stats)
+        summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
+        values = torch.empty(part.numel, dtype=torch.float32, device=device)
+        for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, second.split(shapes.q_sizes)):
+            name = f"{part.key}/{mat.name}"
+            q = q.view(mat.cols, mat.rank)
+            approx = p @ q.T
+            ok = finite(q)  # the summed Q: the same on every rank
+            stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
+            old = codec.residuals.get(name)
+            kept = torch.where(ok, m - approx / world, old if old is not None else 0.0)
+            codec.residuals[name] = kept.to(codec.residual_dtype)
+            if codec.warm_start:
+                codec.qs[name] = torch.where(ok, q / world, codec.qs.get(name, q_used))
+            values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
+        at = p_total
+        for start, count in shapes.plain:
+            values[start : start + count] = first[at : at + count]
+            at += count
+        summed[part.index(device)] = values
+        for p in plain:
+            summed[p.index(device)] = first[at : at + p.numel]
+            at += p.numel
+        return summed
+
+    # ------------------------------------------------------------------ the reduce-scatter forms
+
+    def _pieces(self, layout: _Bucket, world: int, device: torch.device) -> _Pieces:
+        """The bucket cut as HSDP cuts a shard, each piece keeping its parameter's shape (piece ``j`` of a
+        parameter is its ``j``-th contiguous slice, so the rows' concatenation is the parameter: powersgd)."""
+        if device not in layout.pieces:
+            pieces = _Pieces.build(layout.segments, layout.numel, world, device)
+            whole = [s for s in layout.segments if s.numel]
+            shaped = tuple(dataclasses.replace(p, shape=s.shape) for p, s in zip(pieces.segments, whole))
+            layout.pieces[device] = dataclasses.replace(pieces, segments=shaped)
+        return layout.pieces[device]
+
+    def _pieces_exchange(self, layout: _Bucket, buffer: torch.Tensor, world: int) -> None:
+        """``rs+ag`` or ``gather`` (during a dense warm-up with ``plain`` not fp32: ``rs+ag``)."""
+        hook = self.hook
+        pieces = self._pieces(layout, world, buffer.device)
+        rows = torch.cat([buffer, buffer.new_zeros(1)])[pieces.index]
+        chunk = buffer.new_empty(pieces.index.shape[1])
+        gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else buffer.dtype
+        op = dist.ReduceOp.AVG
+        if layout.form == "gather" and _gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
+            _GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats()).wait()
+            return
+        pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments)
+        gathered = (world - 1) * chunk.numel()
+        pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
+                                        plain_equivalent_bytes=gathered * 4))
+        _PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype).wait()
+
+
+def _done(buffer: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def ddp_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP comm hook: ``ddp_model.register_comm_hook(state, ddp_comm_hook)``; the future's value is
+    the bucket's averaged flat gradient."""
+    return state.reduce(bucket)
+
+
+def bind_ddp(model: nn.parallel.DistributedDataParallel, hook: TAGCHook,
+             group: dist.ProcessGroup | None = None) -> tuple[DDPHookState, Callable]:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``, bound to ``model``."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and group is None:
+        group = model.process_group
+    return DDPHookState(hook, model, group), ddp_comm_hook
+
+
+def register_ddp(model: nn.parallel.DistributedDataParallel, hook: TAGCHook) -> DDPHookState:
+    """Install ``hook`` on a DDP model (over the group DDP reduces over); returns the state."""
+    state, comm_hook = bind_ddp(model, hook)
+    model.register_comm_hook(state, comm_hook)
+    return state
+
+
+__all__ = ["FORMS", "DDPHookState", "bind_ddp", "ddp_comm_hook", "register_ddp", "ring"]

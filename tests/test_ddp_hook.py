@@ -1,0 +1,347 @@
+"""``tagc.ddp_hook``: every codec of the engine as a DDP comm hook, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tagc
+from tagc.hooks.ddp import DDPHookState, ring
+from tests.distributed import run_ranks
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 64, generator=generator), torch.randn(16, 48, generator=generator)
+
+
+def _grads(ddp: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    ddp.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    return [p.grad.detach().clone() for p in ddp.parameters()]
+
+
+def _ddp(module: nn.Module) -> DDP:
+    return DDP(module, bucket_cap_mb=0.03)  # several buckets: 30 kB each
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+def _plain_vs_ddp(rank: int, world: int) -> list[bool]:
+    reference, hooked = _ddp(_model()), _ddp(_model())
+    tagc.register_comm_hook(hooked, tagc.hook(codec="plain", select="all"))
+    return [all(torch.equal(a, b) for a, b in zip(_grads(reference, rank, step), _grads(hooked, rank, step)))
+            for step in range(3)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plain_is_bit_identical_to_ddp(world):
+    """codec="plain": DDP's own scaling by 1/N before its all-reduce, so the gradients are DDP's bit for bit (3 ranks:
+    a division by 3, before or after the sum, differs from the scaling in the last bit: the order is checked too)."""
+    for result in run_ranks(_plain_vs_ddp, world):
+        assert result == [True, True, True]
+
+
+def _local_grads(module: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    local = copy.deepcopy(module)
+    local.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.mse_loss(local(x), y).backward()
+    return [p.grad.detach().clone() for p in local.parameters()]
+
+
+def _residual_per_parameter(state: DDPHookState) -> dict[str, torch.Tensor]:
+    """This rank's error-feedback residuals, mapped from each bucket form's keys back to parameters."""
+    hook, world = state.hook, dist.get_world_size()
+    out = {name: torch.zeros(p.numel()) for name, p in state._ddp.module.named_parameters()}
+    for layout in state._buckets.values():
+        flat = torch.zeros(layout.numel + 1)
+        if layout.form == "sketch":
+            plan = hook._plan(layout.segments, layout.numel, world)
+            for part in plan.parts:
+                if part.codec is hook.plain:
+                    continue
+                if hook.codec.name == "powersgd":
+                    for segment in layout.segments:
+                        residual = hook.codec.residuals.get(f"{part.key}/{segment.name}")
+                        if residual is not None:
+                            flat[segment.start : segment.start + segment.numel] += residual.reshape(-1).float()
+                else:
+                    flat[: layout.numel][part.columns] += hook.codec.residuals[part.key][0].float()
+        else:
+            pieces = state._pieces(layout, world, torch.device("cpu"))
+            plan = hook._plan(pieces.segments, pieces.index.shape[1], world)
+            for part in plan.parts:
+                residual = getattr(part.codec, "residuals", {}).get(part.key)
+                if part.codec is not hook.plain and residual is not None:
+                    flat.index_add_(0, pieces.index[:, part.columns].reshape(-1), residual.reshape(-1).float())
+        for segment in layout.segments:
+            out[segment.name] = flat[segment.start : segment.start + segment.numel].clone()
+    return out
+
+
+CODECS = {
+    "tagc": {"ratio": 4},
+    "tagc-coded": {"codec": "tagc", "ratio": 4, "positions": "coded"},
+    "topk": {"codec": "topk", "ratio": 4},
+    "sign": {"codec": "sign"},
+    "powersgd": {"codec": "powersgd", "rank": 2},
+    "bf16": {"codec": "bf16"},
+    "fp8": {"codec": "fp8"},
+    "int4": {"codec": "int4"},
+}
+
+
+def _every_codec(rank: int, world: int) -> dict:
+    results = {}
+    for label, settings in CODECS.items():
+        model = _model()
+        ddp = _ddp(copy.deepcopy(model))
+        state, hook_fn = tagc.ddp_hook(ddp, select="all", dense_steps=0, min_compress_numel=1, **settings)
+        ddp.register_comm_hook(state, hook_fn)
+        names = [name for name, _ in model.named_parameters()]
+        steps = []
+        before = {name: torch.zeros(p.numel()) for name, p in model.named_parameters()}
+        for step in range(3):  # the first on DDP's first buckets, reduced as DDP does; two compressed
+            local = _local_grads(model, rank, step)
+            got = _grads(ddp, rank, step)
+            state.end_step()
+            after = _residual_per_parameter(state)
+            records = []
+            for name, g, avg in zip(names, local, got):
+                gathered = [torch.empty_like(g) for _ in range(world)]
+                dist.all_gather(gathered, g)
+                res_after = [torch.empty_like(after[name]) for _ in range(world)]
+                dist.all_gather(res_after, after[name])
+                res_before = [torch.empty_like(before[name]) for _ in range(world)]
+                dist.all_gather(res_before, before[name])
+                records.append({"name": name, "grads": torch.stack(gathered).double(), "avg": avg.double(),
+                                    "res_before": torch.stack(res_before).double(),
+                                    "res_after": torch.stack(res_after).double()})
+            before = after
+            steps.append(records)
+        results[label] = {"steps": steps, "stats": state.stats()["last_step"], "forms": state.forms()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def every_codec():
+    return run_ranks(_every_codec, 2, timeout_s=240.0)
+
+
+def test_ranks_agree(every_codec):
+    """DDP replicas must stay identical: every form gives both ranks the same bits."""
+    for label in CODECS:
+        for step0, step1 in zip(every_codec[0][label]["steps"], every_codec[1][label]["steps"]):
+            for a, b in zip(step0, step1):
+                assert torch.equal(a["avg"], b["avg"]), (label, a["name"])
+
+
+@pytest.mark.parametrize("label", ["tagc", "tagc-coded", "topk", "sign", "powersgd"])
+def test_error_feedback_conserves_mass(every_codec, label):
+    """What the ranks sent (N times the average) plus what they kept equals what they produced: sum of grads
+    plus the residuals they started from, to float32 rounding of the magnitudes involved."""
+    result = every_codec[0][label]
+    sent_something = False
+    for step, records in enumerate(result["steps"]):
+        for r in records:
+            world = r["grads"].shape[0]
+            produced = r["grads"].reshape(world, -1).sum(0) + r["res_before"].sum(0)
+            accounted = world * r["avg"].reshape(-1) + r["res_after"].sum(0)
+            scale = (r["grads"].abs().reshape(world, -1).sum(0) + r["res_before"].abs().sum(0)
+                     + r["res_after"].abs().sum(0))
+            assert ((accounted - produced).abs() <= 1e-5 * scale + 1e-30).all(), (label, r["name"])
+            sent_something |= bool((r["avg"] != 0).any())
+            if step and label != "powersgd":  # compressed steps: not everything went, the residual holds the rest
+                assert r["res_after"].abs().sum() > 0 or r["grads"].abs().sum() == 0
+    assert sent_something
+
+
+def test_tagc_all_reduce_form(every_codec):
+    """TAGC takes the all-reduce form (the summed sketch, the OR-ed index), peels everything, sends elements,
+    and the bytes on the wire are the planned ones."""
+    result = every_codec[0]["tagc"]
+    stats = result["stats"]
+    assert stats["peel_success"] == 1.0 and stats["support"] > 0 and stats["nonfinite_parts"] == 0
+    forms = result["forms"]
+    assert {form for form, _ in forms.values()} == {"sketch"}
+    planned = sum(bytes_[form] for form, bytes_ in forms.values())
+    assert stats["wire_bytes"] == planned  # the last step: every bucket compressed
+    for form, bytes_ in forms.values():  # the chosen form is the leanest of those planned
+        assert bytes_[form] == min(bytes_.values())
+
+
+def test_reduce_scatter_forms_are_taken_where_leaner(every_codec):
+    """Coded positions cannot be added in an all-reduce: they go by a reduce-scatter form, as do the peers."""
+    for label in ("tagc-coded", "topk", "sign", "int4"):
+        forms = every_codec[0][label]["forms"]
+        assert all(form in ("rs+ag", "gather") and bytes_[form] == min(bytes_.values())
+                   for form, bytes_ in forms.values()), (label, forms)
+
+
+@pytest.mark.parametrize("label,bound", [("bf16", "relative"), ("fp8", 2.0**-4), ("int4", 1 / 14)])
+def test_quantized_bounds(every_codec, label, bound):
+    """bf16 within 2^-8 of each value; fp8 / int4 within 2^-4 / 1/14 of the block's largest magnitude
+    (bounded here by the rank's largest), against the exact average."""
+    for records in every_codec[0][label]["steps"][1:]:  # the compressed steps
+        largest = torch.stack([r["grads"].reshape(r["grads"].shape[0], -1).abs().amax(1) for r in records]).amax(0)
+        for r in records:
+            grads = r["grads"]
+            exact = grads.mean(0)
+            error = (r["avg"] - exact).abs()
+            if bound == "relative":
+                limit = 2.0**-8 * grads.abs().mean(0) + 1e-12
+            else:
+                limit = bound * largest.mean() + 1e-12  # each rank's error within bound x its largest magnitude
+            assert (error <= limit).all(), (label, r["name"], float((error - limit).max()))
+            assert (error > 0).any() or label == "bf16"  # the codec really quantized (no plain fallback)
+
+
+# ---------------------------------------------------------------------------------------------- the peer
+
+
+def _powersgd_vs_torch(rank: int, world: int, r: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    torch.manual_seed(0)
+    module = nn.Linear(32, 48)
+    ours, theirs = DDP(copy.deepcopy(module)), DDP(copy.deepcopy(module))
+    # torch's start_powerSGD_iter counts DDP's first iteration, which our hook reduces as DDP does and does not count
+    ours.register_comm_hook(*tagc.ddp_hook(ours, codec="powersgd", rank=r, select="all", dense_steps=1,
+                                           min_compress_numel=1))
+    state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+    theirs.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+    sent = {"ours": [], "theirs": []}
+    real_all_reduce = dist.all_reduce
+    out = []
+    for step in range(4):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(1, 32, generator=generator)  # one sample per rank: the summed weight gradient has rank <= 2
+        y = torch.randn(1, 48, generator=generator)
+        row = {}
+        for label, model in (("ours", ours), ("theirs", theirs)):
+            def counting(tensor, *args, _label=label, _step=step, **kwargs):
+                if _step >= 2:
+                    sent[_label].append(tensor.numel() * tensor.element_size())
+                return real_all_reduce(tensor, *args, **kwargs)
+
+            dist.all_reduce = counting
+            try:
+                model.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(model(x), y).backward()
+            finally:
+                dist.all_reduce = real_all_reduce
+            row[label] = [p.grad.clone() for p in model.parameters()]
+        exact = []
+        for p in module.parameters():
+            p.grad = None
+        nn.functional.mse_loss(module(x), y).backward()
+        for p in module.parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            exact.append(g / world)
+        row["exact"] = exact
+        out.append(row)
+    return {"steps": out, "sent": sent}
+
+
+def test_powersgd_matches_torch_powersgd_hook():
+    """Our powersgd and torch's powerSGD_hook at rank 2 on a gradient of rank 2: both reconstruct the exact
+    average to float32 rounding (so agree with each other), and all-reduce the same bytes (P, Q, the bias)."""
+    result = run_ranks(_powersgd_vs_torch, 2, 2)[0]
+    for step, row in enumerate(result["steps"]):
+        for ours, theirs, exact in zip(row["ours"], row["theirs"], row["exact"]):
+            scale = exact.abs().max()
+            assert (ours - exact).abs().max() <= 1e-5 * scale, step
+            assert (theirs - exact).abs().max() <= 1e-5 * scale, step
+            assert (ours - theirs).abs().max() <= 1e-5 * scale, step
+    # steps 2 and 3 compressed: torch all-reduces the bias, P (48 x 2) and Q (32 x 2); we P with the bias, then Q
+    assert sum(result["sent"]["ours"]) == sum(result["sent"]["theirs"]) == 2 * 4 * (48 + 48 * 2 + 32 * 2)
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def _mismatch(rank: int, world: int) -> str:
+    ddp = _ddp(_model())
+    tagc.register_comm_hook(ddp, tagc.hook(ratio=8 if rank else 10, select="all", dense_steps=0, min_compress_numel=1))
+    try:
+        _grads(ddp, rank, 0)
+    except Exception as error:  # noqa: BLE001 - DDP may wrap it; the message is what matters
+        return str(error)
+    return ""
+
+
+def test_mismatched_settings_raise_on_every_rank():
+    for message in run_ranks(_mismatch, 2):
+        assert "settings differ across ranks" in message and "ratio" in message
+
+
+def test_bad_arguments():
+    model = _model()
+    with pytest.raises(ValueError, match="codec must be one of"):
+        tagc.ddp_hook(model, codec="nope")
+    with pytest.raises(ValueError, match="apply only to codecs|applies only to codecs"):
+        tagc.ddp_hook(model, ratio=10, codec="bf16")
+    with pytest.raises(TypeError, match="DDP model"):
+        tagc.ddp_hook("model", ratio=10)
+    with pytest.raises(TypeError, match="tagc.hook"):
+        DDPHookState(object(), model)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        tagc.ddp_hook(model, ratio=10)  # the module, not its DDP wrapper
+
+
+def test_ring_bytes():
+    assert ring(1000, 2) == 1000 and ring(1000, 4) == 1500 and ring(1000, 1) == 0
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _hooked(settings: dict) -> tuple[DDP, DDPHookState]:
+    ddp = _ddp(_model())
+    state, hook_fn = tagc.ddp_hook(ddp, **settings)
+    ddp.register_comm_hook(state, hook_fn)
+    return ddp, state
+
+
+def _checkpoint(rank: int, world: int) -> list[bool]:
+    settings = {"ratio": 4, "select": "all", "dense_steps": 1, "min_compress_numel": 1}
+    original, state = _hooked(settings)
+    for step in range(4):  # DDP's first buckets, one dense step, two compressed
+        _grads(original, rank, step)
+        state.end_step()
+    saved = state.state_dict()
+    restored, restored_state = _hooked(settings)  # a new process: a new DDP model
+    restored_state.load_state_dict(saved)
+    fresh, fresh_state = _hooked(settings)  # the same, without the residuals
+    fresh_state.load_state_dict({key: value for key, value in saved.items() if not key.startswith("residual.")})
+    for model, hook_state in ((restored, restored_state), (fresh, fresh_state)):  # DDP's first buckets
+        _grads(model, rank, 99)
+        hook_state.end_step()
+    checks = [any(key.startswith("residual.") for key in saved)]
+    for step in range(4, 6):
+        a, b, c = _grads(original, rank, step), _grads(restored, rank, step), _grads(fresh, rank, step)
+        for s in (state, restored_state, fresh_state):
+            s.end_step()
+        checks.append(all(torch.equal(x, y) for x, y in zip(a, b)))
+        checks.append(not all(torch.equal(x, z) for x, z in zip(a, c)))  # the residuals matter
+    return checks
+
+
+def test_checkpoint_round_trip():
+    """The restored hook continues bit for bit as the original; a hook without the residuals does not."""
+    for result in run_ranks(_checkpoint, 2):
+        assert all(result), result
