@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,10 @@ from tagc.hooks.hierarchy import Topology, group_ranks, layout
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import is_embedding_or_head, non_attention_linear, select_none
 
-if TYPE_CHECKING:  # the engine imports this module
-    from tagc.hooks.engine import TAGCHook, _BucketPlan
+TAGCHook = Any
+"""A :class:`tagc.hooks.engine.TAGCHook`, read by duck typing: the engine imports this module."""
+_BucketPlan = Any
+"""A :class:`tagc.hooks.engine._BucketPlan`."""
 
 PLAIN_BYTES_PER_ELEMENT = 4
 """The fair baseline sends float32 (as the engine's ``plain_equivalent_bytes`` counts it)."""
@@ -115,14 +117,14 @@ class Description:
         return render(self)
 
 
-def describe(hook: "TAGCHook", model: nn.Module) -> str:
+def describe(hook: TAGCHook, model: nn.Module) -> str:
     """A table of what ``hook`` does to ``model`` (a SimpleFSDP, FSDP2 or FSDP1 model): every
     parameter, compressed or plain, at which ratio and by which codec, and the planned wire bytes per
     step against plain, per unit and in all (:func:`describe_plan` gives the rows)."""
     return render(describe_plan(hook, model))
 
 
-def describe_plan(hook: "TAGCHook", model: nn.Module) -> Description:
+def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
     """The rows behind :func:`describe`: the engine's plan of every unit of ``model`` under ``hook``.
 
     Needs ``torch.distributed`` initialised (the units' groups give the world size); runs no
@@ -153,7 +155,7 @@ def describe_plan(hook: "TAGCHook", model: nn.Module) -> Description:
                        tuple(parameters), tuple(buckets))
 
 
-def warn_if_weak_selection(hook: "TAGCHook") -> None:
+def warn_if_weak_selection(hook: TAGCHook) -> None:
     """Warn when ``hook`` compresses nothing, or only embeddings and LM heads, in the buckets it has
     planned (for the engine, at the end of the first step: every bucket has been seen).
 
@@ -239,7 +241,7 @@ def _part_bytes(part, world: int, dtype: torch.dtype) -> int:
     return (world - 1) * sum(wire.row_bytes for wire in part.codec.wire(part.numel, world, dtype))
 
 
-def _column_bytes(plan: "_BucketPlan", chunk: int, world: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _column_bytes(plan: _BucketPlan, chunk: int, world: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """Per column of the chunk, its part's wire bytes per step spread evenly over the part's columns;
     ``None`` when a part's wire is not fixed by the settings (``powersgd``)."""
     shares = torch.zeros(chunk, dtype=torch.float64)
@@ -252,7 +254,7 @@ def _column_bytes(plan: "_BucketPlan", chunk: int, world: int, dtype: torch.dtyp
     return shares
 
 
-def _segment_codecs(hook: "TAGCHook", plan: "_BucketPlan",
+def _segment_codecs(hook: TAGCHook, plan: _BucketPlan,
                     segments: Sequence[Segment]) -> Iterator[tuple[Segment, bool, str, Optional[float]]]:
     """Each segment with whether the hook's codec takes its columns in ``plan`` (the plain columns'
     part holds the hook's plain codec itself), that codec's name and the segment's ratio (compressed
@@ -269,7 +271,7 @@ def _segment_codecs(hook: "TAGCHook", plan: "_BucketPlan",
         yield segment, compressed, part.codec.name, ratio
 
 
-def _topology(hook: "TAGCHook", group) -> Topology:
+def _topology(hook: TAGCHook, group) -> Topology:
     """The group's topology as the engine uses it: the hook's own once it has exchanged on the group;
     before that from the ranks alone (:func:`tagc.hooks.hierarchy.layout`), without making the subgroups
     (a collective): a hierarchical one is then marked by its group standing in for the cross group."""
@@ -286,7 +288,7 @@ def _one_row(segment: Segment) -> list[tuple[str, Optional[tuple[int, ...]], int
     return [(segment.name, segment.shape, segment.numel)]
 
 
-def _buckets(hook: "TAGCHook", model: nn.Module) -> Iterator[tuple]:
+def _buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     """``(label, segments, chunk, group, dtype, rows)`` for every unit of ``model``, as its adapter
     hands them to the engine; ``rows(segment)`` lists the parameters a segment holds."""
     units = getattr(model, "_simple_fsdp_units", None)
@@ -316,7 +318,7 @@ def _simple_fsdp_buckets(units) -> Iterator[tuple]:
         yield unit.name, segments, bucket.chunk, bucket.group, dtype, _one_row
 
 
-def _fsdp2_buckets(hook: "TAGCHook", model: nn.Module) -> Iterator[tuple]:
+def _fsdp2_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
@@ -348,20 +350,21 @@ def _fsdp2_buckets(hook: "TAGCHook", model: nn.Module) -> Iterator[tuple]:
         yield label, tuple(segments), start, group.mesh_info.shard_process_group, dtype, _one_row
 
 
-def _fsdp1_buckets(hook: "TAGCHook", model: nn.Module) -> Iterator[tuple]:
+def _fsdp1_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from tagc.hooks.fsdp1 import _clean, _UnitState
-
-    paths = {id(module): _clean(name) for name, module in model.named_modules()}
     for unit in FSDP.fsdp_modules(model):
         handle = unit._handle
         if handle is None:
             continue
+        state = unit._comm_hook_state  # the adapter's own per-unit state (tagc.hooks.fsdp1), set at registration
+        if getattr(state, "hook", None) is not hook:
+            raise ValueError("describe an FSDP1 model after installing this hook on it: "
+                             "tagc.register_comm_hook(model, hook)")
+        prefix = state.prefix
         flat = handle.flat_param
-        prefix = f"{paths[id(unit)]}." if paths.get(id(unit)) else ""
         chunk = flat._sharded_size.numel()
-        segments = _UnitState(hook, unit, prefix).segments(chunk)  # the one segment the FSDP1 adapter plans
+        segments = state.segments(chunk)  # the one segment the FSDP1 adapter plans
         world = dist.get_world_size(unit.process_group)
         # FSDP1 splits the flat buffer by position: a parameter's columns per rank are about numel / world
         params = [(prefix + fqn, tuple(shape), -(-numel // world))
