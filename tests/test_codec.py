@@ -28,7 +28,8 @@ def simulate_ranks(layout, ranks, density, bits, dtype=torch.float32, gen=None):
     exact = torch.zeros(layout.numel, dtype=torch.float64)
     union = torch.zeros(layout.numel, dtype=torch.bool)
     for _ in range(ranks):
-        values = (torch.randn(layout.numel, generator=gen) * (torch.rand(layout.numel, generator=gen) < density)).to(dtype)
+        mask = torch.rand(layout.numel, generator=gen) < density
+        values = (torch.randn(layout.numel, generator=gen) * mask).to(dtype)
         exact += values.double()
         union |= values != 0
         table += encode(values, layout)
@@ -63,7 +64,8 @@ def test_lossless_at_planned_density(numel, ranks, bits):
 @pytest.mark.parametrize("ratio", [2, 5, 32])
 def test_lossless_at_other_ratios(ratio):
     layout = SketchLayout(300_000, ratio)
-    table, index, exact, _ = simulate_ranks(layout, 2, plan_density(ratio, 2), 1, gen=torch.Generator().manual_seed(ratio))
+    gen = torch.Generator().manual_seed(ratio)
+    table, index, exact, _ = simulate_ranks(layout, 2, plan_density(ratio, 2), 1, gen=gen)
     decoded, stats = decode(table, index, layout, 1, fallback="error")
     assert stats.unpeeled == 0 and relative_error(decoded, exact) <= 1e-6
 

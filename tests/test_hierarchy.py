@@ -77,7 +77,8 @@ def _engine(rank, world):
         everyone = [torch.empty_like(kept) for _ in range(world)]
         dist.all_gather(everyone, kept)
         expected = sum(everyone[h * PER_HOST + local][host] for h in range(HOSTS)) / world
-        unions.append(int((sum((everyone[h * PER_HOST + local][host, : CHUNK - 500] != 0).int() for h in range(HOSTS)) > 0).sum()))
+        sent_by = [everyone[h * PER_HOST + local][host, : CHUNK - 500] != 0 for h in range(HOSTS)]
+        unions.append(int((sum(s.int() for s in sent_by) > 0).sum()))
         checks.append(((outs[-1] - expected).norm() / expected.norm()).item())
         checks.append(bool(torch.equal(outs[-1] != 0, expected != 0)))
     residuals = {k: [tuple(r.shape) for r in v] for k, v in hook.residuals.items()}

@@ -44,8 +44,9 @@ def lossless_transport(rank, world, bits):
         assert ((kept[:, part.columns] == 0) | (res == 0)).all()
         for row, held in zip(kept[:, part.columns], res):
             size = row.numel()
-            rows.append((int((row != 0).sum()), keep_limit(size, density), capacity(size, density),
-                         row[row != 0].abs().min().item() if (row != 0).any() else float("inf"), held.abs().max().item()))
+            sent = row[row != 0].abs()
+            rows.append((sent.numel(), keep_limit(size, density), capacity(size, density),
+                         sent.min().item() if sent.numel() else float("inf"), held.abs().max().item()))
     everyone = [torch.empty_like(kept) for _ in range(world)]
     dist.all_gather(everyone, kept)
     # the expected shard: the plain bias is the exact mean of the gradients; the compressed columns the mean
@@ -53,7 +54,8 @@ def lossless_transport(rank, world, bits):
     # as the plan asks for
     expected = sum(k[rank] for k in everyone) / world
     union = sum((k[rank] != 0).int() for k in everyone) > 0
-    return out, expected, hook.stats(), density, rows, int(union[: CHUNK - 1000 - 150_000].sum() + union[-150_000:].sum())
+    compressed_union = int(union[: CHUNK - 1000 - 150_000].sum() + union[-150_000:].sum())  # the bias is plain
+    return out, expected, hook.stats(), density, rows, compressed_union
 
 
 @pytest.mark.parametrize("world, bits", [(2, 1), (3, 4), (4, 1)])
@@ -162,6 +164,9 @@ MISMATCHES = [
     ("dense_steps", dict(dense_steps=0), dict(dense_steps=2)),
     ("ramp_steps", dict(ramp_steps=0), dict(ramp_steps=4)),
     ("nonfinite", dict(nonfinite="propagate"), dict(nonfinite="raise")),
+    ("plain", dict(plain="fp32"), dict(plain="bf16")),
+    ("codec_options", dict(positions="bitmap"), dict(positions="coded")),
+    ("codec_options", dict(codec="topk", value_dtype="float32"), dict(codec="topk", value_dtype="float16")),
 ]
 
 
@@ -191,6 +196,12 @@ def test_every_mismatched_setting_is_a_clear_error_on_every_rank():
             assert "select (this rank 'select_all: 3 of 3 parameters compressed, digest " in message, message
             assert "rank 1 'non_attention_linear: 2 of 3 parameters compressed, digest " in message, message
             assert "pick different parameters or ratios" in message
+            continue
+        if name == "codec_options":  # every option of the codec, as (name, value) pairs
+            ((option, value),) = mine.items() - {("codec", "topk")}
+            ((_, other),) = theirs.items() - {("codec", "topk")}
+            assert "codec_options (this rank [" in message and f"({option!r}, {value!r})" in message, message
+            assert "rank 1 [" in message and f"({option!r}, {other!r})" in message, message
             continue
         assert f"{name} (this rank {mine[name]!r}, rank 1 {theirs[name]!r})" in message, message
 

@@ -73,12 +73,17 @@ def test_lean_options_cut_the_wire_as_documented(world):
 # ----------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_topk_lean_sends_exact_bf16_values_and_feeds_their_rounding_back(world):
+@pytest.mark.parametrize("world, value_dtype", [(2, torch.bfloat16), (3, torch.bfloat16), (5, torch.bfloat16),
+                                                (2, "float16"), (3, "float16")])
+def test_topk_lean_sends_exact_bf16_values_and_feeds_their_rounding_back(world, value_dtype):
+    """bf16 values, or float16 scaled per block (``value_dtype="float16"``): what every rank sent, exactly."""
     gen = torch.Generator().manual_seed(world)
     numel = 150_000
     grads = [torch.randn(3, world, numel, generator=gen) * torch.exp(torch.randn(world, numel, generator=gen)) for _ in range(world)]
-    outputs, sent, codecs, stats = exchange("topk", LEAN, grads, steps=3)
+    options = {**LEAN, "value_dtype": value_dtype}
+    wire_dtypes = [w.dtype for w in make_codec("topk", TAGCConfig(), options=options).wire(numel, world, torch.float32)]
+    assert (torch.float16 if value_dtype == "float16" else torch.bfloat16) in wire_dtypes
+    outputs, sent, codecs, stats = exchange("topk", options, grads, steps=3)
     for step in range(3):
         for owner in range(world):
             out, want = outputs[step][owner], sent[step][owner]

@@ -34,7 +34,8 @@ def _gathered(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
 
 def _bf16_residuals(rank, world):
     """Two steps of a bf16-residual hook; then its checkpoint resumed into a new hook."""
-    options = dict(dense_steps=0, ratio=10, select="all", residual_dtype=torch.bfloat16, min_compress_numel=1024)
+    options = {"dense_steps": 0, "ratio": 10, "select": "all", "residual_dtype": torch.bfloat16,
+               "min_compress_numel": 1024}
     hook = tagc.hook(**options)
     gen = torch.Generator().manual_seed(rank)
     held = torch.zeros(world, N, dtype=torch.bfloat16)
@@ -47,8 +48,9 @@ def _bf16_residuals(rank, world):
         kept = residual == 0
         sent = torch.where(kept, accumulated, torch.zeros((), dtype=torch.bfloat16)).float()
         expected = sum(s[rank] for s in _gathered(sent, world))
-        steps.append({"dtype": residual.dtype, "held_is_accumulated": bool(torch.equal(residual[~kept], accumulated[~kept])),
-                      "error": ((out - expected).norm() / expected.norm()).item(), "held": int((~kept).sum())})
+        steps.append({"dtype": residual.dtype, "held": int((~kept).sum()),
+                      "held_is_accumulated": bool(torch.equal(residual[~kept], accumulated[~kept])),
+                      "error": ((out - expected).norm() / expected.norm()).item()})
         held = residual.clone()
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in hook.state_dict().items()}
     resumed = tagc.hook(**options)

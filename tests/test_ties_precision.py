@@ -635,7 +635,8 @@ def test_detection_rate_of_single_missing_positions():
     support = index_positions(union, layout.numel, 1)
     cells, _ = layout.cells(support)
     count = torch.zeros(layout.table_numel, dtype=torch.int64).index_add_(0, cells.reshape(-1), torch.ones(cells.numel(), dtype=torch.int64))
-    predicted = (count[cells] == 1).any(1)  # a missing position q: caught iff one of its cells has no other support position
+    # a missing position q: caught iff one of its cells has no other support position
+    predicted = (count[cells] == 1).any(1)
     tried = torch.randperm(support.numel(), generator=gen)[:300]
     caught = []
     for i in tried.tolist():
