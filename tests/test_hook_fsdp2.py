@@ -83,3 +83,19 @@ def test_fsdp2_two_lambdas_selecting_differently_are_an_error_on_every_rank():
     assert fingerprint1.startswith("<lambda>: 1 of 3 parameters")
     for message in (message0, message1):
         assert "select (this rank '<lambda>: " in message and "pick different parameters or ratios" in message
+
+
+def test_replicas_gather_wires_on_cuda_only_where_every_replica_decodes_the_same_bits(monkeypatch):
+    """HSDP's gathered wires need bit-identical decodes on every replica: the Triton kernels give them
+    (no float atomics), the torch reference's CUDA scatter-add only under deterministic algorithms."""
+    from types import SimpleNamespace
+
+    from tagc.hooks import fsdp2
+    from tagc.kernels import dispatch
+
+    cuda_chunk = SimpleNamespace(device=torch.device("cuda"))
+    assert fsdp2.decodes_alike_on_every_replica(torch.zeros(4))
+    for backend, deterministic, alike in [("triton", False, True), ("torch", False, False), ("torch", True, True)]:
+        monkeypatch.setattr(dispatch, "resolve_backend", lambda *tensors, backend_=backend, **kw: backend_)
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d)
+        assert fsdp2.decodes_alike_on_every_replica(cuda_chunk) is alike, (backend, deterministic)

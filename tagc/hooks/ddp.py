@@ -35,8 +35,9 @@ the hook takes the one that sends the fewest bytes, chosen once per bucket from 
 (never from data), so a bucket keeps its form, and its residuals, from step to step.
 
 The ``sketch`` and ``gather`` forms decode on every rank, so the ranks' gradients must come out
-bit-identical: they run on the CPU, or on CUDA with ``torch.use_deterministic_algorithms(True)``;
-elsewhere the bucket goes ``rs+ag`` (one owner decodes each piece, everyone gathers its bits).
+bit-identical: they run where every rank decodes the same bits (the CPU, the Triton kernels, or the
+torch reference on CUDA under ``torch.use_deterministic_algorithms(True)``:
+:func:`tagc.hooks.fsdp2.decodes_alike_on_every_replica`); elsewhere the bucket goes ``rs+ag`` (one owner decodes each piece, everyone gathers its bits).
 
 Error feedback is keyed by the bucket's parameters (their names) and the part, as for FSDP, never
 by call order or bucket index. DDP's first iteration runs on buckets it rebuilds afterwards: that
@@ -55,7 +56,7 @@ from torch import nn
 from tagc.hooks import nonfinite
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
-from tagc.hooks.fsdp2 import _GatheredWires, _gathers_wires, _parameters, _PendingAllReduce, _Pieces
+from tagc.hooks.fsdp2 import _GatheredWires, _gathers_wires, decodes_alike_on_every_replica, _parameters, _PendingAllReduce, _Pieces
 from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats
@@ -207,7 +208,7 @@ class DDPHookState:
     def _choose(self, layout: _Bucket, buffer: torch.Tensor, world: int, steady: _BucketPlan) -> tuple[str, dict]:
         """The form sending the fewest bytes among those the settings allow (module docstring)."""
         hook = self.hook
-        identical = buffer.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+        identical = decodes_alike_on_every_replica(buffer)
         planned = {}
         sketch = self._sketch_bytes(steady, world, buffer.device) if identical else None
         if sketch is not None:

@@ -50,6 +50,7 @@ from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.stats import ExchangeStats, warn_once
 from tagc.hooks.transport import plain_reduce_scatter
+from tagc.kernels import dispatch
 
 
 class TAGCReduceScatter(ReduceScatter):
@@ -277,17 +278,26 @@ class _PendingAllReduce:
         return self.output
 
 
+def decodes_alike_on_every_replica(chunk: torch.Tensor) -> bool:
+    """Whether every replica decodes ``chunk``'s wires to the same bits: on the CPU and on the Triton
+    kernels always; on CUDA without Triton (the torch reference's scatter-add) only under
+    ``torch.use_deterministic_algorithms(True)``."""
+    return (chunk.device.type != "cuda" or dispatch.resolve_backend(chunk) == "triton"
+            or torch.are_deterministic_algorithms_enabled())
+
+
 def _gathers_wires(hook: TAGCHook, segments: tuple[Segment, ...], chunk: torch.Tensor, hosts: int,
                    gather_dtype: torch.dtype, group) -> bool:
     """Whether to all-reduce by gathering every replica's wire (:class:`_GatheredWires`) instead of a
     compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
     against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
     warm-up or a density ramp), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
-    the same bits: on the CPU, or with ``torch.use_deterministic_algorithms(True)`` (a CUDA
+    the same bits: on the CPU and on the Triton kernels (no float atomics: the same bits on every
+    run), or with ``torch.use_deterministic_algorithms(True)`` on the torch reference's CUDA path (its
     scatter-add sums in any order, and replicas must stay identical)."""
     if hook.warming_up or not hook.codec.compresses:
         return False
-    if chunk.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled():
+    if not decodes_alike_on_every_replica(chunk):
         return False
     plan = hook._plan(segments, chunk.numel(), hosts)
     if not plan.compressed or not all(part.codec.traceable() for part in plan.parts):

@@ -17,9 +17,9 @@ part; here the decision is a 0-d boolean tensor ``ok`` and every branch is a ``t
   :class:`~tagc.hooks.stats.ExchangeStats` as device tensors (``* ok``: a non-finite part
   counts only ``nonfinite_parts``). They are read once, by ``stats()``.
 
-On the Triton back end ``decode_async`` does not run the exact solve of peeling's stopping
-sets (that needs data-dependent sizes): those positions get the ``estimate`` fallback. On
-the CPU back ends it is the full decode, bit for bit as before.
+``decode_async`` solves peeling's stopping sets on every back end: on the Triton back end on the
+device, in buffers whose sizes follow from the settings (up to ``EXACT_SOLVE_LIMIT`` positions);
+on the CPU back ends it is the full decode.
 """
 
 from __future__ import annotations
