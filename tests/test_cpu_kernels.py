@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 pytest.importorskip("numba", reason="numba is not installed")
 
 from tagc.kernels import cpu, dispatch  # noqa: E402
-from tagc.sketch import SketchLayout, compress_, decode, keep_limit, merge_index, plan_density, row_thresholds  # noqa: E402
+from tagc.sketch import (SketchLayout, build_index, compress_, decode, encode, keep_limit, merge_index,  # noqa: E402
+                         plan_density, row_thresholds)
 
 
 @pytest.fixture(autouse=True)
@@ -106,11 +107,23 @@ def test_compress_reads_strided_gradient_views():
 
 
 def test_bf16_residual_takes_the_reference():
+    """A bf16 residual goes through the reference (the CPU kernels take float32 residuals): checked
+    against the selection rule computed here, not against the reference itself."""
+    torch.manual_seed(0)
     layout = SketchLayout(5000, 8.0)
     grad, residual = _gradients(2, 5000)
     residual = residual.bfloat16()
-    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, 0.05, layout, 1)
-    assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
+    a = (residual.float() + grad).bfloat16()  # the sum in the residual's dtype
+    k = keep_limit(5000, 0.05)  # rows of <= MIN_SAMPLE: the exact threshold, the k-th largest |a|
+    tau = torch.kthvalue(a.float().abs(), 5000 - k + 1, dim=1).values[:, None]
+    above, tie = a.float().abs() > tau, a.float().abs() == tau
+    kept = above | (tie & (tie.cumsum(1) <= k - above.sum(1, keepdim=True)))  # ties: the first, in index order
+    sent = torch.where(kept, a, 0).float()
+    got = residual.clone()
+    index, table = cpu.compress_cpu(grad, got, 0.05, layout, 1)
+    assert torch.equal(got, torch.where(kept, 0, a))
+    assert all(torch.equal(index[r], build_index(sent[r], 1)) for r in range(2))
+    assert all(torch.allclose(table[r], encode(sent[r], layout), atol=1e-6) for r in range(2))
 
 
 @pytest.mark.parametrize("numel", [70_001, 1_000_003])
@@ -298,11 +311,12 @@ def test_summed_lists_equal_reference_bit_for_bit(numel):
 @pytest.mark.parametrize("backend", ["torch", "numba", None])
 def test_dispatch_row_thresholds_on_the_cpu_is_the_references(backend):
     """The CPU entry of dispatch.row_thresholds (it once resolved the re-exported function, not the module)."""
-    from tagc.sketch.sparsify import row_thresholds
-
     gen = torch.Generator().manual_seed(2)
     rows, grad = torch.randn(2, 50_000, generator=gen), torch.randn(2, 50_000, generator=gen)
-    assert torch.equal(dispatch.row_thresholds(rows, 0.05, backend=backend), row_thresholds(rows, 0.05))
-    assert torch.equal(dispatch.row_thresholds(rows, 0.05, grad=grad, backend=backend), row_thresholds(rows, 0.05, grad=grad))
+    k = keep_limit(50_000, 0.05)  # rows of <= MIN_SAMPLE: the exact k-th largest magnitude, computed here
+    assert torch.equal(dispatch.row_thresholds(rows, 0.05, backend=backend),
+                       torch.kthvalue(rows.abs(), 50_000 - k + 1, dim=1).values)
+    assert torch.equal(dispatch.row_thresholds(rows, 0.05, grad=grad, backend=backend),
+                       torch.kthvalue((rows + grad).abs(), 50_000 - k + 1, dim=1).values)
     with pytest.raises(ValueError, match="density"):
         dispatch.row_thresholds(rows, 1.5, backend=backend)
