@@ -9,11 +9,16 @@
   residual the CPU kernels do not take) warns once per kind, saying what to install or change.
 """
 
+import os
 import warnings
 from types import SimpleNamespace
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (the later test files run kernels)
+
+import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 
