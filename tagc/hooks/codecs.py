@@ -51,6 +51,7 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import gather_from_owners
 from tagc.kernels.dispatch import code_index, decode, union_index
 from tagc.sketch import SketchLayout
+from tagc.sketch.codec import UnrecoveredError
 from tagc.sketch.index import merge_index
 from tagc.sketch.kept_list import finite  # the one NaN/Inf check; the codecs import it from here
 from tagc.sketch.positions import bitmap_blocks, coded_row_bytes, low_bits
@@ -222,6 +223,20 @@ class PlainCodec(Codec):
         return received[0].sum(dim=0, dtype=torch.float32)
 
 
+def raise_on_every_rank(error: Optional[UnrecoveredError], group, device: torch.device) -> None:
+    """``fallback="error"``: every rank of ``group`` raises when any owner could not decode its part
+    (``error`` on the owner that failed, None elsewhere), so no rank goes on to a collective the
+    others never reach. One int32 MAX all-reduce on the exchange's device, read on the host."""
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if bool(failed):
+        raise UnrecoveredError("TAGC decode could not recover positions on another rank of this group "
+                               "(fallback='error'; that rank's error names the part): lower the density, raise "
+                               "the table size (smaller ratio), or use fallback='estimate'/'raw'")
+
+
 class TAGCCodec(Codec):
     """Error feedback, threshold, exact index and count sketch; index merge and peeling at the owner.
 
@@ -265,10 +280,11 @@ class TAGCCodec(Codec):
         return (index, *value_wires(layout.table_numel, self.value_dtype))
 
     def overlappable(self) -> bool:
-        return self.config.fallback != "raw"  # the raw re-send is a collective: it runs where every rank runs it
+        # the raw re-send, and the agreement on an "error", are collectives: they run where every rank runs them
+        return self.config.fallback == "estimate"
 
     def traceable(self) -> bool:
-        return self.config.fallback != "raw"  # the raw re-send has data-dependent sizes
+        return self.config.fallback == "estimate"  # the raw re-send has data-dependent sizes; "error" raises
 
     def encode(self, grad, key, group):
         world, numel = grad.shape
@@ -315,8 +331,15 @@ class TAGCCodec(Codec):
             if self.config.fallback == "raw":  # every rank takes part in the re-send round, asking nothing
                 gather_from_owners(torch.zeros(0, dtype=torch.int64, device=tables.device),
                                    torch.zeros(indexes.shape[0], 0, device=tables.device), group)
+            else:
+                raise_on_every_rank(None, group, summed.device)
             return values
-        values, decoded = decode(summed, union, layout, bits, fallback=self.config.fallback)
+        try:
+            values, decoded = decode(summed, union, layout, bits, fallback=self.config.fallback)
+        except UnrecoveredError as error:
+            raise_on_every_rank(error, group, summed.device)
+        if self.config.fallback == "error":
+            raise_on_every_rank(None, group, summed.device)
         stats.support += int(decoded.support)
         stats.peeled += int(decoded.peeled)
         stats.unpeeled += int(decoded.unpeeled)

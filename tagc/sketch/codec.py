@@ -182,9 +182,13 @@ def _solve_stopping_sets(work: torch.Tensor, cells: torch.Tensor, signs: torch.T
     return x, determined
 
 
-def unrecovered_error(unrecovered: int, support: int, layout: SketchLayout) -> RuntimeError:
+class UnrecoveredError(RuntimeError):
+    """Decode left positions it could not recover, and ``fallback="error"`` asked to raise."""
+
+
+def unrecovered_error(unrecovered: int, support: int, layout: SketchLayout) -> UnrecoveredError:
     """The error ``fallback="error"`` raises when ``unrecovered`` of ``support`` positions are left (every back end)."""
-    return RuntimeError(
+    return UnrecoveredError(
         f"TAGC decode could not recover {unrecovered} of {support} positions of {layout} "
         f"(load {support / (layout.rows * layout.lanes):.3f} non-zeros per row; peeling needs < 0.81): "
         "lower the density (sparsity='auto'), raise the table size (smaller ratio), or use fallback='estimate'/'raw'"
