@@ -159,12 +159,18 @@ def format_seeds_report(
             continue
         last = rows[-1]
         judged = [row for row in rows if row["step"] + 1 >= steps // 5]
-        within = all(row["gap"] <= 100 * tolerance for row in judged)
+        outside = [row for row in judged if row["gap"] > 100 * tolerance]
+        since = judged[0]["step"] if judged else "-"
+        if outside:
+            worst = max(outside, key=lambda row: row["gap"])
+            judgement = (f"mean gap outside {tolerance:.0%} at {len(outside)} of {len(judged)} evaluations from step "
+                         f"{since} on (largest {worst['gap']:+.2f}% at step {worst['step']}).")
+        else:
+            judgement = f"mean gap within {tolerance:.0%} at every evaluation from step {since} on."
         lines.append(
             f"- `{method}`: {last['gap']:+.2f}% at step {last['step']} "
             + (f"(noise {last['noise']:.2f}%: {last['verdict']}); " if last["verdict"] else "(one seed); ")
-            + f"mean gap {'within' if within else 'outside'} {tolerance:.0%} at every evaluation from step "
-            f"{judged[0]['step'] if judged else '-'} on."
+            + judgement
         )
     return "\n".join(lines) + "\n"
 

@@ -43,7 +43,9 @@ def test_the_gap_is_paired_by_seed_and_a_gap_inside_the_spread_is_a_tie():
     assert gaps["fsdp"][0]["gap"] == 0 and gaps["fsdp"][0]["verdict"] is None
     report = quality.format_seeds_report(by_seed, 20, plateau=7.0, tokens_per_step=1024)
     assert "| 9 | 6.1000 | 6.1300 | +0.50% | +1.00, +0.00 | 3.28% | 2.28% | tie |" in report
-    assert "- `tagc`: +4.00% at step 19" in report and "outside 1%" in report
+    assert "- `tagc`: +4.00% at step 19" in report
+    assert "outside 1% at 2 of 2 evaluations from step 9 on (largest +5.00% at step 9)" in report
+    assert "- `int4`: +0.10% at step 19" in report and "within 1% at every evaluation from step 9 on" in report
     assert "20,480 in a run" in report
 
 
