@@ -153,6 +153,7 @@ def check_codec_rows(rows):
     assert codec_rows["codec topk lean"]["bits_per_param"] <= 0.45
 
 
+@pytest.mark.slow
 def test_quick_shaped_run_is_really_shaped(tmp_path):
     open_or_skip(ShapedLink("100mbit")).close()
     path = tmp_path / "rows.json"

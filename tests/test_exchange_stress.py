@@ -103,6 +103,7 @@ def _run(steps: int, seed: int, budget_s: float) -> list[dict]:
     return run_ranks(_stress, 2, steps, seed, budget_s, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_engine_stress_overlapped_pieces_random_buckets():
     results = _run(steps=10_000, seed=1, budget_s=float(os.environ.get("TAGC_STRESS_S", 6)))
     assert results[0]["steps"] == results[1]["steps"] >= 3

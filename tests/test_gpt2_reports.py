@@ -109,6 +109,7 @@ def test_method_names_are_checked_and_expand():
         parse_methods("fsdp,zip")
 
 
+@pytest.mark.slow
 def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
     """Two methods, one round, unshaped: rows with every JSON column, the report and its plots."""
     import json

