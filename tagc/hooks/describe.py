@@ -244,7 +244,7 @@ def _part_bytes(part, world: int, dtype: torch.dtype) -> int:
 def _column_bytes(plan: _BucketPlan, chunk: int, world: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """Per column of the chunk, its part's wire bytes per step spread evenly over the part's columns;
     ``None`` when a part's wire is not fixed by the settings (``powersgd``)."""
-    shares = torch.zeros(chunk, dtype=torch.float64)
+    shares = torch.zeros(chunk, dtype=torch.float64, device="cpu")  # a host-side report, never exchanged
     for part in plan.parts:
         try:
             part_bytes = _part_bytes(part, world, dtype)
@@ -259,7 +259,7 @@ def _segment_codecs(hook: TAGCHook, plan: _BucketPlan,
     """Each segment with whether the hook's codec takes its columns in ``plan`` (the plain columns'
     part holds the hook's plain codec itself), that codec's name and the segment's ratio (compressed
     by a codec with a ratio)."""
-    owner = torch.full((plan.chunk,), -1, dtype=torch.int64)
+    owner = torch.full((plan.chunk,), -1, dtype=torch.int64, device="cpu")  # a host-side report
     for i, part in enumerate(plan.parts):
         owner[part.index(owner.device)] = i
     for segment in segments:
