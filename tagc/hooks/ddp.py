@@ -37,13 +37,15 @@ the hook takes the one that sends the fewest bytes, chosen once per bucket from 
 The ``sketch`` and ``gather`` forms decode on every rank, so the ranks' gradients must come out
 bit-identical: they run where every rank decodes the same bits (the CPU, the Triton kernels, or the
 torch reference on CUDA under ``torch.use_deterministic_algorithms(True)``:
-:func:`tagc.hooks.fsdp2.decodes_alike_on_every_replica`); elsewhere the bucket goes ``rs+ag`` (one owner decodes each piece, everyone gathers its bits).
+:func:`tagc.hooks.fsdp2.decodes_alike_on_every_replica`); elsewhere the bucket goes ``rs+ag`` (one
+owner decodes each piece, everyone gathers its bits).
 
 Error feedback is keyed by the bucket's parameters (their names) and the part, as for FSDP, never
 by call order or bucket index. DDP's first iteration runs on buckets it rebuilds afterwards: that
 iteration is reduced as DDP reduces it and is not counted as a step (:meth:`DDPHookState.settled`).
 Steps are counted as the engine counts them (a bucket seen twice), or exactly by
-:meth:`DDPHookState.end_step` after ``optimizer.step()``. The hook is blocking per bucket except in the ``allreduce`` form, whose future completes when the all-reduce does.
+:meth:`DDPHookState.end_step` after ``optimizer.step()``. The hook is blocking per bucket except in
+the ``allreduce`` form, whose future completes when the all-reduce does.
 """
 
 import dataclasses
@@ -56,13 +58,19 @@ from torch import nn
 from tagc.hooks import nonfinite
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
-from tagc.hooks.fsdp2 import _GatheredWires, _gathers_wires, decodes_alike_on_every_replica, _parameters, _PendingAllReduce, _Pieces
+from tagc.hooks.fsdp2 import (
+    _GatheredWires,
+    _gathers_wires,
+    _parameters,
+    _PendingAllReduce,
+    _Pieces,
+    decodes_alike_on_every_replica,
+)
 from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.transport import backend_of
 from tagc.sketch.index import merge_index
-from tagc.sketch.kept_list import finite
 
 FORMS = ("allreduce", "sketch", "rs+ag", "gather")
 """How a bucket is reduced (module docstring)."""
@@ -362,16 +370,7 @@ class DDPHookState:
         summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
         values = torch.empty(part.numel, dtype=torch.float32, device=device)
         for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, second.split(shapes.q_sizes)):
-            name = f"{part.key}/{mat.name}"
-            q = q.view(mat.cols, mat.rank)
-            approx = p @ q.T
-            ok = finite(q)  # the summed Q: the same on every rank
-            stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
-            old = codec.residuals.get(name)
-            kept = torch.where(ok, m - approx / world, old if old is not None else 0.0)
-            codec.residuals[name] = kept.to(codec.residual_dtype)
-            if codec.warm_start:
-                codec.qs[name] = torch.where(ok, q / world, codec.qs.get(name, q_used))
+            approx = codec.approximate(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used, world, stats)
             values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
         at = p_total
         for start, count in shapes.plain:

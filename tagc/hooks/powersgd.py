@@ -218,16 +218,8 @@ class PowerSGDCodec(Codec):
         summed = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
         values = torch.zeros(numel, dtype=torch.float32, device=received[0].device)
         for mat, m, q_used, p, q in zip(layout.matrices, step.ms, step.qs, step.ps, summed.split(layout.q_sizes)):
-            name = f"{key}/{mat.name}"
-            q = q.view(mat.cols, mat.rank)
-            approx = p @ q.T
-            ok = finite(q)  # the summed Q: the same on every rank
-            stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
-            old = self.residuals.get(name)
-            residual = m - approx / layout.world  # the DDP hook's: own M minus the averaged approximation
-            self.residuals[name] = torch.where(ok, residual, old if old is not None else 0.0).to(self.residual_dtype)
-            if self.warm_start:
-                self.qs[name] = torch.where(ok, q / layout.world, self.qs.get(name, q_used))
+            approx = self.approximate(f"{key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used, layout.world,
+                                      stats)
             low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
             if high > low:
                 values[mat.start : mat.start + high - low] = approx.reshape(-1)[low:high]
@@ -236,6 +228,22 @@ class PowerSGDCodec(Codec):
             values[start : start + count] = step.plain[at : at + count]
             at += count
         return values
+
+    def approximate(self, name: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor,
+                    world: int, stats: ExchangeStats) -> torch.Tensor:
+        """Matrix ``name``'s summed rank-r approximation ``p q^T``, from the orthonormal summed ``p`` and the
+        summed ``q``; keeps this rank's ``m`` minus the averaged approximation as its residual (the DDP
+        hook's rule) and ``q / world`` as the next warm start, both as they were when ``q`` is not finite
+        (counted in ``stats.nonfinite_parts``)."""
+        approx = p @ q.T
+        ok = finite(q)  # the summed Q: the same on every rank
+        stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
+        old = self.residuals.get(name)
+        kept = torch.where(ok, m - approx / world, old if old is not None else 0.0)
+        self.residuals[name] = kept.to(self.residual_dtype)
+        if self.warm_start:
+            self.qs[name] = torch.where(ok, q / world, self.qs.get(name, q_used))
+        return approx
 
     def _plain_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
         """The shape-less columns ride in the reduce dtype, or in bf16 with ``value_dtype="bfloat16"``."""
