@@ -379,8 +379,8 @@ class TAGCHook:
         self._bound = False
         self._fingerprint: Optional[str] = None  # select_fingerprint(), until _selection changes
         self._restored: Optional[set[str]] = None
-        self._selection_checked = False  # warn_if_weak_selection ran (after the first warmed-up step)
         """Bucket parts a loaded checkpoint holds codec state for, until the first step after the load."""
+        self._selection_checked = False  # warn_if_weak_selection ran (after the first warmed-up step)
         self._restored_select: Optional[str] = None
         self._topologies: dict[tuple[int, ...], Topology] = {}
         self._plans: dict[tuple, _BucketPlan] = {}
