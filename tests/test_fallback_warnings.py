@@ -9,13 +9,14 @@ import torch
 import torch.nn as nn
 
 import tagc
-from tagc.hooks import Segment, stats
+from tagc.hooks import Segment
+from tagc.kernels import fallbacks
 from tests.distributed import run_ranks
 
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(stats, "_warned", set())  # once per process: each test starts from none
+    monkeypatch.setattr(fallbacks, "_warned", set())  # once per process: each test starts from none
 
 
 def test_powersgd_warns_once_when_a_selected_matrix_has_no_shape():
@@ -26,7 +27,7 @@ def test_powersgd_warns_once_when_a_selected_matrix_has_no_shape():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hook.codec.prepare("b#4096/part0", shapeless, 2)  # once
-        stats._warned.clear()
+        fallbacks._warned.clear()
         hook.codec.prepare("c#4096/part0", [Segment("bias", 0, 64, shape=(128,))], 2)  # a bias is no matrix: by design
 
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 from tagc.hooks.engine import Segment, TAGCHook
-from tagc.hooks.stats import warn_once
+from tagc.kernels.fallbacks import warn_fallback
 
 _SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 
@@ -51,7 +51,7 @@ class _UnitState:
             if selected is False and any(choices) and self.hook.codec.compresses:
                 share = sum(n for choice, n in zip(choices, numels) if choice) / sum(numels)
                 unit = self.prefix.rstrip(".") or "<root>"
-                warn_once("fsdp1-unit-plain", f"TAGC on FSDP1: unit {unit!r} goes plain although select picks "
+                warn_fallback("fsdp1-unit-plain", f"TAGC on FSDP1: unit {unit!r} goes plain although select picks "
                           f"{share:.0%} of its elements (a unit is compressed only when select picks at least "
                           f"{FSDP1_SELECTED_FRACTION:.0%}): wrap the layers to compress as their own FSDP units")
             shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it

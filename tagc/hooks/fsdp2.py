@@ -48,9 +48,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 
 from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
-from tagc.hooks.stats import ExchangeStats, warn_once
+from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.transport import plain_reduce_scatter
 from tagc.kernels import dispatch
+from tagc.kernels.fallbacks import warn_fallback
 
 
 class TAGCReduceScatter(ReduceScatter):
@@ -107,7 +108,7 @@ class TAGCReduceScatter(ReduceScatter):
         summed, sent = plain_reduce_scatter(input.view(world, chunk), group, self.hook.piece_bytes)
         scale_into(output, summed, op_scale(op, world))
         remote = layout(group_ranks(group), dist.get_rank(), self.hook.ranks_per_host, dist.get_world_size())[1]
-        self._host_stats = ExchangeStats(wire_bytes=sent, plain_equivalent_bytes=(world - 1) * chunk * 4,
+        self._host_stats = ExchangeStats(wire_bytes=sent, plain_equivalent_bytes=plain_bytes(world, chunk),
                                          inter_host_bytes=remote * chunk * input.element_size(),
                                          exposed_s=time.perf_counter() - begin)
 
@@ -194,7 +195,7 @@ class _Pieces:
     def build(cls, segments: tuple[Segment, ...], numel: int, hosts: int, device: torch.device) -> "_Pieces":
         if sum(s.numel for s in segments) != numel:  # e.g. parameters without a gradient: one segment
             covered = sum(s.numel for s in segments)
-            warn_once("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its "
+            warn_fallback("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its "
                       f"parameters' segments ({covered} elements): it is exchanged as one segment '<shard>', which "
                       "select sees without the parameters' names (e.g. some parameters have no gradient)")
             segments = (Segment("<shard>", 0, numel),)
@@ -250,7 +251,7 @@ class _ReplicaAllReduce:
         pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label)
         remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
         row_bytes = chunk.numel() * gather_dtype.itemsize
-        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=(hosts - 1) * chunk.numel() * 4,
+        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
                                  inter_host_bytes=remote * row_bytes)  # a ring all-gather's volume
         pending.stats.add(comm.take_host_stats())
         pending.stats.add(gathered)
@@ -336,7 +337,7 @@ class _GatheredWires:
                                                        self.dtype, self.op, into=pieces) for h in range(hosts)])
         # one exchange: H decodes of one bucket, each counting the (H-1) rows it received, are what every rank sent
         pieces.buckets, pieces.compressed_buckets = 1, 1
-        pieces.plain_equivalent_bytes = 2 * (hosts - 1) * self.chunk * 4  # a fp32 ring all-reduce, as the other path counts
+        pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)  # a fp32 ring all-reduce, as the other path counts
         self.stats.add(pieces)
         self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
         self.hook._record(self.stats, None)

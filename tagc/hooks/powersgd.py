@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from tagc.hooks.codecs import Codec, finite, resolve_value_dtype
-from tagc.hooks.stats import ExchangeStats, warn_once
+from tagc.hooks.stats import ExchangeStats
+from tagc.kernels.fallbacks import warn_fallback
 
 if TYPE_CHECKING:
     from tagc.hooks.segment import Segment
@@ -156,7 +157,7 @@ class PowerSGDCodec(Codec):
         for s in segments:
             if s.shape is None or len(s.shape) < 2 or math.prod(s.shape) == 0:
                 if s.shape is None:  # a selected matrix whose shape the adapter cannot give: not what was asked for
-                    warn_once("powersgd-no-shape", f"powersgd sends the selected {s.name!r} uncompressed: its "
+                    warn_fallback("powersgd-no-shape", f"powersgd sends the selected {s.name!r} uncompressed: its "
                               "matrix shape is unknown here (an FSDP1 unit of several parameters, FSDP2 "
                               "Shard(dim > 0), or an HSDP piece); wrap it as its own unit, shard it on dim 0, or pick "
                               "another codec")

@@ -1,22 +1,19 @@
-"""What a TAGC hook reports: counters (what went on the wire, how decoding went, where time went),
-and a once-only warning where the hook gives the user something other than what was asked for."""
+"""Counters a TAGC hook keeps: what went on the wire, how decoding went, where time went."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 
-_warned: set[str] = set()
+PLAIN_BYTES_PER_ELEMENT = 4
+"""The fair baseline sends float32."""
 
 
-def warn_once(kind: str, message: str) -> None:
-    """``warnings.warn(message)`` the first time a fallback of ``kind`` happens in this process
-    (one warning per kind, not per bucket or step)."""
-    if kind not in _warned:
-        _warned.add(kind)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def plain_bytes(world: int, numel: int) -> int:
+    """What one rank puts on the wire in a plain float32 reduce-scatter of ``numel``-element chunks over
+    ``world`` ranks: ``world - 1`` chunks (the ``plain_equivalent_bytes`` every exchange is set against)."""
+    return (world - 1) * numel * PLAIN_BYTES_PER_ELEMENT
 
 
 @dataclasses.dataclass

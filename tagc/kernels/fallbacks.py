@@ -1,8 +1,9 @@
-"""Warn once per kind when a kernel back end falls back to a slower path.
+"""Warn once per kind where TAGC gives the user something other than what was asked for.
 
 :mod:`tagc.kernels.dispatch` and :mod:`tagc.kernels.cpu` call :func:`warn_fallback` where they
 take the torch reference instead of the kernels the tensors would get with the right packages
-or settings: a silent fallback costs speed (and, on a GPU, host reads) without a word.
+or settings (a silent fallback costs speed and, on a GPU, host reads); the hooks call it where a
+parameter the user selected goes plain. One warning per kind and process, not per bucket or step.
 """
 
 from __future__ import annotations
