@@ -68,7 +68,7 @@ from tagc.hooks.fsdp2 import (
 )
 from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
 from tagc.hooks.segment import Segment
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.transport import backend_of
 from tagc.sketch.index import merge_index
 
@@ -408,7 +408,7 @@ class DDPHookState:
         pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments)
         gathered = (world - 1) * chunk.numel()
         pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
-                                        plain_equivalent_bytes=gathered * 4))
+                                        plain_equivalent_bytes=plain_bytes(world, chunk.numel())))
         _PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype).wait()
 
 

@@ -27,15 +27,12 @@ import torch.nn as nn
 from tagc.hooks.hierarchy import Topology, group_ranks, layout
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import is_embedding_or_head, non_attention_linear, select_none
+from tagc.hooks.stats import plain_bytes
 
 TAGCHook = Any
 """A :class:`tagc.hooks.engine.TAGCHook`, read by duck typing: the engine imports this module."""
 _BucketPlan = Any
 """A :class:`tagc.hooks.engine._BucketPlan`."""
-
-PLAIN_BYTES_PER_ELEMENT = 4
-"""The fair baseline sends float32 (as the engine's ``plain_equivalent_bytes`` counts it)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class ParameterRow:
@@ -142,13 +139,13 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
         warmup = step1 + (codec_world - 1) * sum(w.row_bytes for w in hook.plain.wire(chunk, codec_world, dtype))
         compressed_numel = sum(p.numel for p in plan.parts if p.codec is not hook.plain)  # plain="bf16" compresses too
         buckets.append(BucketRow(label, world, codec_world, chunk, compressed_numel, planned, warmup,
-                                 (world - 1) * chunk * PLAIN_BYTES_PER_ELEMENT))
+                                 plain_bytes(world, chunk)))
         for segment, compressed, codec, ratio in _segment_codecs(hook, plan, segments):
             share = None if shares is None else float(shares[segment.start : segment.start + segment.numel].sum())
             for name, shape, numel in rows(segment):
                 parameters.append(ParameterRow(label, name, shape, numel, compressed, codec, ratio,
                                                None if share is None else share * numel / max(1, segment.numel),
-                                               (world - 1) * numel * PLAIN_BYTES_PER_ELEMENT))
+                                               plain_bytes(world, numel)))
     select = getattr(hook.select, "__name__", repr(hook.select))
     ratio = hook.config.ratio if hook.codec.uses_ratio else None
     return Description(hook.codec.name, ratio, hook.plain_name, select, hook.dense_steps, hook.ramp_steps,

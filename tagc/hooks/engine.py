@@ -47,7 +47,7 @@ from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.hierarchy import Topology, check_hierarchy, group_ranks, host_reduce, resolve_ranks_per_host, topology
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.transport import PendingExchange, _peer_errors, all_to_all_rows, backend_of, reduce_scatter_rows
 
 MIN_PART = 1 << 20
@@ -622,7 +622,7 @@ class TAGCHook:
             plan = self._plain_plan(plan.key, chunk)
         elif self.warming_up:  # density ramp: the same parts (and residuals) at this stage's ratios
             plan = self._plan(tuple(segments), chunk, codec_world, self.step_count - self.dense_steps)
-        stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=(world - 1) * chunk * 4)
+        stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=plain_bytes(world, chunk))
         timing = UnitTiming(unit or plan.key)
         side = self._side_stream(input)
         if side is not None:
@@ -786,7 +786,7 @@ class TAGCHook:
         plan = self._plan(tuple(segments), chunk, world)
         whole = topology if topology is not None and topology.hierarchical else None
         full = whole.world if whole is not None else world
-        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=(full - 1) * chunk * 4,
+        stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=plain_bytes(full, chunk),
                               wire_bytes=(world - 1) * received.shape[1] + (whole.step1_bytes(chunk, dtype) if whole is not None else 0),
                               inter_host_bytes=self.topology(group).remote_rows * received.shape[1])
         summed = torch.zeros(chunk, dtype=torch.float32, device=received.device)
