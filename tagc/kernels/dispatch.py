@@ -7,7 +7,8 @@ reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that
 ``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
 the reference. ``"auto"`` warns once (:func:`~tagc.kernels.fallbacks.warn_fallback`) when it
 takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import.
-Callers never branch: every back end takes the same arguments and returns the same things.
+Callers never branch: every back end takes the same arguments and returns the same things, and
+every operation is one lookup in one table (operation -> back end -> implementation).
 
 Nothing here imports triton or numba until their path is taken.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,7 +31,8 @@ from tagc.sketch import positions as _ref_positions
 from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
 
-_ref_sparsify = importlib.import_module("tagc.sketch.sparsify")  # the module (tagc.sketch re-exports a function of its name)
+# the module (tagc.sketch re-exports a function of its name)
+_ref_sparsify = importlib.import_module("tagc.sketch.sparsify")
 
 BACKENDS = ("auto", "triton", "numba", "torch", "reference")
 STAT_FIELDS = tuple(DecodeStats().as_dict())  # the one list of decode statistics, in DecodeStats field order
@@ -63,6 +65,72 @@ def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> st
     return choice
 
 
+Implementation = Callable[..., Any]
+
+
+def _triton(name: str) -> Implementation:
+    """The Triton path's entry point ``name`` of :mod:`tagc.kernels.ops`, imported at its first call:
+    importing ``ops`` imports triton, which only a Triton path may need."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from tagc.kernels import ops
+
+        return getattr(ops, name)(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def _row_thresholds_reference(
+    rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The reference's thresholds of ``rows`` viewed as ``[N, n]``: also the CPU back end's (the
+    fused CPU compress samples the same values itself)."""
+    _ref_sparsify.check_density(density)
+    x = rows.reshape(-1, rows.shape[-1])
+    return _ref_sparsify.row_thresholds(x, density, grad=None if grad is None else grad.reshape(x.shape))
+
+
+def _stats_packed(decode_rows: Callable[..., tuple[torch.Tensor, DecodeStats]]) -> Implementation:
+    """``decode_rows`` with its :class:`DecodeStats` packed into an int64 tensor (:data:`STAT_FIELDS` order)."""
+
+    def run(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int,
+            fallback: str) -> tuple[torch.Tensor, torch.Tensor]:
+        values, stats = decode_rows(table, index, layout, bits, fallback)
+        return values, torch.tensor([stats[f] for f in STAT_FIELDS], dtype=torch.int64, device=values.device)
+
+    return run
+
+
+_IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
+    # operation -> {back end -> implementation}; an operation's implementations take the same arguments
+    "row_thresholds": {"triton": _triton("row_thresholds_triton"), "numba": _row_thresholds_reference,
+                       "torch": _row_thresholds_reference},
+    "compress_": {"triton": _triton("compress_triton"), "numba": _cpu.compress_cpu, "torch": _ref_compress.compress_},
+    "list_kept_": {"triton": _triton("list_kept_triton"), "numba": _cpu.list_kept_cpu,
+                   "torch": _ref_kept_list.list_kept_},
+    "sum_lists": {"triton": _triton("sum_lists_triton"), "numba": _cpu.sum_lists_cpu,
+                  "torch": _ref_kept_list.sum_lists},
+    "encode_positions": {"triton": _triton("encode_positions_triton"), "numba": _cpu.code_positions_cpu,
+                         "torch": _ref_positions.encode_positions},
+    "decode_positions": {"triton": _triton("decode_positions_triton"), "numba": _cpu.decode_positions_cpu,
+                         "torch": _ref_positions.decode_positions},
+    "code_index": {"triton": _triton("code_index_triton"), "numba": _cpu.code_index_cpu,
+                   "torch": _ref_positions.code_index},
+    "union_index": {"triton": _triton("union_index_triton"), "numba": _cpu.union_index_cpu,
+                    "torch": _ref_positions.union_index},
+    "decode": {"triton": _triton("decode_triton"), "numba": _cpu.decode_cpu, "torch": _ref_codec.decode},
+    "decode_async": {"triton": _triton("decode_async"), "numba": _stats_packed(_cpu.decode_cpu),
+                     "torch": _stats_packed(_ref_codec.decode)},
+}
+"""The one back-end table: every public operation below is one lookup in it (:func:`_run`)."""
+
+
+def _run(operation: str, tensors: tuple[torch.Tensor, ...], backend: Optional[str], *args: Any, **kwargs: Any) -> Any:
+    """``operation``'s implementation on the back end :func:`resolve_backend` picks for ``tensors``, called."""
+    return _IMPLEMENTATIONS[operation][resolve_backend(*tensors, backend=backend)](*args, **kwargs)
+
+
 def row_thresholds(
     rows: torch.Tensor, density: float, *, grad: Optional[torch.Tensor] = None, backend: Optional[str] = None
 ) -> torch.Tensor:
@@ -71,13 +139,7 @@ def row_thresholds(
     Both back ends give the same values (the kernel is a radix select of the reference's
     sample); see :func:`tagc.sketch.row_thresholds`.
     """
-    if resolve_backend(rows, backend=backend) == "triton":
-        from tagc.kernels.ops import row_thresholds_triton
-
-        return row_thresholds_triton(rows, density, grad=grad)
-    _ref_sparsify.check_density(density)
-    x = rows.reshape(-1, rows.shape[-1])
-    return _ref_sparsify.row_thresholds(x, density, grad=None if grad is None else grad.reshape(x.shape))
+    return _run("row_thresholds", (rows,), backend, rows, density, grad=grad)
 
 
 def threshold(x: torch.Tensor, density: float, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -104,14 +166,8 @@ def compress_(
     capacity left in the residual). ``tau`` optionally fixes the per-chunk thresholds, ``cap``
     the capacity (default :func:`tagc.sketch.sparsify.capacity`).
     """
-    chosen = resolve_backend(grad, residual, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import compress_triton
-
-        return compress_triton(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
-    if chosen == "numba":
-        return _cpu.compress_cpu(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
-    return _ref_compress.compress_(grad, residual, density, layout, bits, tau=tau, return_held=return_held, cap=cap)
+    return _run("compress_", (grad, residual), backend, grad, residual, density, layout, bits, tau=tau,
+                return_held=return_held, cap=cap)
 
 
 def list_kept_(
@@ -129,29 +185,14 @@ def list_kept_(
     Returns ``(counts [N, nb + 1] int32, offsets [N, cap] uint16, values [N, cap] float32)``
     and updates ``residual`` in place. Every back end gives the same results bit for bit.
     """
-    chosen = resolve_backend(grad, residual, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import list_kept_triton
-
-        return list_kept_triton(grad, residual, density, cap, tau=tau)
-    if chosen == "numba":
-        return _cpu.list_kept_cpu(grad, residual, density, cap, tau=tau)
-    return _ref_kept_list.list_kept_(grad, residual, density, cap, tau=tau)
+    return _run("list_kept_", (grad, residual), backend, grad, residual, density, cap, tau=tau)
 
 
 def sum_lists(
     counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int, *, backend: Optional[str] = None
 ) -> torch.Tensor:
     """Every rank's list scatter-added, in rank order; see :func:`tagc.sketch.kept_list.sum_lists`."""
-    chosen = resolve_backend(counts, offsets, values, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import sum_lists_triton
-
-        return sum_lists_triton(counts, offsets, values, numel)
-    if chosen == "numba":
-        return _cpu.sum_lists_cpu(counts, offsets, values, numel)
-    return _ref_kept_list.sum_lists(counts, offsets, values, numel)
-
+    return _run("sum_lists", (counts, offsets, values), backend, counts, offsets, values, numel)
 
 
 def encode_positions(
@@ -159,52 +200,24 @@ def encode_positions(
 ) -> torch.Tensor:
     """Rows' sorted position lists -> Elias-Fano coded rows; see :func:`tagc.sketch.positions.encode_positions`.
     Every back end gives the same bytes (the wire is exchanged between ranks)."""
-    chosen = resolve_backend(positions, count, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import encode_positions_triton
-
-        return encode_positions_triton(positions, count, numel, cap, low)
-    if chosen == "numba":
-        return _cpu.code_positions_cpu(positions, count, numel, cap, low)
-    return _ref_positions.encode_positions(positions, count, numel, cap, low)
+    return _run("encode_positions", (positions, count), backend, positions, count, numel, cap, low)
 
 
 def decode_positions(
     code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Coded rows -> ``(positions [R, cap], count [R])``; see :func:`tagc.sketch.positions.decode_positions`."""
-    chosen = resolve_backend(code, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import decode_positions_triton
-
-        return decode_positions_triton(code, numel, cap, low)
-    if chosen == "numba":
-        return _cpu.decode_positions_cpu(code, numel, cap, low)
-    return _ref_positions.decode_positions(code, numel, cap, low)
+    return _run("decode_positions", (code,), backend, code, numel, cap, low)
 
 
 def code_index(index: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
     """Rows of a 1-bit index -> coded rows; see :func:`tagc.sketch.positions.code_index`."""
-    chosen = resolve_backend(index, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import code_index_triton
-
-        return code_index_triton(index, numel, cap, low)
-    if chosen == "numba":
-        return _cpu.code_index_cpu(index, numel, cap, low)
-    return _ref_positions.code_index(index, numel, cap, low)
+    return _run("code_index", (index,), backend, index, numel, cap, low)
 
 
 def union_index(code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
     """Coded rows -> the 1-bit index of their union; see :func:`tagc.sketch.positions.union_index`."""
-    chosen = resolve_backend(code, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import union_index_triton
-
-        return union_index_triton(code, numel, cap, low)
-    if chosen == "numba":
-        return _cpu.union_index_cpu(code, numel, cap, low)
-    return _ref_positions.union_index(code, numel, cap, low)
+    return _run("union_index", (code,), backend, code, numel, cap, low)
 
 
 def decode(
@@ -222,14 +235,7 @@ def decode(
     sets, the fallback, the checks; bit-identical from run to run) and the host reads the
     statistics once, at the end (``DecodeStats`` holds ints).
     """
-    chosen = resolve_backend(table, index, backend=backend)
-    if chosen == "triton":
-        from tagc.kernels.ops import decode_triton
-
-        return decode_triton(table, index, layout, bits, fallback)
-    if chosen == "numba":
-        return _cpu.decode_cpu(table, index, layout, bits, fallback)
-    return _ref_codec.decode(table, index, layout, bits, fallback)
+    return _run("decode", (table, index), backend, table, index, layout, bits, fallback)
 
 
 def decode_async(
@@ -248,9 +254,4 @@ def decode_async(
     ``"raw"`` does, without counting it as raw; nothing raises on NaN/Inf or an inconsistent
     table. CPU back ends: the full :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
-    if resolve_backend(table, index, backend=backend) == "triton":
-        from tagc.kernels.ops import decode_async as _decode_async
-
-        return _decode_async(table, index, layout, bits, fallback)
-    values, stats = decode(table, index, layout, bits, fallback, backend=backend)
-    return values, torch.tensor([stats[f] for f in STAT_FIELDS], dtype=torch.int64, device=values.device)
+    return _run("decode_async", (table, index), backend, table, index, layout, bits, fallback)
