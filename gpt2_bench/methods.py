@@ -15,9 +15,8 @@ integration and fair overlapped transport, so only the gradient codec differs:
 * ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
   (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
-  keep the cells' mixed magnitudes; bf16 cost it +0.95 points of val loss at 300 steps; topk: bf16,
-  its rounding fed back), and the uncompressed columns in bf16 (``plain``);
-  both at :data:`LEAN_RATIO`, the sweep's pick;
+  keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
+  back), and the uncompressed columns in bf16 (``plain``); both at :data:`LEAN_RATIO`;
   ``powersgd-lean`` - the same bf16 trick where it applies to PowerSGD (P, Q and the
   shape-less columns in bf16, as DDP's ``bf16_compress_wrapper``).
 
@@ -33,29 +32,10 @@ from typing import Sequence
 from gpt2_bench.config import TrainConfig
 
 LEAN_RATIO = 7.0
-"""The lean methods' ratio: the fewest bytes that kept val loss within 1% of fsdp's in the
-300-step quality sweep (small preset, 2 ranks, lr 2e-3, 10 dense steps; val loss vs fsdp's 6.8951):
-
-==========================  ========================  ========================
-setting                     tagc-lean (MB/step)       topk-lean (MB/step)
-==========================  ========================  ========================
-ratio 5                     +0.17% (8.95)             +0.37% (5.58)
-ratio 7                     +0.63% (7.22)             +0.85% (4.81)
-ratio 10                    +1.18% (5.90)             +1.28% (4.21)
-ratio 10, 40-step ramp      +1.28% (5.90)             +1.04% (4.21)
-ratio 10, embedding at 4    +1.13% (9.12)             +1.15% (5.65)
-ratio 16                    +1.26% (4.74)             +1.69% (3.68)
-==========================  ========================  ========================
-
-Neither DGC's density ramp (``--ramp-steps``) nor a denser tied embedding / LM head
-(``--embedding-ratio``) beats a lower ratio for everything: at about 9 MB per step, ratio 5
-ends +0.17% and ratio 10 with the embedding at 4 +1.13%. A 30-step warm-up gained nothing
-over 10 steps at ratio 7 (+0.64% against +0.63%). Noise is about +-0.8 points.
-
-These are 300-step figures. Over 2,000 steps (the same settings, fsdp's val loss 6.1346) TAGC
-on the default wire ends +1.91% at ratio 10, +2.57% at ratio 7 and +1.10% at ratio 4, and
-``powersgd-lean`` +1.25%; ``powersgd`` ends +0.97% and ``int4`` +0.81% (README, "Which ratio
-keeps plain's loss").
+"""The lean methods' ratio: the fewest bytes per step that kept their val loss within 1% of fsdp's
+in the lean-wire quality sweep over ratios, a density ramp and a denser embedding (the sweep and
+its caveats: ``docs/results.md``, "Defaults and how they were chosen"). One ratio for both sparse
+codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries travel.
 
 ``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
 
