@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 from testbed.paper import EXCHANGE_SHARE
 
-INTEGRATIONS = ("simple", "fsdp2", "fsdp1")
+INTEGRATIONS = ("simple", "fsdp2", "fsdp1", "ddp")
 COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,6 +73,10 @@ class TrainConfig:
     hsdp: bool = False
     """FSDP2 only: a 2-D mesh (hosts x ranks per host), parameters sharded within a host and
     replicated across hosts; the gradient crosses hosts once, as an all-reduce."""
+    torch_hook: bool = False
+    """``integration="ddp"``: run the codec as torch's own DDP comm hook instead of through
+    ``tagc.ddp_hook`` (``bf16``: ``bf16_compress_hook``; ``powersgd``: ``powerSGD_hook``;
+    :mod:`gpt2_bench.layout_ddp`)."""
     threads: int = 1
     link: str = "none"
     link_share: float = EXCHANGE_SHARE
@@ -106,6 +110,9 @@ class TrainConfig:
     parameter group, and the steps since each compressed element was last sent
     (:mod:`gpt2_bench.diagnostics`), to ``<run>.diagnostics.jsonl`` beside the run's log. Reads
     device values every step: for diagnosis, not for timing."""
+    second_moment: str = "decoded"
+    """The optimizer: ``decoded`` is ``torch.optim.AdamW``; ``local`` is ``tagc.optim.AdamW``, whose
+    second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts)."""
     device: str = "auto"
     """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
@@ -118,6 +125,10 @@ class TrainConfig:
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")
+        from tagc.optim import SECOND_MOMENTS
+
+        if self.second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
         if self.diagnostics and self.integration == "fsdp1":
             raise ValueError("diagnostics read each parameter by name: use integration 'simple' or 'fsdp2' "
                              "(FSDP1 flattens the parameters)")
@@ -172,6 +183,10 @@ class TrainConfig:
         check_hierarchy(self.hierarchy)
         if self.hsdp and (self.integration != "fsdp2" or self.hosts < 2):
             raise ValueError("hsdp applies to integration='fsdp2' on several hosts (hosts >= 2)")
+        if self.integration == "ddp" or self.torch_hook:
+            from gpt2_bench.layout_ddp import check_ddp_settings
+
+            check_ddp_settings(self)
         if self.hosts > 1 and self.link == "scaled":
             raise ValueError("link='scaled' calibrates one host's loopback; give emulated hosts a rate (e.g. 1gbit)")
         if not 0 < self.link_share < 1:
@@ -204,6 +219,8 @@ class TrainConfig:
             algo += f"-ramp{self.ramp_steps}"
         if self.embedding_ratio is not None:
             algo += f"-emb{self.embedding_ratio:g}"
+        if self.torch_hook:
+            algo += "-torch"
         if self.hosts > 1:
             algo += "-hsdp" if self.hsdp else "-flat" if self.hierarchy == "flat" else ""
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
@@ -254,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log per step the grad norm and clipping, the AdamW update's RMS and exp_avg_sq per parameter "
                         "group, and the staleness of compressed elements, to <run>.diagnostics.jsonl (compare two runs "
                         "with python -m gpt2_bench.diagnostics PLAIN RUN)")
+    p.add_argument("--second-moment", default=defaults.second_moment, choices=("decoded", "local"),
+                   help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
+                        "parameters is fed each rank's own gradient (no error-feedback bursts)")
     p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
                    help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)")
     p.add_argument("--embedding-ratio", type=float, default=None,
@@ -268,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exchange every rank with every rank across hosts (default: plain within a host, the codec between hosts)")
     p.add_argument("--hsdp", action="store_true",
                    help="fsdp2: shard within a host, replicate across hosts (a 2-D mesh); the gradient crosses hosts as an all-reduce")
+    p.add_argument("--torch-hook", action="store_true",
+                   help="--integration ddp: run --codec bf16 or powersgd as torch's own DDP comm hook (bf16_compress_hook, "
+                        "powerSGD_hook; --codec-option rank=R) instead of through tagc.ddp_hook")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
                    help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)")

@@ -1,4 +1,4 @@
-"""Wrap the model with the chosen FSDP flavour (SimpleFSDP, FSDP2, FSDP1), install the comm hook, compile."""
+"""Wrap the model with the chosen FSDP flavour (SimpleFSDP, FSDP2, FSDP1) or DDP, install the comm hook, compile."""
 
 from __future__ import annotations
 
@@ -26,30 +26,42 @@ def fsdp1_wrap_policy(model):
     return policy
 
 
+def make_hook(cfg: TrainConfig):
+    """The ``tagc.hook(...)`` ``cfg`` asks for (its codec, selection, warm-up, wire settings), or ``None``
+    where the gradient goes as the wrapper reduces it (``compression="none"`` with ``transport="gloo"``)."""
+    if cfg.compression == "none" and cfg.transport != "fair":
+        return None
+    import tagc
+    from tagc.hooks.codec_registry import spec
+
+    select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
+    codec = "plain" if cfg.compression == "none" else cfg.codec
+    tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
+    topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
+    if cfg.embedding_ratio is not None:
+        from tagc.hooks.selection import ratio_for
+
+        select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
+    return tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
+                     ramp_steps=cfg.ramp_steps,
+                     codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
+
+
 def shard(model, cfg: TrainConfig, world: int, device=None):
-    """Wrap ``model`` with the chosen FSDP flavour and install the comm hook; returns (model, hook).
-    ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get its type."""
+    """Wrap ``model`` with the chosen FSDP flavour (or DDP: :mod:`gpt2_bench.layout_ddp`) and install the comm
+    hook; returns (model, hook). ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get
+    its type."""
     import torch
 
     device = torch.device("cpu") if device is None else torch.device(device)
 
     import tagc
 
-    hook = None
-    if cfg.compression != "none" or cfg.transport == "fair":
-        select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
-        from tagc.hooks.codec_registry import spec
+    if cfg.integration == "ddp":
+        from gpt2_bench.layout_ddp import wrap_ddp
 
-        codec = "plain" if cfg.compression == "none" else cfg.codec
-        tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
-        topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
-        if cfg.embedding_ratio is not None:
-            from tagc.hooks.selection import ratio_for
-
-            select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
-        hook = tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
-                         ramp_steps=cfg.ramp_steps,
-                         codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
+        return wrap_ddp(model, cfg, world, device, None if cfg.torch_hook else make_hook(cfg))
+    hook = make_hook(cfg)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
     if cfg.integration == "simple":
         from fsdp_integration import MixedPrecisionPolicy, simple_fsdp

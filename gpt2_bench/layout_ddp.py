@@ -1,0 +1,338 @@
+"""The DDP layout: the model replicated on every rank, only the gradient crosses, as an all-reduce.
+
+``python -m gpt2_bench.train --integration ddp`` wraps the model in torch's
+``DistributedDataParallel`` (gloo on the CPU, NCCL on GPUs) and reduces its gradient buckets with
+one of:
+
+* no hook (``--compression none --transport gloo``): DDP's own fp32 all-reduce;
+* ``tagc.ddp_hook`` with the plain codec (``--compression none``, the fair transport): bit-identical
+  gradients to DDP's own (:mod:`tagc.hooks.ddp`), with the hook's timings;
+* torch's own comm hooks (``--torch-hook``): ``--codec bf16`` is ``bf16_compress_hook``, ``--codec
+  powersgd`` is ``powerSGD_hook`` (``PowerSGDState``; ``--codec-option rank=R`` sets
+  ``matrix_approximation_rank``, default our codec's rank);
+* any codec of ours through ``tagc.ddp_hook`` (every other setting), the same ``tagc.hook(...)``
+  the FSDP integrations build (:func:`gpt2_bench.sharding.make_hook`).
+
+:func:`wrap_ddp` returns ``(ddp_model, hook)``; ``hook`` answers what the training loop asks of a
+TAGC hook (``end_step``, ``stats``, ``state_dict``, ``load_state_dict``, ``dense_steps``), so the
+per-step log carries the same fields for every integration.
+
+Bytes on the wire, per rank and step (``ring(x) = 2 (N-1) x / N``, a ring all-reduce of ``x``
+bytes: :func:`tagc.hooks.ddp.ring`), counted per bucket:
+
+* DDP's own all-reduce: ``ring(4 n)`` for the ``n`` gradient elements (no hook sees the buckets, so
+  the count is made once for the whole gradient; no time is measured inside DDP's reducer);
+* ``bf16_compress_hook``: ``ring(2 n)``, the bucket cast to bf16 and all-reduced;
+* ``powerSGD_hook``: before ``start_powerSGD_iter``, ``ring(4 n)`` (its vanilla all-reduce); after,
+  three all-reduces per bucket: the uncompressed tensors ``ring(4 u)``, ``ring(4 sum n_i r_i)`` for
+  the ``P`` matrices and ``ring(4 sum m_i r_i)`` for the ``Q`` matrices, where each gradient is
+  viewed as ``n_i x m_i`` (``shape[0]`` rows) at rank ``r_i = min(n_i, m_i, rank)`` and is
+  compressed only where ``(n_i + m_i) r_i min_compression_rate < n_i m_i`` (torch's documented
+  rule, ``min_compression_rate`` 2), else counted in ``u``;
+* ours: the hook's own count (:mod:`tagc.hooks.ddp`).
+
+For torch's hooks ``compress_s`` is the time spent inside the hook's call (the cast, or the error
+feedback and the first ``P = M Q``) and ``wire_s`` runs from the call to the bucket's future
+completing (its later compute included); ``exposed_s`` and ``decode_s`` are not measured (0).
+
+``powerSGD_hook`` starts compressing at ``start_powerSGD_iter = max(2, dense_steps + 1)``: the
+same iteration our hooks start at (:mod:`tagc.hooks.ddp` reduces DDP's first iteration, on buckets
+DDP rebuilds afterwards, as DDP does and does not count it), and at least 2 as torch requires.
+
+Checkpoints: the DDP model and the optimizer as for the other integrations; ours: the hook's
+``state_dict`` (step, settings, residuals); ``powerSGD_hook``: its ``PowerSGDState`` (the
+iteration, every rank's error and warm-start ``P``/``Q`` per bucket index, the seed generator).
+A resumed run's first iteration runs on DDP's initial buckets, which it rebuilds afterwards, so
+every compressing hook reduces that one iteration uncompressed, as DDP does (ours skip it in their
+step count, torch's PowerSGD is given it here as a vanilla all-reduce): from there a resumed run's
+losses part from an uninterrupted one's. Without a hook, and with the stateless bf16 hook, a
+resumed run repeats the uninterrupted losses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tagc.hooks.ddp import DDPHookState, bind_ddp, ring
+from tagc.hooks.stats import ExchangeStats
+
+if TYPE_CHECKING:
+    from gpt2_bench.config import TrainConfig
+
+TORCH_HOOKS = ("bf16", "powersgd")
+"""The codecs torch ships as DDP comm hooks (``--torch-hook``): ``bf16_compress_hook``, ``powerSGD_hook``."""
+
+MIN_COMPRESSION_RATE = 2
+"""``PowerSGDState``'s default ``min_compression_rate``: a matrix is compressed only where it sends
+fewer than half its elements."""
+
+
+def check_ddp_settings(cfg: TrainConfig) -> None:
+    """The settings the DDP layout cannot take, as clear errors (called by :class:`TrainConfig`)."""
+    if cfg.torch_hook and cfg.integration != "ddp":
+        raise ValueError("torch_hook runs torch's own DDP comm hooks: it needs integration='ddp'")
+    if cfg.integration != "ddp":
+        return
+    if cfg.reduce_dtype:
+        raise ValueError("reduce_dtype is FSDP's mixed-precision reduce; under integration='ddp' use torch's bf16 hook "
+                         "(--torch-hook --codec bf16 --compression all) or our bf16 codec")
+    if cfg.hsdp:
+        raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
+    if not cfg.torch_hook:
+        return
+    if cfg.compression != "all" or cfg.codec not in TORCH_HOOKS:
+        raise ValueError(f"torch_hook: torch's DDP hooks reduce every bucket: use compression='all' with codec one of "
+                         f"{TORCH_HOOKS}, got compression={cfg.compression!r}, codec={cfg.codec!r}")
+    allowed = {"rank"} if cfg.codec == "powersgd" else set()
+    extra = set(cfg.codec_options) - allowed
+    if extra:
+        raise ValueError(f"torch_hook with codec {cfg.codec!r} takes codec options {sorted(allowed) or 'none'}, "
+                         f"got {sorted(extra)}")
+    if cfg.plain != "fp32" or cfg.ramp_steps or cfg.embedding_ratio is not None:
+        raise ValueError("torch_hook: torch's hooks have no plain codec, ramp or embedding ratio (leave them out)")
+    if cfg.diagnostics:
+        raise ValueError("diagnostics read our codecs' residuals by parameter: not available with torch_hook")
+
+
+def powersgd_start_iter(dense_steps: int) -> int:
+    """``start_powerSGD_iter`` for a dense warm-up of ``dense_steps``: the iteration ours start at (module docstring)."""
+    return max(2, dense_steps + 1)
+
+
+def wrap_ddp(model: nn.Module, cfg: TrainConfig, world: int, device: torch.device, hook: Any = None) -> tuple[nn.Module, Any]:
+    """``model`` (on ``device``) wrapped in ``DistributedDataParallel`` with the comm hook ``cfg`` asks for;
+    ``hook`` is the ``tagc.hook(...)`` to install (``None``: DDP's own reduction, or torch's hook with
+    ``cfg.torch_hook``). Returns ``(ddp_model, counter)``, the counter as module docstring."""
+    device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    ranks_per_host = world // max(1, cfg.hosts)
+    if cfg.torch_hook:
+        rank = int(cfg.codec_options.get("rank", _our_powersgd_rank()))
+        counter: Any = TorchHook(ddp, cfg.codec, rank, powersgd_start_iter(cfg.dense_steps), ranks_per_host == 1)
+    elif hook is None:
+        counter = DDPOwnReduction(ddp, ranks_per_host == 1)
+    else:
+        state, comm_hook = bind_ddp(ddp, hook)
+        ddp.register_comm_hook(state, comm_hook)
+        counter = OurHook(state, ranks_per_host == 1)
+    return ddp, counter
+
+
+def _our_powersgd_rank() -> int:
+    from tagc.hooks.powersgd import DEFAULT_RANK
+
+    return DEFAULT_RANK
+
+
+# ----------------------------------------------------------------------------- counters
+
+
+class _Counter:
+    """Per-step and total :class:`ExchangeStats`, in the shape of :meth:`tagc.TAGCHook.stats`."""
+
+    dense_steps = 0
+
+    def __init__(self, one_rank_per_host: bool) -> None:
+        self.one_rank_per_host = one_rank_per_host
+        self.step_count = 0
+        self._current = ExchangeStats()
+        self.last_step = ExchangeStats()
+        self.total = ExchangeStats()
+
+    def _record(self, stats: ExchangeStats) -> None:
+        if self.one_rank_per_host:  # every byte a rank sends goes to another host
+            stats.inter_host_bytes = stats.wire_bytes
+        self._current.add(stats)
+        self.total.add(stats)
+
+    def end_step(self) -> None:
+        """Close a step (after ``optimizer.step()``)."""
+        self.step_count += 1
+        self.last_step, self._current = self._current, ExchangeStats()
+
+    def stats(self) -> dict:
+        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(), "units": []}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+
+
+class DDPOwnReduction(_Counter):
+    """No comm hook: DDP's own fp32 all-reduce, ``ring(4 n)`` per rank and step, counted, not timed."""
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, one_rank_per_host: bool) -> None:
+        super().__init__(one_rank_per_host)
+        self.world = dist.get_world_size(ddp.process_group)
+        self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+
+    def end_step(self) -> None:
+        nbytes = ring(4 * self.numel, self.world)
+        self._record(ExchangeStats(buckets=1, wire_bytes=nbytes, plain_equivalent_bytes=nbytes))
+        super().end_step()
+
+
+class OurHook(_Counter):
+    """``tagc.ddp_hook``'s state, read as the FSDP paths read a :class:`tagc.TAGCHook`."""
+
+    def __init__(self, state: DDPHookState, one_rank_per_host: bool) -> None:
+        super().__init__(one_rank_per_host)
+        self.state = state
+
+    @property
+    def dense_steps(self) -> int:
+        return self.state.hook.dense_steps
+
+    @property
+    def residuals(self) -> dict:
+        return self.state.hook.residuals
+
+    def end_step(self) -> None:
+        self.state.end_step()
+
+    def stats(self) -> dict:
+        stats = self.state.stats()
+        if self.one_rank_per_host:
+            for span in ("last_step", "total"):
+                stats[span]["inter_host_bytes"] = stats[span]["wire_bytes"]
+        return stats
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
+
+class TorchHook(_Counter):
+    """Torch's ``bf16_compress_hook`` or ``powerSGD_hook`` on ``ddp``, its bytes counted per bucket (module docstring)."""
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, codec: str, rank: int, start_iter: int,
+                 one_rank_per_host: bool) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        super().__init__(one_rank_per_host)
+        self.ddp = ddp
+        self.codec = codec
+        self.group = ddp.process_group
+        self.world = dist.get_world_size(self.group)
+        if codec == "bf16":
+            self.state: Any = self.group
+            self._hook: Callable = default_hooks.bf16_compress_hook
+        elif codec == "powersgd":
+            self.state = powerSGD_hook.PowerSGDState(process_group=self.group, matrix_approximation_rank=rank,
+                                                     start_powerSGD_iter=start_iter,
+                                                     min_compression_rate=MIN_COMPRESSION_RATE)
+            self._hook = powerSGD_hook.powerSGD_hook
+            self.dense_steps = start_iter
+        else:
+            raise ValueError(f"torch ships DDP hooks for {TORCH_HOOKS}, not {codec!r}")
+        ddp.register_comm_hook(self, TorchHook._call)
+
+    @staticmethod
+    def _call(counter, bucket):  # no annotations: DDP checks them against its own objects, and this module's are strings
+        self = counter
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        start = time.perf_counter()
+        stats = ExchangeStats(buckets=1, plain_equivalent_bytes=ring(4 * bucket.buffer().numel(), self.world))
+        if self.codec == "powersgd" and not self.ddp._has_rebuilt_buckets:
+            # DDP's first iteration (and a resumed run's): buckets it rebuilds next, whose indices PowerSGD's
+            # state must not key; reduced as powerSGD_hook reduces its vanilla iterations, and counted as one
+            stats.wire_bytes = ring(4 * bucket.buffer().numel(), self.world)
+            self.state.maybe_increase_iter(bucket)
+            future = default_hooks.allreduce_hook(self.group, bucket)
+        else:
+            stats.wire_bytes = self.bucket_bytes(bucket)
+            if stats.wire_bytes < stats.plain_equivalent_bytes:
+                stats.compressed_buckets = 1
+            future = self._hook(self.state, bucket)
+        stats.compress_s = time.perf_counter() - start
+        self._record(stats)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self._current.wire_s += time.perf_counter() - start
+            self.total.wire_s += time.perf_counter() - start
+            return fut.value()
+
+        return future.then(done)
+
+    def bucket_bytes(self, bucket: dist.GradBucket) -> int:
+        """What the hook puts on the wire for ``bucket`` (this rank, ring volumes), read before it runs."""
+        buffer = bucket.buffer()
+        if self.codec == "bf16":
+            return ring(2 * buffer.numel(), self.world)
+        if self.state.iter < self.state.start_powerSGD_iter:
+            return ring(4 * buffer.numel(), self.world)
+        size = buffer.element_size()
+        p, q, uncompressed = powersgd_sizes([tuple(g.shape) for g in bucket.gradients()], self.state.matrix_approximation_rank,
+                                            self.state.min_compression_rate)
+        return ring(size * uncompressed, self.world) + ring(size * p, self.world) + ring(size * q, self.world)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The step count and, for PowerSGD, its state: the iteration, this rank's error and warm-start
+        ``P``/``Q`` per bucket index (keyed by rank), and the seed generator that draws new ``Q``s."""
+        out: dict = {"step": self.step_count}
+        if self.codec != "powersgd":
+            return out
+        state, me = self.state, dist.get_rank()
+        _, keys, pos, has_gauss, cached = state.rng.get_state()
+        out.update(iter=state.iter, rng_keys=torch.from_numpy(keys.astype("int64")), rng_pos=int(pos),
+                   rng_has_gauss=int(has_gauss), rng_cached=float(cached))
+        for kind, table in (("error", state.error_dict), ("p", state.p_memory_dict), ("q", state.q_memory_dict)):
+            out.update({f"residual.rank{me}.{kind}.{index}": tensor for index, tensor in table.items()})
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.codec != "powersgd":
+            return
+        import numpy as np
+
+        mine = self.state
+        mine.iter = int(state["iter"])
+        keys = state["rng_keys"].numpy().astype(np.uint32)
+        mine.rng.set_state(("MT19937", keys, int(state["rng_pos"]), int(state["rng_has_gauss"]), float(state["rng_cached"])))
+        prefix = f"residual.rank{dist.get_rank()}."
+        device = next(self.ddp.module.parameters()).device
+        tables = {"error": mine.error_dict, "p": mine.p_memory_dict, "q": mine.q_memory_dict}
+        for table in tables.values():
+            table.clear()
+        for key, tensor in state.items():
+            if key.startswith(prefix):
+                kind, index = key[len(prefix):].split(".")
+                tables[kind][int(index)] = tensor.to(device)
+
+
+def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = MIN_COMPRESSION_RATE
+                   ) -> tuple[int, int, int]:
+    """``(P elements, Q elements, uncompressed elements)`` of ``powerSGD_hook`` on gradients of ``shapes``:
+    each viewed as ``shape[0] x rest`` and compressed at ``min(rows, cols, rank)`` where
+    ``(rows + cols) r min_compression_rate < rows cols`` (torch's documented rule)."""
+    p = q = uncompressed = 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        cols = numel // rows if rows else 0
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            p, q = p + rows * r, q + cols * r
+        else:
+            uncompressed += numel
+    return p, q, uncompressed
+
+
+__all__ = ["TORCH_HOOKS", "DDPOwnReduction", "OurHook", "TorchHook", "check_ddp_settings", "powersgd_sizes",
+           "powersgd_start_iter", "wrap_ddp"]
