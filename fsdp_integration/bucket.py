@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from backward_drain import BackwardDrain
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketEntry:
@@ -61,45 +63,32 @@ class PendingGradients:
     """Reduce-scatters launched in backward, finished in a final callback of the same backward pass.
 
     A unit's backward launches its reduce-scatter and returns no gradient for its shards
-    (autograd leaves ``.grad`` alone); the callback, queued once per backward pass, finishes
-    the exchanges oldest first and accumulates each shard's gradient into its parameter's
-    ``.grad`` (a ``Shard(0)`` DTensor), as autograd would have: so gradient accumulation over
-    several backward passes is unchanged, and everything is in place when ``backward()``
-    returns. Post-accumulate-grad hooks of the parameters do not run for these gradients.
+    (autograd leaves ``.grad`` alone); the callback, queued once per backward pass
+    (:class:`backward_drain.BackwardDrain`), finishes the exchanges oldest first and accumulates
+    each shard's gradient into its parameter's ``.grad`` (a ``Shard(0)`` DTensor), as autograd
+    would have: so gradient accumulation over several backward passes is unchanged, and
+    everything is in place when ``backward()`` returns. Post-accumulate-grad hooks of the
+    parameters do not run for these gradients.
     """
 
     def __init__(self) -> None:
-        self._items: list[tuple["Bucket", Callable[[], torch.Tensor], list[torch.dtype]]] = []
-        self._task = None
+        self._drain = BackwardDrain()
 
     def add(self, bucket: "Bucket", finish: Callable[[], torch.Tensor], dtypes: list[torch.dtype]) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # the first launch of this backward pass
-            self._drain(accumulate=False)  # a backward pass that failed left these: finish the collectives, drop the values
-            self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._items.append((bucket, finish, dtypes))
+        """Hold ``bucket``'s launched reduce-scatter (``finish()`` waits for its chunk) until the pass ends."""
 
-    def finish(self) -> None:
-        """Finish every exchange launched in this backward pass and accumulate the gradients."""
-        self._task = None
-        self._drain(accumulate=True)
-
-    def _drain(self, accumulate: bool) -> None:
-        items, self._items = self._items, []
-        error = None
-        for bucket, finish, dtypes in items:  # finish all, even after an error: no collective is left behind
-            try:
-                chunk = finish()
-            except Exception as exc:  # noqa: BLE001 - re-raised below
-                error = error or exc
-                continue
+        def complete(accumulate: bool) -> None:
+            chunk = finish()
             if accumulate:
                 with torch.no_grad():
                     for param, grad in zip(bucket.params, bucket.unpack_shards(chunk, dtypes)):
                         _accumulate(param, grad)
-        if error is not None:
-            raise error
+
+        self._drain.add(complete)
+
+    def finish(self) -> None:
+        """Finish every exchange launched in this backward pass and accumulate the gradients."""
+        self._drain.finish()
 
 
 def _accumulate(param: torch.Tensor, local_grad: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
+from backward_drain import BackwardDrain
 from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.stats import ExchangeStats, plain_bytes
@@ -146,36 +147,19 @@ class TAGCReduceScatter(ReduceScatter):
 
 
 class _Deferred:
-    """Exchanges launched by FSDP2's reduce-scatters, finished in a final callback of the backward pass."""
+    """Exchanges launched by FSDP2's reduce-scatters, finished in a final callback of the backward pass
+    (:class:`backward_drain.BackwardDrain`), each then filling its parameters' gradients."""
 
     def __init__(self) -> None:
-        self._items: list[tuple[TAGCReduceScatter, PendingBucket]] = []
-        self._task = None
+        self._drain = BackwardDrain()
 
     def add(self, comm: TAGCReduceScatter, pending: PendingBucket) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # the first deferral of this backward pass
-            self._drain(fill=False)  # a backward pass that failed left these: finish the collectives, drop the values
-            self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._items.append((comm, pending))
+        def complete(fill: bool) -> None:
+            output = pending.wait()
+            if fill:
+                comm.fill_grads(output)
 
-    def finish(self) -> None:
-        self._task = None
-        self._drain(fill=True)
-
-    def _drain(self, fill: bool) -> None:
-        items, self._items = self._items, []
-        error = None
-        for comm, pending in items:  # finish all, even after an error: no collective is left behind
-            try:
-                output = pending.wait()
-                if fill:
-                    comm.fill_grads(output)
-            except Exception as exc:  # noqa: BLE001 - re-raised below
-                error = error or exc
-        if error is not None:
-            raise error
+        self._drain.add(complete)
 
 
 _DEFERRED = _Deferred()

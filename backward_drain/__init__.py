@@ -1,0 +1,65 @@
+"""Work launched during a backward pass, completed in one final callback of the same pass.
+
+An overlapped reduce-scatter is launched inside a unit's backward and must be finished, and its
+result delivered (accumulated into ``.grad``, or copied into the buffer a wrapper reads), before
+``backward()`` returns. :class:`BackwardDrain` holds such work: the first :meth:`BackwardDrain.add`
+of a backward pass queues :meth:`BackwardDrain.finish` as a final callback of that pass, which
+completes everything added, oldest first. Both wrappers that overlap this way use it: SimpleFSDP
+(:class:`fsdp_integration.bucket.PendingGradients`) and TAGC's FSDP2 adapter
+(``tagc.hooks.fsdp2``).
+
+This package depends on torch only, so that ``fsdp_integration`` (which never imports ``tagc``)
+and ``tagc`` (which never imports a wrapper) can share it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+Complete = Callable[[bool], None]
+"""``complete(deliver)``: finish one piece of work (its collective); deliver its result only when
+``deliver`` is true (false: the backward pass that launched it failed, its values are dropped)."""
+
+
+class BackwardDrain:
+    """Pieces of work launched in a backward pass, completed by one final callback of that pass.
+
+    Every piece is completed, even after one raises: a collective left unfinished would leave
+    the other ranks waiting. The first error is raised once all are done. Work left behind by a
+    backward pass that failed before its callback ran is completed, without delivering, at the
+    first :meth:`add` of the next pass.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Complete] = []
+        self._task: Optional[int] = None  # the autograd graph task the items belong to
+
+    def add(self, complete: Complete) -> None:
+        """Hold ``complete`` until the end of the current backward pass (call only inside one)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            raise RuntimeError("BackwardDrain.add runs inside a backward pass (from a backward function or hook); "
+                               "outside one, finish the work where it is launched")
+        if task != self._task:  # the first launch of this backward pass
+            self._run(deliver=False)  # a backward pass that failed left these: finish the collectives, drop the values
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self._items.append(complete)
+
+    def finish(self) -> None:
+        """Complete, and deliver, everything added in this backward pass (the final callback)."""
+        self._task = None
+        self._run(deliver=True)
+
+    def _run(self, deliver: bool) -> None:
+        items, self._items = self._items, []
+        error = None
+        for complete in items:  # complete all, even after an error: no collective is left behind
+            try:
+                complete(deliver)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+        if error is not None:
+            raise error
