@@ -29,7 +29,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gpt2_bench.methods import METHODS, PAPER_METHODS, method_config, parse_methods, round_order
 from gpt2_bench.compare_hosts import HOST_METHODS, hosts_report, parse_host_methods
@@ -319,7 +319,8 @@ def _same_math(recorded: dict, wanted: dict) -> bool:
 
 
 def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir: str,
-                 dense_steps: Optional[int] = None, folder: Optional[Path] = None) -> dict[str, dict]:
+                 dense_steps: Optional[int] = None, folder: Optional[Path] = None,
+                 configure: Optional[Callable[[TrainConfig, str], TrainConfig]] = None) -> dict[str, dict]:
     """Each method once, unshaped, for ``steps`` steps: its loss does not depend on the link.
     ``dense_steps`` (default: the timed runs') is the error-feedback codecs' dense warm-up here.
 
@@ -328,14 +329,16 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
     made once (in the background, or over several sessions) and the timed sweeps added later.
     An interrupted run (``<name>.started.json`` with the same settings) resumes from its newest
     checkpoint, with the same losses as an uninterrupted one. ``folder``: where the runs live
-    (default ``<out_dir>/quality``).
+    (default ``<out_dir>/quality``). ``configure``: a method's settings from ``base`` (default
+    :func:`~gpt2_bench.methods.method_config`; a layout's: :func:`~gpt2_bench.methods.layout_config`).
     """
+    configure = configure or method_config
     eval_interval = max(1, steps // 15)  # from the steps alone: the timed runs' settings do not change it
     results = {}
     for method in methods:
         warm = base if dense_steps is None else dataclasses.replace(base, dense_steps=dense_steps)
         out = Path(base.out_dir) / "quality" if folder is None else Path(folder)
-        cfg = dataclasses.replace(method_config(warm, method), steps=steps, link="none", eval_interval=eval_interval,
+        cfg = dataclasses.replace(configure(warm, method), steps=steps, link="none", eval_interval=eval_interval,
                                   out_dir=str(out), checkpoint_dir=str(out / f"checkpoints-{method}"),
                                   checkpoint_every=max(1, steps // QUALITY_CHECKPOINTS),
                                   keep_checkpoints=QUALITY_KEPT_CHECKPOINTS)
@@ -410,11 +413,13 @@ def timed_rows_from(path: str, methods: Sequence[str], preset: str) -> list[tupl
     return found
 
 
-def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optional[dict[str, dict]] = None) -> list[dict]:
-    """Speed-ups against ``fsdp`` and ``fsdp-bf16``, the bytes model, bits per parameter and the
-    val loss (from the quality runs when given) against ``fsdp``'s, for one share's rows."""
+def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optional[dict[str, dict]] = None,
+                       plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> list[dict]:
+    """Speed-ups against ``plain_method`` and ``bf16_method`` (``fsdp``, ``fsdp-bf16``; the DDP layout's
+    ``ddp``, ``ddp-bf16``), the bytes model, bits per parameter and the val loss (from the quality runs
+    when given) against ``plain_method``'s, for one share's rows."""
     by_method = {row["method"]: row for row in rows}
-    plain, bf16 = by_method.get("fsdp"), by_method.get("fsdp-bf16")
+    plain, bf16 = by_method.get(plain_method), by_method.get(bf16_method)
     for row in rows:
         if quality and row["method"] in quality:
             row["val_loss"] = quality[row["method"]]["val_loss"]
@@ -427,7 +432,7 @@ def add_method_columns(rows: list[dict], rate_bps: Optional[int], quality: Optio
         model_ms = None if plain is None else bytes_model_ms(plain["iter_ms"], plain.get("wire_bytes_per_step"), wire, rate_bps)
         row["bytes_model"] = None if model_ms is None or model_ms <= 0 else plain["iter_ms"] / model_ms
         row["bytes_model_ms"] = model_ms
-    plain_loss = quality["fsdp"]["val_loss"] if quality and "fsdp" in quality else (plain or {}).get("val_loss")
+    plain_loss = quality[plain_method]["val_loss"] if quality and plain_method in quality else (plain or {}).get("val_loss")
     plain_steps = (plain or {}).get("val_loss_steps")
     for row in rows:
         row["val_loss_delta"] = None if plain_loss is None or not same_run_length(row, plain_steps) else row["val_loss"] / plain_loss - 1
@@ -466,10 +471,10 @@ def explain_gap(row: dict, other: dict) -> str:
     return f"{total:+.0f} ms ({', '.join(parts)}){loss}"
 
 
-def format_methods_table(rows: list[dict]) -> str:
-    """One share's methods: time, speed-ups, bytes, codec time and loss."""
-    lines = ["| method | compressed | iter ms | vs fsdp | vs fsdp-bf16 | bytes model | wire MB/step | bits/param | "
-             "codec ms | exposed ms | val loss | vs fsdp |",
+def format_methods_table(rows: list[dict], plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> str:
+    """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time and loss."""
+    lines = [f"| method | compressed | iter ms | vs {plain_method} | vs {bf16_method} | bytes model | wire MB/step | bits/param | "
+             f"codec ms | exposed ms | val loss | vs {plain_method} |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda value, spec, suffix="": "-" if value is None else f"{value:{spec}}{suffix}"  # noqa: E731
     for row in rows:
@@ -764,6 +769,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if hosts_probe.parse_known_args(argv)[0].hosts > 1:  # emulated hosts: a short job per method on the tiny model
         parser.set_defaults(**HOSTS_DEFAULTS)
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
+    parser.add_argument("--layout", default="flat", choices=("flat", "ddp", "hsdp"),
+                        help="flat (default): FSDP sharded over every rank; ddp: DDP on 2 emulated hosts x 1 rank (torch's "
+                             "hooks and ours through tagc.ddp_hook); hsdp: FSDP2 HSDP on 2 x 2. Each is timed on the "
+                             "link the flat compare calibrates for the share, beside flat FSDP on the same hosts "
+                             "(gpt2_bench.compare_layout)")
+    parser.add_argument("--flat-from", default=None,
+                        help="--layout ddp/hsdp: take the flat-FSDP rows beside the layout's from an earlier layout "
+                             "compare's --json instead of timing them again")
     parser.add_argument("--methods", default="paper",
                         help=f"comma-separated methods: {', '.join(METHODS)}; 'peers' for all of them; "
                              f"default 'paper' ({', '.join(PAPER_METHODS)}, in the paper's table). With --hosts: "
@@ -791,6 +804,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "seed-to-seed spread at every evaluation and calls a gap inside the spread a tie "
                              "(default: one run at --seed, in quality/)")
     args = parser.parse_args(argv)
+    if args.layout != "flat":
+        from gpt2_bench.compare_layout import layout_main
+
+        return layout_main(parser, args)
+    if args.flat_from:
+        parser.error("--flat-from goes with --layout ddp or hsdp")
     if args.hosts > 1:
         return _hosts_main(parser, args)
     try:

@@ -27,7 +27,7 @@ it serves all of them alike; the others have nothing to warm up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 from gpt2_bench.config import TrainConfig
 
@@ -87,12 +87,94 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
     """``base`` with ``method``'s codec settings (and its own run name)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
-    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", **METHODS[method]}
+    return _with_method(base, method, METHODS[method])
+
+
+def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
+    """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
+    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False, **settings}
     if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
         fields["dense_steps"] = 0
     if fields.get("codec") not in ("tagc", "topk") or fields["compression"] == "none":  # the ratio's own settings
         fields.update(ramp_steps=0, embedding_ratio=None)
     return dataclasses.replace(base, name=method, **fields)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+LAYOUTS = ("flat", "ddp", "hsdp")
+"""How the model is laid out over the ranks: ``flat`` FSDP (sharded over every rank; the parameters'
+all-gathers cross the slow link), ``ddp`` (replicated; only the gradient crosses, as an all-reduce),
+``hsdp`` (FSDP2: sharded within a host, replicated across hosts)."""
+
+LAYOUT_FIELDS: dict[str, dict] = {
+    "flat": {},
+    "ddp": {"integration": "ddp", "hosts": 2, "world": 2},
+    "hsdp": {"integration": "fsdp2", "hsdp": True, "hosts": 2, "world": 4},
+}
+"""The :class:`TrainConfig` fields a layout sets: the DDP layout on 2 emulated hosts x 1 rank (the
+paper's 2 hosts with 1 GPU each), HSDP on 2 x 2."""
+
+
+def _torch_powersgd_methods() -> dict[str, dict]:
+    """``ddp-powersgd`` at rank 4 (Vogels et al.'s language model), and at our codec's rank where it differs."""
+    from tagc.hooks.powersgd import DEFAULT_RANK
+
+    ranks = dict.fromkeys((4, DEFAULT_RANK))
+    return {("ddp-powersgd" if rank == 4 else f"ddp-powersgd-r{rank}"):
+            {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": rank}} for rank in ranks}
+
+
+OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
+                    "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
+"""Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
+selection, the non-attention linears, at ``--ratio``)."""
+
+LAYOUT_METHODS: dict[str, dict[str, dict]] = {
+    "flat": {name: METHODS[name] for name in ("fsdp", "fsdp-bf16", *OURS_ON_A_LAYOUT.values())},
+    "ddp": {"ddp": {"compression": "none", "transport": "gloo"},  # DDP's own fp32 all-reduce, no hook
+            "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},  # torch's bf16_compress_hook
+            **_torch_powersgd_methods(),  # torch's powerSGD_hook
+            **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},  # ours, through tagc.ddp_hook
+    "hsdp": {"hsdp": METHODS["fsdp"], "hsdp-bf16": METHODS["fsdp-bf16"],
+             **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},
+}
+"""Per layout, its methods' :class:`TrainConfig` fields (the layout's own, :data:`LAYOUT_FIELDS`, come on top)."""
+
+LAYOUT_BASELINES = {"flat": ("fsdp", "fsdp-bf16"), "ddp": ("ddp", "ddp-bf16"), "hsdp": ("hsdp", "hsdp-bf16")}
+"""Per layout, ``(its plain fp32 method, its bf16 baseline)``: what its rows' speed-ups and losses are set against."""
+
+FLAT_PEER = {"ddp": "fsdp", "ddp-bf16": "fsdp-bf16", "ddp-powersgd": "powersgd", "hsdp": "fsdp", "hsdp-bf16": "fsdp-bf16",
+             **{name: flat for name, flat in OURS_ON_A_LAYOUT.items()}}
+"""A layout's method -> the flat-FSDP method with the same codec (the report puts them side by side)."""
+
+
+def layout_config(base: TrainConfig, layout: str, method: str, link: Optional[str] = None) -> TrainConfig:
+    """``base`` with ``layout``'s fields and ``method``'s codec settings (as :func:`method_config`),
+    on ``link`` (a rate; emulated hosts cannot take ``"scaled"``: it is resolved before). Its run is
+    named ``<layout>-<method>`` (``ddp-tagc``), or the method where it names its layout (``hsdp-bf16``),
+    torch's hooks ``<method>-torch`` (``ddp-powersgd-torch``, beside our ``ddp-powersgd``)."""
+    if layout not in LAYOUT_METHODS:
+        raise ValueError(f"unknown layout {layout!r}: choose from {', '.join(LAYOUTS)}")
+    if method not in LAYOUT_METHODS[layout]:
+        raise ValueError(f"unknown method {method!r} for layout {layout!r}: choose from {', '.join(LAYOUT_METHODS[layout])}")
+    fields = {**LAYOUT_FIELDS[layout], **({"link": link} if link is not None else {})}
+    cfg = _with_method(dataclasses.replace(base, **fields) if fields else base, method, LAYOUT_METHODS[layout][method])
+    if cfg.torch_hook:
+        return dataclasses.replace(cfg, name=f"{method}-torch")
+    return cfg if layout == "flat" or method.startswith(layout) else dataclasses.replace(cfg, name=f"{layout}-{method}")
+
+
+def parse_layout_methods(layout: str, text: Optional[str]) -> tuple[str, ...]:
+    """``"ddp,tagc"`` -> ``("ddp", "tagc")`` for ``layout``; ``None`` or ``"all"``: every method of the layout."""
+    known = LAYOUT_METHODS[layout]
+    if text is None or text == "all":
+        return tuple(known)
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {layout} method(s) {unknown or text!r}: choose from {', '.join(known)}, or 'all'")
+    return names
 
 
 def round_order(methods: Sequence[str], round_index: int) -> list[str]:
