@@ -23,6 +23,17 @@ Complete = Callable[[bool], None]
 ``deliver`` is true (false: the backward pass that launched it failed, its values are dropped)."""
 
 
+def _graph_task() -> int:
+    """The autograd graph task running on this thread, -1 outside a backward pass (torch's private
+    ``_current_graph_task_id``: used here only)."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd is running a backward pass on this thread (a backward function or hook calls this)."""
+    return _graph_task() != -1
+
+
 class BackwardDrain:
     """Pieces of work launched in a backward pass, completed by one final callback of that pass.
 
@@ -38,7 +49,7 @@ class BackwardDrain:
 
     def add(self, complete: Complete) -> None:
         """Hold ``complete`` until the end of the current backward pass (call only inside one)."""
-        task = torch._C._current_graph_task_id()
+        task = _graph_task()
         if task == -1:
             raise RuntimeError("BackwardDrain.add runs inside a backward pass (from a backward function or hook); "
                                "outside one, finish the work where it is launched")

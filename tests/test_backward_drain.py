@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backward_drain import BackwardDrain
+from backward_drain import BackwardDrain, in_backward_pass
 
 
 class _Launch(torch.autograd.Function):
@@ -23,6 +23,7 @@ class _Launch(torch.autograd.Function):
         if ctx.name == "fail":
             raise RuntimeError("this backward pass fails")
         name, log = ctx.name, ctx.log
+        assert in_backward_pass()
         ctx.drain.add(lambda deliver: log.append((name, deliver)))
         log.append((name, "launched"))
         return grad, None, None, None
@@ -84,6 +85,7 @@ def test_work_of_a_failed_pass_completes_without_delivering_at_the_next_pass():
 
 def test_add_outside_a_backward_pass_is_a_clear_error_and_holds_nothing():
     drain, log = BackwardDrain(), []
+    assert not in_backward_pass()
     for _ in range(2):  # the second time too: a refused add leaves no state behind
         with pytest.raises(RuntimeError, match="inside a backward pass"):
             drain.add(lambda deliver: log.append(deliver))
