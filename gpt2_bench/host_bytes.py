@@ -1,4 +1,4 @@
-"""Bytes that crossed between emulated hosts, per training step, from the hosts' own NIC counters.
+"""Bytes between hosts per training step: counted on emulated hosts' NICs, and worked out for many hosts.
 
 On emulated hosts (:class:`testbed.hosts.EmulatedHosts`) the launcher names the inter-host
 device in :data:`COUNT_DEVICE_ENV`. The first rank of each host reads that device's transmit
@@ -6,11 +6,17 @@ counter (``/sys/class/net/<dev>/statistics/tx_bytes``: the namespace's own) arou
 training step and appends ``{"step", "tx_bytes"}`` to ``<log>.host<h>``; the summary adds the
 hosts up. Everything that crosses counts: the gradient exchange, the parameter all-gathers and
 a few bytes of control traffic, not the evaluation.
+
+``python -m gpt2_bench.host_bytes`` works out, for 2, 8 and 64 hosts, the bytes each host sends per
+step under each layout (flat FSDP, DDP, HSDP) and codec, from the model's shapes and the codecs' own
+wire shapes (:func:`per_host_bytes`; the tables are in docs/layout.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -64,3 +70,258 @@ def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> Optional[
             per_step[step] = per_step.get(step, 0) + sent
     wanted = [per_step[s] for s in steps if s in per_step]
     return statistics.median(wanted) if files and wanted else None
+
+
+# ----------------------------------------------------------------------------- arithmetic to many hosts
+#
+# What each layout and codec sends between hosts per step, worked out from the model's shapes and the
+# codecs' own wire shapes (Codec.wire), not measured: ``python -m gpt2_bench.host_bytes``.
+
+LAYOUT_NAMES = ("flat", "ddp", "hsdp")
+HOST_COUNTS = (2, 8, 64)
+
+ARITHMETIC_METHODS: dict[str, dict] = {
+    "fp32": {"compression": "none"},
+    "bf16": {"compression": "none", "bf16": True},
+    "tagc": {"compression": "non-attn", "codec": "tagc"},
+    "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": 7.0,
+                  "options": {"positions": "coded", "value_dtype": "float16"}},
+    "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": 7.0,
+                  "options": {"positions": "coded", "value_dtype": "bfloat16"}},
+    "int4": {"compression": "all", "codec": "int4"},
+    "powersgd": {"compression": "all", "codec": "powersgd"},
+    "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16", "options": {"value_dtype": "bfloat16"}},
+}
+"""The compare's methods as the arithmetic sees them (:data:`gpt2_bench.methods.METHODS`): ``bf16`` is the
+bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``bf16_compress_hook``;
+HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10."""
+
+
+def _ring(nbytes: float, world: int) -> float:
+    """A ring all-reduce's bytes per participant: ``2 (N-1)/N`` of them."""
+    return 2 * (world - 1) * nbytes / world
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientPart:
+    """One parameter of the model: its shape, and whether the method's ``select`` compresses it."""
+
+    name: str
+    shape: tuple
+    compressed: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def model_parts(preset: str, compression: str, min_compress_numel: int = 65536, block_size: Optional[int] = None
+                ) -> list[GradientPart]:
+    """Every parameter of ``preset`` (on the meta device), compressed where ``compression`` selects it
+    (``all``: every parameter; ``non-attn``: the paper's non-attention linears) and it has at least
+    ``min_compress_numel`` elements (the engine's floor, here per parameter)."""
+    import torch
+
+    from gpt2_bench.model import GPT, GPTConfig
+    from tagc.hooks.selection import non_attention_linear
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {})))
+    modules = dict(model.named_modules())
+    parts = []
+    for name, param in model.named_parameters():
+        selected = compression == "all" or (compression == "non-attn"
+                                            and non_attention_linear(name, modules[name.rpartition(".")[0]]))
+        parts.append(GradientPart(name, tuple(param.shape), selected and param.numel() >= min_compress_numel))
+    return parts
+
+
+def _codecs(method: dict, ratio: float):
+    """``(codec of the selected columns or None, codec of the others)`` for a method of :data:`ARITHMETIC_METHODS`."""
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.engine import PLAIN_CODECS
+
+    config = TAGCConfig(ratio=method.get("ratio", ratio))
+    codec = None if method["compression"] == "none" else make_codec(method["codec"], config, options=method.get("options"))
+    plain_name = "bf16" if method.get("bf16") else method.get("plain", "fp32")
+    return codec, make_codec(PLAIN_CODECS[plain_name], config)
+
+
+def _row_bytes(codec, numel: int, world: int) -> int:
+    import torch
+
+    return sum(wire.row_bytes for wire in codec.wire(numel, world, torch.float32)) if numel else 0
+
+
+def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_bytes: int, plain_bytes_each: int) -> dict:
+    """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): element counts."""
+    p = q = plain = 0
+    for part in parts:
+        if part.compressed and len(part.shape) >= 2:
+            rows, cols = part.shape[0], part.numel // part.shape[0]
+            p, q = p + rows * rank, q + cols * rank
+        else:
+            plain += part.numel
+    return {"p": p * value_bytes, "q": q * value_bytes, "plain": plain * plain_bytes_each}
+
+
+def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compression: dict, ranks_per_host: int = 8,
+                   ratio: float = 10.0, rank: int = 4, backend: str = "nccl", param_bytes: int = 4) -> tuple[float, str]:
+    """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts.
+
+    * ``flat``: FSDP sharded over every rank (1 rank per host): two parameter all-gathers (forward and
+      backward, ``param_bytes`` per element) ``2 (H-1)/H n s``, and the compressed reduce-scatter:
+      ``(H-1)`` rank rows of each parameter's ``ceil(numel/H)``-element piece in its codec's wire
+      (PowerSGD: its two all-reduces of ``P`` and ``Q`` as reduce-scatter + all-gather rounds);
+    * ``ddp``: DDP, 1 rank per host, only the gradient crosses, in the fewest bytes of the forms
+      :mod:`tagc.hooks.ddp` allows: its all-reduce forms (fp32: ``ring(4n)``; bf16: ``ring(2n)``; TAGC
+      with a bitmap, float32 cells and fp32 plain columns: ``ring(4 T + 4 p)`` for the summed sketch tables
+      ``T`` and plain columns ``p``, plus the index: ``ring(I)`` by a bitwise-OR all-reduce on gloo,
+      ``(H-1) I`` by an all-gather on NCCL, which has no bitwise reduction; PowerSGD with float32 values:
+      ``ring(4 (P + p)) + ring(4 Q)``), ``rs+ag`` (``(H-1)`` rows of each piece's wire, then a dense
+      all-gather of the reduced pieces, float32 or bf16 with ``plain="bf16"``) and ``gather`` (every
+      rank's encoded pieces to every rank: ``(H-1) H`` rows; fixed-shape wires only, not PowerSGD);
+    * ``hsdp``: FSDP2 HSDP with ``ranks_per_host`` ranks per host: the parameters never cross; each rank
+      exchanges its ``n / G`` shard across the ``H`` replicas by ``rs+ag`` or ``gather`` (no all-reduce
+      form: :mod:`tagc.hooks.fsdp2`); PowerSGD cannot see a piece's matrix shape there and sends it
+      plain. The host sends ``G`` ranks' worth.
+
+    Codec wires are the engine's per parameter (its parts pack several parameters: within a few bytes
+    of what the engine plans per bucket)."""
+    method = ARITHMETIC_METHODS[method_name]
+    parts = parts_by_compression[method["compression"]]
+    codec, plain = _codecs(method, ratio)
+    n = sum(part.numel for part in parts)
+    powersgd = method.get("codec") == "powersgd"
+    lean = method.get("plain") == "bf16"
+    value_bytes = 2 if method.get("options", {}).get("value_dtype") == "bfloat16" else 4
+
+    def pieces_wire(world: int, shard: int = 1) -> tuple[int, int]:
+        """(row bytes of every parameter's piece over ``world``, the piece's elements) for shards of ``1/shard``."""
+        row = elements = 0
+        for part in parts:
+            piece = -(-(-(-part.numel // shard)) // world)
+            row += _row_bytes(codec if part.compressed and codec is not None else plain, piece, world)
+            elements += piece
+        return row, elements
+
+    if layout == "flat":
+        gathers = 2 * (hosts - 1) * n * param_bytes / hosts
+        if powersgd:
+            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
+            exchange = (hosts - 1) * (2 * sizes["p"] + 2 * sizes["q"] + sizes["plain"]) / hosts
+        else:
+            exchange = (hosts - 1) * pieces_wire(hosts)[0]
+        return gathers + exchange, "rs"
+    if layout == "ddp":
+        if method["compression"] == "none":
+            return _ring((2 if method.get("bf16") else 4) * n, hosts), "allreduce"
+        forms = {}
+        if powersgd and not lean and value_bytes == 4:
+            sizes = _powersgd_bytes(parts, rank, hosts, 4, 4)
+            forms["sketch"] = _ring(sizes["p"] + sizes["plain"], hosts) + _ring(sizes["q"], hosts)
+        elif codec.name == "tagc" and codec.positions == "bitmap" and codec.value_dtype.itemsize == 4 and not lean:
+            compressed = [part for part in parts if part.compressed]
+            cells = sum(codec.layout(part.numel).table_numel for part in compressed)
+            plain_numel = sum(part.numel for part in parts if not part.compressed)
+            index = sum(-(-part.numel * codec.config.index_bits // 8) for part in compressed)
+            merge = _ring(index, hosts) if backend == "gloo" or codec.config.index_bits == 4 else (hosts - 1) * index
+            forms["sketch"] = _ring(4 * (cells + plain_numel), hosts) + merge
+        if powersgd:
+            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
+            piece_elements = sum(-(-part.numel // hosts) for part in parts)
+            forms["rs+ag"] = (hosts - 1) * (2 * sizes["p"] + 2 * sizes["q"] + sizes["plain"]) / hosts \
+                + (hosts - 1) * piece_elements * (2 if lean else 4)
+        else:
+            row, elements = pieces_wire(hosts)
+            forms["rs+ag"] = (hosts - 1) * (row + elements * (2 if lean else 4))
+            forms["gather"] = (hosts - 1) * hosts * row
+        form = min(forms, key=forms.get)
+        return forms[form], form
+    if layout == "hsdp":
+        g = ranks_per_host
+        if method["compression"] == "none":
+            size = 2 if method.get("bf16") else 4
+            elements = sum(-(-(-(-part.numel // g)) // hosts) for part in parts)
+            return g * (hosts - 1) * elements * 2 * size, "rs+ag"
+        if powersgd:  # a piece of a shard has no matrix shape: sent plain (tagc.hooks.powersgd)
+            codec = None
+            parts = [dataclasses.replace(part, compressed=False) for part in parts]
+        row, elements = pieces_wire(hosts, g)
+        forms = {"rs+ag": (hosts - 1) * (row + elements * (2 if lean else 4))}
+        if codec is not None and codec.traceable():
+            forms["gather"] = (hosts - 1) * hosts * row
+        form = min(forms, key=forms.get)
+        return g * forms[form], form
+    raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got {layout!r}")
+
+
+def arithmetic_rows(preset: str = "gpt2", hosts: Sequence[int] = HOST_COUNTS, layouts: Sequence[str] = LAYOUT_NAMES,
+                    ranks_per_host: int = 8, backend: str = "nccl", param_bytes: int = 4,
+                    block_size: Optional[int] = None, min_compress_numel: int = 65536) -> list[dict]:
+    """One row per layout and method: bytes per host and step at each host count, and the form."""
+    parts = {c: model_parts(preset, c, min_compress_numel, block_size) for c in ("none", "all", "non-attn")}
+    rows = []
+    for layout in layouts:
+        for method in ARITHMETIC_METHODS:
+            row = {"layout": layout, "method": method, "bytes": {}, "form": {}}
+            for h in hosts:
+                row["bytes"][h], row["form"][h] = per_host_bytes(layout, method, h, parts, ranks_per_host,
+                                                                 backend=backend, param_bytes=param_bytes)
+            rows.append(row)
+    return rows
+
+
+def leanest(rows: list[dict], layout: str, hosts: int, exclude: Sequence[str] = ()) -> str:
+    """The method of ``layout`` sending the fewest bytes per host at ``hosts`` hosts."""
+    candidates = [row for row in rows if row["layout"] == layout and row["method"] not in exclude]
+    return min(candidates, key=lambda row: row["bytes"][hosts])["method"]
+
+
+def format_arithmetic(rows: list[dict], hosts: Sequence[int] = HOST_COUNTS) -> str:
+    """The rows as one Markdown table per layout (MB per host and step, the form in brackets), then where
+    TAGC is the leanest."""
+    lines = []
+    for layout in dict.fromkeys(row["layout"] for row in rows):
+        lines += [f"**{layout}**", "", "| method | " + " | ".join(f"{h} hosts (MB/host/step)" for h in hosts) + " |",
+                  "|---|" + "---:|" * len(hosts)]
+        for row in (r for r in rows if r["layout"] == layout):
+            cells = [f"{row['bytes'][h] / 1e6:.2f} ({row['form'][h]})" for h in hosts]
+            lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+        lines.append("")
+        for h in hosts:
+            best = leanest(rows, layout, h)
+            sparse = leanest(rows, layout, h, exclude=("powersgd", "powersgd-lean"))
+            lines.append(f"- {h} hosts: leanest {best}; without PowerSGD, {sparse}.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m gpt2_bench.host_bytes",
+                                     description="Bytes per step between hosts for each layout and codec, by arithmetic.")
+    parser.add_argument("--layout", default="all", choices=("all", *LAYOUT_NAMES))
+    parser.add_argument("--hosts", default=",".join(map(str, HOST_COUNTS)), help="comma-separated host counts")
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--ranks-per-host", type=int, default=8, help="HSDP: GPUs per host (default 8)")
+    parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                        help="how TAGC's 1-bit index merges in DDP: nccl all-gathers it, gloo ORs it in an all-reduce")
+    parser.add_argument("--param-bytes", type=int, default=4, choices=(2, 4),
+                        help="flat FSDP's parameter all-gathers: 4 (fp32) or 2 (bf16)")
+    args = parser.parse_args(argv)
+    hosts = [int(h) for h in args.hosts.split(",")]
+    layouts = LAYOUT_NAMES if args.layout == "all" else (args.layout,)
+    rows = arithmetic_rows(args.preset, hosts, layouts, args.ranks_per_host, args.backend, args.param_bytes)
+    print(f"Preset `{args.preset}`, index merge on {args.backend}, flat parameter gathers at {args.param_bytes} bytes, "
+          f"HSDP with {args.ranks_per_host} ranks per host.\n")
+    print(format_arithmetic(rows, hosts))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
