@@ -96,7 +96,7 @@ def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = 
     ``attempts`` times in all: from its newest complete checkpoint when ``cfg.checkpoint_dir``
     is set (the steps it does not redo keep their records; a resumed run repeats the
     uninterrupted losses bit for bit), from scratch otherwise. Benchmarks use it so that one
-    rare crash (the README's "Known problem: a rare heap abort on gloo") costs minutes, not the whole sweep.
+    rare crash (``docs/known-issues.md``, "A rare heap abort on gloo") costs minutes, not the whole sweep.
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")

@@ -169,7 +169,13 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     step_fn = compiled(model, cfg) if cfg.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.second_moment == "local" and hook is not None:
+        import tagc.optim
+
+        opt = tagc.optim.AdamW(groups, hook=hook, lr=cfg.lr)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr)
     data = TokenData(data_dir)
     gen = torch.Generator().manual_seed(cfg.seed)
     first_step = _restore(cfg, model, opt, hook, gen)

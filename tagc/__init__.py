@@ -2,12 +2,14 @@
 
 ``tagc.register_comm_hook(model, tagc.hook(ratio=10, index_bits=1))`` on a SimpleFSDP, FSDP2
 or FSDP1 model, or a DDP model (every codec as a DDP comm hook; ``tagc.ddp_hook`` gives DDP's
-``(state, hook)`` pair). The design: ``docs/design.md``.
+``(state, hook)`` pair). ``tagc.optim.AdamW(params, hook=hook)`` keeps AdamW's second moment
+free of error feedback's bursts. The design: ``docs/design.md``.
 """
 
+from tagc import optim
 from tagc.api import ddp_hook, hook, register_comm_hook
 from tagc.config import TAGCConfig
 from tagc.hooks.engine import TAGCHook
 
 __version__ = "0.1.0"
-__all__ = ["TAGCConfig", "TAGCHook", "__version__", "ddp_hook", "hook", "register_comm_hook"]
+__all__ = ["TAGCConfig", "TAGCHook", "__version__", "ddp_hook", "hook", "optim", "register_comm_hook"]

@@ -172,6 +172,8 @@ class DDPHookState:
         dense = hook.step_count < hook.dense_steps or not hook.codec.compresses
         if dense and hook.plain_name == "fp32":  # DDP's own reduction
             return self._allreduce(buffer, world)
+        if not dense:
+            hook.keep_local(layout.segments, layout.segments, layout.numel, world, buffer, 1.0)
         if layout.form is None:
             layout.form, layout.planned_bytes = self._choose(layout, buffer, world, steady)
         if layout.form == "sketch" and hook.step_count >= hook.dense_steps:
@@ -405,7 +407,7 @@ class DDPHookState:
         if layout.form == "gather" and _gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
             _GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats()).wait()
             return
-        pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments)
+        pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments, keep_local=False)
         gathered = (world - 1) * chunk.numel()
         pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
                                         plain_equivalent_bytes=plain_bytes(world, chunk.numel())))

@@ -45,6 +45,7 @@ from tagc.hooks.codec_registry import make_codec, resolve_options
 from tagc.hooks.codecs import Codec, PlainCodec, Wire
 from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.hierarchy import Topology, check_hierarchy, group_ranks, host_reduce, resolve_ranks_per_host, topology
+from tagc.hooks.local_grads import LocalGradients
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 from tagc.hooks.stats import ExchangeStats, plain_bytes
@@ -52,14 +53,14 @@ from tagc.hooks.transport import PendingExchange, _peer_errors, all_to_all_rows,
 
 MIN_PART = 1 << 20
 """Compressed columns are split into pipeline parts of at least this many elements. Each part
-samples its own threshold (:func:`tagc.sketch.sparsify.row_thresholds`, ~4096/density
-entries per row), so parts much smaller than that sample pay a full selection each: 2^20
-measured 30% cheaper compression than 2^18 on GPT-2 small, with the same step time at 2^21-2^22."""
+samples its own threshold (:func:`tagc.sketch.sparsify.row_thresholds`, ~4096/density entries
+per row), so parts much smaller than that sample pay a full selection each (how it was chosen:
+``docs/results.md``)."""
 
 DENSE_STEPS = 10
-"""The dense warm-up of an error-feedback codec when ``dense_steps`` is not given: the lean-wire
-sweep's (300-step GPT-2 quality runs: without a warm-up the loss trails plain FSDP's by +8.5%
-after 12 steps; with 10 dense steps ratio 7 ends within 1% of it; 30 gain nothing over 10)."""
+"""The dense warm-up of an error-feedback codec when ``dense_steps`` is not given: early gradients
+carry large, dense moves that error feedback under Adam would spread over many steps (how 10 was
+chosen: ``docs/results.md``)."""
 
 RAMP_STAGES = 4
 """A density ramp (``ramp_steps``) climbs to the ratio in this many equal-length stages (as Deep
@@ -122,6 +123,7 @@ class _BucketPlan:
     key: str
     chunk: int
     parts: list[_Part]  # the plain columns first (if any), then the compressed parts
+    chosen: tuple[Segment, ...] = ()  # the compressed parameters
 
     @property
     def compressed_parts(self) -> list[_Part]:
@@ -397,6 +399,10 @@ class TAGCHook:
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
         self.host_read_sites: collections.Counter[str] = collections.Counter()
         self._counting_reads = False
+        self.keep_local_gradients = False
+        """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`)
+        for :class:`tagc.optim.AdamW`, which sets it."""
+        self.local_gradients = LocalGradients()
 
     # ------------------------------------------------------------------ public
 
@@ -588,7 +594,7 @@ class TAGCHook:
 
     @strict.counted
     def start(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
-              segments: Sequence[Segment], unit: Optional[str] = None) -> PendingBucket:
+              segments: Sequence[Segment], unit: Optional[str] = None, keep_local: bool = True) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
         Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
@@ -601,6 +607,9 @@ class TAGCHook:
         part's encode: part ``k+1`` is encoded while part ``k`` is on the wire, and the caller's
         stream (the next backward) runs on meanwhile. ``input`` and ``output`` are marked
         (``record_stream``) as used on the side stream.
+
+        ``keep_local=False``: the segments are pieces of parameters (an all-reduce cut into pieces), so
+        this rank's row is not its own shard: the caller keeps :attr:`local_gradients` itself.
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
@@ -630,6 +639,9 @@ class TAGCHook:
         remote = topo.hosts - 1 if topo.hierarchical else topo.remote_rows
         pending = PendingBucket(self, plan, output, op_scale(op, world), codec_group, stats, timing, stream=side, remote_rows=remote)
         rows = input.view(world, chunk)
+        if keep_local and self.keep_local_gradients and plan.compressed:
+            own = dist.get_rank(group) if world > 1 else 0
+            self.local_gradients.keep(plan.chosen, rows[own], op_scale(op, world) * world)
         with _on(side):
             if world == 1:
                 pending.summed.copy_(rows[0])
@@ -683,6 +695,16 @@ class TAGCHook:
             if pending.plan.parts and not all(part.codec.overlappable() for part in pending.plan.parts):
                 return
             pending.poll()
+
+    def keep_local(self, segments: Sequence[Segment], pieces: Sequence[Segment], chunk: int, world: int,
+                   gradient: torch.Tensor, factor: Union[float, torch.Tensor]) -> None:
+        """For an exchange cut into ``pieces`` (an all-reduce): keep ``gradient`` (the whole of this rank's
+        ``segments``, not a piece) for the parameters the steady plan of ``pieces`` compresses, when this
+        step compresses (:attr:`keep_local_gradients`; :class:`tagc.hooks.local_grads.LocalGradients`)."""
+        if not self.keep_local_gradients or self.step_count < self.dense_steps:
+            return
+        compressed = {s.name for s in self._plan(tuple(pieces), chunk, world).chosen}
+        self.local_gradients.keep([s for s in segments if s.name in compressed], gradient, factor)
 
     def wait_all(self) -> None:
         """Finish every exchange in flight, oldest first."""
@@ -754,9 +776,14 @@ class TAGCHook:
         return world > 1 and plan.compressed and all(p.codec.traceable() for p in plan.parts)
 
     @strict.counted
-    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
+    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment],
+                      local_factor: Optional[float] = 1.0) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
-        one all-to-all per bucket, whose wait a compiler can move past later compute."""
+        one all-to-all per bucket, whose wait a compiler can move past later compute.
+
+        ``local_factor``: what puts this rank's row on the scale of the averaged result, for
+        :attr:`local_gradients` (1 for a packed gradient); ``None``: the row is not this rank's own
+        gradient (pieces, or a host's sum), as ``keep_local=False`` in :meth:`start`."""
         if not self._bound:
             self._note_bucket(segments)
         self.verify(group, packed.device)
@@ -765,6 +792,8 @@ class TAGCHook:
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
+        if local_factor is not None and self.keep_local_gradients and plan.compressed:
+            self.local_gradients.keep(plan.chosen, rows[dist.get_rank(group)], local_factor)
         timing = UnitTiming(plan.key)
         wires = [w.contiguous().view(torch.uint8) for part in plan.parts
                  for w in self._encode_part(part, rows[:, part.index(rows.device)], group, timing)]
@@ -917,7 +946,7 @@ class TAGCHook:
                 codec = self._codec_at(at(ratio))
                 for a, b in zip(bounds, bounds[1:]):
                     parts.append(_Part(_selector(columns[a:b]), b - a, codec, f"{key}/part{next(numbered)}"))
-        return _BucketPlan(key=key, chunk=chunk, parts=parts)
+        return _BucketPlan(key=key, chunk=chunk, parts=parts, chosen=tuple(chosen))
 
 
 _PART_KEY = re.compile(r"^(.*?/part\d+)(?=$|[/#])")

@@ -225,6 +225,8 @@ class _ReplicaAllReduce:
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
+        hook.keep_local(comm.segments(), pieces.segments, chunk.numel(), hosts, reduce_output.reshape(-1),
+                        1.0 if op == dist.ReduceOp.AVG else float(hosts))  # the host's gradient, on the replicas' scale
         if _gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
             finish = _GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
             if hook.overlap and comm._can_defer(reduce_output, comm._op):
@@ -232,7 +234,7 @@ class _ReplicaAllReduce:
             else:
                 finish.wait()
             return
-        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label)
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label, keep_local=False)
         remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
         row_bytes = chunk.numel() * gather_dtype.itemsize
         gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
@@ -303,7 +305,7 @@ class _GatheredWires:
         self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
         self.chunk = rows.shape[1]
         self.dtype = rows.dtype
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)  # uint8 [H, B]: piece h's row for replica h (records its encode time)
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)  # uint8 [H, B]: piece h's row for replica h (records its encode time)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
         self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats

@@ -61,6 +61,7 @@ import torch.distributed._functional_collectives as funcol
 
 from tagc.hooks.hierarchy import Topology
 from tagc.hooks.segment import Segment
+from tagc.kernels.fallbacks import warn_fallback
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,7 +117,12 @@ def encode(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tens
     """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals and
     statistics: bumps ``state``)."""
     binding = _registry[handle]
-    wire = binding.hook.encode_bucket(packed, binding.codec_group, binding.segments)
+    hierarchical = binding.topology is not None and binding.topology.hierarchical
+    if hierarchical and binding.hook.keep_local_gradients:  # ``packed`` is the host's sum, not this rank's gradient
+        warn_fallback("traced-hierarchical-local", "tagc.optim.AdamW: a compiled hierarchical exchange keeps no "
+                      "rank's own gradient; its parameters' second moment is fed the decoded gradient (run eager, "
+                      "or hierarchy='flat', for the local second moment)")
+    wire = binding.hook.encode_bucket(packed, binding.codec_group, binding.segments, None if hierarchical else 1.0)
     state.add_(1)
     return wire
 
