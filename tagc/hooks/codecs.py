@@ -127,12 +127,6 @@ def with_ratio(codec: "Codec", ratio: float) -> "Codec":
     return clone
 
 
-def load_residuals(residuals: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    """Replace ``residuals``' contents in place (copies of ``state``'s): :func:`with_ratio` copies share the dict."""
-    residuals.clear()
-    residuals.update({key: value.clone() for key, value in state.items()})
-
-
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """One tensor a part sends: ``columns`` per rank row, of ``dtype``."""
@@ -205,6 +199,36 @@ class Codec:
         pass
 
 
+class ResidualCodec(Codec):
+    """A codec with error feedback whose state is one residual per part: ``[N, n]`` (the part's rows),
+    in ``residual_dtype``, keyed by the part, created at zero the first time the part is encoded.
+
+    ``residuals`` is one dict for the codec's lifetime: :meth:`load_state_dict` updates it in place,
+    so copies at other ratios (:func:`with_ratio`) and anything else holding it see the loaded state.
+    """
+
+    error_feedback = True
+
+    def __init__(self, residual_dtype: torch.dtype = torch.float32) -> None:
+        self.residual_dtype = residual_dtype
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def residual(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """Part ``key``'s residual; zeros of ``grad``'s shape, on its device, the first time."""
+        residual = self.residuals.get(key)
+        if residual is None:
+            residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
+        return residual
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the residuals with copies of ``state``'s, in the same dict (see the class docstring)."""
+        self.residuals.clear()
+        self.residuals.update({key: value.clone() for key, value in state.items()})
+
+
 class PlainCodec(Codec):
     """The columns as they are (the reduce dtype), summed in float32 at the owner: a fair
     reduce-scatter, ``(N-1)/N`` of the buffer per rank, no state. On NCCL the transport sums them
@@ -237,7 +261,7 @@ def raise_on_every_rank(error: Optional[UnrecoveredError], group, device: torch.
                                "the table size (smaller ratio), or use fallback='estimate'/'raw'")
 
 
-class TAGCCodec(Codec):
+class TAGCCodec(ResidualCodec):
     """Error feedback, threshold, exact index and count sketch; index merge and peeling at the owner.
 
     State: one residual ``[N, n]`` per part (``residual_dtype``), keyed by the bucket's
@@ -247,19 +271,17 @@ class TAGCCodec(Codec):
     name = "tagc"
     compresses = True
     uses_ratio = True
-    error_feedback = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "bitmap",
                  value_dtype="float32") -> None:
         value_dtype = check_wire_options(positions, value_dtype, POSITIONS)
         if positions == "coded" and config.index_bits != 1:
             raise ValueError("positions='coded' codes each rank's support (a set): use index_bits=1")
+        super().__init__(residual_dtype)
         self.config = config
-        self.residual_dtype = residual_dtype
         self.positions = positions
         self.value_dtype = value_dtype
         self._overflow: dict[str, torch.Tensor] = {}  # entries the rows' capacity held back, per part
-        self.residuals: dict[str, torch.Tensor] = {}
         self._accumulated: dict[str, torch.Tensor] = {}  # fallback="raw": grad + residual until decode
         self.layout = functools.lru_cache(maxsize=4096)(self._layout)  # per instance: no hook kept alive by a cache
 
@@ -289,9 +311,7 @@ class TAGCCodec(Codec):
     def encode(self, grad, key, group):
         world, numel = grad.shape
         layout = self.layout(numel)
-        residual = self.residuals.get(key)
-        if residual is None:
-            residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
+        residual = self.residual(key, grad)
         # NaN/Inf on the device (no host read): a non-finite part keeps the residual, sends NaN (tagc.hooks.nonfinite)
         ok, grad = nonfinite.zero_unless_finite(grad)
         if self.config.fallback == "raw":
@@ -324,8 +344,9 @@ class TAGCCodec(Codec):
         if self.config.fallback == "estimate":  # no host read: flags and counts stay on the device
             return nonfinite.decode_(summed, union, layout, bits, self.config.fallback, stats)
         # "raw" (data-dependent re-send sizes) and "error" (raises) read on the host: not sync-free
-        if not bool(finite(summed)):
-            stats.nonfinite_parts += 1
+        ok = finite(summed)
+        if not bool(ok):
+            stats.count_nonfinite(ok)
             self._accumulated.pop(key, None)
             values = torch.full((numel,), float("nan"), dtype=torch.float32, device=tables.device)
             if self.config.fallback == "raw":  # every rank takes part in the re-send round, asking nothing
@@ -352,12 +373,6 @@ class TAGCCodec(Codec):
             stats.wire_bytes += sent
             stats.raw += int(decoded.raw)
         return values
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.residuals)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_residuals(self.residuals, state)
 
     def at_ratio(self, ratio: float) -> "TAGCCodec":
         if ratio == self.config.ratio:

@@ -77,7 +77,7 @@ def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bit
     ok = finite(summed)
     values, counts = dispatch.decode_async(torch.where(ok, summed, 0.0), union, layout, bits, fallback)
     counts = counts * ok
-    stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
+    stats.count_nonfinite(ok)
     for name in DEVICE_STATS:
         setattr(stats, name, getattr(stats, name) + counts[dispatch.STAT_FIELDS.index(name)])
     return torch.where(ok, values, math.nan)

@@ -238,7 +238,7 @@ class PowerSGDCodec(Codec):
         (counted in ``stats.nonfinite_parts``)."""
         approx = p @ q.T
         ok = finite(q)  # the summed Q: the same on every rank
-        stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
+        stats.count_nonfinite(ok)
         old = self.residuals.get(name)
         kept = torch.where(ok, m - approx / world, old if old is not None else 0.0)
         self.residuals[name] = kept.to(self.residual_dtype)

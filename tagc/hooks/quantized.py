@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tagc.hooks.codecs import Codec, Wire, finite
+from tagc.hooks.codecs import Codec, ResidualCodec, Wire, finite
 
 E4M3_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value: a block's absmax maps to it."""
@@ -163,11 +163,6 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, numel: int, bloc
     return unblocked(q * scales[..., None], numel)
 
 
-def _count_nonfinite(stats, ok: torch.Tensor) -> None:
-    """``nonfinite_parts += 1`` where ``ok`` (0-d bool) is False, on the device."""
-    stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
-
-
 def flag_scales(scales: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``scales`` (>= 0 or NaN) with the sign bit set everywhere when ``rows`` hold a NaN/Inf:
     every owner learns of it, none of the values change (decoders use ``|scale|``)."""
@@ -210,7 +205,7 @@ class BF16Codec(Codec):
 
     def decode(self, received, numel, key, group, stats):
         rows, flags = received
-        _count_nonfinite(stats, ~flags.any())
+        stats.count_nonfinite(~flags.any())
         return rows.sum(dim=0, dtype=torch.float32)
 
 
@@ -245,7 +240,7 @@ class FP8Codec(Codec):
 
     def decode(self, received, numel, key, group, stats):
         codes, scales = received
-        _count_nonfinite(stats, scales_ok(scales))
+        stats.count_nonfinite(scales_ok(scales))
         return dequantize_fp8(codes, scales.abs(), self.block).sum(dim=0)
 
 
@@ -295,7 +290,7 @@ class Int4Codec(Codec):
 
     def decode(self, received, numel, key, group, stats):
         packed, scales = received
-        _count_nonfinite(stats, scales_ok(scales))
+        stats.count_nonfinite(scales_ok(scales))
         return dequantize_int4(packed, scales.abs(), numel, self.block).sum(dim=0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -305,7 +300,7 @@ class Int4Codec(Codec):
         self.steps = {key.removesuffix("#steps"): int(value) for key, value in state.items() if key.endswith("#steps")}
 
 
-class SignCodec(Codec):
+class SignCodec(ResidualCodec):
     """1 bit per element plus one float32 scale per block (mean ``|a|`` of the block), with
     error feedback (EF-signSGD / 1-bit Adam): ``a = residual + grad``, sent ``sign(a) * scale``
     (``a == 0`` sends ``+scale``), ``residual = a - sent``.
@@ -324,22 +319,18 @@ class SignCodec(Codec):
     """
 
     name = "sign"
-    error_feedback = True
     compresses = True
 
     def __init__(self, block: int = 1024, residual_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(residual_dtype)
         self.block = check_block(block)
-        self.residual_dtype = residual_dtype
-        self.residuals: dict[str, torch.Tensor] = {}
 
     def wire(self, numel, world, dtype):
         return (Wire(-(-numel // 8), torch.uint8), Wire(n_blocks(numel, self.block), torch.float32))
 
     def encode(self, grad, key, group):
         world, numel = grad.shape
-        residual = self.residuals.get(key)
-        if residual is None:
-            residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
+        residual = self.residual(key, grad)
         accumulated = residual.float() + grad.float()
         ok = finite(accumulated)
         blocks = blocked(accumulated, self.block)
@@ -353,13 +344,7 @@ class SignCodec(Codec):
     def decode(self, received, numel, key, group, stats):
         packed, scales = received
         ok = finite(scales)
-        _count_nonfinite(stats, ok)
+        stats.count_nonfinite(ok)
         signs = unpack_bits(packed, numel).float().mul_(2).sub_(1)
         values = unblocked(blocked(signs, self.block) * scales[..., None], numel).sum(dim=0)
         return torch.where(ok, values, torch.nan)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.residuals)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {key: value.clone() for key, value in state.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 import torch
 
@@ -16,13 +17,23 @@ def plain_bytes(world: int, numel: int) -> int:
     return (world - 1) * numel * PLAIN_BYTES_PER_ELEMENT
 
 
+Count = Union[int, torch.Tensor]
+"""A counter the codecs may keep on the device: a Python int, or a 0-d int64 tensor added to without a
+host read (read once, by :meth:`ExchangeStats.as_dict`)."""
+
+
 @dataclasses.dataclass
 class ExchangeStats:
-    """Totals over some span (one step, or the whole run)."""
+    """Totals over some span (one step, or the whole run).
+
+    The fields typed :data:`Count` may hold 0-d int64 tensors (counted on the device, so the exchange
+    never waits for a host read); :meth:`as_dict` gives every field as a number.
+    """
 
     buckets: int = 0
     compressed_buckets: int = 0
-    nonfinite_parts: int = 0
+    nonfinite_parts: Count = 0
+    """Parts some rank's NaN/Inf made NaN at their owner (:meth:`count_nonfinite`)."""
     wire_bytes: int = 0
     """Every byte this rank sent (both steps of a hierarchical exchange)."""
     plain_equivalent_bytes: int = 0
@@ -32,16 +43,16 @@ class ExchangeStats:
     inter_host_bytes: int = 0
     """The part of ``wire_bytes`` sent to ranks on other hosts (0 on one host, or when the hook does
     not know the hosts: ``ranks_per_host``). ``fallback="raw"``'s re-sends are not split by host."""
-    support: int = 0
-    peeled: int = 0
-    unpeeled: int = 0
-    estimated: int = 0
+    support: Count = 0
+    peeled: Count = 0
+    unpeeled: Count = 0
+    estimated: Count = 0
     raw: int = 0
-    overflow: int = 0
+    overflow: Count = 0
     """Entries the selection rule keeps but a row's capacity (:func:`tagc.sketch.sparsify.capacity`)
     held back: ``topk``'s fixed-size lists, and ``tagc``'s rows on every wire (a sample that
     misjudged its row). They stay in the residual and are sent later."""
-    bitmap_blocks: int = 0
+    bitmap_blocks: Count = 0
     """Coded positions: blocks dense enough to travel as their bitmap (:mod:`tagc.sketch.positions`)."""
     compress_s: float = 0.0
     exposed_s: float = 0.0
@@ -55,6 +66,11 @@ class ExchangeStats:
     backend_host_reads: int = 0
     """Strict sync mode: host reads inside the CPU-only Numba back end (CPU tensors, no synchronisation)."""
 
+    def count_nonfinite(self, ok: torch.Tensor) -> None:
+        """``nonfinite_parts += 1`` where ``ok`` (0-d bool: the part was finite) is false, on ``ok``'s
+        device: the one place a codec counts a NaN/Inf part, with no host read."""
+        self.nonfinite_parts = self.nonfinite_parts + (~ok).to(torch.int64)
+
     def add(self, other: "ExchangeStats") -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
@@ -67,5 +83,5 @@ class ExchangeStats:
         return out
 
 
-def _number(value):
+def _number(value: Union[Count, float]) -> Union[int, float]:
     return value.item() if isinstance(value, torch.Tensor) else value

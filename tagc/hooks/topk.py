@@ -16,8 +16,16 @@ from __future__ import annotations
 import torch
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codecs import (Codec, Wire, check_wire_options, finite, load_residuals, pack_values, unpack_values,
-                               value_wires, with_ratio)
+from tagc.hooks.codecs import (
+    ResidualCodec,
+    Wire,
+    check_wire_options,
+    finite,
+    pack_values,
+    unpack_values,
+    value_wires,
+    with_ratio,
+)
 from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, sum_lists
 from tagc.sketch.kept_list import POSITION_BLOCK, list_positions, position_blocks
 from tagc.sketch.positions import coded_row_bytes, low_bits
@@ -29,7 +37,7 @@ __all__ = ["TopKCodec", "capacity"]
 POSITIONS = ("offsets", "coded")
 
 
-class TopKCodec(Codec):
+class TopKCodec(ResidualCodec):
     """TAGC's threshold and error feedback; the kept values as a (position, value) list.
 
     Wire per rank row of ``n`` (``nb = ceil(n / 65536)``, ``cap = capacity(n, density)``):
@@ -58,16 +66,14 @@ class TopKCodec(Codec):
     name = "topk"
     compresses = True
     uses_ratio = True
-    error_feedback = True
 
     def __init__(self, config: TAGCConfig, residual_dtype: torch.dtype = torch.float32, positions: str = "offsets",
                  value_dtype="float32") -> None:
         value_dtype = check_wire_options(positions, value_dtype, POSITIONS)
+        super().__init__(residual_dtype)
         self.config = config
-        self.residual_dtype = residual_dtype
         self.positions = positions
         self.value_dtype = value_dtype
-        self.residuals: dict[str, torch.Tensor] = {}
 
     def capacity(self, numel: int, world: int) -> int:
         return capacity(numel, self.config.density(world))
@@ -86,9 +92,7 @@ class TopKCodec(Codec):
 
     def encode(self, grad, key, group):
         world, numel = grad.shape
-        residual = self.residuals.get(key)
-        if residual is None:
-            residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
+        residual = self.residual(key, grad)
         cap = self.capacity(numel, world)
         counts, offsets, values = list_kept_(grad, residual, self.config.density(world), cap)
         if self.value_dtype != torch.float32 or self.positions == "coded":
@@ -108,7 +112,7 @@ class TopKCodec(Codec):
         values = unpack_values(wires)
         world, cap = values.shape
         ok = finite(values)  # padding is 0, so any NaN/Inf is a rank's poisoned part
-        stats.nonfinite_parts = stats.nonfinite_parts + (~ok).to(torch.int64)
+        stats.count_nonfinite(ok)
         stats.overflow = stats.overflow + counts[:, -1].sum(dtype=torch.int64)
         if self.positions == "coded":
             positions, _ = decode_positions(where.contiguous(), numel, cap, self._low(world))
@@ -117,12 +121,6 @@ class TopKCodec(Codec):
             offsets = where.contiguous().view(torch.uint16)
         summed = sum_lists(counts, offsets, values, numel)
         return torch.where(ok, summed, torch.nan)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.residuals)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_residuals(self.residuals, state)
 
     def at_ratio(self, ratio: float) -> "TopKCodec":
         return self if ratio == self.config.ratio else with_ratio(self, ratio)
