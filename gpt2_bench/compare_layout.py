@@ -30,8 +30,16 @@ from typing import Optional, Sequence
 
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link
-from gpt2_bench.methods import (FLAT_PEER, LAYOUT_BASELINES, LAYOUT_FIELDS, LAYOUT_METHODS, layout_config, method_config,
-                                parse_layout_methods, round_order)
+from gpt2_bench.methods import (
+    FLAT_PEER,
+    LAYOUT_BASELINES,
+    LAYOUT_FIELDS,
+    LAYOUT_METHODS,
+    layout_config,
+    method_config,
+    parse_layout_methods,
+    round_order,
+)
 from testbed.link import parse_rate
 
 SPEEDUP_TARGET = 3.0
@@ -111,7 +119,7 @@ def format_beside(layout_rows: list[dict], flat_rows: list[dict], layout: str) -
     bf16 = flat.get("fsdp-bf16")
     lines = [f"| {layout} method | iter ms | wire MB/step | flat method | flat iter ms | flat wire MB/step | "
              f"layout buys | vs flat fsdp-bf16 |", "|---|---:|---:|---|---:|---:|---:|---:|"]
-    mb = lambda row: "-" if row.get("wire_bytes_per_step") is None else f"{row['wire_bytes_per_step'] / 1e6:.2f}"  # noqa: E731
+    mb = lambda row: "-" if row.get("wire_bytes_per_step") is None else f"{row['wire_bytes_per_step'] / 1e6:.2f}"
     for row in layout_rows:
         peer = flat.get(FLAT_PEER.get(row["method"], ""))
         lines.append(f"| {row['method']} | {row['iter_ms']:.0f} | {mb(row)} | "
@@ -216,7 +224,6 @@ LAYOUT_DEFAULTS = {"out_dir": "bench_out/compare-layout"}
 def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``python -m gpt2_bench.compare --layout ddp|hsdp ...``."""
     from gpt2_bench.config import config_from_args
-    from gpt2_bench.methods import LAYOUT_METHODS
 
     layout = args.layout
     if args.hosts > 1 or args.nproc_per_host:

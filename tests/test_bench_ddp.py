@@ -112,6 +112,21 @@ def test_ddp_layout_trains_with_no_hook_torch_hooks_and_ours_and_counts_its_byte
     assert compressed < ring(4 * n) / 10
     assert steps["tagc"][-1]["wire_bytes"] < steps["tagc"][-1]["plain_bytes"]
 
+    # the many-hosts arithmetic at 2 hosts against these counts: DDP's own and torch's bf16 exactly, and TAGC's
+    # all-reduce form (its sketch tables, plain columns and index, per parameter) within 2% of the hook's own count
+    from gpt2_bench import host_bytes
+
+    parts = {c: host_bytes.model_parts("tiny", c, 2048, block_size=32) for c in ("none", "all", "non-attn")}
+    assert host_bytes.per_host_bytes("ddp", "fp32", 2, parts) == (steps["ddp"][-1]["wire_bytes"], "allreduce")
+    assert host_bytes.per_host_bytes("ddp", "bf16", 2, parts) == (steps["ddp-bf16"][-1]["wire_bytes"], "allreduce")
+    arithmetic = dict(host_bytes.ARITHMETIC_METHODS, **{"tagc-all": {"compression": "all", "codec": "tagc"}})
+    host_bytes_methods, host_bytes.ARITHMETIC_METHODS = host_bytes.ARITHMETIC_METHODS, arithmetic
+    try:
+        worked_out, form = host_bytes.per_host_bytes("ddp", "tagc-all", 2, parts, backend="gloo")
+    finally:
+        host_bytes.ARITHMETIC_METHODS = host_bytes_methods
+    assert form == "sketch" and worked_out == pytest.approx(steps["tagc"][-1]["wire_bytes"], rel=0.02)
+
 
 def test_powersgd_sizes_follow_torchs_rule_counted_by_hand():
     """``(rows + cols) r 2 < rows cols`` compresses: 64x256 at rank 4 (320 x 4 x 2 = 2560 < 16384), a 4-D kernel
