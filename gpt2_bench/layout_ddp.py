@@ -84,6 +84,10 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
                          "(--torch-hook --codec bf16 --compression all) or our bf16 codec")
     if cfg.hsdp:
         raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
+    ours = not cfg.torch_hook and (cfg.compression != "none" or cfg.transport == "fair")
+    if getattr(cfg, "second_moment", "decoded") == "local" and not ours:
+        raise ValueError("second_moment='local' feeds AdamW each rank's own gradient, which our hook keeps: torch's "
+                         "hooks and DDP's own reduction keep none (use second_moment='decoded')")
     if not cfg.torch_hook:
         return
     if cfg.compression != "all" or cfg.codec not in TORCH_HOOKS:
@@ -186,6 +190,11 @@ class OurHook(_Counter):
     def __init__(self, state: DDPHookState, one_rank_per_host: bool) -> None:
         super().__init__(one_rank_per_host)
         self.state = state
+
+    @property
+    def hook(self):
+        """The :class:`tagc.TAGCHook` (``tagc.optim.AdamW(..., hook=...)`` reads its local gradients)."""
+        return self.state.hook
 
     @property
     def dense_steps(self) -> int:
