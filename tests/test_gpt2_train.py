@@ -41,7 +41,7 @@ def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"integration": "ddp"}, "integration"), ({"compression": "half"}, "compression"), ({"preset": "gpt5"}, "preset"),
+    [({"integration": "ddp2"}, "integration"), ({"compression": "half"}, "compression"), ({"preset": "gpt5"}, "preset"),
      ({"transport": "gloo", "compression": "all"}, "transport"), ({"ratio": 0.5}, "ratio"), ({"link": "fast"}, "rate"),
      ({"steps": 0}, "steps"), ({"ramp_steps": -1}, "ramp_steps"), ({"embedding_ratio": 1.0}, "embedding_ratio"),
      ({"codec": "int4", "ramp_steps": 5}, "apply to the sparsifying codecs"),
