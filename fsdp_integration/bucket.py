@@ -38,7 +38,9 @@ class BucketEntry:
         return math.prod(self.shape[1:])
 
 
-def bucket_layout(fqns: Sequence[str], shapes: Sequence[torch.Size], world: int, rank: int) -> tuple[list[BucketEntry], int]:
+def bucket_layout(
+    fqns: Sequence[str], shapes: Sequence[torch.Size], world: int, rank: int
+) -> tuple[list[BucketEntry], int]:
     """Entries of a unit's packed chunk and the chunk size ``S``."""
     entries, start = [], 0
     for fqn, shape in zip(fqns, shapes):
@@ -157,7 +159,9 @@ class Bucket:
             for e in self.entries
         ]
 
-    def pack_grads(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def pack_grads(
+        self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """Unsharded gradients -> the reduce-scatter input ``[world * S]`` (row ``j`` for rank ``j``)."""
         pieces = []
         for grad, e in zip(grads, self.entries):

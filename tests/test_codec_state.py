@@ -6,7 +6,7 @@ and the one NaN/Inf counter (:meth:`tagc.hooks.stats.ExchangeStats.count_nonfini
 * **Residual load.** ``load_state_dict`` updates the codec's one residual dict in place (``tagc``,
   ``topk`` and ``sign`` alike): whatever holds it, a copy at another ratio included, sees the loaded
   residuals, which are copies of the checkpoint's; and a codec loaded from another's state encodes
-  the next step exactly as that codec does.
+  the next step exactly as that codec does. PowerSGD's per-matrix state loads the same way.
 * **NaN/Inf count.** ``count_nonfinite`` adds one per non-finite part on the device, and every codec's
   decode counts through it (a poisoned part counts 1 at every owner, a clean one 0), TAGC's host-read
   decodes (``fallback="raw"`` and ``"error"``, two gloo ranks) included.
@@ -71,6 +71,22 @@ def test_a_codec_loaded_from_anothers_state_encodes_the_next_step_identically(na
     assert len(want) == len(got) and all(torch.equal(w, g) for w, g in zip(want, got))
     assert torch.equal(trained.residuals[KEY], resumed.residuals[KEY])
     assert trained.residuals[KEY].any()  # a state that was there to carry over
+
+
+def test_powersgd_load_state_dict_updates_its_dicts_and_refuses_unknown_entries():
+    codec = make_codec("powersgd", CONFIG)
+    held = (codec.residuals, codec.qs, codec.draws)
+    codec.residuals["b/part0/old"] = torch.ones(2, 2)
+    residual, q = torch.randn(4, 3), torch.randn(3, 2)
+    codec.load_state_dict({"b/part0/w/residual": residual, "b/part0/w/q": q, "b/part0/w/draws": torch.tensor(3)})
+    loaded = (codec.residuals, codec.qs, codec.draws)
+    assert all(a is b for a, b in zip(loaded, held)), "load_state_dict replaced a dict instead of updating it"
+    assert list(codec.residuals) == ["b/part0/w"] and torch.equal(codec.residuals["b/part0/w"], residual)
+    assert codec.residuals["b/part0/w"] is not residual and torch.equal(codec.qs["b/part0/w"], q)
+    assert codec.draws == {"b/part0/w": 3}
+    with pytest.raises(ValueError, match="unknown powersgd state entry"):
+        codec.load_state_dict({"b/part0/v/residual": torch.zeros(1), "b/part0/v/momentum": torch.zeros(1)})
+    assert list(codec.residuals) == ["b/part0/w"] and codec.draws == {"b/part0/w": 3}  # as it was
 
 
 def test_count_nonfinite_adds_one_per_nonfinite_part_on_the_device():

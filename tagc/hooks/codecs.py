@@ -68,7 +68,8 @@ a name, or the torch dtype. ``float16`` travels with a power-of-two float32 scal
 SCALE_BLOCK = 1024
 """Values sharing one float16 scale."""
 POSITIONS = ("bitmap", "coded")
-"""How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded (:mod:`tagc.sketch.positions`)."""
+"""How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded
+(:mod:`tagc.sketch.positions`)."""
 
 
 def resolve_value_dtype(value_dtype) -> torch.dtype:
@@ -108,7 +109,8 @@ def unpack_values(wires: Sequence[torch.Tensor]) -> torch.Tensor:
     halves, scale = wires
     rows, columns = halves.shape
     blocks = scale.shape[1]
-    padded = torch.nn.functional.pad(halves.float(), (0, blocks * SCALE_BLOCK - columns)).view(rows, blocks, SCALE_BLOCK)
+    padded = torch.nn.functional.pad(halves.float(), (0, blocks * SCALE_BLOCK - columns))
+    padded = padded.view(rows, blocks, SCALE_BLOCK)
     return (padded * scale[..., None]).view(rows, -1)[:, :columns]
 
 
@@ -366,7 +368,9 @@ class TAGCCodec(ResidualCodec):
         stats.unpeeled += int(decoded.unpeeled)
         stats.estimated += int(decoded.estimated)
         if self.config.fallback == "raw":  # every rank takes part, also with nothing to ask for
-            wanted = decoded.raw_positions if decoded.raw_positions is not None else torch.zeros(0, dtype=torch.int64, device=summed.device)
+            wanted = decoded.raw_positions
+            if wanted is None:
+                wanted = torch.zeros(0, dtype=torch.int64, device=summed.device)
             sent_values = self._accumulated.pop(key) - self.residuals[key]
             raw_values, sent = gather_from_owners(wanted, sent_values, group)
             values[wanted] = raw_values

@@ -168,13 +168,15 @@ class PowerSGDCodec(Codec):
                 raise ValueError(f"segment {s.name!r} of {s.numel} elements per rank cannot hold a parameter of shape "
                                  f"{tuple(s.shape)} over {world} ranks")
             if self.rank > min(rows, cols):
-                raise ValueError(f"powersgd rank={self.rank} exceeds the smaller side of parameter {s.name!r} of shape "
-                                 f"{tuple(s.shape)} (as a {rows} x {cols} matrix): lower rank or leave it out of select")
+                raise ValueError(f"powersgd rank={self.rank} exceeds the smaller side of parameter {s.name!r} of "
+                                 f"shape {tuple(s.shape)} (as a {rows} x {cols} matrix): lower rank or leave it out "
+                                 "of select")
             matrices.append(_Matrix(s.name, s.start, s.numel, rows, cols, self.rank))
         self._layouts[key] = _Layout(world, tuple(matrices), tuple(plain))
 
     def wire(self, numel, world, dtype):
-        raise NotImplementedError("powersgd's wire follows the parameters' shapes and takes 4 rounds: it is not traceable")
+        raise NotImplementedError("powersgd's wire follows the parameters' shapes and takes 4 rounds: "
+                                  "it is not traceable")
 
     def traceable(self) -> bool:
         return False
@@ -209,8 +211,10 @@ class PowerSGDCodec(Codec):
         if round in (1, 3):  # every rank receives the same summed values (in the wire dtype)
             return (received[0].sum(dim=0, dtype=torch.float32).to(self.value_dtype).expand(layout.world, -1),)
         summed = received[0].reshape(-1)[: sum(layout.p_sizes)].float()
-        step.ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed.split(layout.p_sizes), layout.matrices)]
-        return (_owner_rows(_flat([m.T @ p for m, p in zip(step.ms, step.ps)], summed.device), layout.world).to(self.value_dtype),)
+        step.ps = [orthonormal(p.view(mat.rows, mat.rank))
+                   for p, mat in zip(summed.split(layout.p_sizes), layout.matrices)]
+        q_rows = _owner_rows(_flat([m.T @ p for m, p in zip(step.ms, step.ps)], summed.device), layout.world)
+        return (q_rows.to(self.value_dtype),)
 
     def decode(self, received, numel, key, group, stats: ExchangeStats):
         """The summed approximation's columns of this rank (and the plain ones); new residuals and ``Q``."""
@@ -257,7 +261,8 @@ class PowerSGDCodec(Codec):
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (draw << 32))
-        return torch.randn(mat.cols, mat.rank, generator=generator, device="cpu").to(device)  # the CPU generator: the same draw on every device
+        # the CPU generator: the same draw on every device
+        return torch.randn(mat.cols, mat.rank, generator=generator, device="cpu").to(device)
 
     # ------------------------------------------------------------------ state
 
@@ -268,14 +273,19 @@ class PowerSGDCodec(Codec):
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals, self.qs, self.draws = {}, {}, {}
+        """Replace the state with copies of ``state``'s, in the same dicts (as :class:`~tagc.hooks.codecs.ResidualCodec`
+        does); an unknown entry is an error that leaves the state as it was."""
+        residuals, qs, draws = {}, {}, {}
         for key, value in state.items():
             name, _, kind = key.rpartition("/")
             if kind == "residual":
-                self.residuals[name] = value.clone()
+                residuals[name] = value.clone()
             elif kind == "q":
-                self.qs[name] = value.clone()
+                qs[name] = value.clone()
             elif kind == "draws":
-                self.draws[name] = int(value)
+                draws[name] = int(value)
             else:
                 raise ValueError(f"unknown powersgd state entry {key!r}")
+        for held, loaded in ((self.residuals, residuals), (self.qs, qs), (self.draws, draws)):
+            held.clear()
+            held.update(loaded)
