@@ -89,6 +89,14 @@ def test_powersgd_load_state_dict_updates_its_dicts_and_refuses_unknown_entries(
     assert list(codec.residuals) == ["b/part0/w"] and codec.draws == {"b/part0/w": 3}  # as it was
 
 
+def test_int4_load_state_dict_updates_its_step_counters():
+    codec = make_codec("int4", CONFIG, options={"stochastic": True})
+    held = codec.steps
+    codec.encode(_grads(0), "b/part1", None)
+    codec.load_state_dict({f"{KEY}#steps": torch.tensor(5)})
+    assert codec.steps is held and held == {KEY: 5}
+
+
 def test_count_nonfinite_adds_one_per_nonfinite_part_on_the_device():
     stats = ExchangeStats()
     for ok in (True, False, True, False, False):

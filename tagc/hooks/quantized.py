@@ -297,7 +297,9 @@ class Int4Codec(Codec):
         return {f"{key}#steps": torch.tensor(step, dtype=torch.int64, device="cpu") for key, step in self.steps.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.steps = {key.removesuffix("#steps"): int(value) for key, value in state.items() if key.endswith("#steps")}
+        loaded = {key.removesuffix("#steps"): int(value) for key, value in state.items() if key.endswith("#steps")}
+        self.steps.clear()  # in place, as every codec loads its state
+        self.steps.update(loaded)
 
 
 class SignCodec(ResidualCodec):
