@@ -184,8 +184,6 @@ class TrainConfig:
         if self.hsdp and (self.integration != "fsdp2" or self.hosts < 2):
             raise ValueError("hsdp applies to integration='fsdp2' on several hosts (hosts >= 2)")
         if self.integration == "ddp" or self.torch_hook:
-            from gpt2_bench.layout_ddp import check_ddp_settings
-
             check_ddp_settings(self)
         if self.hosts > 1 and self.link == "scaled":
             raise ValueError("link='scaled' calibrates one host's loopback; give emulated hosts a rate (e.g. 1gbit)")
@@ -359,3 +357,38 @@ def parse_codec_options(pairs: Sequence[str]) -> dict:
                 except ValueError:
                     options[name] = text
     return options
+
+
+TORCH_HOOKS = ("bf16", "powersgd")
+"""The codecs torch ships as DDP comm hooks (``--torch-hook``): ``bf16_compress_hook``, ``powerSGD_hook``."""
+
+
+def check_ddp_settings(cfg: TrainConfig) -> None:
+    """The settings the DDP layout cannot take, as clear errors (called by :class:`TrainConfig`)."""
+    if cfg.torch_hook and cfg.integration != "ddp":
+        raise ValueError("torch_hook runs torch's own DDP comm hooks: it needs integration='ddp'")
+    if cfg.integration != "ddp":
+        return
+    if cfg.reduce_dtype:
+        raise ValueError("reduce_dtype is FSDP's mixed-precision reduce; under integration='ddp' use torch's bf16 hook "
+                         "(--torch-hook --codec bf16 --compression all) or our bf16 codec")
+    if cfg.hsdp:
+        raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
+    ours = not cfg.torch_hook and (cfg.compression != "none" or cfg.transport == "fair")
+    if getattr(cfg, "second_moment", "decoded") == "local" and not ours:
+        raise ValueError("second_moment='local' feeds AdamW each rank's own gradient, which our hook keeps: torch's "
+                         "hooks and DDP's own reduction keep none (use second_moment='decoded')")
+    if not cfg.torch_hook:
+        return
+    if cfg.compression != "all" or cfg.codec not in TORCH_HOOKS:
+        raise ValueError(f"torch_hook: torch's DDP hooks reduce every bucket: use compression='all' with codec one of "
+                         f"{TORCH_HOOKS}, got compression={cfg.compression!r}, codec={cfg.codec!r}")
+    allowed = {"rank"} if cfg.codec == "powersgd" else set()
+    extra = set(cfg.codec_options) - allowed
+    if extra:
+        raise ValueError(f"torch_hook with codec {cfg.codec!r} takes codec options {sorted(allowed) or 'none'}, "
+                         f"got {sorted(extra)}")
+    if cfg.plain != "fp32" or cfg.ramp_steps or cfg.embedding_ratio is not None:
+        raise ValueError("torch_hook: torch's hooks have no plain codec, ramp or embedding ratio (leave them out)")
+    if cfg.diagnostics:
+        raise ValueError("diagnostics read our codecs' residuals by parameter: not available with torch_hook")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tagc", "fsdp_integration", "gpt2_bench", "testbed")
+PACKAGES = ("tagc", "fsdp_integration", "gpt2_bench", "testbed", "backward_drain")
 HEAVY = ("datasets", "tiktoken", "matplotlib")  # the experiments' dependencies, never the library's
 
 
@@ -122,6 +122,7 @@ def test_no_import_cycle():
     ("fsdp_integration", ("tagc", "gpt2_bench", "testbed")),  # the FSDP wrapper knows nothing of TAGC: TAGC installs itself
     ("tagc", ("gpt2_bench", "fsdp_integration", "testbed")),  # the library knows nothing of its experiments nor of a wrapper
     ("testbed", ("gpt2_bench",)),  # the tooling serves the experiments, never the reverse
+    ("backward_drain", ("tagc", "fsdp_integration", "gpt2_bench", "testbed")),  # torch only: both wrappers share it
 ])
 def test_dependencies_point_one_way(importer, forbidden):
     wrong = sorted(f"{module} imports {name}" for module, names in IMPORTS.items()

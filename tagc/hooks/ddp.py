@@ -295,9 +295,7 @@ class DDPHookState:
         for part in parts:
             codec: TAGCCodec = part.codec
             grad = buffer[part.index(device)].view(1, part.numel)
-            residual = codec.residuals.get(part.key)
-            if residual is None:
-                residual = codec.residuals[part.key] = torch.zeros_like(grad, dtype=codec.residual_dtype)
+            residual = codec.residual(part.key, grad)
             ok, grad = nonfinite.zero_unless_finite(grad)
             cap, _ = codec._capacity(part.numel, world)
             index, table, held = nonfinite.compress_(ok, grad, residual, codec.config.density(world),

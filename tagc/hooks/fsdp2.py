@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from backward_drain import BackwardDrain
+from backward_drain import BackwardDrain, in_backward_pass
 from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.stats import ExchangeStats, plain_bytes
@@ -120,7 +120,7 @@ class TAGCReduceScatter(ReduceScatter):
     def _can_defer(self, output: torch.Tensor, op) -> bool:
         """Whether FSDP2 will only take views of ``output`` before the backward pass ends: it divides
         after the call when it reduces with SUM (fp16, or ``set_force_sum_reduction_for_comms``)."""
-        if torch._C._current_graph_task_id() == -1 or output.dtype not in (torch.float32, torch.bfloat16):
+        if not in_backward_pass() or output.dtype not in (torch.float32, torch.bfloat16):
             return False
         if getattr(op, "op", op) == dist.ReduceOp.SUM:
             return False
