@@ -83,9 +83,10 @@ def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integra
 
 
 def _resume_config(tmp_path, name, **kwargs):
-    return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=6, batch_size=2, block_size=32,
-                       lr=3e-3, warmup_steps=0, eval_interval=3, eval_batches=1, min_compress_numel=2048, dense_steps=0,
-                       out_dir=str(tmp_path / name), name=name, group_timeout_s=60, **kwargs)
+    settings = dict(preset="tiny", integration="simple", compression="non-attn", steps=6, batch_size=2, block_size=32,
+                    lr=3e-3, warmup_steps=0, eval_interval=3, eval_batches=1, min_compress_numel=2048, dense_steps=0,
+                    out_dir=str(tmp_path / name), name=name, group_timeout_s=60)
+    return TrainConfig(**{**settings, **kwargs})
 
 
 def _losses(tmp_path, name):
@@ -222,3 +223,18 @@ def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
         oldest = sum(1 for edge in AGE_EDGES if edge <= compressed + 1)  # the bin of an element never sent yet
         assert counts[oldest] > 0 and sum(counts[: oldest + 1]) == residual
     assert {"update_rms", "v_p50", "n"} <= set(records[-1]["groups"]["linear"])
+
+
+def test_the_local_second_moment_resumes_bit_for_bit(tmp_path):
+    """tagc.optim.AdamW's state is torch.optim.AdamW's: a resumed run repeats the uninterrupted losses."""
+    from gpt2_bench.launch import RankFailed
+
+    settings = dict(steps=4, second_moment="local", dense_steps=1)
+    run(_resume_config(tmp_path, "whole", **settings))
+    checkpoints = str(tmp_path / "checkpoints")
+    with pytest.raises(RankFailed):
+        run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, fault_step=2, **settings))
+    run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, resume=True, **settings))
+    assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")
+    plain = run(_resume_config(tmp_path, "plain", **{**settings, "second_moment": "decoded"}))
+    assert plain and _losses(tmp_path, "plain") != _losses(tmp_path, "whole")  # the option reached the optimizer
