@@ -119,6 +119,7 @@ class Bucket:
         param_dtype: Optional[torch.dtype],
         reduce_dtype: Optional[torch.dtype],
         pending: Optional[PendingGradients] = None,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -127,6 +128,7 @@ class Bucket:
         self.entries, self.chunk = bucket_layout(fqns, shapes, self.world, self.rank)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.compute_dtype = compute_dtype  # the gathered parameters are cast to it (None: as gathered)
         self.reduce_scatter: ReduceScatter = self.plain_reduce_scatter
         self.pending = pending  # shared by a model's buckets; None: every reduce-scatter blocks in its backward
         self.reduce_scatter_start: Optional[ReduceScatterStart] = self.plain_reduce_scatter_start if pending else None
@@ -154,10 +156,9 @@ class Bucket:
     def unpack_full(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """Gathered ``[world * S]`` -> every unsharded parameter."""
         rows = gathered.view(self.world, self.chunk)
-        return [
-            rows[:, e.start : e.start + e.numel].reshape(self.world * e.rows, *e.shape[1:])[: e.shape[0]]
-            for e in self.entries
-        ]
+        full = [rows[:, e.start : e.start + e.numel].reshape(self.world * e.rows, *e.shape[1:])[: e.shape[0]]
+                for e in self.entries]
+        return [p.to(self.compute_dtype) for p in full] if self.compute_dtype is not None else full
 
     def pack_grads(
         self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype, device: torch.device

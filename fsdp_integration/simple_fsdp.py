@@ -37,10 +37,14 @@ from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
 class MixedPrecisionPolicy:
     """``param_dtype``: all-gather and compute dtype (``None``: the sharded parameter's, fp32).
     ``reduce_dtype``: gradient reduce-scatter dtype (``None``: the sharded parameter's, so
-    bf16 compute still reduces in fp32)."""
+    bf16 compute still reduces in fp32). ``compute_dtype``: what the gathered parameters are
+    cast to for compute (``None``: ``param_dtype``). On the CPU, where bf16 matrix products are
+    slow, ``param_dtype=torch.bfloat16, compute_dtype=torch.float32`` halves the all-gather's
+    bytes and computes in float32 with the bf16-rounded weights."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    compute_dtype: Optional[torch.dtype] = None
 
 
 class Unit:
@@ -208,7 +212,7 @@ def simple_fsdp(
             continue
         params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
         bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
-                        mp_policy.param_dtype, mp_policy.reduce_dtype, pending)
+                        mp_policy.param_dtype, mp_policy.reduce_dtype, pending, mp_policy.compute_dtype)
         bucket.params = [p for _, p in params]
         unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
                     reshard_after_forward and unit_name != "", prefetcher)

@@ -34,6 +34,11 @@ class TrainConfig:
     reduce_dtype: Optional[str] = None
     """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
+    param_dtype: Optional[str] = None
+    """FSDP's parameter all-gather dtype (``"bf16"``: torchtitan's default
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``); on the CPU
+    SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (bf16 matrix products are
+    slow there), FSDP2 and FSDP1 compute in bf16. ``None``: the parameters' (fp32)."""
     ratio: float = 10.0
     index_bits: int = 1
     sparsity: Any = "auto"
@@ -164,6 +169,10 @@ class TrainConfig:
 
         if self.plain not in PLAIN_CODECS:
             raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)}, got {self.plain!r}")
+        if self.param_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"param_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.param_dtype!r}")
+        if self.param_dtype and self.integration == "ddp":
+            raise ValueError("param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters (leave it out)")
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
@@ -211,6 +220,8 @@ class TrainConfig:
             algo += f"-plain{self.plain}"
         if self.reduce_dtype:
             algo += f"-reduce-{self.reduce_dtype}"
+        if self.param_dtype:
+            algo += f"-param-{self.param_dtype}"
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
         if self.ramp_steps:
@@ -254,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
     p.add_argument("--plain", default=defaults.plain, choices=("fp32", "bf16", "fp8", "int4"),
                    help="the codec of the columns not compressed (attention, biases, norms, embeddings by default)")
+    p.add_argument("--param-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
+                   help="FSDP's parameter all-gather dtype (bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                        "reduce_dtype=torch.float32); SimpleFSDP on the CPU computes in float32)")
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=defaults.ratio)

@@ -63,11 +63,17 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         return wrap_ddp(model, cfg, world, device, None if cfg.torch_hook else make_hook(cfg))
     hook = make_hook(cfg)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
+    param_dtype = getattr(torch, REDUCE_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
+    if param_dtype is not None and reduce_dtype is None:
+        reduce_dtype = torch.float32  # torchtitan's policy: gather in bf16, reduce in fp32
     if cfg.integration == "simple":
         from fsdp_integration import MixedPrecisionPolicy, simple_fsdp
 
-        # one unit per transformer block + the root, like fsdp2 below
-        model = simple_fsdp(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), overlap=cfg.overlap)
+        # one unit per transformer block + the root, like fsdp2 below; on the CPU bf16-gathered weights compute in fp32
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        compute_dtype = torch.float32 if param_dtype is not None and on_cpu else None
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
+        model = simple_fsdp(model, mp_policy=policy, overlap=cfg.overlap)
     elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -76,7 +82,7 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
             mesh = init_device_mesh(device.type, (cfg.hosts, world // cfg.hosts), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
-        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -85,7 +91,7 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         from torch.distributed.fsdp import MixedPrecision
 
         model = FSDP(model, device_id=device, auto_wrap_policy=fsdp1_wrap_policy(model),
-                     mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None)
+                     mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if reduce_dtype else None)
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook

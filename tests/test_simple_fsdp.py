@@ -542,3 +542,27 @@ def test_needs_an_initialised_process_group():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         simple_fsdp(torch.nn.Linear(2, 2))
+
+
+def _bf16_gather_matches_rounded_reference(rank, world):
+    from fsdp_integration import MixedPrecisionPolicy
+
+    reference, model = _models(0)
+    with torch.no_grad():
+        for p in reference.parameters():  # what a bf16 all-gather delivers, computed in float32
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, compute_dtype=torch.float32)
+    model = simple_fsdp(model, mp_policy=policy)
+    idx, tgt = _batch(0, world)
+    loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
+    loss.backward()
+    reference(idx, tgt)[1].backward()
+    errors = [(p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())]
+    dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
+    return {"errors": errors, "dtypes": dtypes, "gathered": model.transformer.h[0].attn.c_attn.weight.dtype}
+
+
+def test_bf16_parameter_gathers_compute_in_float32_with_the_rounded_weights():
+    for result in run_ranks(_bf16_gather_matches_rounded_reference, 2, timeout_s=120):
+        assert max(result["errors"]) < 1e-6  # the gradient of the bf16-rounded weights, reduced in float32
+        assert result["dtypes"] == {torch.float32} and result["gathered"] == torch.float32
