@@ -3,7 +3,6 @@ users who call DDP's own ``register_comm_hook``, ``tagc.ddp_hook(model, ...)``."
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -11,14 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tagc.config import TAGCConfig
-from tagc.hooks.codec_registry import codec_names, spec
 from tagc.hooks.ddp import DDPHookState, bind_ddp, register_ddp
-from tagc.hooks.engine import MIN_PART, TAGCHook
+from tagc.hooks.engine import TAGCHook
 from tagc.hooks.selection import SelectPolicy
-
-_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
-_SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
+from tagc.hooks.settings import MIN_PART, HookSettings
 
 
 def hook(
@@ -38,13 +33,14 @@ def hook(
     ranks_per_host: int | None = None,
     ramp_steps: int = 0,
     piece_bytes: int | None = None,
+    side_stream: bool = True,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
 
     Args:
         ratio: count-sketch compression ratio (> 1; default 10). Like ``index_bits``,
-            ``sparsity`` and the other :class:`TAGCConfig` fields, it applies to the codecs
+            ``sparsity`` and the other :class:`~tagc.config.TAGCConfig` fields, it applies to the codecs
             that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
         index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
         sparsity: fraction of each chunk zeroed before encoding, or ``"auto"`` (default).
@@ -70,13 +66,13 @@ def hook(
             warm-up, as in Deep Gradient Compression): early gradients carry the large,
             dense moves (e.g. every vocabulary row of the LM head) that sparsification with
             error feedback under Adam would spread over many steps. ``None`` (default):
-            :data:`~tagc.hooks.engine.DENSE_STEPS` (10) for the error-feedback codecs (``tagc``,
+            :data:`~tagc.hooks.settings.DENSE_STEPS` (10) for the error-feedback codecs (``tagc``,
             ``topk``, ``sign``, ``powersgd``), 0 for the others; 0: compress from the first step.
             Steps are counted by :meth:`TAGCHook.end_step` (or a bucket seen twice). A compiled
             model runs the warm-up's exchange as one opaque op per block, then recompiles once
             with the traced halves (its graph guards on :attr:`TAGCHook.warmed_up`).
         ramp_steps: after the warm-up, climb to the ratio over this many steps in
-            :data:`~tagc.hooks.engine.RAMP_STAGES` geometric stages (DGC's density ramp; ratio 10:
+            :data:`~tagc.hooks.plan.RAMP_STAGES` geometric stages (DGC's density ramp; ratio 10:
             1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only; counted in the warm-up
             a compiled model runs as one opaque exchange per block.
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
@@ -94,28 +90,22 @@ def hook(
         piece_bytes: bytes per peer of each all-to-all piece. ``None`` (default): pieces of
             :data:`~tagc.hooks.transport.PIECE_BYTES` on gloo, whole collectives on NCCL (whose plain
             columns go through its own reduce-scatter); a number cuts pieces on every backend.
-        **options: the other :class:`TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
+        side_stream: on CUDA, run the codec work on a side stream of the hook's, so the caller's
+            stream (the rest of the backward pass) runs on while parts are encoded and sent
+            (:mod:`tagc.hooks.eager`); ``False``: on the caller's stream. No effect on the CPU.
+        **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
             wire of ``tagc`` and ``topk``: ``positions="coded"`` (each rank's support Elias-Fano
             coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
             and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16).
     """
-    codec_spec = spec(codec)
-    given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
-    config_args = {name: value for name, value in given.items() if value is not None}
-    config_args.update({name: options.pop(name) for name in list(options) if name in _CONFIG_FIELDS})
-    misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS))
-    if misplaced and not codec_spec.uses_config:
-        takes = [name for name in codec_names() if spec(name).uses_config]
-        own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
-        verb = "applies" if len(misplaced) == 1 else "apply"
-        raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
-    config = TAGCConfig(**config_args)
-    return TAGCHook(config, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype, min_part=min_part,
-                    dense_steps=dense_steps, codec=codec, overlap=overlap, codec_options=options, plain=plain,
-                    hierarchy=hierarchy, ranks_per_host=ranks_per_host, ramp_steps=ramp_steps,
-                    piece_bytes=piece_bytes)
+    settings = HookSettings.from_arguments(
+        ratio, index_bits, sparsity, codec=codec, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype,
+        min_part=min_part, dense_steps=dense_steps, overlap=overlap, plain=plain, hierarchy=hierarchy,
+        ranks_per_host=ranks_per_host, ramp_steps=ramp_steps, piece_bytes=piece_bytes, side_stream=side_stream,
+        **options)
+    return TAGCHook(settings)
 
 
 def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.ProcessGroup | None = None,

@@ -26,7 +26,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ran
 
 ALLOWED_HOST_FACTORIES = {
     # (file, enclosing function): why the tensor never feeds a collective
-    ("engine.py", "_columns"): "a plan's column list (device-free plans); indexes go through _Part.index(device)",
+    ("plan.py", "_columns"): "a plan's column list (device-free plans); indexes go through Part.index(device)",
     ("powersgd.py", "_q"): "drawn from a host generator (the same Q on every device type), moved .to(device) before use",
     ("powersgd.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("quantized.py", "state_dict"): "a checkpoint counter, never exchanged",

@@ -131,10 +131,10 @@ class _SlowLink:
 
 
 def _slow_link(rank, world, overlap):
-    import tagc.hooks.engine as engine
+    import tagc.hooks.eager as eager  # where the engine launches its all-to-alls
 
-    real = engine.all_to_all_rows
-    engine.all_to_all_rows = lambda *args, **kw: _SlowLink(real(*args, **kw))
+    real = eager.all_to_all_rows
+    eager.all_to_all_rows = lambda *args, **kw: _SlowLink(real(*args, **kw))
     _, model = _models(0)
     def slow_backward(module, args, out) -> None:
         out.register_hook(lambda grad: time.sleep(COMPUTE_S))

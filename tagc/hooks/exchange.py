@@ -1,0 +1,101 @@
+"""What the eager and the traced exchange share: a part's encode and decode through its codec (timed,
+with a loaded checkpoint's check), FSDP's reduce op as a scale, and the ``nonfinite="raise"`` error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from tagc.hooks.checkpoint import Restored
+from tagc.hooks.codecs import Codec
+from tagc.hooks.plan import Part
+from tagc.hooks.state import UnitTiming
+from tagc.hooks.stats import ExchangeStats
+
+
+def op_scale(op, world_size: int) -> Union[float, torch.Tensor]:
+    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor).
+
+    A PREMUL_SUM factor given as a tensor is returned as that tensor, never read on the host (on a
+    GPU that read would wait for the device): :func:`scale_into` applies it on the device."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.SUM:
+        return 1.0
+    if kind == dist.ReduceOp.AVG:
+        return 1.0 / world_size
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        return factor if isinstance(factor, torch.Tensor) else float(factor)
+    raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
+
+
+def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: Union[float, torch.Tensor]) -> None:
+    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order.
+
+    The scale divides as its float64 reciprocal, a Python float or a tensor alike (a tensor scale
+    stays where it is: no host read)."""
+    output.copy_(summed)
+    if isinstance(scale, torch.Tensor):
+        output.div_(torch.reciprocal(scale.detach().to(torch.float64)))
+    elif scale != 1.0:
+        output.div_(1.0 / scale)
+
+
+def raises_nonfinite(nonfinite: str, stats: ExchangeStats) -> bool:
+    """Whether an exchange must raise: ``nonfinite="raise"`` and a part was NaN/Inf on some rank (no host
+    read under ``"propagate"``)."""
+    return nonfinite == "raise" and bool(stats.nonfinite_parts)
+
+
+def nonfinite_error(key: str) -> FloatingPointError:
+    return FloatingPointError(f"a gradient in TAGC bucket {key!r} is NaN/Inf on some rank (nonfinite='raise')")
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCoder:
+    """Encodes and decodes the parts of one exchange.
+
+    ``restored``: a loaded checkpoint's bookkeeping (round 0 of a compressed part must find its state);
+    ``plain``: the hook's plain codec (never checked); ``select_fingerprint``: for the check's message;
+    ``piece_bytes``: bytes per peer of each all-to-all piece (:mod:`tagc.hooks.transport`)."""
+
+    plain: Codec
+    piece_bytes: Optional[int] = None
+    restored: Optional[Restored] = None
+    select_fingerprint: Callable[[], str] = str
+
+    def check(self, part: Part) -> None:
+        """A compressed part must find a loaded checkpoint's state (:meth:`Restored.check_part`)."""
+        if self.restored is not None:
+            self.restored.check_part(part, self.plain, self.select_fingerprint)
+
+    def encode(self, part: Part, grad: torch.Tensor | Sequence[torch.Tensor], group, timing: UnitTiming,
+               round: int = 0) -> tuple[torch.Tensor, ...]:
+        """Round 0: ``grad`` is this rank's rows; a later round: what the previous round received."""
+        if round == 0:
+            self.check(part)
+        start = time.perf_counter()
+        wires = part.codec.encode(grad, part.key, group) if round == 0 else part.codec.next_round(round, grad, part.key, group)
+        if part.codec.compresses:
+            end = time.perf_counter()
+            timing.compress_s += end - start
+            timing.events.append(("compress", start, end))
+        return wires
+
+    def decode(self, part: Part, received: Sequence[torch.Tensor], group, stats: ExchangeStats,
+               timing: Optional[UnitTiming] = None) -> torch.Tensor:
+        """``part``'s summed values from what every rank sent it (the codec adds its statistics to ``stats``)."""
+        start = time.perf_counter()
+        values = part.codec.decode(received, part.numel, part.key, group, stats)
+        if part.codec.compresses:
+            end = time.perf_counter()
+            stats.decode_s += end - start
+            if timing is not None:
+                timing.decode_s += end - start
+                timing.events.append(("decode", start, end))
+        return values

@@ -1,0 +1,152 @@
+"""Every setting of a TAGC hook in one validated, frozen object: :class:`HookSettings`.
+
+:func:`tagc.hook` takes its arguments here (:meth:`HookSettings.from_arguments`), so a bad value
+fails once, at construction, with a message that lists what is allowed. The codec's own settings
+stay nested: the TAGC selection settings in :class:`~tagc.config.TAGCConfig` (``config``), a codec's
+options (``codec_options``, checked against :data:`tagc.hooks.codec_registry.SPECS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from tagc.config import TAGCConfig
+from tagc.hooks.codec_registry import codec_names, make_codec, resolve_options, spec
+from tagc.hooks.codecs import Codec, PlainCodec
+from tagc.hooks.hierarchy import check_hierarchy, resolve_ranks_per_host
+from tagc.hooks.selection import SelectPolicy, resolve_policy
+
+MIN_PART = 1 << 20
+"""Compressed columns are split into pipeline parts of at least this many elements. Each part
+samples its own threshold (:func:`tagc.sketch.sparsify.row_thresholds`, ~4096/density entries
+per row), so parts much smaller than that sample pay a full selection each (how it was chosen:
+``docs/results.md``)."""
+
+DENSE_STEPS = 10
+"""The dense warm-up of an error-feedback codec when ``dense_steps`` is not given: early gradients
+carry large, dense moves that error feedback under Adam would spread over many steps (how 10 was
+chosen: ``docs/results.md``)."""
+
+NONFINITE = ("propagate", "raise")
+PLAIN_CODECS = {"fp32": "plain", "bf16": "bf16", "fp8": "fp8", "int4": "int4"}
+"""``plain=`` -> the codec of the columns the ``select`` policy leaves alone (and of a dense
+warm-up): ``"fp32"`` sends them as they are (the reduce dtype); the others are the stateless
+low-precision peers of :mod:`tagc.hooks.quantized`, summed in float32 at the owner."""
+
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
+_SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class HookSettings:
+    """What a hook does, validated once (the arguments of :func:`tagc.hook`, which documents each).
+
+    ``select`` holds the resolved policy (a callable), ``codec_options`` the codec's options with
+    its defaults filled in, ``ranks_per_host`` the resolved value (torchrun's ``LOCAL_WORLD_SIZE``
+    when not given), ``dense_steps`` the value given (``None``: the codec's default, resolved by
+    :meth:`warmup_steps`)."""
+
+    config: TAGCConfig = dataclasses.field(default_factory=TAGCConfig)
+    select: Union[str, SelectPolicy] = "non_attention_linear"
+    nonfinite: str = "propagate"
+    residual_dtype: torch.dtype = torch.float32
+    min_part: int = MIN_PART
+    piece_bytes: Optional[int] = None
+    """Bytes per peer of each all-to-all piece: ``None`` cuts them on gloo only (:mod:`tagc.hooks.transport`)."""
+    dense_steps: Optional[int] = None
+    codec: str = "tagc"
+    overlap: bool = True
+    codec_options: Optional[Mapping[str, Any]] = None
+    plain: str = "fp32"
+    hierarchy: str = "auto"
+    ranks_per_host: Optional[int] = None
+    ramp_steps: int = 0
+    side_stream: bool = True
+    """On CUDA, run the codec work on a side stream (:mod:`tagc.hooks.eager`); no effect on the CPU."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, TAGCConfig):
+            raise TypeError(f"config must be a tagc.config.TAGCConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "hierarchy", check_hierarchy(self.hierarchy))
+        object.__setattr__(self, "ranks_per_host", resolve_ranks_per_host(self.ranks_per_host))
+        if self.plain not in PLAIN_CODECS:
+            raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)} (the codec of the columns not sparsified), "
+                             f"got {self.plain!r}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE} (see tagc.hooks.codecs), got {self.nonfinite!r}")
+        if self.residual_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {self.residual_dtype}")
+        if not _is_int(self.min_part) or self.min_part < 1:
+            raise ValueError(f"min_part must be a positive integer, got {self.min_part!r}")
+        if self.piece_bytes is not None and (not _is_int(self.piece_bytes) or self.piece_bytes < 1):
+            raise ValueError("piece_bytes must be None (pieces on gloo, whole collectives on NCCL) or a positive "
+                             f"integer, got {self.piece_bytes!r}")
+        if self.dense_steps is not None and (not _is_int(self.dense_steps) or self.dense_steps < 0):
+            raise ValueError(f"dense_steps must be a non-negative integer or None (the codec's default), "
+                             f"got {self.dense_steps!r}")
+        if not _is_int(self.ramp_steps) or self.ramp_steps < 0:
+            raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+        if not isinstance(self.side_stream, bool):
+            raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")
+        object.__setattr__(self, "select", resolve_policy(self.select))
+        object.__setattr__(self, "codec_options", resolve_options(self.codec, self.codec_options))
+
+    @classmethod
+    def from_arguments(cls, ratio: Optional[float] = None, index_bits: Optional[int] = None,
+                       sparsity: Union[float, str, None] = None, codec: str = "tagc", **settings) -> "HookSettings":
+        """:func:`tagc.hook`'s arguments: the :class:`TAGCConfig` fields (``ratio``, ``index_bits``,
+        ``sparsity`` and, among ``settings``, ``lane``, ``seed``, ``fallback``, ``min_compress_numel``)
+        go to ``config``, the other names of this class to their fields, and what is left to
+        ``codec_options``. A config field a codec does not use is an error that names its options."""
+        codec_spec = spec(codec)
+        given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
+        config_args = {name: value for name, value in given.items() if value is not None}
+        config_args.update({name: settings.pop(name) for name in list(settings) if name in _CONFIG_FIELDS})
+        misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS))
+        if misplaced and not codec_spec.uses_config:
+            takes = [name for name in codec_names() if spec(name).uses_config]
+            own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
+            verb = "applies" if len(misplaced) == 1 else "apply"
+            raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
+        fields = {field.name for field in dataclasses.fields(cls)} - {"config", "codec_options"}
+        options = {name: settings.pop(name) for name in list(settings) if name not in fields}
+        return cls(config=TAGCConfig(**config_args), codec=codec, codec_options=options, **settings)
+
+    def replace(self, **changes) -> "HookSettings":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def make_codecs(self) -> tuple[Codec, Codec]:
+        """``(codec, plain)``: the codec of the selected columns, and the one of the columns left plain (and of a
+        dense warm-up). Checks what only the codec knows (whether it has a ratio for ``ramp_steps``)."""
+        codec = make_codec(self.codec, self.config, self.residual_dtype, self.codec_options)
+        if self.ramp_steps and not codec.uses_ratio:
+            raise ValueError(f"ramp_steps ramps a compression ratio; codec {self.codec!r} has none (ramp_steps applies "
+                             "to tagc and topk)")
+        plain = make_codec(PLAIN_CODECS[self.plain], self.config) if self.plain != "fp32" else PlainCodec()
+        return codec, plain
+
+    def warmup_steps(self, codec: Codec) -> int:
+        """Steps sent plain first: ``dense_steps``, or when it is ``None`` :data:`DENSE_STEPS` for an
+        error-feedback codec and 0 for the others."""
+        if self.dense_steps is not None:
+            return self.dense_steps
+        return DENSE_STEPS if codec.error_feedback else 0
+
+    def agreed(self, codec: Codec, select_fingerprint: str) -> dict:
+        """Every setting that changes what crosses the wire, or when: must agree across ranks
+        (:mod:`tagc.hooks.verify`). ``select`` is compared by what it selects (its fingerprint)."""
+        return {**dataclasses.asdict(self.config), "codec": codec.name,
+                "codec_options": sorted(self.codec_options.items()), "select": select_fingerprint,
+                "min_part": self.min_part, "piece_bytes": self.piece_bytes, "dense_steps": self.warmup_steps(codec),
+                "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite, "plain": self.plain,
+                "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
