@@ -1,10 +1,12 @@
-"""Quantizing peer codecs: ``bf16``, ``fp8``, ``int4`` (ZeRO++ qgZ style) and ``sign`` (1 bit + error feedback).
+"""Quantizing peer codecs: ``bf16``, ``fp8`` and ``int4`` (ZeRO++ qgZ style), and the blockwise helpers
+they share with ``sign`` (:mod:`tagc.hooks.sign`).
 
 Each is what a user would run instead of TAGC on the same engine (:mod:`tagc.hooks.engine`),
 so only the codec differs. Every rank row is quantized on its own (row ``j`` goes to rank
 ``j``); the owner dequantizes each rank's row and sums in float32. Scales are per *block* of
 ``block`` consecutive columns of a part (the last block may be short; it is zero-padded for
-the arithmetic only, the padding never crosses the wire).
+the arithmetic only, the padding never crosses the wire). Each codec's registry entry
+(:class:`~tagc.hooks.codec_spec.CodecSpec`) is defined under its class.
 
 No codec here reads a tensor on the host in ``encode``/``decode`` (no ``.item()``,
 ``nonzero()``, ``bool(tensor)``): NaN/Inf handling is ``torch.where`` on 0-d tensors, and
@@ -12,12 +14,11 @@ the NaN/Inf count goes into :class:`~tagc.hooks.stats.ExchangeStats` as a 0-d te
 when the statistics are (``as_dict``).
 
 NaN/Inf (see :mod:`tagc.hooks.codecs`): ``bf16`` carries them element by element like plain;
-``fp8``/``int4`` make the sender's whole *block* NaN at its owner (a block's scale is NaN);
-``sign`` makes the owner's whole *part* NaN and leaves the sender's residual as it was.
+``fp8``/``int4`` make the sender's whole *block* NaN at its owner (a block's scale is NaN).
 Every owner learns that some rank's part was not finite (``bf16``: a flag byte per row;
-``fp8``/``int4``: the sign bit of every scale the rank sends, scales being >= 0 otherwise;
-``sign``: NaN scales), so every rank counts the part in ``nonfinite_parts`` and
-``nonfinite="raise"`` raises on every rank, as with TAGC.
+``fp8``/``int4``: the sign bit of every scale the rank sends, scales being >= 0 otherwise),
+so every rank counts the part in ``nonfinite_parts`` and ``nonfinite="raise"`` raises on
+every rank, as with TAGC.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tagc.hooks.codecs import Codec, ResidualCodec, Wire, finite
+from tagc.hooks.codec_spec import CodecSpec
+from tagc.hooks.codecs import Codec, Wire, finite
 
 E4M3_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value: a block's absmax maps to it."""
@@ -103,21 +105,6 @@ def pack_nibbles(codes: torch.Tensor, fill: int = 0) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`: uint8 ``[N, numel]``."""
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)[:, :numel]
-
-
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """bool ``[N, m]`` -> uint8 ``[N, ceil(m/8)]``: element ``8i+b`` is bit ``b`` of byte ``i``."""
-    pad = -bits.shape[1] % 8
-    if pad:
-        bits = F.pad(bits, (0, pad))
-    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=bits.device)
-    return (bits.view(bits.shape[0], -1, 8).to(torch.uint8) * weights).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: bool ``[N, numel]``."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & 1).bool().reshape(packed.shape[0], -1)[:, :numel]
 
 
 def mix32(x):
@@ -209,6 +196,15 @@ class BF16Codec(Codec):
         return rows.sum(dim=0, dtype=torch.float32)
 
 
+BF16_SPEC = CodecSpec(
+    name="bf16",
+    build=lambda config, residual_dtype, options: BF16Codec(),
+    options={},
+    uses_config=False,
+    summary="values cast to bfloat16, summed in float32 at the owner",
+)
+
+
 class FP8Codec(Codec):
     """float8 e4m3 with one float32 scale per block of ``block`` elements (``absmax / 448``).
 
@@ -242,6 +238,15 @@ class FP8Codec(Codec):
         codes, scales = received
         stats.count_nonfinite(scales_ok(scales))
         return dequantize_fp8(codes, scales.abs(), self.block).sum(dim=0)
+
+
+FP8_SPEC = CodecSpec(
+    name="fp8",
+    build=lambda config, residual_dtype, options: FP8Codec(**options),
+    options={"block": 128},
+    uses_config=False,
+    summary="float8 e4m3, one float32 scale (absmax / 448) per block",
+)
 
 
 class Int4Codec(Codec):
@@ -302,51 +307,10 @@ class Int4Codec(Codec):
         self.steps.update(loaded)
 
 
-class SignCodec(ResidualCodec):
-    """1 bit per element plus one float32 scale per block (mean ``|a|`` of the block), with
-    error feedback (EF-signSGD / 1-bit Adam): ``a = residual + grad``, sent ``sign(a) * scale``
-    (``a == 0`` sends ``+scale``), ``residual = a - sent``.
-
-    Wire per rank row of ``n``: ``ceil(n/8)`` bytes of sign bits (bit set = ``+``) and
-    ``ceil(n/block)`` float32 scales: ``1 + 32/block`` bits per element.
-    Bound: none per step (a 1-bit code); what is not sent stays in the residual, so the
-    sum over steps of what was sent tracks the sum of gradients within the residual.
-    ``sent + residual == a`` up to one rounding of the residual (``fl(a - sent)``; exact
-    where the subtraction is, e.g. ``scale/2 <= |a| <= 2 scale``).
-    Options: ``block`` (default 1024: 1-bit Adam uses one scale per tensor; a block of 1024
-    follows magnitude changes along a part at 32/1024 = 0.03 bit/element, 3% of the payload).
-    NaN/Inf: a rank whose accumulated part is not finite sends NaN scales; the owner's whole
-    part is NaN; that rank's residual stays as it was.
-    State: one residual ``[N, n]`` per part (``residual_dtype``), keyed by the part.
-    """
-
-    name = "sign"
-    compresses = True
-
-    def __init__(self, block: int = 1024, residual_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(residual_dtype)
-        self.block = check_block(block)
-
-    def wire(self, numel, world, dtype):
-        return (Wire(-(-numel // 8), torch.uint8), Wire(n_blocks(numel, self.block), torch.float32))
-
-    def encode(self, grad, key, group):
-        world, numel = grad.shape
-        residual = self.residual(key, grad)
-        accumulated = residual.float() + grad.float()
-        ok = finite(accumulated)
-        blocks = blocked(accumulated, self.block)
-        counts = (numel - self.block * torch.arange(blocks.shape[1], device=grad.device)).clamp_(max=self.block)
-        scales = (blocks.abs() / counts[:, None]).sum(dim=-1)  # divide first: no overflow near float32's max
-        positive = accumulated >= 0
-        sent = unblocked(blocked(torch.where(positive, 1.0, -1.0), self.block) * scales[..., None], numel)
-        residual.copy_(torch.where(ok, accumulated - sent, residual))
-        return pack_bits(positive), torch.where(ok, scales, torch.nan)
-
-    def decode(self, received, numel, key, group, stats):
-        packed, scales = received
-        ok = finite(scales)
-        stats.count_nonfinite(ok)
-        signs = unpack_bits(packed, numel).float().mul_(2).sub_(1)
-        values = unblocked(blocked(signs, self.block) * scales[..., None], numel).sum(dim=0)
-        return torch.where(ok, values, torch.nan)
+INT4_SPEC = CodecSpec(
+    name="int4",
+    build=lambda config, residual_dtype, options: Int4Codec(**options),
+    options={"block": 128, "stochastic": False},
+    uses_config=False,
+    summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block",
+)
