@@ -14,6 +14,7 @@ COMPRESSIONS = ("none", "all", "non-attn")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
+SECOND_MOMENTS = ("decoded", "local", "local-all")
 
 
 @dataclasses.dataclass
@@ -117,7 +118,8 @@ class TrainConfig:
     device values every step: for diagnosis, not for timing."""
     second_moment: str = "decoded"
     """The optimizer: ``decoded`` is ``torch.optim.AdamW``; ``local`` is ``tagc.optim.AdamW``, whose
-    second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts)."""
+    second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts);
+    ``local-all``, a control: every parameter's, compressed or not (a plain run too)."""
     device: str = "auto"
     """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
@@ -130,8 +132,6 @@ class TrainConfig:
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")
-        from tagc.optim import SECOND_MOMENTS
-
         if self.second_moment not in SECOND_MOMENTS:
             raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
         if self.diagnostics and self.integration == "fsdp1":
@@ -283,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log per step the grad norm and clipping, the AdamW update's RMS and exp_avg_sq per parameter "
                         "group, and the staleness of compressed elements, to <run>.diagnostics.jsonl (compare two runs "
                         "with python -m gpt2_bench.diagnostics PLAIN RUN)")
-    p.add_argument("--second-moment", default=defaults.second_moment, choices=("decoded", "local"),
+    p.add_argument("--second-moment", default=defaults.second_moment, choices=SECOND_MOMENTS,
                    help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
-                        "parameters is fed each rank's own gradient (no error-feedback bursts)")
+                        "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
+                        "every parameter's (plain runs too)")
     p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
                    help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)")
     p.add_argument("--embedding-ratio", type=float, default=None,
@@ -389,7 +390,7 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
     if cfg.hsdp:
         raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
     ours = not cfg.torch_hook and (cfg.compression != "none" or cfg.transport == "fair")
-    if getattr(cfg, "second_moment", "decoded") == "local" and not ours:
+    if cfg.second_moment != "decoded" and not ours:
         raise ValueError("second_moment='local' feeds AdamW each rank's own gradient, which our hook keeps: torch's "
                          "hooks and DDP's own reduction keep none (use second_moment='decoded')")
     if not cfg.torch_hook:

@@ -170,10 +170,12 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.second_moment == "local" and hook is not None:
+    if cfg.second_moment != "decoded" and hook is not None:
         import tagc.optim
 
         opt = tagc.optim.AdamW(groups, hook=hook, lr=cfg.lr)
+        if cfg.second_moment == "local-all":
+            opt.hook.keep_local_gradients = "all"
     else:
         opt = torch.optim.AdamW(groups, lr=cfg.lr)
     data = TokenData(data_dir)

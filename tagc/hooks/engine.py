@@ -123,8 +123,9 @@ class TAGCHook:
         self.strict_sync = strict.enabled()
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
         self._counting_reads = False
-        self.keep_local_gradients = False
-        """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`)
+        self.keep_local_gradients: Union[bool, str] = False
+        """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`;
+        ``"all"``: of every parameter, compressed or not, in the eager exchange: a control for experiments)
         for :class:`tagc.optim.AdamW`, which sets it."""
         self.local_gradients = LocalGradients()
 
@@ -394,9 +395,10 @@ class TAGCHook:
                                 coder=self._coder(), state=self.state, nonfinite=self.nonfinite, stream=side,
                                 remote_rows=remote)
         rows = input.view(world, chunk)
-        if keep_local and self.keep_local_gradients and plan.compressed:
+        if keep_local and (self.keep_local_gradients == "all" or (self.keep_local_gradients and plan.compressed)):
             own = dist.get_rank(group) if world > 1 else 0
-            self.local_gradients.keep(plan.chosen, rows[own], op_scale(op, world) * world)
+            kept = tuple(segments) if self.keep_local_gradients == "all" else plan.chosen
+            self.local_gradients.keep(kept, rows[own], op_scale(op, world) * world)
         pending.send(rows, topo)
         self.state.in_flight.append(pending)
         return pending
