@@ -18,10 +18,13 @@ hook's own count), and the val loss.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import statistics
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run
@@ -38,9 +41,15 @@ HOST_METHODS = {
 """Method name -> the :class:`TrainConfig` fields it sets (the rest: the command line's)."""
 
 RUN_ATTEMPTS = 2
+"""A host run is started again once if a rank dies (see :func:`gpt2_bench.launch.run`)."""
+
+HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "steps": 12, "eval_interval": 12, "compression": "all",
+                  "integration": "fsdp2", "dense_steps": 2, "block_size": 64, "out_dir": "bench_out/hosts"}
+"""The compare's defaults with ``--hosts``: the tiny preset, all layers compressed, a 100 Mbit/s link per host."""
 
 
 def parse_host_methods(text: str) -> tuple[str, ...]:
+    """``"fsdp, tagc"`` -> ``("fsdp", "tagc")``; a clear error naming the host methods otherwise."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in HOST_METHODS]
     if unknown or not names:
@@ -53,7 +62,8 @@ def host_runs(base: TrainConfig, methods: Sequence[str], rounds: int) -> dict[st
     runs: dict[str, list[dict]] = {method: [] for method in methods}
     for round_index in range(rounds):
         for method in round_order(methods, round_index):
-            cfg = dataclasses.replace(base, **HOST_METHODS[method], out_dir=str(Path(base.out_dir) / f"round-{round_index + 1}"))
+            out = Path(base.out_dir) / f"round-{round_index + 1}"
+            cfg = dataclasses.replace(base, **HOST_METHODS[method], out_dir=str(out))
             runs[method].append(run(cfg, attempts=RUN_ATTEMPTS))
     return runs
 
@@ -64,8 +74,10 @@ def host_rows(runs: dict[str, list[dict]]) -> list[dict]:
     for method, results in runs.items():
         steady = [ms for result in results for ms in result["steady_iter_ms"]]
         crossing = [r["inter_host_bytes_per_step"] for r in results if r.get("inter_host_bytes_per_step") is not None]
-        exchange = [r["inter_host_wire_bytes_per_step"] for r in results if r.get("inter_host_wire_bytes_per_step") is not None]
-        rows.append({"method": method, "iter_ms": statistics.median(steady), "iter_ms_per_round": [r["iter_ms"] for r in results],
+        exchange = [r["inter_host_wire_bytes_per_step"] for r in results
+                    if r.get("inter_host_wire_bytes_per_step") is not None]
+        rows.append({"method": method, "iter_ms": statistics.median(steady),
+                     "iter_ms_per_round": [r["iter_ms"] for r in results],
                      "inter_host_bytes_per_step": statistics.median(crossing) if crossing else None,
                      "exchange_inter_host_bytes_per_step": statistics.median(exchange) if exchange else None,
                      "val_loss": results[-1]["val_loss"], "link": results[-1]["link"], "hosts": results[-1]["hosts"]})
@@ -78,20 +90,22 @@ def host_rows(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
-def _mb(value: Optional[float]) -> str:
+def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:.2f}"
 
 
-def _ratio(value: Optional[float]) -> str:
+def _ratio(value: float | None) -> str:
     return "-" if value is None else f"1/{1 / value:.1f}" if 0 < value < 1 else f"{value:.2f}"
 
 
 def format_host_table(rows: list[dict]) -> str:
+    """The hosts compare's table: step time, speed-up and bytes between hosts against ``fsdp-flat``'s."""
     lines = ["| method | step ms | speed-up vs fsdp-flat | MB/step between hosts (all) | of fsdp-flat's | "
              "exchange MB/step between hosts | of fsdp-flat's | val loss |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
-        lines.append(f"| {row['method']} | {row['iter_ms']:.0f} | {row['speedup']:.2f}x | {_mb(row['inter_host_bytes_per_step'])} | "
+        lines.append(f"| {row['method']} | {row['iter_ms']:.0f} | {row['speedup']:.2f}x | "
+                     f"{_mb(row['inter_host_bytes_per_step'])} | "
                      f"{_ratio(row['inter_host_bytes_ratio'])} | {_mb(row['exchange_inter_host_bytes_per_step'])} | "
                      f"{_ratio(row['exchange_inter_host_bytes_ratio'])} | {row['val_loss']:.4f} |")
     return "\n".join(lines)
@@ -102,14 +116,35 @@ def hosts_report(base: TrainConfig, methods: Sequence[str], rounds: int) -> tupl
     rows = host_rows(host_runs(base, methods, rounds))
     per_host = base.world // base.hosts
     report = (f"# GPT-2 on {base.hosts} emulated hosts x {per_host} ranks\n\n"
-              f"Model preset `{base.preset}`, integration `{base.integration}` (HSDP methods: fsdp2), {base.steps} steps of "
-              f"{base.batch_size}x{base.block_size or 'preset'} tokens per rank, TAGC ratio {base.ratio:g} with a "
-              f"{base.index_bits}-bit index, dense for the first {base.dense_steps} steps; each host a network namespace with a "
-              f"full-duplex {base.link} link into one switch; every run a torchrun job per host. {rounds} round(s), every other "
-              f"one in reverse order; step time = median of the steady steps pooled over rounds. Bytes between hosts: the hosts' "
-              f"NIC counters over a training step (all traffic); the exchange's: the hook's count of the bytes its ranks "
-              f"sent to other hosts.\n\n{format_host_table(rows)}\n")
+              f"Model preset `{base.preset}`, integration `{base.integration}` (HSDP methods: fsdp2), {base.steps} "
+              f"steps of {base.batch_size}x{base.block_size or 'preset'} tokens per rank, TAGC ratio {base.ratio:g} "
+              f"with a {base.index_bits}-bit index, dense for the first {base.dense_steps} steps; each host a network "
+              f"namespace with a full-duplex {base.link} link into one switch; every run a torchrun job per host. "
+              f"{rounds} round(s), every other one in reverse order; step time = median of the steady steps pooled "
+              f"over rounds. Bytes between hosts: the hosts' NIC counters over a training step (all traffic); the "
+              f"exchange's: the hook's count of the bytes its ranks sent to other hosts.\n\n"
+              f"{format_host_table(rows)}\n")
     out = Path(base.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hosts.md").write_text(report)
     return rows, report
+
+
+def hosts_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``python -m gpt2_bench.compare --hosts H ...``: the hosts report, printed and written, and ``--json`` rows."""
+    try:
+        methods = tuple(HOST_METHODS) if args.methods == "paper" else parse_host_methods(args.methods)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    from gpt2_bench.config import config_from_args
+
+    base = config_from_args(args)
+    rows, report = hosts_report(base, methods, args.rounds)
+    print(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\nreport: {Path(base.out_dir) / 'hosts.md'}", file=sys.stderr)
+    return 0

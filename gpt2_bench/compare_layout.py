@@ -14,7 +14,7 @@ runs at that rate (:class:`testbed.hosts.EmulatedHosts`).
 
 Losses come from the quality runs (``--quality-steps``, unshaped, read back when finished): the
 layout's runs on unshaped emulated hosts, the flat ones exactly the flat compare's
-(:func:`gpt2_bench.compare.quality_runs`), or from ``--loss-from`` (rows with a ``layout`` field; rows
+(:func:`gpt2_bench.compare_runs.quality_runs`), or from ``--loss-from`` (rows with a ``layout`` field; rows
 without one are flat). ``--flat-from`` takes the flat rows from an earlier layout compare's
 ``--json`` instead of timing them again.
 """
@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
+from gpt2_bench.compare_figures import LOSS_TOLERANCE, add_method_columns, winner
+from gpt2_bench.compare_report import format_methods_table, format_share_arithmetic
+from gpt2_bench.compare_rows import Loss, Row, losses_of, read_json, write_rows
+from gpt2_bench.compare_runs import RUN_ATTEMPTS, pooled_median, quality_runs
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link
 from gpt2_bench.methods import (
@@ -48,15 +51,14 @@ faster per step than torch's DDP + ``bf16_compress_hook`` at share 0.9."""
 
 
 def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str], share: float,
-                rounds: int, data_dir: str) -> tuple[list[dict], dict]:
+                rounds: int, data_dir: str) -> tuple[list[Row], dict]:
     """Every method of ``layout`` and of flat FSDP (``flat_methods``) on the share's link, on the layout's
     emulated hosts, ``rounds`` rounds in alternating order; a method's step time is the median of its
     steady steps pooled over rounds. Returns (rows, each with its ``layout``; link info)."""
-    from gpt2_bench.compare import RUN_ATTEMPTS, _pooled_median
-
     cfg = dataclasses.replace(base, link_share=share)
     calibration = dataclasses.replace(cfg, world=LAYOUT_FIELDS[layout]["world"])
-    link_info = scaled_link(calibration, data_dir) if base.link == "scaled" else {"rate": base.link, "exchange_share": None}
+    link_info = (scaled_link(calibration, data_dir) if base.link == "scaled"
+                 else {"rate": base.link, "exchange_share": None})
     rate = link_info["rate"]
     hosts = {"hosts": LAYOUT_FIELDS[layout]["hosts"], "world": LAYOUT_FIELDS[layout]["world"]}
     entries = [("flat", m) for m in flat_methods] + [(layout, m) for m in methods]
@@ -69,109 +71,108 @@ def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_met
                                              attempts=RUN_ATTEMPTS))
     rows = []
     for (which, method), results in runs.items():
-        last = results[-1]
-        rows.append({**last, "method": method, "layout": which, "share": share, "link": rate, "link_info": link_info,
-                     "preset": base.preset, "dense_steps": base.dense_steps, "rounds": rounds,
-                     "iter_ms": _pooled_median([ms for result in results for ms in result["steady_iter_ms"]]),
-                     "iter_ms_per_round": [result["iter_ms"] for result in results]})
+        rows.append(Row.from_summary(
+            results[-1], method=method, layout=which, share=share, link=rate, link_info=link_info,
+            preset=base.preset, dense_steps=base.dense_steps, rounds=rounds,
+            iter_ms=pooled_median([ms for result in results for ms in result["steady_iter_ms"]]),
+            iter_ms_per_round=[result["iter_ms"] for result in results]))
     return rows, link_info
 
 
 def layout_quality(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str], steps: int,
-                   data_dir: str, dense_steps: Optional[int]) -> dict[str, dict[str, dict]]:
-    """``{layout: {method: result}}``: the quality runs of the layout (on unshaped emulated hosts) and the flat
+                   data_dir: str, dense_steps: int | None) -> dict[str, dict[str, Loss]]:
+    """``{layout: {method: loss}}``: the quality runs of the layout (on unshaped emulated hosts) and the flat
     compare's own quality runs of ``flat_methods`` (read back where finished)."""
-    from gpt2_bench.compare import quality_runs
 
     def configure(cfg: TrainConfig, method: str) -> TrainConfig:
         return layout_config(cfg, layout, method, link="none")
 
-    return {layout: quality_runs(base, methods, steps, data_dir, dense_steps, configure=configure),
-            "flat": quality_runs(base, flat_methods, steps, data_dir, dense_steps, configure=method_config)}
+    return {layout: losses_of(quality_runs(base, methods, steps, data_dir, dense_steps, configure=configure)),
+            "flat": losses_of(quality_runs(base, flat_methods, steps, data_dir, dense_steps, configure=method_config))}
 
 
-def losses_by_layout(path: str) -> dict[str, dict[str, dict]]:
-    """Another compare's ``--json`` val losses, ``{layout: {method: ...}}`` (rows without ``layout``: flat)."""
-    found: dict[str, dict[str, dict]] = {}
-    for row in json.loads(Path(path).read_text()):
+def losses_by_layout(path: str) -> dict[str, dict[str, Loss]]:
+    """Another compare's ``--json`` val losses, ``{layout: {method: loss}}`` (rows without ``layout``: flat)."""
+    found: dict[str, dict[str, Loss]] = {}
+    for row in read_json(path):
         if row.get("method") and row.get("val_loss") is not None:
-            found.setdefault(row.get("layout") or "flat", {})[row["method"]] = {
-                "val_loss": row["val_loss"], "steps": row.get("val_loss_steps") or row.get("steps"), "preset": row.get("preset")}
+            found.setdefault(row.get("layout") or "flat", {})[row["method"]] = Loss(
+                row["val_loss"], row.get("val_loss_steps") or row.get("steps"), row.get("preset"))
     if not found:
         raise ValueError(f"{path} holds no rows with a method and a val_loss (write one with --json)")
     return found
 
 
-def flat_rows_from(path: str, flat_methods: Sequence[str], share: float) -> list[dict]:
+def flat_rows_from(path: str, flat_methods: Sequence[str], share: float) -> list[Row]:
     """The flat rows of share ``share`` in an earlier layout compare's ``--json``."""
-    rows = {row["method"]: row for row in json.loads(Path(path).read_text())
+    rows = {row["method"]: row for row in read_json(path)
             if row.get("layout") == "flat" and row.get("share") == share and row.get("iter_ms")}
     missing = [method for method in flat_methods if method not in rows]
     if missing:
         raise ValueError(f"--flat-from {path} has no flat rows for {', '.join(missing)} at share {share:g}")
-    return [dict(rows[method]) for method in flat_methods]
+    return [Row.from_json(rows[method]) for method in flat_methods]
 
 
-def format_beside(layout_rows: list[dict], flat_rows: list[dict], layout: str) -> str:
+def _mb(row: Row) -> str:
+    return "-" if row.wire_bytes_per_step is None else f"{row.wire_bytes_per_step / 1e6:.2f}"
+
+
+def format_beside(layout_rows: list[Row], flat_rows: list[Row], layout: str) -> str:
     """Each method of the layout beside the flat method with the same codec: step time, bytes per step,
     and what the layout buys (the flat method's step over the layout's)."""
-    flat = {row["method"]: row for row in flat_rows}
+    flat = {row.method: row for row in flat_rows}
     bf16 = flat.get("fsdp-bf16")
     lines = [f"| {layout} method | iter ms | wire MB/step | flat method | flat iter ms | flat wire MB/step | "
              f"layout buys | vs flat fsdp-bf16 |", "|---|---:|---:|---|---:|---:|---:|---:|"]
-    mb = lambda row: "-" if row.get("wire_bytes_per_step") is None else f"{row['wire_bytes_per_step'] / 1e6:.2f}"
     for row in layout_rows:
-        peer = flat.get(FLAT_PEER.get(row["method"], ""))
-        lines.append(f"| {row['method']} | {row['iter_ms']:.0f} | {mb(row)} | "
-                     + (f"{peer['method']} | {peer['iter_ms']:.0f} | {mb(peer)} | {peer['iter_ms'] / row['iter_ms']:.2f}x | "
-                        if peer else "- | - | - | - | ")
-                     + (f"{bf16['iter_ms'] / row['iter_ms']:.2f}x |" if bf16 else "- |"))
+        peer = flat.get(FLAT_PEER.get(row.method, ""))
+        beside = (f"{peer.method} | {peer.iter_ms:.0f} | {_mb(peer)} | {peer.iter_ms / row.iter_ms:.2f}x | "
+                  if peer else "- | - | - | - | ")
+        lines.append(f"| {row.method} | {row.iter_ms:.0f} | {_mb(row)} | " + beside
+                     + (f"{bf16.iter_ms / row.iter_ms:.2f}x |" if bf16 else "- |"))
     return "\n".join(lines)
 
 
-def format_layout_verdict(rows: list[dict], layout: str) -> str:
+def format_layout_verdict(rows: list[Row], layout: str) -> str:
     """The layout's winner against its bf16 baseline (the issue's 3x target), TAGC's place against torch's
     hooks, and our PowerSGD against torch's at the same rank."""
-    from gpt2_bench.compare import LOSS_TOLERANCE, winner
-
     plain, bf16_name = LAYOUT_BASELINES[layout]
-    by_method = {row["method"]: row for row in rows}
+    by_method = {row.method: row for row in rows}
     bf16 = by_method.get(bf16_name)
     best = winner(rows)
     lines = []
     if best is None:
         lines.append(f"- No method kept val loss within {LOSS_TOLERANCE:.0%} of {plain}'s.")
     else:
-        over = bf16["iter_ms"] / best["iter_ms"] if bf16 else None
-        lines.append(f"- Fastest within {LOSS_TOLERANCE:.0%} of {plain}'s val loss: **{best['method']}** "
-                     f"({best['iter_ms']:.0f} ms, val loss {100 * best['val_loss_delta']:+.2f}%)"
+        over = bf16.iter_ms / best.iter_ms if bf16 else None
+        lines.append(f"- Fastest within {LOSS_TOLERANCE:.0%} of {plain}'s val loss: **{best.method}** "
+                     f"({best.iter_ms:.0f} ms, val loss {100 * best.val_loss_delta:+.2f}%)"
                      + (f": {over:.2f}x over {bf16_name} (target {SPEEDUP_TARGET:g}x: "
                         f"{'met' if over >= SPEEDUP_TARGET else 'not met'})" if over else "") + ".")
     for name in ("tagc", "tagc-lean"):
         row = by_method.get(name)
         if row is None:
             continue
-        against = [f"{other['iter_ms'] / row['iter_ms']:.2f}x over {other['method']}"
-                   for other in rows if other["method"].startswith(f"{layout}-") and other is not row]
-        delta = row.get("val_loss_delta")
-        lines.append(f"- `{name}`: {row['iter_ms']:.0f} ms; " + ", ".join(against)
+        against = [f"{other.iter_ms / row.iter_ms:.2f}x over {other.method}"
+                   for other in rows if other.method.startswith(f"{layout}-") and other is not row]
+        delta = row.val_loss_delta
+        lines.append(f"- `{name}`: {row.iter_ms:.0f} ms; " + ", ".join(against)
                      + ("" if delta is None else f"; val loss {100 * delta:+.2f}% against {plain}") + ".")
     ours, torch_powersgd = by_method.get("powersgd"), by_method.get(f"{layout}-powersgd")
     if ours and torch_powersgd:
-        lines.append(f"- Our `powersgd` through tagc.ddp_hook: {ours['iter_ms']:.0f} ms against torch's powerSGD_hook's "
-                     f"{torch_powersgd['iter_ms']:.0f} ms at the same rank "
-                     f"({torch_powersgd['iter_ms'] / ours['iter_ms']:.2f}x); bytes per step "
-                     f"{(ours.get('wire_bytes_per_step') or 0) / 1e6:.3f} MB against "
-                     f"{(torch_powersgd.get('wire_bytes_per_step') or 0) / 1e6:.3f} MB.")
+        lines.append(f"- Our `powersgd` through tagc.ddp_hook: {ours.iter_ms:.0f} ms against torch's powerSGD_hook's "
+                     f"{torch_powersgd.iter_ms:.0f} ms at the same rank "
+                     f"({torch_powersgd.iter_ms / ours.iter_ms:.2f}x); bytes per step "
+                     f"{(ours.wire_bytes_per_step or 0) / 1e6:.3f} MB against "
+                     f"{(torch_powersgd.wire_bytes_per_step or 0) / 1e6:.3f} MB.")
     return "\n".join(lines)
 
 
 def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str],
-                  shares: Sequence[float], rounds: int, quality_steps: int, quality_dense_steps: Optional[int] = None,
-                  loss_from: Optional[str] = None, flat_from: Optional[str] = None) -> tuple[list[dict], str]:
+                  shares: Sequence[float], rounds: int, quality_steps: int, quality_dense_steps: int | None = None,
+                  loss_from: str | None = None, flat_from: str | None = None) -> tuple[list[Row], str]:
     """Time the layout's methods and the flat ones at every share, set each against its own layout's
     baselines; returns the rows and a Markdown report (also ``<out_dir>/layout-<layout>.md``)."""
-    from gpt2_bench.compare import add_method_columns, format_methods_table, format_share_arithmetic
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir))
@@ -181,19 +182,22 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
     rows, sections = [], []
     for share in shares:
         share_rows, link_info = time_layout(base, layout, methods, timed_flat, share, rounds, data_dir)
-        layout_rows = [row for row in share_rows if row["layout"] == layout]
-        flat_rows = [row for row in share_rows if row["layout"] == "flat"] or flat_rows_from(flat_from, flat_methods, share)
+        layout_rows = [row for row in share_rows if row.layout == layout]
+        flat_rows = ([row for row in share_rows if row.layout == "flat"]
+                     or flat_rows_from(flat_from, flat_methods, share))
         rate_bps = parse_rate(link_info["rate"])
         add_method_columns(layout_rows, rate_bps, quality.get(layout), *LAYOUT_BASELINES[layout])
         add_method_columns(flat_rows, rate_bps, quality.get("flat"))
         rows += layout_rows + flat_rows
         title = f"Share {share:g}" if link_info.get("rate_bps") else f"Link {link_info['rate']}"
         hosts = LAYOUT_FIELDS[layout]
+        timed_in = f" (timed in {flat_from})" if flat_from else ""
         sections.append(
             f"## {title}\n\n{format_share_arithmetic(link_info)}\n\n"
             f"### {layout.upper()} on {hosts['hosts']} emulated hosts x {hosts['world'] // hosts['hosts']} rank(s)\n\n"
-            f"{format_methods_table(layout_rows, *LAYOUT_BASELINES[layout])}\n\n{format_layout_verdict(layout_rows, layout)}\n\n"
-            f"### Flat FSDP on the same hosts and link{' (timed in ' + flat_from + ')' if flat_from else ''}\n\n"
+            f"{format_methods_table(layout_rows, *LAYOUT_BASELINES[layout])}\n\n"
+            f"{format_layout_verdict(layout_rows, layout)}\n\n"
+            f"### Flat FSDP on the same hosts and link{timed_in}\n\n"
             f"{format_methods_table(flat_rows)}\n\n### Side by side: what the layout buys, what the codec buys\n\n"
             f"{format_beside(layout_rows, flat_rows, layout)}\n")
     loss_source = (f"val loss from {loss_from}" if loss_from else
@@ -250,8 +254,6 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
                                  args.quality_dense_steps, args.loss_from, args.flat_from)
     print(report)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([{k: v for k, v in row.items() if k not in ("curve", "steady_iter_ms")}
-                                               for row in rows], indent=2) + "\n")
+        write_rows(rows, args.json)
     print(f"\nreport: {Path(base.out_dir) / f'layout-{layout}.md'}", file=sys.stderr)
     return 0

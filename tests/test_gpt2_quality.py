@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gpt2_bench import compare, diagnostics, quality
+from gpt2_bench import compare, compare_paper, compare_runs, diagnostics, quality
 from gpt2_bench.config import TrainConfig, build_parser, config_from_args
 
 
@@ -74,9 +74,9 @@ def test_seeded_quality_runs_keep_each_seed_apart(tmp_path, monkeypatch):
         seen.append((cfg.seed, cfg.out_dir, cfg.name))
         return {"val_loss": 6.0 + cfg.seed, "curve": [], "steps": cfg.steps}
 
-    monkeypatch.setattr(compare, "run", fake_run)
+    monkeypatch.setattr(compare_runs, "run", fake_run)
     base = TrainConfig(preset="tiny", out_dir=str(tmp_path))
-    by_seed = compare.seeded_quality_runs(base, ("fsdp", "int4"), 10, "unused", (0, 3))
+    by_seed = compare_runs.seeded_quality_runs(base, ("fsdp", "int4"), 10, "unused", (0, 3))
     assert by_seed[3]["int4"]["val_loss"] == 9.0
     assert seen == [
         (0, str(tmp_path / "quality" / "seed-0"), "fsdp"),
@@ -116,7 +116,7 @@ def test_the_compares_main_job_keeps_its_ten_dense_steps(monkeypatch):
         captured["base"] = base
         raise SystemExit(0)
 
-    monkeypatch.setattr(compare, "compare", stop)
+    monkeypatch.setattr(compare_paper, "compare", stop)
     with pytest.raises(SystemExit):
         compare.main([])
     base = captured["base"]
