@@ -16,7 +16,7 @@ from tagc.sketch import (
     encode,
     merge_index,
     plan_density,
-    sparsify,
+    split_kept,
 )
 
 
@@ -172,7 +172,7 @@ def test_compress_equals_sparsify_index_encode():
     accum = grad + residual
     index, table = compress_(grad, residual, 0.05, layout, 1)
     for chunk in range(3):
-        kept, rest = sparsify(accum[chunk], 0.05)
+        kept, rest = split_kept(accum[chunk], 0.05)
         assert torch.equal(residual[chunk], rest)
         assert torch.equal(index[chunk], build_index(kept, 1))
         assert torch.allclose(table[chunk], encode(kept, layout), atol=1e-6)

@@ -1,14 +1,15 @@
-import importlib
 import math
+import types
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tagc.sketch import sparsify, threshold
-
-sparsify_module = importlib.import_module("tagc.sketch.sparsify")  # tagc.sketch re-exports a function of its name
+import tagc.sketch
+from tagc.sketch import sparsify as sparsify_module
+from tagc.sketch import split_kept, threshold
 
 
 @given(numel=st.integers(1, 5000), density=st.floats(0.0, 1.0), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**31 - 1))
@@ -16,7 +17,7 @@ sparsify_module = importlib.import_module("tagc.sketch.sparsify")  # tagc.sketch
 def test_kept_plus_residual_is_exactly_the_input(numel, density, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen) * scale
-    kept, residual = sparsify(x, density)
+    kept, residual = split_kept(x, density)
     assert torch.equal(kept + residual, x)
     assert not ((kept != 0) & (residual != 0)).any()
     if (kept != 0).any() and (residual != 0).any():
@@ -33,7 +34,7 @@ def test_kept_fraction_within_ten_percent(numel, density, dist):
     elif dist == "heavy_columns":  # a weight gradient whose 7th column dominates
         x = torch.randn(numel)
         x[7::768] *= 50
-    kept, _ = sparsify(x, density)
+    kept, _ = split_kept(x, density)
     fraction = (kept != 0).float().mean().item()
     assert abs(fraction - density) <= 0.1 * density, fraction
 
@@ -56,14 +57,14 @@ def test_kept_fraction_on_gradients_periodic_in_a_factor_of_the_row(numel):
     for period in (3, 139):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(period))
         x[::period] *= 50
-        kept, _ = sparsify(x, density)
+        kept, _ = split_kept(x, density)
         fraction = (kept != 0).float().mean().item()
         assert abs(fraction - density) <= 0.1 * density, (period, fraction)
 
 
 def test_bf16_and_shapes_are_kept():
     x = torch.randn(64, 1000, dtype=torch.bfloat16)
-    kept, residual = sparsify(x, 0.1)
+    kept, residual = split_kept(x, 0.1)
     assert kept.dtype == torch.bfloat16 and kept.shape == x.shape
     assert torch.equal(kept + residual, x)
 
@@ -78,9 +79,28 @@ def test_non_finite_input_is_a_clear_error(bad):
     x = torch.randn(1000)
     x[17] = bad
     with pytest.raises(ValueError, match="NaN|Inf"):
-        sparsify(x, 0.1)
+        split_kept(x, 0.1)
 
 
 def test_bad_density():
     with pytest.raises(ValueError, match="density"):
-        sparsify(torch.randn(10), 1.5)
+        split_kept(torch.randn(10), 1.5)
+
+
+def test_tagc_sketch_sparsify_is_the_module_and_calling_it_is_deprecated():
+    """``from tagc.sketch import sparsify`` and ``import tagc.sketch.sparsify`` give the module (no
+    function shadows it); calling it, as code written for the old re-export does, warns and splits
+    exactly as :func:`split_kept`."""
+    import tagc.sketch.sparsify as imported
+
+    assert isinstance(sparsify_module, types.ModuleType) and sparsify_module is imported is tagc.sketch.sparsify
+    assert "split_kept" in tagc.sketch.__all__ and "sparsify" not in tagc.sketch.__all__
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(DeprecationWarning, match=r"tagc\.sketch\.split_kept\(x, density\)"):
+        kept, residual = sparsify_module(x, 0.1)
+    expected_kept, expected_residual = split_kept(x, 0.1)
+    assert torch.equal(kept, expected_kept) and torch.equal(residual, expected_residual)
+    assert (kept != 0).sum() == 500  # keep_limit(5000, 0.1): distinct Gaussian values, no ties
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split_kept(x, 0.1)  # the new name does not warn

@@ -27,7 +27,7 @@ from tagc.sketch import (
     keep_limit,
     merge_index,
     plan_density,
-    sparsify,
+    split_kept,
 )
 from tagc.sketch.codec import FLOAT32_UNIT_ROUNDOFF
 from tagc.sketch.sparsify import capacity
@@ -137,7 +137,7 @@ def test_sparsify_keeps_the_first_ties_up_to_the_limit(kind):
     gen = torch.Generator().manual_seed(1)
     for numel, density in [(5000, 0.03), (300_007, 0.03)]:  # exact and sampled threshold
         x = tie_input(kind, (numel,), gen)
-        kept, residual = sparsify(x, density)
+        kept, residual = split_kept(x, density)
         assert torch.equal(kept + residual, x) and not ((kept != 0) & (residual != 0)).any()
         n_kept, limit = int((kept != 0).sum()), keep_limit(numel, density)
         assert n_kept == min(limit, int((x != 0).sum())), (n_kept, limit)
@@ -152,7 +152,7 @@ def test_sparsify_keeps_the_first_ties_up_to_the_limit(kind):
 
 def test_sparsify_of_2d_input_ranks_ties_in_flat_order():
     x = torch.ones(4, 10)
-    kept, residual = sparsify(x, 0.25)
+    kept, residual = split_kept(x, 0.25)
     assert kept.shape == x.shape
     assert torch.equal((kept != 0).reshape(-1).nonzero().squeeze(1), torch.arange(10))
 

@@ -1,6 +1,9 @@
-"""The reference TAGC codec in plain, vectorised PyTorch: the semantics every back end matches."""
+"""The reference TAGC codec in plain, vectorised PyTorch: the semantics every back end matches.
 
-from tagc.sketch.compress import compress_
+``tagc.sketch.sparsify`` is the selection rule's module; its split of a tensor into the kept
+entries and the residual is :func:`split_kept`.
+"""
+
 from tagc.sketch.codec import (
     DecodeStats,
     InconsistentSketchError,
@@ -8,20 +11,29 @@ from tagc.sketch.codec import (
     encode,
     encode_positions,
 )
-from tagc.sketch.index import build_index, index_nbytes, index_positions, index_to_mask, merge_index, pack_mask, unpack_counts
+from tagc.sketch.compress import compress_
+from tagc.sketch.index import (
+    build_index,
+    index_nbytes,
+    index_positions,
+    index_to_mask,
+    merge_index,
+    pack_mask,
+    unpack_counts,
+)
 from tagc.sketch.layout import SketchLayout, choose_lane
 from tagc.sketch.plan import PEELING_THRESHOLD, PLANNED_LOAD, plan_density, union_density
-from tagc.sketch.sparsify import keep_limit, row_thresholds, sparsify, threshold
+from tagc.sketch.sparsify import keep_limit, row_thresholds, split_kept, threshold
 
 __all__ = [
-    "DecodeStats",
-    "InconsistentSketchError",
     "PEELING_THRESHOLD",
     "PLANNED_LOAD",
+    "DecodeStats",
+    "InconsistentSketchError",
     "SketchLayout",
     "build_index",
-    "compress_",
     "choose_lane",
+    "compress_",
     "decode",
     "encode",
     "encode_positions",
@@ -33,7 +45,7 @@ __all__ = [
     "pack_mask",
     "plan_density",
     "row_thresholds",
-    "sparsify",
+    "split_kept",
     "threshold",
     "union_density",
     "unpack_counts",

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+import sys
+import types
+import warnings
 
 import torch
 
@@ -128,7 +130,7 @@ def sample_size(numel: int, density: float) -> int:
     return numel if wanted >= numel else min(numel, max(MIN_SAMPLE, math.ceil(wanted)))
 
 
-def row_thresholds(rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+def row_thresholds(rows: torch.Tensor, density: float, grad: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row thresholds ``[N]`` of a ``[N, S]`` tensor (plus ``grad`` when given, added
     only where sampled): ~``density * S`` entries of each row have ``|x| >= tau``.
 
@@ -161,7 +163,7 @@ def check_density(density: float) -> None:
         raise ValueError(f"density must be a fraction in [0, 1], got {density!r}")
 
 
-def sparsify(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kept(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``x`` into its ~``density`` largest-magnitude entries and the rest.
 
     ``x`` is one row (flattened): the selection rule of the module docstring, with ties at
@@ -210,7 +212,7 @@ def positive_threshold(tau: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tau.to(dtype).clamp_min(info.tiny * info.eps)
 
 
-def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: Optional[int] = None) -> torch.Tensor:
+def keep_mask(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: int | None = None) -> torch.Tensor:
     """The kept entries (bool ``[N, S]``) of ``rows`` ``[N, S]`` under thresholds ``tau``
     (``[N, 1]`` or a scalar), the per-row limit ``limit`` (:func:`keep_limit`) and capacity
     ``cap`` (:func:`capacity`; ``None``: no capacity): the selection rule of the module docstring.
@@ -244,3 +246,19 @@ def held_back(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: int) -> to
     above = (magnitude > level).sum(dim=-1)
     ties = (magnitude == level).sum(dim=-1)
     return (above + torch.minimum(ties, (limit - above).clamp(min=0)) - cap).clamp_(min=0)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as the function ``tagc.sketch`` used to re-export under its name.
+
+    ``tagc.sketch.sparsify`` is the module (so ``from tagc.sketch import sparsify`` and
+    ``import tagc.sketch.sparsify`` agree); calling it still splits, with a ``DeprecationWarning``
+    that names :func:`split_kept`, so code written against the old re-export keeps working."""
+
+    def __call__(self, x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+        warnings.warn("calling tagc.sketch.sparsify(x, density) is deprecated: it is the module now; call "
+                      "tagc.sketch.split_kept(x, density)", DeprecationWarning, stacklevel=2)
+        return split_kept(x, density)
+
+
+sys.modules[__name__].__class__ = _CallableModule
