@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpt2_bench.train import exit_without_teardown
+from testbed.rank_exit import exit_without_teardown
 
 
 def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float, all_finish: bool = True,
@@ -35,7 +35,8 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeo
     exit_without_teardown()  # after a clean finish: the rare abort in static destructors would fail a passed test
 
 
-# imported once by the fork server: a rank then starts in ~0.1 s instead of ~2 s of imports
+# imported once by the fork server: a rank then starts in ~0.1 s instead of ~2 s of imports (the trainer too: many
+# tests run it in ranks; a preload that fails to import is skipped, so nothing here depends on it)
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "tagc", "tagc.hooks.engine", "fsdp_integration",
             "gpt2_bench.train", "tests.distributed")
 _READ_AT_IMPORT = ("NUMBA_", "TRITON_", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "PYTHON", "CUDA_")
