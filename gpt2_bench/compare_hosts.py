@@ -100,8 +100,8 @@ def _ratio(value: float | None) -> str:
 
 def format_host_table(rows: list[dict]) -> str:
     """The hosts compare's table: step time, speed-up and bytes between hosts against ``fsdp-flat``'s."""
-    lines = ["| method | step ms | speed-up vs fsdp-flat | MB/step between hosts (all) | of fsdp-flat's | "
-             "exchange MB/step between hosts | of fsdp-flat's | val loss |",
+    lines = [("| method | step ms | speed-up vs fsdp-flat | MB/step between hosts (all) | of fsdp-flat's | "
+              "exchange MB/step between hosts | of fsdp-flat's | val loss |"),
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         lines.append(f"| {row['method']} | {row['iter_ms']:.0f} | {row['speedup']:.2f}x | "

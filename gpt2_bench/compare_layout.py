@@ -122,8 +122,8 @@ def format_beside(layout_rows: list[Row], flat_rows: list[Row], layout: str) -> 
     and what the layout buys (the flat method's step over the layout's)."""
     flat = {row.method: row for row in flat_rows}
     bf16 = flat.get("fsdp-bf16")
-    lines = [f"| {layout} method | iter ms | wire MB/step | flat method | flat iter ms | flat wire MB/step | "
-             f"layout buys | vs flat fsdp-bf16 |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = [(f"| {layout} method | iter ms | wire MB/step | flat method | flat iter ms | flat wire MB/step | "
+              f"layout buys | vs flat fsdp-bf16 |"), "|---|---:|---:|---|---:|---:|---:|---:|"]
     for row in layout_rows:
         peer = flat.get(FLAT_PEER.get(row.method, ""))
         beside = (f"{peer.method} | {peer.iter_ms:.0f} | {_mb(peer)} | {peer.iter_ms / row.iter_ms:.2f}x | "
@@ -205,15 +205,15 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
                    f"hosts, the flat ones the flat compare's)" if quality_steps else
                    f"val loss from the timed runs ({base.steps} steps)")
     report = (f"# GPT-2: the {layout.upper()} layout against flat FSDP, on one link\n\n"
-              f"Model preset `{base.preset}`, {base.batch_size}x{base.block_size or 'preset'} tokens per rank and step, "
-              f"seed {base.seed}; timed runs of {base.steps} steps, {rounds} round(s) per share in alternating order "
-              f"(the layout's methods and the flat ones interleaved), step time = median of the steady steps pooled over "
-              f"rounds; {loss_source}. TAGC and top-k at ratio {base.ratio:g} (the lean ones at theirs); error-feedback "
-              f"codecs dense for the first {base.dense_steps} steps (torch's powerSGD_hook: start_powerSGD_iter "
-              f"{max(2, base.dense_steps + 1)}). The link of a share is calibrated on the flat plain step "
-              f"(gpt2_bench.launch.scaled_link); every host's link runs at it.\n\n"
-              f"`layout buys`: the flat method's step over the layout's with the same codec. Bytes: this rank's per step "
-              f"(the hook's count; DDP's own all-reduce and torch's hooks: gpt2_bench.layout_ddp's count).\n\n"
+              f"Model preset `{base.preset}`, {base.batch_size}x{base.block_size or 'preset'} tokens per rank and "
+              f"step, seed {base.seed}; timed runs of {base.steps} steps, {rounds} round(s) per share in alternating "
+              f"order (the layout's methods and the flat ones interleaved), step time = median of the steady steps "
+              f"pooled over rounds; {loss_source}. TAGC and top-k at ratio {base.ratio:g} (the lean ones at theirs); "
+              f"error-feedback codecs dense for the first {base.dense_steps} steps (torch's powerSGD_hook: "
+              f"start_powerSGD_iter {max(2, base.dense_steps + 1)}). The link of a share is calibrated on the flat "
+              f"plain step (gpt2_bench.launch.scaled_link); every host's link runs at it.\n\n"
+              f"`layout buys`: the flat method's step over the layout's with the same codec. Bytes: this rank's per "
+              f"step (the hook's count; DDP's own all-reduce and torch's hooks: gpt2_bench.layout_ddp's count).\n\n"
               + "\n".join(sections))
     out = Path(base.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,8 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     layout = args.layout
     if args.hosts > 1 or args.nproc_per_host:
-        parser.error(f"--layout {layout} sets its own hosts ({LAYOUT_FIELDS[layout]}): leave out --hosts/--nproc-per-host")
+        parser.error(f"--layout {layout} sets its own hosts ({LAYOUT_FIELDS[layout]}): "
+                     f"leave out --hosts/--nproc-per-host")
     for flag in ("seeds", "timed_from"):
         if getattr(args, flag):
             parser.error(f"--{flag.replace('_', '-')} is not supported with --layout (the flat compare has it)")

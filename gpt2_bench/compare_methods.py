@@ -68,7 +68,7 @@ def timed_rows_from(path: str, methods: Sequence[str], preset: str) -> list[tupl
     presets = {row.preset for row in rows if row.preset}
     if presets - {preset}:
         raise ValueError(f"--timed-from {path} was timed on preset {', '.join(sorted(presets))}: give --preset "
-                         f"{sorted(presets)[0]}")
+                         f"{min(presets)}")
     shares = list(dict.fromkeys(row.share for row in rows))
     found = []
     for share in shares:
@@ -139,15 +139,16 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
                    if quality else f"val loss from the timed runs ({base.steps} steps)")
     timed_in = f"; timed in {timed_from}" if timed_from else ""
     report = (f"# GPT-2: the methods users would pick, on one engine and one link\n\n"
-              f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} tokens "
-              f"per rank and step, integration `{base.integration}`, seed {base.seed}; timed runs of {base.steps} steps, "
-              f"{rounds} round(s) per share, every other round in reverse order, step time = median of the steady steps "
-              f"pooled over rounds (dense warm-up steps excluded{timed_in}); "
+              f"Model preset `{base.preset}`, {base.world} ranks, {base.batch_size}x{base.block_size or 'preset'} "
+              f"tokens per rank and step, integration `{base.integration}`, seed {base.seed}; timed runs of "
+              f"{base.steps} steps, {rounds} round(s) per share, every other round in reverse order, step time = "
+              f"median of the steady steps pooled over rounds (dense warm-up steps excluded{timed_in}); "
               f"{loss_source}. TAGC and top-k at ratio {base.ratio:g}; "
               f"error-feedback codecs dense for the first {base.dense_steps} steps.\n\n"
-              f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; `bits/param`: "
-              f"wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); `codec ms`: encode + decode "
-              f"on the training thread per step.\n\n{SHARE_ARITHMETIC}\n\n" + "\n".join(sections) + "\n" + pictures)
+              f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; "
+              f"`bits/param`: wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); "
+              f"`codec ms`: encode + decode on the training thread per step.\n\n{SHARE_ARITHMETIC}\n\n"
+              + "\n".join(sections) + "\n" + pictures)
     (out / "methods.md").write_text(report)
     return rows, report
 

@@ -20,9 +20,10 @@ def other_length(row: Row) -> str:
 
 
 def format_methods_table(rows: Sequence[Row], plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> str:
-    """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time and loss."""
-    lines = [f"| method | compressed | iter ms | vs {plain_method} | vs {bf16_method} | bytes model | wire MB/step | "
-             f"bits/param | codec ms | exposed ms | val loss | vs {plain_method} |",
+    """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time
+    and loss."""
+    lines = [(f"| method | compressed | iter ms | vs {plain_method} | vs {bf16_method} | bytes model | wire MB/step | "
+              f"bits/param | codec ms | exposed ms | val loss | vs {plain_method} |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         wire = row.wire_bytes_per_step
@@ -105,8 +106,8 @@ def format_quality_report(quality: dict[str, Loss], steps: int, plateau: float |
     plain = quality["fsdp"].val_loss if "fsdp" in quality else None
     if plateau is not None:
         where = (f"; fsdp ends at {plain:.4f}, {plateau - plain:.2f} nats below it" if plain is not None else "")
-        lines += [f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}{where}. "
-                  f"Methods part only past it.", ""]
+        lines += [(f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}{where}. "
+                   f"Methods part only past it."), ""]
     steps_seen = sorted({step for curve in evals.values() for step in curve})
     if steps_seen:
         lines += ["| step | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]

@@ -161,7 +161,8 @@ def losses_from(path: str) -> dict[str, Loss]:
     found = {}
     for row in read_json(path):
         if row.get("method") and row.get("val_loss") is not None:
-            found[row["method"]] = Loss(row["val_loss"], row.get("val_loss_steps") or row.get("steps"), row.get("preset"))
+            steps = row.get("val_loss_steps") or row.get("steps")
+            found[row["method"]] = Loss(row["val_loss"], steps, row.get("preset"))
     if not found:
         raise ValueError(f"{path} holds no rows with a method and a val_loss (write one with --json)")
     return found

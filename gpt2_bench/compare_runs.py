@@ -85,7 +85,8 @@ def quality_runs(base: TrainConfig, methods: Sequence[str], steps: int, data_dir
                 pass
         settings.unlink(missing_ok=True)
         if started.exists() and same_math(json.loads(started.read_text()), wanted):
-            cfg = dataclasses.replace(cfg, resume=True)  # an interrupted run (a killed session): go on from its checkpoint
+            # an interrupted run (a killed session): go on from its checkpoint
+            cfg = dataclasses.replace(cfg, resume=True)
             print(f"quality: {method}: resuming the unfinished run from {cfg.checkpoint_dir}", file=sys.stderr)
         else:
             shutil.rmtree(cfg.checkpoint_dir, ignore_errors=True)  # another run's checkpoints must not be resumed

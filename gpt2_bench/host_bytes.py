@@ -19,8 +19,8 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 COUNT_DEVICE_ENV = "GPT2_BENCH_COUNT_DEVICE"
 
@@ -32,11 +32,11 @@ class HostCounter:
         self.counter = Path(f"/sys/class/net/{device}/statistics/tx_bytes")
         if not self.counter.exists():
             raise RuntimeError(f"{COUNT_DEVICE_ENV}={device}, but this namespace has no {self.counter}")
-        self.out = open(path, "a")
-        self._at: Optional[int] = None
+        self.out = open(path, "a")  # noqa: SIM115 - open for the run's whole life, closed by close()
+        self._at: int | None = None
 
     @classmethod
-    def for_rank(cls, log_path: str) -> Optional["HostCounter"]:
+    def for_rank(cls, log_path: str) -> HostCounter | None:
         device = os.environ.get(COUNT_DEVICE_ENV)
         if not device or os.environ.get("LOCAL_RANK", "0") != "0":
             return None
@@ -57,7 +57,7 @@ class HostCounter:
         self.out.close()
 
 
-def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> Optional[float]:
+def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> float | None:
     """Median over ``steps`` of the bytes all hosts sent to each other in a step (``None``: not counted)."""
     per_step: dict[int, int] = {}
     files = sorted(Path(log_path).parent.glob(Path(log_path).name + ".host*"))
@@ -90,7 +90,8 @@ ARITHMETIC_METHODS: dict[str, dict] = {
                   "options": {"positions": "coded", "value_dtype": "bfloat16"}},
     "int4": {"compression": "all", "codec": "int4"},
     "powersgd": {"compression": "all", "codec": "powersgd"},
-    "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16", "options": {"value_dtype": "bfloat16"}},
+    "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",
+                      "options": {"value_dtype": "bfloat16"}},
 }
 """The compare's methods as the arithmetic sees them (:data:`gpt2_bench.methods.METHODS`): ``bf16`` is the
 bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``bf16_compress_hook``;
@@ -115,7 +116,7 @@ class GradientPart:
         return math.prod(self.shape)
 
 
-def model_parts(preset: str, compression: str, min_compress_numel: int = 65536, block_size: Optional[int] = None
+def model_parts(preset: str, compression: str, min_compress_numel: int = 65536, block_size: int | None = None
                 ) -> list[GradientPart]:
     """Every parameter of ``preset`` (on the meta device), compressed where ``compression`` selects it
     (``all``: every parameter; ``non-attn``: the paper's non-attention linears) and it has at least
@@ -143,9 +144,15 @@ def _codecs(method: dict, ratio: float):
     from tagc.hooks.engine import PLAIN_CODECS
 
     config = TAGCConfig(ratio=method.get("ratio", ratio))
-    codec = None if method["compression"] == "none" else make_codec(method["codec"], config, options=method.get("options"))
+    codec = (None if method["compression"] == "none"
+             else make_codec(method["codec"], config, options=method.get("options")))
     plain_name = "bf16" if method.get("bf16") else method.get("plain", "fp32")
     return codec, make_codec(PLAIN_CODECS[plain_name], config)
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` in integers."""
+    return -(-numerator // denominator)
 
 
 def _row_bytes(codec, numel: int, world: int) -> int:
@@ -154,7 +161,8 @@ def _row_bytes(codec, numel: int, world: int) -> int:
     return sum(wire.row_bytes for wire in codec.wire(numel, world, torch.float32)) if numel else 0
 
 
-def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_bytes: int, plain_bytes_each: int) -> dict:
+def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_bytes: int,
+                    plain_bytes_each: int) -> dict:
     """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): element counts."""
     p = q = plain = 0
     for part in parts:
@@ -167,7 +175,8 @@ def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_
 
 
 def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compression: dict, ranks_per_host: int = 8,
-                   ratio: float = 10.0, rank: int = 4, backend: str = "nccl", param_bytes: int = 4) -> tuple[float, str]:
+                   ratio: float = 10.0, rank: int = 4, backend: str = "nccl",
+                   param_bytes: int = 4) -> tuple[float, str]:
     """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts.
 
     * ``flat``: FSDP sharded over every rank (1 rank per host): two parameter all-gathers (forward and
@@ -201,7 +210,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
         """(row bytes of every parameter's piece over ``world``, the piece's elements) for shards of ``1/shard``."""
         row = elements = 0
         for part in parts:
-            piece = -(-(-(-part.numel // shard)) // world)
+            piece = _ceil_div(_ceil_div(part.numel, shard), world)
             row += _row_bytes(codec if part.compressed and codec is not None else plain, piece, world)
             elements += piece
         return row, elements
@@ -243,7 +252,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
         g = ranks_per_host
         if method["compression"] == "none":
             size = 2 if method.get("bf16") else 4
-            elements = sum(-(-(-(-part.numel // g)) // hosts) for part in parts)
+            elements = sum(_ceil_div(_ceil_div(part.numel, g), hosts) for part in parts)
             return g * (hosts - 1) * elements * 2 * size, "rs+ag"
         if powersgd:  # a piece of a shard has no matrix shape: sent plain (tagc.hooks.powersgd)
             codec = None
@@ -259,7 +268,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
 
 def arithmetic_rows(preset: str = "gpt2", hosts: Sequence[int] = HOST_COUNTS, layouts: Sequence[str] = LAYOUT_NAMES,
                     ranks_per_host: int = 8, backend: str = "nccl", param_bytes: int = 4,
-                    block_size: Optional[int] = None, min_compress_numel: int = 65536) -> list[dict]:
+                    block_size: int | None = None, min_compress_numel: int = 65536) -> list[dict]:
     """One row per layout and method: bytes per host and step at each host count, and the form."""
     parts = {c: model_parts(preset, c, min_compress_numel, block_size) for c in ("none", "all", "non-attn")}
     rows = []
@@ -298,11 +307,12 @@ def format_arithmetic(rows: list[dict], hosts: Sequence[int] = HOST_COUNTS) -> s
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m gpt2_bench.host_bytes",
-                                     description="Bytes per step between hosts for each layout and codec, by arithmetic.")
+                                     description="Bytes per step between hosts for each layout and codec, "
+                                                 "by arithmetic.")
     parser.add_argument("--layout", default="all", choices=("all", *LAYOUT_NAMES))
     parser.add_argument("--hosts", default=",".join(map(str, HOST_COUNTS)), help="comma-separated host counts")
     parser.add_argument("--preset", default="gpt2")

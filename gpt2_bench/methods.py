@@ -27,7 +27,7 @@ it serves all of them alike; the others have nothing to warm up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from gpt2_bench.config import TrainConfig
 
@@ -40,21 +40,22 @@ codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries t
 ``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
 
 METHODS: dict[str, dict] = {
-    "fsdp": dict(compression="none"),
-    "fsdp-bf16": dict(compression="none", reduce_dtype="bf16"),
-    "bf16": dict(compression="all", codec="bf16"),
-    "fp8": dict(compression="all", codec="fp8"),
-    "int4": dict(compression="all", codec="int4"),
-    "topk": dict(compression="non-attn", codec="topk"),
-    "sign": dict(compression="all", codec="sign"),
-    "powersgd": dict(compression="all", codec="powersgd"),
-    "tagc-all": dict(compression="all", codec="tagc"),
-    "tagc-non-attn": dict(compression="non-attn", codec="tagc"),
-    "tagc-lean": dict(compression="non-attn", codec="tagc", plain="bf16", ratio=LEAN_RATIO,
-                      codec_options={"positions": "coded", "value_dtype": "float16"}),
-    "topk-lean": dict(compression="non-attn", codec="topk", plain="bf16", ratio=LEAN_RATIO,
-                      codec_options={"positions": "coded", "value_dtype": "bfloat16"}),
-    "powersgd-lean": dict(compression="all", codec="powersgd", plain="bf16", codec_options={"value_dtype": "bfloat16"}),
+    "fsdp": {"compression": "none"},
+    "fsdp-bf16": {"compression": "none", "reduce_dtype": "bf16"},
+    "bf16": {"compression": "all", "codec": "bf16"},
+    "fp8": {"compression": "all", "codec": "fp8"},
+    "int4": {"compression": "all", "codec": "int4"},
+    "topk": {"compression": "non-attn", "codec": "topk"},
+    "sign": {"compression": "all", "codec": "sign"},
+    "powersgd": {"compression": "all", "codec": "powersgd"},
+    "tagc-all": {"compression": "all", "codec": "tagc"},
+    "tagc-non-attn": {"compression": "non-attn", "codec": "tagc"},
+    "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
+                  "codec_options": {"positions": "coded", "value_dtype": "float16"}},
+    "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
+                  "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}},
+    "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",
+                      "codec_options": {"value_dtype": "bfloat16"}},
 }
 """Method name -> the :class:`TrainConfig` fields it sets."""
 
@@ -75,7 +76,8 @@ def parse_methods(text: str) -> tuple[str, ...]:
         expanded = tuple(METHODS) if name == "peers" else PAPER_METHODS if name == "paper" else (name,)
         for method in expanded:
             if method not in METHODS:
-                raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}, or 'peers' (all), 'paper'")
+                raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}, "
+                                 f"or 'peers' (all), 'paper'")
             if method not in names:
                 names.append(method)
     if not names:
@@ -92,7 +94,8 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
-    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False, **settings}
+    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False,
+              **settings}
     if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
         fields["dense_steps"] = 0
     if fields.get("codec") not in ("tagc", "topk") or fields["compression"] == "none":  # the ratio's own settings
@@ -122,7 +125,8 @@ def _torch_powersgd_methods() -> dict[str, dict]:
 
     ranks = dict.fromkeys((4, DEFAULT_RANK))
     return {("ddp-powersgd" if rank == 4 else f"ddp-powersgd-r{rank}"):
-            {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": rank}} for rank in ranks}
+            {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": rank}}
+            for rank in ranks}
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
@@ -144,12 +148,13 @@ LAYOUT_METHODS: dict[str, dict[str, dict]] = {
 LAYOUT_BASELINES = {"flat": ("fsdp", "fsdp-bf16"), "ddp": ("ddp", "ddp-bf16"), "hsdp": ("hsdp", "hsdp-bf16")}
 """Per layout, ``(its plain fp32 method, its bf16 baseline)``: what its rows' speed-ups and losses are set against."""
 
-FLAT_PEER = {"ddp": "fsdp", "ddp-bf16": "fsdp-bf16", "ddp-powersgd": "powersgd", "hsdp": "fsdp", "hsdp-bf16": "fsdp-bf16",
+FLAT_PEER = {"ddp": "fsdp", "ddp-bf16": "fsdp-bf16", "ddp-powersgd": "powersgd", "hsdp": "fsdp",
+             "hsdp-bf16": "fsdp-bf16",
              **{name: flat for name, flat in OURS_ON_A_LAYOUT.items()}}
 """A layout's method -> the flat-FSDP method with the same codec (the report puts them side by side)."""
 
 
-def layout_config(base: TrainConfig, layout: str, method: str, link: Optional[str] = None) -> TrainConfig:
+def layout_config(base: TrainConfig, layout: str, method: str, link: str | None = None) -> TrainConfig:
     """``base`` with ``layout``'s fields and ``method``'s codec settings (as :func:`method_config`),
     on ``link`` (a rate; emulated hosts cannot take ``"scaled"``: it is resolved before). Its run is
     named ``<layout>-<method>`` (``ddp-tagc``), or the method where it names its layout (``hsdp-bf16``),
@@ -157,7 +162,8 @@ def layout_config(base: TrainConfig, layout: str, method: str, link: Optional[st
     if layout not in LAYOUT_METHODS:
         raise ValueError(f"unknown layout {layout!r}: choose from {', '.join(LAYOUTS)}")
     if method not in LAYOUT_METHODS[layout]:
-        raise ValueError(f"unknown method {method!r} for layout {layout!r}: choose from {', '.join(LAYOUT_METHODS[layout])}")
+        raise ValueError(f"unknown method {method!r} for layout {layout!r}: "
+                         f"choose from {', '.join(LAYOUT_METHODS[layout])}")
     fields = {**LAYOUT_FIELDS[layout], **({"link": link} if link is not None else {})}
     cfg = _with_method(dataclasses.replace(base, **fields) if fields else base, method, LAYOUT_METHODS[layout][method])
     if cfg.torch_hook:
@@ -165,7 +171,7 @@ def layout_config(base: TrainConfig, layout: str, method: str, link: Optional[st
     return cfg if layout == "flat" or method.startswith(layout) else dataclasses.replace(cfg, name=f"{layout}-{method}")
 
 
-def parse_layout_methods(layout: str, text: Optional[str]) -> tuple[str, ...]:
+def parse_layout_methods(layout: str, text: str | None) -> tuple[str, ...]:
     """``"ddp,tagc"`` -> ``("ddp", "tagc")`` for ``layout``; ``None`` or ``"all"``: every method of the layout."""
     known = LAYOUT_METHODS[layout]
     if text is None or text == "all":

