@@ -320,3 +320,66 @@ def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_pa
     for wrong in (["--methods", "fsdp,topk"], ["--preset", "gpt2-untied"], ["--shares", "0.31"]):
         with pytest.raises(SystemExit):
             compare.main(args + wrong + ["--loss-from", str(tmp_path / "long.json"), "--out-dir", str(tmp_path / "x")])
+
+
+def test_rows_round_trip_through_json_and_old_alias_keys_are_read():
+    """``--json`` writes a row's fields and the summary's other fields flat (no curve, no per-step times);
+    reading it back gives the same row. Rows written before the records name two figures twice
+    (``bytes_model_speedup``, ``val_loss_vs_fsdp``): read alone, each fills its one field."""
+    row = _row("tagc", "all", 3000, n_params=1000, wire_bytes_per_step=500.0, steady_iter_ms=[2990.0, 3010.0],
+               integration="fsdp2", log="/tmp/x.jsonl")
+    row.speedup, row.bytes_model, row.val_loss_delta, row.share = 4000 / 3000, 1.2, 0.003, 0.31
+    written = json.loads(json.dumps(row.to_json()))
+    assert "curve" not in written and "steady_iter_ms" not in written and "extra" not in written
+    assert written["integration"] == "fsdp2" and written["bytes_model"] == 1.2 and written["method"] == "tagc-all"
+    again = Row.from_json(written)
+    assert again == dataclasses.replace(row, curve=[], steady_iter_ms=None)
+
+    old = {k: v for k, v in written.items() if k not in ("bytes_model", "val_loss_delta")}
+    old.update(bytes_model_speedup=1.5, val_loss_vs_fsdp=-0.002)
+    read = Row.from_json(old)
+    assert (read.bytes_model, read.val_loss_delta) == (1.5, -0.002) and "bytes_model_speedup" not in read.extra
+    both = Row.from_json({**written, "bytes_model_speedup": 9.9})  # the field's own key wins over its alias
+    assert both.bytes_model == 1.2
+    with pytest.raises(ValueError, match="needs algorithm, compressed"):
+        Row.from_json({"method": "fsdp", "iter_ms": 1.0, "val_loss": 6.0})
+
+
+def test_the_main_job_works_out_its_figures_and_its_json_reads_back(tmp_path, monkeypatch):
+    """The main job on faked runs: the plain row twice (the paper's layout), then the non-overlapped
+    plain row; every figure set from the plain run's numbers, and the rows' JSON reads back as the rows."""
+    step_ms = {("none", True): 4000.0, ("all", True): 3000.0, ("non-attn", True): 3200.0, ("none", False): 4400.0}
+    wire = {"none": 8e6, "all": 2e6, "non-attn": 3e6}
+
+    def fake_run(cfg, data_dir, link, attempts):
+        ms = step_ms[(cfg.compression, cfg.overlap)]
+        return {"algorithm": "fsdp" if cfg.compression == "none" else cfg.codec, "compressed": cfg.compression,
+                "iter_ms": ms, "steady_iter_ms": [ms], "train_s": ms / 100, "exchange_ms_per_mb": 7.0,
+                "wire_bytes_per_rank": wire[cfg.compression], "wire_bytes_per_step": wire[cfg.compression],
+                "val_loss": {"none": 6.0, "all": 6.3, "non-attn": 6.06}[cfg.compression], "n_params": 10**6,
+                "grad_mb": 4.0, "peel_success": None, "units": None, "timeline": None, "curve": [],
+                "integration": cfg.integration}
+
+    monkeypatch.setattr(compare_paper, "run", fake_run)
+    monkeypatch.setattr(compare_paper, "scaled_link", lambda *a, **k: {"rate": "80mbit", "slowdown": 125.0,
+                                                                        "exchange_share": 0.31})
+    monkeypatch.setattr("gpt2_bench.data.prepare", lambda *a, **k: tmp_path)
+    base = TrainConfig(preset="tiny", link="scaled", out_dir=str(tmp_path))
+    rows, link_info = compare_paper.compare(base)
+    assert [(r.method, r.algorithm, r.compressed) for r in rows] == [
+        ("fsdp", "fsdp", "all"), ("tagc-all", "tagc", "all"), ("fsdp", "fsdp", "non-attn"),
+        ("tagc-non-attn", "tagc", "non-attn"), ("fsdp-no-overlap", "fsdp no-overlap", "-")]
+    by = {r.method: r for r in rows}
+    assert by["tagc-all"].speedup == 4000 / 3000 and by["fsdp-no-overlap"].speedup == 4000 / 4400
+    assert by["tagc-non-attn"].speedup_total == 40.0 / 32.0
+    assert by["tagc-all"].val_loss_delta == pytest.approx(0.05) and by["fsdp"].val_loss_delta == 0.0
+    assert by["tagc-all"].bits_per_param == 16.0 and by["fsdp"].bits_per_param == 64.0
+    # 80 Mbit/s is 10 MB/s: 6 MB fewer per step save 600 ms of plain's 4000, 5 MB 500 ms
+    assert by["tagc-all"].bytes_model_ms == pytest.approx(3400) and by["tagc-all"].bytes_model == pytest.approx(4 / 3.4)
+    assert by["tagc-non-attn"].bytes_model_ms == pytest.approx(3500) and by["fsdp"].bytes_model == 1.0
+    assert link_info["measured_share"] == 7.0 * 4.0 / 4400
+    assert rows[0] is not rows[2] and rows[0].compressed == "all"  # the plain row twice, as two rows
+
+    compare_rows.write_rows(rows, tmp_path / "rows.json")
+    back = [Row.from_json(r) for r in json.loads((tmp_path / "rows.json").read_text())]
+    assert back == [dataclasses.replace(r, curve=[], steady_iter_ms=None) for r in rows]
