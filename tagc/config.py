@@ -1,8 +1,8 @@
-"""One validated settings object for everything TAGC does.
+"""The settings of TAGC's selection and sketch: :class:`TAGCConfig`, validated at construction.
 
-Every integration (FSDP2, FSDP1, SimpleFSDP), the codec and the benchmarks read their
-knobs from :class:`TAGCConfig`, so a bad value fails once, at construction, with a message
-that says what is allowed.
+The ``tagc`` and ``topk`` codecs read them (ratio, index bits, sparsity, ...); the hook nests them
+in its own settings (:class:`tagc.hooks.settings.HookSettings`, everything :func:`tagc.hook`
+takes), so a bad value fails once, at construction, with a message that says what is allowed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def is_power_of_two(n: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TAGCConfig:
-    """Settings of the TAGC codec and hook.
+    """Settings of the TAGC codec (nested in the hook's :class:`~tagc.hooks.settings.HookSettings`).
 
     Args:
         ratio: count-sketch compression ratio (gradient elements per sketch cell), in
@@ -93,5 +93,5 @@ class TAGCConfig:
         return dataclasses.replace(self, **changes)
 
     def fingerprint(self) -> tuple:
-        """What must agree across ranks (checked once at registration)."""
+        """The fields as a tuple: what a checkpoint records (:mod:`tagc.hooks.checkpoint`)."""
         return dataclasses.astuple(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ class Restored:
     fingerprint it was written with."""
 
     parts: set[str]
-    select: Optional[str]
+    select: str | None
 
     def check_select(self, mine: str, bound: bool) -> None:
         """The checkpoint's ``select`` against the hook's (``mine``), where both are fingerprints of what they
@@ -91,7 +91,7 @@ class Restored:
             "settings, or start without the checkpoint's residuals")
 
 
-def restored_from(state: dict, config: TAGCConfig) -> Optional[Restored]:
+def restored_from(state: dict, config: TAGCConfig) -> Restored | None:
     """Check that ``state`` (:func:`state_dict`'s output) was written with ``config``; the bookkeeping of what
     it restores (``None``: it holds no codec state for this rank)."""
     if state.get("config") != repr(config.fingerprint()):

@@ -19,7 +19,8 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ class SideStreams:
             torch.cuda.current_stream(device).wait_stream(stream)
 
 
-def launch(wires: Sequence[torch.Tensor], group, piece_bytes: Optional[int], stats: ExchangeStats, timing: UnitTiming,
+def launch(wires: Sequence[torch.Tensor], group, piece_bytes: int | None, stats: ExchangeStats, timing: UnitTiming,
            remote_rows: int = 0, summed: bool = False) -> list[PendingExchange]:
     """Start every wire tensor's all-to-all; ``remote_rows`` of its rows go to other hosts.
 
@@ -97,7 +98,7 @@ class PendingBucket:
     (:func:`tagc.hooks.strict.counted`); the bucket itself works on what it is given: the part
     ``coder``, the exchange ``state`` (statistics, the buckets in flight) and the ``nonfinite`` policy."""
 
-    def __init__(self, hook: Any, plan: BucketPlan, output: torch.Tensor, scale: Union[float, torch.Tensor], group,
+    def __init__(self, hook: Any, plan: BucketPlan, output: torch.Tensor, scale: float | torch.Tensor, group,
                  stats: ExchangeStats, timing: UnitTiming, *, coder: PartCoder, state: ExchangeState,
                  nonfinite: str, stream=None, remote_rows: int = 0) -> None:
         self.hook = hook
@@ -146,7 +147,8 @@ class PendingBucket:
     def poll(self) -> None:
         """Decode the parts whose last round has arrived, in order, without blocking (never launches)."""
         with _on(self.stream):
-            while self._in_flight and self._in_flight[0].last and all(x.is_completed() for x in self._in_flight[0].exchanges):
+            while self._in_flight and self._in_flight[0].last and all(
+                    x.is_completed() for x in self._in_flight[0].exchanges):
                 self._decode_next()
 
     def advance(self) -> None:
@@ -177,7 +179,7 @@ class PendingBucket:
             self.timing.arrived = max(self.timing.arrived, self.timing.launched)
             self.stats.wire_s += self.timing.wire_s
             self.timing.wire_bytes = self.stats.wire_bytes
-            self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit only)
+            self.stats.compress_s = self.timing.compress_s  # encode time, all rounds (the codec adds it to the unit)
             scale_into(self.output, self.summed, self.scale)
             self.state.record(self.stats, self.timing)
             raise_nonfinite = raises_nonfinite(self.nonfinite, self.stats)

@@ -26,7 +26,7 @@ Bytes are counted once, from the codecs' wire shapes, the same for every path.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class _Setting:
     """A field of the hook's :class:`HookSettings`, read on the hook (``hook.min_part``); ``writable``
     ones are set through a validated copy of the settings."""
 
-    def __init__(self, field: Optional[str] = None, writable: bool = False) -> None:
+    def __init__(self, field: str | None = None, writable: bool = False) -> None:
         self.field, self.writable = field, writable
 
     def __set_name__(self, owner, name: str) -> None:
@@ -104,12 +104,13 @@ class TAGCHook:
     side_stream = _Setting(writable=True)
     """On CUDA, run the codec work on a side stream (:meth:`start`); no effect on the CPU."""
 
-    def __init__(self, settings: Union[HookSettings, TAGCConfig], **arguments) -> None:
+    def __init__(self, settings: HookSettings | TAGCConfig, **arguments) -> None:
         """``settings``: a :class:`HookSettings`, or a :class:`TAGCConfig` and the other settings as keywords."""
         if isinstance(settings, TAGCConfig):
             settings = HookSettings(config=settings, **arguments)
         elif arguments:
-            raise TypeError(f"settings are given once: a HookSettings, or a TAGCConfig and keywords (got both: {sorted(arguments)})")
+            raise TypeError("settings are given once: a HookSettings, or a TAGCConfig and keywords "
+                            f"(got both: {sorted(arguments)})")
         self.hook_settings = settings
         self.codec, self.plain = settings.make_codecs()
         self._planner = Planner(settings, self.codec, self.plain)
@@ -123,7 +124,7 @@ class TAGCHook:
         self.strict_sync = strict.enabled()
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
         self._counting_reads = False
-        self.keep_local_gradients: Union[bool, str] = False
+        self.keep_local_gradients: bool | str = False
         """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`;
         ``"all"``: of every parameter, compressed or not, in the eager exchange: a control for experiments)
         for :class:`tagc.optim.AdamW`, which sets it."""
@@ -225,7 +226,7 @@ class TAGCHook:
             self.end_step()
         self.state.seen_this_step.add(key)
 
-    def _record(self, stats: ExchangeStats, timing: Optional[UnitTiming]) -> None:
+    def _record(self, stats: ExchangeStats, timing: UnitTiming | None) -> None:
         self.state.record(stats, timing)
 
     def _note_host_reads(self, reads: strict.HostReads) -> None:
@@ -238,16 +239,17 @@ class TAGCHook:
         return self._planner.plans
 
     def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-              steps_into_ramp: Optional[int] = None) -> BucketPlan:
+              steps_into_ramp: int | None = None) -> BucketPlan:
         return self._planner.plan(segments, chunk, world, steps_into_ramp)
 
     def _make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int, at=None) -> BucketPlan:
-        return self._planner.make_plan(segments, chunk, world, None if at is None else (lambda r: self._codec_at(at(r))))
+        codec_at = None if at is None else (lambda ratio: self._codec_at(at(ratio)))
+        return self._planner.make_plan(segments, chunk, world, codec_at)
 
     def _codec_at(self, ratio: float):
         return self._planner.codec_at(ratio)
 
-    def _ratio_of(self, segment: Segment) -> Optional[float]:
+    def _ratio_of(self, segment: Segment) -> float | None:
         return self._planner.ratio_of(segment)
 
     def _step_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
@@ -277,7 +279,7 @@ class TAGCHook:
         directly, without an adapter, sees each bucket's segments as it starts)."""
         return self._selection.fingerprint()
 
-    def verify(self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> None:
+    def verify(self, group: dist.ProcessGroup | None, device: torch.device | None = None) -> None:
         """Check once per group (and again if the parameters seen grow) that every rank has the same
         settings (a clear error on every rank otherwise: :mod:`tagc.hooks.verify`), on ``device`` (the
         exchange's own) and ``group``."""
@@ -290,7 +292,7 @@ class TAGCHook:
         check_agreement(self.settings(), group, device)
         self._verified.add(key)
 
-    def topology(self, group: Optional[dist.ProcessGroup]) -> Topology:
+    def topology(self, group: dist.ProcessGroup | None) -> Topology:
         """How ``group``'s ranks sit on hosts, cached by its ranks; a hierarchical topology creates its
         subgroups on first use, so every rank of the group must reach this in the same order
         (:meth:`start` after :meth:`verify`, or :func:`tagc.hooks.simple.bind`)."""
@@ -311,7 +313,8 @@ class TAGCHook:
     def _check_codec_world(self, world: int) -> None:
         """``index_bits=4`` counts the ranks of the codec's exchange (the hosts, when hierarchical) in 4 bits."""
         if self.config.index_bits == 4 and world > 15:
-            raise ValueError(f"index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this exchange has {world}: use index_bits=1")
+            raise ValueError("index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this exchange has "
+                             f"{world}: use index_bits=1")
 
     # ------------------------------------------------------------------ checkpoints (tagc.hooks.checkpoint)
 
@@ -349,14 +352,14 @@ class TAGCHook:
 
     # ------------------------------------------------------------------ the eager exchange (tagc.hooks.eager)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
-                       segments: Sequence[Segment], unit: Optional[str] = None) -> None:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, op,
+                       segments: Sequence[Segment], unit: str | None = None) -> None:
         """Write into ``output`` (one chunk) FSDP's reduce op over ranks of ``input``'s chunk (blocking)."""
         self.start(output, input, group, op, segments, unit).wait()
 
     @strict.counted
-    def start(self, output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], op,
-              segments: Sequence[Segment], unit: Optional[str] = None, keep_local: bool = True) -> PendingBucket:
+    def start(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, op,
+              segments: Sequence[Segment], unit: str | None = None, keep_local: bool = True) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
         Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
@@ -376,7 +379,8 @@ class TAGCHook:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
         if chunk * world != input.numel() or output.numel() != chunk:
-            raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of {output.numel()}")
+            raise ValueError(f"reduce-scatter input of {input.numel()} elements does not split into {world} chunks of "
+                             f"{output.numel()}")
         self._enter(segments, group, input.device)
         topo = self.topology(group) if world > 1 else Topology(world)
         # hierarchical: the codec exchanges the host-reduced block over the cross group, planned for H ranks
@@ -386,12 +390,14 @@ class TAGCHook:
         for earlier in list(self.state.in_flight):  # the same point, the same order on every rank
             earlier.advance()
         plan = self._step_plan(tuple(segments), chunk, codec_world)
-        stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed), plain_equivalent_bytes=plain_bytes(world, chunk))
+        stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed),
+                              plain_equivalent_bytes=plain_bytes(world, chunk))
         side = self._streams.for_input(input) if self.side_stream else None
         if side is not None:
             output.record_stream(side)  # written there by wait()
         remote = topo.hosts - 1 if topo.hierarchical else topo.remote_rows
-        pending = PendingBucket(self, plan, output, op_scale(op, world), codec_group, stats, UnitTiming(unit or plan.key),
+        timing = UnitTiming(unit or plan.key)
+        pending = PendingBucket(self, plan, output, op_scale(op, world), codec_group, stats, timing,
                                 coder=self._coder(), state=self.state, nonfinite=self.nonfinite, stream=side,
                                 remote_rows=remote)
         rows = input.view(world, chunk)
@@ -415,7 +421,7 @@ class TAGCHook:
             pending.wait()
 
     def keep_local(self, segments: Sequence[Segment], pieces: Sequence[Segment], chunk: int, world: int,
-                   gradient: torch.Tensor, factor: Union[float, torch.Tensor]) -> None:
+                   gradient: torch.Tensor, factor: float | torch.Tensor) -> None:
         """For an exchange cut into ``pieces`` (an all-reduce): keep ``gradient`` (the whole of this rank's
         ``segments``, not a piece) for the parameters the steady plan of ``pieces`` compresses, when this
         step compresses (:attr:`keep_local_gradients`; :class:`tagc.hooks.local_grads.LocalGradients`)."""
@@ -445,7 +451,7 @@ class TAGCHook:
 
     @strict.counted
     def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment],
-                      local_factor: Optional[float] = 1.0) -> torch.Tensor:
+                      local_factor: float | None = 1.0) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
         one all-to-all per bucket, whose wait a compiler can move past later compute.
 
@@ -466,8 +472,8 @@ class TAGCHook:
 
     @strict.counted
     def decode_bucket(self, received: torch.Tensor, group, segments: Sequence[Segment], chunk: int,
-                      dtype: torch.dtype, op=dist.ReduceOp.AVG, topology: Optional[Topology] = None,
-                      into: Optional[ExchangeStats] = None) -> torch.Tensor:
+                      dtype: torch.dtype, op=dist.ReduceOp.AVG, topology: Topology | None = None,
+                      into: ExchangeStats | None = None) -> torch.Tensor:
         """Second half: every rank's row of :meth:`encode_bucket`'s bytes (row ``j`` from rank ``j``)
         -> this rank's reduced ``chunk`` elements, in ``dtype`` (the packed input's).
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from tagc.hooks.state import UnitTiming
 from tagc.hooks.stats import ExchangeStats
 
 
-def op_scale(op, world_size: int) -> Union[float, torch.Tensor]:
+def op_scale(op, world_size: int) -> float | torch.Tensor:
     """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor).
 
     A PREMUL_SUM factor given as a tensor is returned as that tensor, never read on the host (on a
@@ -34,7 +34,7 @@ def op_scale(op, world_size: int) -> Union[float, torch.Tensor]:
     raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
 
 
-def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: Union[float, torch.Tensor]) -> None:
+def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float | torch.Tensor) -> None:
     """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order.
 
     The scale divides as its float64 reciprocal, a Python float or a tensor alike (a tensor scale
@@ -65,8 +65,8 @@ class PartCoder:
     ``piece_bytes``: bytes per peer of each all-to-all piece (:mod:`tagc.hooks.transport`)."""
 
     plain: Codec
-    piece_bytes: Optional[int] = None
-    restored: Optional[Restored] = None
+    piece_bytes: int | None = None
+    restored: Restored | None = None
     select_fingerprint: Callable[[], str] = str
 
     def check(self, part: Part) -> None:
@@ -80,7 +80,10 @@ class PartCoder:
         if round == 0:
             self.check(part)
         start = time.perf_counter()
-        wires = part.codec.encode(grad, part.key, group) if round == 0 else part.codec.next_round(round, grad, part.key, group)
+        if round == 0:
+            wires = part.codec.encode(grad, part.key, group)
+        else:
+            wires = part.codec.next_round(round, grad, part.key, group)
         if part.codec.compresses:
             end = time.perf_counter()
             timing.compress_s += end - start
@@ -88,7 +91,7 @@ class PartCoder:
         return wires
 
     def decode(self, part: Part, received: Sequence[torch.Tensor], group, stats: ExchangeStats,
-               timing: Optional[UnitTiming] = None) -> torch.Tensor:
+               timing: UnitTiming | None = None) -> torch.Tensor:
         """``part``'s summed values from what every rank sent it (the codec adds its statistics to ``stats``)."""
         start = time.perf_counter()
         values = part.codec.decode(received, part.numel, part.key, group, stats)

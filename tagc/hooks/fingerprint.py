@@ -8,7 +8,7 @@ their names (two lambdas are both ``<lambda>``): both compare this fingerprint i
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 from tagc.hooks.plan import Planner
 from tagc.hooks.segment import Segment
@@ -19,10 +19,10 @@ class SelectionRecord:
 
     def __init__(self, planner: Planner) -> None:
         self.planner = planner
-        self.answers: dict[str, Optional[Union[float, str]]] = {}
+        self.answers: dict[str, float | str | None] = {}
         self.bound = False
         """Whether an adapter bound the hook to its model's parameters (:meth:`note_parameters`)."""
-        self._fingerprint: Optional[str] = None  # until the answers change
+        self._fingerprint: str | None = None  # until the answers change
 
     def note_parameters(self, segments: Iterable[Segment]) -> None:
         """Record the answers for a model's parameters (an adapter calls this when it installs the hook)."""
@@ -39,7 +39,7 @@ class SelectionRecord:
                 self.answers.setdefault(segment.name, self.answer(segment))
             self._fingerprint = None
 
-    def answer(self, segment: Segment) -> Optional[Union[float, str]]:
+    def answer(self, segment: Segment) -> float | str | None:
         """``select``'s answer for ``segment``: its ratio, ``None`` (plain), or the repr of an answer
         :func:`tagc.hooks.plan.ratio_of` rejects (it raises when the bucket is planned)."""
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,7 +76,7 @@ class BucketPlan:
         return bool(self.compressed_parts)
 
 
-def _columns(segments: Sequence[Segment]) -> Optional[torch.Tensor]:
+def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:
     """A plan's column list, on the host: plans are device-free; :meth:`Part.index` puts it on the device."""
     if not segments:
         return None
@@ -90,14 +90,15 @@ def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
     return slice(int(columns[0]), int(columns[-1]) + 1)
 
 
-def ratio_of(segment: Segment, settings: HookSettings, codec: Codec) -> Optional[float]:
+def ratio_of(segment: Segment, settings: HookSettings, codec: Codec) -> float | None:
     """``None``: the segment goes plain; else its compression ratio: the config's, or the one
     the ``select`` policy gave it (a number)."""
     chosen = settings.select(segment.name, segment.module) if segment.selected is None else segment.selected
     if isinstance(chosen, bool) or chosen is None:
         return settings.config.ratio if chosen else None
     if not isinstance(chosen, (int, float)) or not 1.0 < float(chosen) < float("inf"):
-        raise ValueError(f"select returned {chosen!r} for {segment.name!r}: return True/False, or a compression ratio > 1")
+        raise ValueError(f"select returned {chosen!r} for {segment.name!r}: return True/False, or a compression "
+                         "ratio > 1")
     if not codec.uses_ratio:
         raise ValueError(f"select returned the ratio {chosen!r} for {segment.name!r}, but codec {codec.name!r} has no "
                          "ratio: return True/False (per-parameter ratios apply to tagc and topk)")
@@ -138,7 +139,7 @@ def make_plan(segments: tuple[Segment, ...], chunk: int, world: int, settings: H
             n_parts = max(1, numel // settings.min_part)
             bounds = [round(i * numel / n_parts) for i in range(n_parts + 1)]
             part_codec = codec_at(ratio)
-            for a, b in zip(bounds, bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 parts.append(Part(_selector(columns[a:b]), b - a, part_codec, f"{key}/part{next(numbered)}"))
     return BucketPlan(key=key, chunk=chunk, parts=parts, chosen=tuple(chosen))
 
@@ -153,7 +154,7 @@ class Planner:
         self._codecs_at: dict[float, Codec] = {}
 
     def plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-             steps_into_ramp: Optional[int] = None) -> BucketPlan:
+             steps_into_ramp: int | None = None) -> BucketPlan:
         """The bucket's plan; ``steps_into_ramp``: the density ramp's plan for that step (its stage's ratios)."""
         stage = None if steps_into_ramp is None else ramp_stage(steps_into_ramp, self.settings.ramp_steps)
         cache_key = (segments, chunk, world, stage)
@@ -163,7 +164,7 @@ class Planner:
         return self.plans[cache_key]
 
     def make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-                  codec_at: Optional[Callable[[float], Codec]] = None) -> BucketPlan:
+                  codec_at: Callable[[float], Codec] | None = None) -> BucketPlan:
         """A plan, not cached (:func:`make_plan`); ``codec_at`` defaults to :meth:`codec_at`."""
         return make_plan(segments, chunk, world, self.settings, self.codec, self.plain, codec_at or self.codec_at)
 
@@ -177,6 +178,6 @@ class Planner:
             self._codecs_at[ratio] = self.codec.at_ratio(ratio)
         return self._codecs_at[ratio]
 
-    def ratio_of(self, segment: Segment) -> Optional[float]:
+    def ratio_of(self, segment: Segment) -> float | None:
         """:func:`ratio_of` under this planner's settings and codec."""
         return ratio_of(segment, self.settings, self.codec)

@@ -9,7 +9,8 @@ options (``codec_options``, checked against :data:`tagc.hooks.codec_registry.SPE
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -54,19 +55,19 @@ class HookSettings:
     :meth:`warmup_steps`)."""
 
     config: TAGCConfig = dataclasses.field(default_factory=TAGCConfig)
-    select: Union[str, SelectPolicy] = "non_attention_linear"
+    select: str | SelectPolicy = "non_attention_linear"
     nonfinite: str = "propagate"
     residual_dtype: torch.dtype = torch.float32
     min_part: int = MIN_PART
-    piece_bytes: Optional[int] = None
+    piece_bytes: int | None = None
     """Bytes per peer of each all-to-all piece: ``None`` cuts them on gloo only (:mod:`tagc.hooks.transport`)."""
-    dense_steps: Optional[int] = None
+    dense_steps: int | None = None
     codec: str = "tagc"
     overlap: bool = True
-    codec_options: Optional[Mapping[str, Any]] = None
+    codec_options: Mapping[str, Any] | None = None
     plain: str = "fp32"
     hierarchy: str = "auto"
-    ranks_per_host: Optional[int] = None
+    ranks_per_host: int | None = None
     ramp_steps: int = 0
     side_stream: bool = True
     """On CUDA, run the codec work on a side stream (:mod:`tagc.hooks.eager`); no effect on the CPU."""
@@ -93,16 +94,17 @@ class HookSettings:
                              f"got {self.dense_steps!r}")
         if not _is_int(self.ramp_steps) or self.ramp_steps < 0:
             raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
+        # a wrong type is a ValueError like every other bad setting (callers and tests catch one kind)
         if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")  # noqa: TRY004
         if not isinstance(self.side_stream, bool):
-            raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")
+            raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")  # noqa: TRY004
         object.__setattr__(self, "select", resolve_policy(self.select))
         object.__setattr__(self, "codec_options", resolve_options(self.codec, self.codec_options))
 
     @classmethod
-    def from_arguments(cls, ratio: Optional[float] = None, index_bits: Optional[int] = None,
-                       sparsity: Union[float, str, None] = None, codec: str = "tagc", **settings) -> "HookSettings":
+    def from_arguments(cls, ratio: float | None = None, index_bits: int | None = None,
+                       sparsity: float | str | None = None, codec: str = "tagc", **settings) -> HookSettings:
         """:func:`tagc.hook`'s arguments: the :class:`TAGCConfig` fields (``ratio``, ``index_bits``,
         ``sparsity`` and, among ``settings``, ``lane``, ``seed``, ``fallback``, ``min_compress_numel``)
         go to ``config``, the other names of this class to their fields, and what is left to
@@ -116,12 +118,13 @@ class HookSettings:
             takes = [name for name in codec_names() if spec(name).uses_config]
             own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
             verb = "applies" if len(misplaced) == 1 else "apply"
-            raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} ({own})")
+            raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} "
+                             f"({own})")
         fields = {field.name for field in dataclasses.fields(cls)} - {"config", "codec_options"}
         options = {name: settings.pop(name) for name in list(settings) if name not in fields}
         return cls(config=TAGCConfig(**config_args), codec=codec, codec_options=options, **settings)
 
-    def replace(self, **changes) -> "HookSettings":
+    def replace(self, **changes) -> HookSettings:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 

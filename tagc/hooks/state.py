@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from tagc.hooks.stats import ExchangeStats
 
@@ -63,7 +63,7 @@ class ExchangeState:
         self.host_read_sites: collections.Counter[str] = collections.Counter()
         self.in_flight: list[Any] = []
         """Buckets started and not yet waited for (:class:`tagc.hooks.eager.PendingBucket`), oldest first."""
-        self.restored: Optional[Any] = None
+        self.restored: Any | None = None
         """What a loaded checkpoint holds codec state for (:class:`tagc.hooks.checkpoint.Restored`), until a
         compressed step has run after the load."""
 
@@ -77,7 +77,7 @@ class ExchangeState:
         """Whether this step is in the dense warm-up or the density ramp (the bucket's wire differs)."""
         return self.step_count < self.dense_steps + self.ramp_steps
 
-    def record(self, stats: ExchangeStats, timing: Optional[UnitTiming] = None) -> None:
+    def record(self, stats: ExchangeStats, timing: UnitTiming | None = None) -> None:
         """Add an exchange's statistics to this step's and the run's (and its timing to this step's units)."""
         self.current.add(stats)
         self.total.add(stats)

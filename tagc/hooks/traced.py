@@ -9,8 +9,6 @@ compiled graph can hold it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from tagc.hooks.codecs import Wire
@@ -46,7 +44,7 @@ def encode_bucket(plan: BucketPlan, rows: torch.Tensor, group, coder: PartCoder)
 
 
 def decode_bucket(plan: BucketPlan, received: torch.Tensor, group, world: int, dtype: torch.dtype, op,
-                  coder: PartCoder, whole: Optional[Topology] = None,
+                  coder: PartCoder, whole: Topology | None = None,
                   remote_rows: int = 0) -> tuple[torch.Tensor, ExchangeStats]:
     """Every rank's row of :func:`encode_bucket`'s bytes (row ``j`` from rank ``j``, ``world`` ranks) -> this
     rank's reduced ``plan.chunk`` elements in ``dtype`` (FSDP's reduce ``op``), and the exchange's statistics.
@@ -57,8 +55,9 @@ def decode_bucket(plan: BucketPlan, received: torch.Tensor, group, world: int, d
     ``remote_rows``: rows of the exchange that went to another host."""
     chunk = plan.chunk
     full = whole.world if whole is not None else world
+    step1 = whole.step1_bytes(chunk, dtype) if whole is not None else 0
     stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=plain_bytes(full, chunk),
-                          wire_bytes=(world - 1) * received.shape[1] + (whole.step1_bytes(chunk, dtype) if whole is not None else 0),
+                          wire_bytes=(world - 1) * received.shape[1] + step1,
                           inter_host_bytes=remote_rows * received.shape[1])
     summed = torch.zeros(chunk, dtype=torch.float32, device=received.device)
     at = 0

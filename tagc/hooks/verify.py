@@ -9,7 +9,6 @@ each setting and both values.
 from __future__ import annotations
 
 import pickle
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from tagc.hooks.transport import _peer_errors, backend_of
 
 
-def object_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+def object_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the check puts its bytes when the caller names no device: the CPU on a gloo group, else this
     rank's current CUDA device."""
     if backend_of(group, torch.device("cpu")) == "gloo" or not torch.cuda.is_available():
@@ -25,7 +24,7 @@ def object_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_gather_settings(settings: dict, group: Optional[dist.ProcessGroup], device: torch.device) -> list[dict]:
+def all_gather_settings(settings: dict, group: dist.ProcessGroup | None, device: torch.device) -> list[dict]:
     """Every rank's ``settings`` (by group rank), through two all-gathers of tensors on ``device``:
     the lengths, then the pickled bytes padded to the longest. Once per group: its host reads are
     the settings check's, not the exchange's."""
@@ -44,7 +43,7 @@ def all_gather_settings(settings: dict, group: Optional[dist.ProcessGroup], devi
     return [pickle.loads(row[:size].cpu().numpy().tobytes()) for row, size in zip(gathered, sizes)]
 
 
-def check_agreement(mine: dict, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> None:
+def check_agreement(mine: dict, group: dist.ProcessGroup | None, device: torch.device | None = None) -> None:
     """Raise on every rank of ``group`` unless every rank's settings equal ``mine``."""
     everyone = all_gather_settings(mine, group, device if device is not None else object_device(group))
     for rank, theirs in enumerate(everyone):

@@ -1,0 +1,122 @@
+"""The hook's pieces on their own: one validated settings object, the exchange state, and a pending
+bucket that works on what it is given (no distributed group: single-process checks)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tagc
+from tagc.hooks.eager import PendingBucket
+from tagc.hooks.engine import TAGCHook
+from tagc.hooks.exchange import PartCoder
+from tagc.hooks.hierarchy import Topology
+from tagc.hooks.plan import Planner
+from tagc.hooks.segment import Segment
+from tagc.hooks.settings import HookSettings
+from tagc.hooks.state import ExchangeState, UnitTiming
+from tagc.hooks.stats import ExchangeStats
+
+
+def test_piece_bytes_and_side_stream_reach_the_hook_from_tagc_hook():
+    hook = tagc.hook(piece_bytes=1 << 12, side_stream=False)
+    assert hook.piece_bytes == 1 << 12 and hook.settings()["piece_bytes"] == 1 << 12
+    assert hook.side_stream is False and tagc.hook().side_stream is True
+    with pytest.raises(ValueError, match="side_stream must be True or False, got 'no'"):
+        tagc.hook(side_stream="no")
+
+
+def test_settings_split_the_arguments_into_config_fields_and_codec_options():
+    settings = HookSettings.from_arguments(ratio=5, codec="topk", seed=3, min_compress_numel=7, positions="offsets",
+                                           min_part=1 << 10)
+    assert settings.config == tagc.TAGCConfig(ratio=5.0, seed=3, min_compress_numel=7)
+    assert dict(settings.codec_options) == {"positions": "offsets", "value_dtype": "float32"}  # the default filled in
+    assert settings.min_part == 1 << 10 and settings.codec == "topk"
+    with pytest.raises(ValueError, match=r"codec 'topk' takes options \('positions', 'value_dtype'\); got 'block'"):
+        HookSettings.from_arguments(codec="topk", block=3)
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("plain", "fp16", "('fp32', 'bf16', 'fp8', 'int4')"),
+    ("nonfinite", "ignore", "('propagate', 'raise')"),
+    ("residual_dtype", torch.float16, "torch.float32 or torch.bfloat16"),
+    ("hierarchy", "tree", "auto"),
+])
+def test_a_bad_setting_is_refused_with_the_allowed_values(name, value, allowed):
+    with pytest.raises(ValueError) as raised:
+        HookSettings(**{name: value})
+    assert allowed in str(raised.value) and str(value) in str(raised.value)
+
+
+def test_settings_are_frozen_and_a_writable_one_is_validated_again():
+    hook = tagc.hook(min_part=1 << 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hook.hook_settings.min_part = 5
+    with pytest.raises(AttributeError, match="min_part is fixed when the hook is built"):
+        hook.min_part = 5
+    with pytest.raises(ValueError, match="piece_bytes must be None"):
+        hook.piece_bytes = 0
+    assert hook.piece_bytes is None  # the refused value left the settings as they were
+    hook.piece_bytes = 4096
+    assert hook.settings()["piece_bytes"] == 4096 and hook.min_part == 1 << 10
+
+
+def test_a_hook_from_settings_is_the_hook_from_arguments():
+    given = dict(ratio=4, codec="tagc", select="all", plain="bf16", dense_steps=2, ramp_steps=4, positions="coded")
+    from_settings = TAGCHook(HookSettings.from_arguments(**given))
+    assert from_settings.settings() == tagc.hook(**given).settings()
+    old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2, ramp_steps=4,
+                         codec_options={"positions": "coded"})
+    assert old_style.settings() == from_settings.settings()
+    with pytest.raises(TypeError, match="settings are given once"):
+        TAGCHook(HookSettings(), min_part=3)
+
+
+def test_the_exchange_state_places_each_step_in_the_schedule():
+    state = ExchangeState(dense_steps=2, ramp_steps=3)
+    schedule = []
+    for step in range(6):
+        state.step_count = step
+        schedule.append((state.dense, state.warming_up))
+    assert schedule == [(True, True), (True, True), (False, True), (False, True), (False, True), (False, False)]
+    state.record(ExchangeStats(buckets=1, wire_bytes=10), UnitTiming("u"))
+    state.seen_this_step.add("b")
+    assert state.repeats("b") and not state.repeats("c")
+    state.close_step()
+    assert state.last_step.wire_bytes == 10 and state.current.wire_bytes == 0 and state.total.wire_bytes == 10
+    assert [u.unit for u in state.last_units] == ["u"] and not state.seen_this_step
+
+
+def test_a_pending_bucket_works_on_what_it_is_given_not_on_the_hook():
+    """``hook`` is only the owner its strict-sync counting looks up: a bare object with no methods will do."""
+    assert not dist.is_initialized()
+    settings = HookSettings(select="all", dense_steps=0, min_part=64)
+    codec, plain = settings.make_codecs()
+    plan = Planner(settings, codec, plain).plain_plan("b#96", 96)
+    state = ExchangeState(0, 0)
+    rows = torch.randn(1, 96, generator=torch.Generator().manual_seed(0))
+    output = torch.empty(96)
+    pending = PendingBucket(object(), plan, output, 0.5, None, ExchangeStats(buckets=1), UnitTiming("b"),
+                            coder=PartCoder(plain), state=state, nonfinite="raise")
+    state.in_flight.append(pending)
+    pending.send(rows, Topology(1))
+    assert pending.wait() is output
+    torch.testing.assert_close(output, rows[0] * 0.5, rtol=0, atol=0)
+    assert state.in_flight == [] and state.current.buckets == 1 and state.units[0].unit == "b"
+
+
+def test_a_checkpoint_holding_no_state_for_a_compressed_part_is_refused_at_its_encode():
+    settings = HookSettings(select="all", dense_steps=0, min_part=64, config=tagc.TAGCConfig(min_compress_numel=1))
+    codec, plain = settings.make_codecs()
+    plan = Planner(settings, codec, plain).plan((Segment("w", 0, 64),), 96, 2)  # columns 64.. are padding: plain
+    from tagc.hooks.checkpoint import Restored
+
+    coder = PartCoder(plain, restored=Restored({"other#96/part0"}, "all"), select_fingerprint=lambda: "mine")
+    assert [part.codec is plain for part in plan.parts] == [True, False]
+    coder.check(plan.parts[0])  # the plain columns hold no state: nothing to find
+    compressed = plan.parts[1]
+    assert compressed.key == "w#96/part0"
+    with pytest.raises(ValueError, match=r"holds none \(checkpoint select='all', the hook has select='mine'\)"):
+        coder.check(compressed)
+    PartCoder(plain, restored=Restored({compressed.key}, "all")).check(compressed)
