@@ -159,8 +159,13 @@ class TrainConfig:
 
                 tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
             resolve_options(self.codec, self.codec_options)
-        if (self.ramp_steps or self.embedding_ratio is not None) and (self.compression == "none" or self.codec not in ("tagc", "topk")):
-            raise ValueError("ramp_steps and embedding_ratio apply to the sparsifying codecs (tagc, topk) with compression != 'none'")
+        if self.ramp_steps or self.embedding_ratio is not None:
+            from tagc.hooks.codec_registry import codec_names, spec
+
+            sparsifying = tuple(name for name in codec_names() if spec(name).uses_config)
+            if self.compression == "none" or self.codec not in sparsifying:
+                raise ValueError(f"ramp_steps and embedding_ratio apply to the sparsifying codecs {sparsifying} "
+                                 "with compression != 'none'")
         if not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
             raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
         if self.embedding_ratio is not None and not self.embedding_ratio > 1:
@@ -253,6 +258,9 @@ def library_dense_steps(codec: str, compression: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.")
+    from tagc.hooks.codec_registry import codec_names
+    from tagc.hooks.settings import PLAIN_CODECS
+
     defaults = TrainConfig()
     p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
     p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
@@ -260,10 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
                    help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter")
     p.add_argument("--codec", default=defaults.codec,
-                   help="how the --compression columns cross the wire: tagc (default), topk, bf16, fp8, int4, sign, powersgd")
+                   help=f"how the --compression columns cross the wire: {', '.join(codec_names())} (default tagc)")
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
-    p.add_argument("--plain", default=defaults.plain, choices=("fp32", "bf16", "fp8", "int4"),
+    p.add_argument("--plain", default=defaults.plain, choices=tuple(PLAIN_CODECS),
                    help="the codec of the columns not compressed (attention, biases, norms, embeddings by default)")
     p.add_argument("--param-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's parameter all-gather dtype (bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gpt2_bench.config import TrainConfig
+from gpt2_bench.config import TrainConfig, library_dense_steps
 
 LEAN_RATIO = 7.0
 """The lean methods' ratio: the fewest bytes per step that kept their val loss within 1% of fsdp's
@@ -65,10 +65,6 @@ PLAIN_METHOD = "fsdp"
 PAPER_METHODS = ("fsdp", "tagc-all", "tagc-non-attn")
 """The TAGC paper's three runs: the compare's default."""
 
-ERROR_FEEDBACK = ("topk", "sign", "powersgd", "tagc")
-"""Codecs with error-feedback state: the ones a dense warm-up serves."""
-
-
 def parse_methods(text: str) -> tuple[str, ...]:
     """``"fsdp,int4"`` -> ``("fsdp", "int4")``; ``"peers"`` means every method, ``"paper"`` the paper's three."""
     names: list[str] = []
@@ -96,9 +92,11 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
     fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False,
               **settings}
-    if fields.get("codec") not in ERROR_FEEDBACK or fields["compression"] == "none":
+    from tagc.hooks.codec_registry import spec
+
+    if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up
         fields["dense_steps"] = 0
-    if fields.get("codec") not in ("tagc", "topk") or fields["compression"] == "none":  # the ratio's own settings
+    if fields["compression"] == "none" or not spec(fields["codec"]).uses_config:  # the ratio's own settings
         fields.update(ramp_steps=0, embedding_ratio=None)
     return dataclasses.replace(base, name=method, **fields)
 

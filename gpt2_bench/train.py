@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from gpt2_bench.config import DEVICES, TrainConfig, build_parser, config_from_args
 from gpt2_bench.host_bytes import HostCounter
 from gpt2_bench.sharding import compiled, shard
+from testbed.rank_exit import exit_without_teardown
 
 def resolve_device(choice: str) -> tuple[str, str]:
     """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")``
@@ -357,15 +358,6 @@ def _worker_main(args) -> None:
     finally:
         dist.destroy_process_group()
     exit_without_teardown()
-
-
-def exit_without_teardown() -> None:
-    """End a finished rank at once, skipping C++ static destructors: a rank that had finished and
-    destroyed its process group sometimes aborted in them ("terminate called without an active
-    exception", no Python frame), failing a run that was complete. A workaround; the cause is open."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

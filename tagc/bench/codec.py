@@ -33,7 +33,7 @@ from tagc.sketch import (
     encode,
     merge_index,
     plan_density,
-    sparsify,
+    split_kept,
 )
 
 DEFAULT_SIZES = "1M,4M,16M,64M"
@@ -135,8 +135,8 @@ def throughput(sizes: list[int], ratio: float, density: float, bits: int, repeat
         del out
         bar.update(2)
 
-        times["sparsify"] = median_time(lambda: sparsify(x, density), repeats)
-        kept, _ = sparsify(x, density)
+        times["sparsify"] = median_time(lambda: split_kept(x, density), repeats)
+        kept, _ = split_kept(x, density)
         bar.update()
         times["build_index"] = median_time(lambda: build_index(kept, bits), repeats)
         bar.update()

@@ -24,7 +24,6 @@ on the CPU back ends it is the full decode.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
@@ -33,8 +32,7 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.kernels import dispatch
 from tagc.sketch import SketchLayout
 from tagc.sketch.kept_list import finite
-
-_sparsify = importlib.import_module("tagc.sketch.sparsify")  # the module (tagc.sketch re-exports a function of its name)
+from tagc.sketch.sparsify import row_thresholds
 
 DEVICE_STATS = ("support", "peeled", "unpeeled", "estimated")
 """The decode statistics the hook keeps (of :data:`tagc.kernels.dispatch.STAT_FIELDS`)."""
@@ -56,7 +54,7 @@ def thresholds(residual: torch.Tensor, grad: torch.Tensor, density: float, numel
         rows, grads = (rows + grads).to(residual.dtype), None
     if dispatch.resolve_backend(rows) == "triton":
         return dispatch.row_thresholds(rows, density, grad=grads, backend="triton")
-    return _sparsify.row_thresholds(rows, density, grad=grads)  # what the CPU back ends compute (equal values)
+    return row_thresholds(rows, density, grad=grads)  # what the CPU back ends compute (equal values)
 
 
 def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout,

@@ -15,7 +15,6 @@ Nothing here imports triton or numba until their path is taken.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any, Callable, Optional
 
@@ -28,11 +27,9 @@ from tagc.sketch import codec as _ref_codec
 from tagc.sketch import compress as _ref_compress
 from tagc.sketch import kept_list as _ref_kept_list
 from tagc.sketch import positions as _ref_positions
+from tagc.sketch import sparsify as _ref_sparsify
 from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
-
-# the module (tagc.sketch re-exports a function of its name)
-_ref_sparsify = importlib.import_module("tagc.sketch.sparsify")
 
 BACKENDS = ("auto", "triton", "numba", "torch", "reference")
 STAT_FIELDS = tuple(DecodeStats().as_dict())  # the one list of decode statistics, in DecodeStats field order
