@@ -208,3 +208,60 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD) -> dict[int, dict[str, dict]]:
+    """``directory/seed-N/<method>.jsonl`` (the trainer's logs) -> ``{seed: {method: {"curve", "val_loss"}}}``,
+    the shape :func:`seed_gaps` reads; ``plain`` names the run every method is compared against (it is
+    filed as :data:`PLAIN_METHOD`), ``methods`` keeps only those (default: every log found)."""
+    import json
+    from pathlib import Path
+
+    by_seed: dict[int, dict[str, dict]] = {}
+    for folder in sorted(Path(directory).glob("seed-*")):
+        seed = int(folder.name.removeprefix("seed-"))
+        for log in sorted(folder.glob("*.jsonl")):
+            name = log.name.removesuffix(".jsonl")
+            if name.endswith(".diagnostics") or (methods and name not in methods and name != plain):
+                continue
+            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+            curve = [{"step": r["step"], "val_loss": r["val_loss"]} for r in records
+                     if "step" in r and r.get("val_loss") is not None]
+            if curve:
+                key = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
+                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
+    if not by_seed:
+        raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
+    return by_seed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gpt2_bench.quality DIR``: the seeds report of trainer logs laid out as ``DIR/seed-N/<method>.jsonl``
+    (e.g. runs made one by one with ``python -m gpt2_bench.train --seed N --out-dir DIR/seed-N``), written to
+    ``DIR/quality.md`` (or ``--out``) with its gap plot beside it."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m gpt2_bench.quality", description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--plain", default=PLAIN_METHOD, help="the run every method is compared against (default fsdp)")
+    parser.add_argument("--methods", default="", help="comma-separated runs to report (default: every log)")
+    parser.add_argument("--steps", type=int, default=None, help="the runs' length (default: the last evaluation + 1)")
+    parser.add_argument("--out", default=None, help="the report's path (default DIR/quality.md)")
+    args = parser.parse_args(argv)
+    by_seed = read_runs(args.directory, [m for m in args.methods.split(",") if m], args.plain)
+    steps = args.steps or 1 + max(c["step"] for runs in by_seed.values() for run in runs.values() for c in run["curve"])
+    out = Path(args.out or Path(args.directory) / "quality.md")
+    report = format_seeds_report(by_seed, steps)
+    if args.plain != PLAIN_METHOD:  # the report names plain by PLAIN_METHOD: name the run compared against
+        for before, after in ((f"{PLAIN_METHOD}'s", f"{args.plain}'s"), (f"| {PLAIN_METHOD} |", f"| {args.plain} |"),
+                              (f"{PLAIN_METHOD} spread", f"{args.plain} spread")):
+            report = report.replace(before, after)
+    out.write_text(report)
+    plot_seed_gaps(by_seed, out.with_suffix(".png"))
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -255,3 +255,26 @@ def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
     assert "| 0-1 | 50% | 100% | 2.000 | 0.800 | 3.000 | 3.000 | 12.5% | 50.0% |" in report
     assert (tmp_path / "out" / "diagnostics-tagc-vs-plain.png").stat().st_size > 0
     assert diagnostics.main([str(tmp_path / "none.jsonl"), str(tmp_path / "tagc.jsonl")]) == 1
+
+
+def test_the_seeds_report_reads_trainer_logs_laid_out_by_seed(tmp_path):
+    import json
+
+    from gpt2_bench.quality import main, read_runs
+
+    losses = {(0, "fsdp"): 4.0, (0, "ours"): 4.4, (1, "fsdp"): 5.0, (1, "ours"): 5.25, (0, "ctl"): 4.2, (1, "ctl"): 5.0}
+    for (seed, name), val in losses.items():
+        folder = tmp_path / f"seed-{seed}"
+        folder.mkdir(exist_ok=True)
+        lines = [{"step": 0, "loss": 9.0}, {"step": 1, "loss": 8.0, "val_loss": val}, {"summary": True}]
+        (folder / f"{name}.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+        (folder / f"{name}.diagnostics.jsonl").write_text("{}\n")
+    by_seed = read_runs(tmp_path, ["ours"])
+    assert sorted(by_seed[0]) == ["fsdp", "ours"] and by_seed[1]["ours"]["val_loss"] == 5.25
+    assert main([str(tmp_path), "--methods", "ours"]) == 0
+    report = (tmp_path / "quality.md").read_text()
+    assert "| 1 | 4.5000 | 4.8250 | +7.50% | +10.00, +5.00 |" in report  # mean of the paired gaps
+    main([str(tmp_path), "--methods", "ours", "--plain", "ctl", "--out", str(tmp_path / "vs-ctl.md")])
+    against = (tmp_path / "vs-ctl.md").read_text()
+    assert "+4.88%" in against and "against ctl's" in against  # (4.4/4.2 - 1 + 5.25/5 - 1) / 2
+    assert (tmp_path / "vs-ctl.png").exists()
