@@ -9,29 +9,25 @@ completes everything added, oldest first. Both wrappers that overlap this way us
 (``tagc.hooks.fsdp2``).
 
 This package depends on torch only, so that ``fsdp_integration`` (which never imports ``tagc``)
-and ``tagc`` (which never imports a wrapper) can share it.
+and ``tagc`` (which never imports a wrapper) can share it: the autograd internals it needs
+(:mod:`backward_drain.torch_autograd`), and the check of the torch version every module that reads
+torch internals runs (:mod:`backward_drain.torch_versions`).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
+from backward_drain.torch_autograd import current_graph_task, queue_final_callback
 
 Complete = Callable[[bool], None]
 """``complete(deliver)``: finish one piece of work (its collective); deliver its result only when
 ``deliver`` is true (false: the backward pass that launched it failed, its values are dropped)."""
 
 
-def _graph_task() -> int:
-    """The autograd graph task running on this thread, -1 outside a backward pass (torch's private
-    ``_current_graph_task_id``: used here only)."""
-    return torch._C._current_graph_task_id()
-
-
 def in_backward_pass() -> bool:
     """Whether autograd is running a backward pass on this thread (a backward function or hook calls this)."""
-    return _graph_task() != -1
+    return current_graph_task() != -1
 
 
 class BackwardDrain:
@@ -49,14 +45,14 @@ class BackwardDrain:
 
     def add(self, complete: Complete) -> None:
         """Hold ``complete`` until the end of the current backward pass (call only inside one)."""
-        task = _graph_task()
+        task = current_graph_task()
         if task == -1:
             raise RuntimeError("BackwardDrain.add runs inside a backward pass (from a backward function or hook); "
                                "outside one, finish the work where it is launched")
         if task != self._task:  # the first launch of this backward pass
             self._run(deliver=False)  # a backward pass that failed left these: finish the collectives, drop the values
             self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            queue_final_callback(self.finish)
         self._items.append(complete)
 
     def finish(self) -> None:

@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from backward_drain import BackwardDrain
+from fsdp_integration.torch_internals import funcol, tensor_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,7 @@ class Bucket:
 
 def _versions(shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """In-place updates (the optimizer's) bump these: a prefetch of older values is stale."""
-    return tuple(s._version for s in shards)
+    return tuple(tensor_version(s) for s in shards)
 
 
 class GatheredUnit(Protocol):

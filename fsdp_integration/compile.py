@@ -16,10 +16,10 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from fsdp_integration.reshard import mark_all_gathers_for_recompute
+from fsdp_integration.torch_internals import inductor_backend, joint_graph_pass, named_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,8 @@ class CompileSettings:
 
     def __post_init__(self) -> None:
         if self.bucket_all_gathers not in ("none", "all", "only_fsdp"):
-            raise ValueError(f"bucket_all_gathers must be 'none', 'all' or 'only_fsdp', got {self.bucket_all_gathers!r}")
+            raise ValueError(f"bucket_all_gathers must be 'none', 'all' or 'only_fsdp', "
+                             f"got {self.bucket_all_gathers!r}")
         if self.bucket_reduce_scatters not in ("none", "all"):
             raise ValueError(f"bucket_reduce_scatters must be 'none' or 'all', got {self.bucket_reduce_scatters!r}")
 
@@ -59,7 +60,7 @@ def with_resharding(backend: Callable) -> Callable:
     """Wrap a ``torch.compile`` backend callable so its joint graphs get the resharding pass."""
 
     def compile_with_resharding(gm: torch.fx.GraphModule, example_inputs):
-        with functorch_config.patch(joint_custom_pass=mark_all_gathers_for_recompute):
+        with joint_graph_pass(mark_all_gathers_for_recompute):
             return backend(gm, example_inputs)
 
     return compile_with_resharding
@@ -68,11 +69,8 @@ def with_resharding(backend: Callable) -> Callable:
 def backend_for(settings: CompileSettings = CompileSettings()) -> Callable:
     """The ``torch.compile`` backend :func:`compile_model` uses."""
     if settings.backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        options = settings.inductor_options()
-        return with_resharding(lambda gm, inputs: compile_fx(gm, inputs, config_patches=options))
-    return with_resharding(torch._dynamo.lookup_backend(settings.backend))
+        return with_resharding(inductor_backend(settings.inductor_options()))
+    return with_resharding(named_backend(settings.backend))
 
 
 def compile_model(model: nn.Module, settings: CompileSettings = CompileSettings()) -> nn.Module:

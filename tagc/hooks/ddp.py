@@ -69,6 +69,7 @@ from tagc.hooks.fsdp2 import (
 from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.torch_ddp import has_rebuilt_buckets
 from tagc.hooks.transport import backend_of
 from tagc.sketch.index import merge_index
 
@@ -122,7 +123,7 @@ class DDPHookState:
         buckets that never come back. Until then every bucket is reduced as DDP reduces it (as
         torch's PowerSGD hook runs plain all-reduces first), and the step is not counted."""
         ddp = self._ddp
-        return ddp._has_rebuilt_buckets or (ddp.find_unused_parameters and not ddp.static_graph)
+        return has_rebuilt_buckets(ddp) or (ddp.find_unused_parameters and not ddp.static_graph)
 
     # ------------------------------------------------------------------ delegation
 

@@ -317,56 +317,51 @@ def _simple_fsdp_buckets(units) -> Iterator[tuple]:
 
 def _fsdp2_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    from tagc.hooks.torch_fsdp2 import hsdp_mesh_info, packed_segments, param_groups
 
     names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
     paths = {id(module): name for name, module in model.named_modules()}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = param_groups(module)
         if not groups:
             continue
         group = groups[0]
-        if isinstance(group.mesh_info, HSDPMeshInfo) or hasattr(group, "_tagc_hsdp_mesh_info"):
+        if hsdp_mesh_info(group) is not None:
             raise NotImplementedError("describe() plans flat FSDP2 units; an HSDP mesh reduces in two steps: read "
                                       "hook.stats() after a step for its bytes")
-        segments, start = [], 0
-        for fsdp_param in group.fsdp_params:  # the segments TAGCReduceScatter.segments hands the engine
-            numel = fsdp_param.padded_sharded_param_size.numel()
-            info = fsdp_param._module_info
-            # FSDP2 names its parameters at the root's lazy init: before the first forward, from the model
-            name = (fsdp_param._param_fqn or names.get(id(fsdp_param.sharded_param))
-                    or f"{type(info.module).__name__}.{info.param_name}")
-            shape = tuple(fsdp_param._orig_size) if fsdp_param.fsdp_placement.dim == 0 else None
-            segments.append(Segment(name, start, numel, info.module, shape=shape))
-            start += numel
+        # the segments TAGCReduceScatter.segments hands the engine; FSDP2 names its parameters at the root's lazy
+        # init: before the first forward, from the model
+        segments = packed_segments(list(group.fsdp_params), names)
+        start = sum(segment.numel for segment in segments)
         mp = group.mp_policy
         dtype = mp.reduce_dtype or mp.param_dtype or group.fsdp_params[0].sharded_param.dtype
         label = paths.get(id(module)) or "<root>"
-        yield label, tuple(segments), start, group.mesh_info.shard_process_group, dtype, _one_row
+        yield label, segments, start, group.mesh_info.shard_process_group, dtype, _one_row
 
 
 def _fsdp1_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from tagc.hooks.torch_fsdp1 import comm_hook_state, flat_param, param_entries, reduce_dtype, sharded_numel
+
     for unit in FSDP.fsdp_modules(model):
-        handle = unit._handle
-        if handle is None:
+        flat = flat_param(unit)
+        if flat is None:
             continue
-        state = unit._comm_hook_state  # the adapter's own per-unit state (tagc.hooks.fsdp1), set at registration
+        state = comm_hook_state(unit)  # the adapter's own per-unit state (tagc.hooks.fsdp1), set at registration
         if getattr(state, "hook", None) is not hook:
             raise ValueError("describe an FSDP1 model after installing this hook on it: "
                              "tagc.register_comm_hook(model, hook)")
         prefix = state.prefix
-        flat = handle.flat_param
-        chunk = flat._sharded_size.numel()
+        chunk = sharded_numel(flat)
         segments = state.segments(chunk)  # the one segment the FSDP1 adapter plans
         world = dist.get_world_size(unit.process_group)
         # FSDP1 splits the flat buffer by position: a parameter's columns per rank are about numel / world
-        params = [(prefix + fqn, tuple(shape), -(-numel // world))
-                  for fqn, shape, numel in zip(flat._fqns, flat._shapes, flat._numels, strict=True)]
-        dtype = getattr(handle, "_reduce_dtype", None) or flat.dtype
+        params = [(prefix + fqn, shape, -(-numel // world)) for fqn, shape, numel in param_entries(flat)]
+        dtype = reduce_dtype(unit)
 
         def rows(segment: Segment, params=params) -> list[tuple[str, Optional[tuple[int, ...]], int]]:
             return params  # every parameter of the unit takes the unit's codec

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 from tagc.hooks.engine import Segment, TAGCHook
+from tagc.hooks.torch_fsdp1 import comm_hook, flat_param, install_comm_hook, param_entries
 from tagc.kernels.fallbacks import warn_fallback
 
 _SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
@@ -41,10 +42,9 @@ class _UnitState:
 
     def segments(self, chunk: int) -> tuple[Segment, ...]:
         if chunk not in self._segments:
-            handle = self.unit._handle
-            flat = handle.flat_param if handle is not None else None
-            names = [self.prefix + fqn for fqn in flat._fqns] if flat is not None else []
-            numels = list(flat._numels) if flat is not None else []
+            entries = param_entries(flat_param(self.unit))
+            names = [self.prefix + fqn for fqn, _, _ in entries]
+            numels = [numel for _, _, numel in entries]
             choices = [self.hook.select(name, None) for name in names]
             selected = unit_selection(choices, numels, self.hook.config.ratio)
             label = "+".join(names) or "<empty>"
@@ -54,7 +54,7 @@ class _UnitState:
                 warn_fallback("fsdp1-unit-plain", f"TAGC on FSDP1: unit {unit!r} goes plain although select picks "
                           f"{share:.0%} of its elements (a unit is compressed only when select picks at least "
                           f"{FSDP1_SELECTED_FRACTION:.0%}): wrap the layers to compress as their own FSDP units")
-            shape = tuple(flat._shapes[0]) if len(names) == 1 else None  # one parameter: the flat buffer starts with it
+            shape = entries[0][1] if len(names) == 1 else None  # one parameter: the flat buffer starts with it
             self._segments[chunk] = (Segment(label, 0, chunk, selected=selected, shape=shape),)
         return self._segments[chunk]
 
@@ -96,21 +96,19 @@ def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
                 f"TAGC supports FSDP1 FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name} "
                 "(hybrid strategies reduce over two groups: use a 1-D sharding strategy)"
             )
-        if unit._comm_hook is not None:
+        if comm_hook(unit) is not None:
             raise ValueError("a communication hook is already registered on this FSDP1 model")
     paths = {id(module): _clean(name) for name, module in model.named_modules()}
     parameters = []
     for unit in units:  # what FSDP.register_comm_hook does, but with a state per unit
-        unit._comm_hook = _tagc_fsdp1_hook
         path = paths.get(id(unit), "")
-        unit._comm_hook_state = _UnitState(hook, unit, f"{path}." if path else "")
-        flat = unit._handle.flat_param if unit._handle is not None else None
-        if flat is not None:
-            parameters += [Segment(f"{path}.{fqn}" if path else fqn, 0, numel)
-                           for fqn, numel in zip(flat._fqns, flat._numels)]
+        install_comm_hook(unit, _tagc_fsdp1_hook, _UnitState(hook, unit, f"{path}." if path else ""))
+        parameters += [Segment(f"{path}.{fqn}" if path else fqn, 0, numel)
+                       for fqn, _, numel in param_entries(flat_param(unit))]
     hook.note_parameters(parameters)  # the settings check compares what select picks, not its name
 
 
 def _clean(name: str) -> str:
     """A module path without FSDP1's wrapper components (``_fsdp_wrapped_module``)."""
-    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+    wrappers = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+    return ".".join(part for part in name.split(".") if part not in wrappers)

@@ -43,13 +43,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from backward_drain import BackwardDrain, in_backward_pass
 from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.torch_fsdp2 import (
+    ReduceScatter,
+    all_reduce_hook,
+    has_post_accumulate_grad_hooks,
+    hsdp_mesh_info,
+    local_tensor,
+    packed_segments,
+    param_groups,
+    reduce_over_shard_dim,
+    set_all_reduce_hook,
+)
 from tagc.hooks.transport import plain_reduce_scatter
 from tagc.kernels import dispatch
 from tagc.kernels.fallbacks import warn_fallback
@@ -73,20 +82,11 @@ class TAGCReduceScatter(ReduceScatter):
 
     def segments(self) -> tuple[Segment, ...]:
         if self._segments is None:
-            groups = self.module._get_fsdp_state()._fsdp_param_groups
-            segments, start = [], 0
-            for fsdp_param in groups[0].fsdp_params if groups else []:
-                numel = fsdp_param.padded_sharded_param_size.numel()
-                info = fsdp_param._module_info
-                name = fsdp_param._param_fqn or f"{type(info.module).__name__}.{info.param_name}"
-                shape = tuple(fsdp_param._orig_size) if fsdp_param.fsdp_placement.dim == 0 else None  # Shard(k>0): chunks are transposed
-                segments.append(Segment(name, start, numel, info.module, shape=shape))
-                start += numel
-            self._segments = tuple(segments)
+            self._segments = packed_segments(self.fsdp_params())
         return self._segments
 
     def fsdp_params(self) -> list:
-        groups = self.module._get_fsdp_state()._fsdp_param_groups
+        groups = param_groups(self.module)
         return list(groups[0].fsdp_params) if groups else []
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False) -> Optional[dist.Work]:
@@ -124,7 +124,7 @@ class TAGCReduceScatter(ReduceScatter):
             return False
         if getattr(op, "op", op) == dist.ReduceOp.SUM:
             return False
-        return all(p.sharded_param.grad is None and not getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
+        return all(p.sharded_param.grad is None and not has_post_accumulate_grad_hooks(p.sharded_param)
                    and not p.offload_to_cpu for p in self.fsdp_params())
 
     def fill_grads(self, output: torch.Tensor) -> None:
@@ -134,10 +134,11 @@ class TAGCReduceScatter(ReduceScatter):
                 grad = fsdp_param.sharded_param.grad
                 if grad is None:
                     continue
-                local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+                local = local_tensor(grad)
                 if local.numel() and local.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
                     continue  # a view of the output: already filled
-                shard = torch.as_strided(output, size=fsdp_param.sharded_size, stride=fsdp_param.contiguous_sharded_stride,
+                shard = torch.as_strided(output, size=fsdp_param.sharded_size,
+                                         stride=fsdp_param.contiguous_sharded_stride,
                                          storage_offset=output.storage_offset() + segment.start)
                 local.copy_(shard)
 
@@ -237,7 +238,8 @@ class _ReplicaAllReduce:
         pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label, keep_local=False)
         remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
         row_bytes = chunk.numel() * gather_dtype.itemsize
-        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes, plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
+        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes,
+                                 plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
                                  inter_host_bytes=remote * row_bytes)  # a ring all-gather's volume
         pending.stats.add(comm.take_host_stats())
         pending.stats.add(gathered)
@@ -252,7 +254,8 @@ class _PendingAllReduce:
     """A replica all-reduce in flight: :meth:`wait` finishes the compressed reduce-scatter, all-gathers
     the reduced pieces and writes the shard in place."""
 
-    def __init__(self, pending: PendingBucket, output: torch.Tensor, pieces: _Pieces, group, dtype: torch.dtype) -> None:
+    def __init__(self, pending: PendingBucket, output: torch.Tensor, pieces: _Pieces, group,
+                 dtype: torch.dtype) -> None:
         self.pending, self.output, self.pieces, self.group, self.dtype = pending, output, pieces, group, dtype
 
     def wait(self) -> torch.Tensor:
@@ -305,7 +308,8 @@ class _GatheredWires:
         self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
         self.chunk = rows.shape[1]
         self.dtype = rows.dtype
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)  # uint8 [H, B]: piece h's row for replica h (records its encode time)
+        # uint8 [H, B]: piece h's row for replica h (records its encode time)
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
         self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats
@@ -319,11 +323,13 @@ class _GatheredWires:
         self.stats.add(ExchangeStats(exposed_s=time.perf_counter() - begin))
         hosts = self.gathered.shape[0]
         pieces = ExchangeStats()
-        decoded = torch.stack([self.hook.decode_bucket(self.gathered[:, h], self.group, self.pieces.segments, self.chunk,
-                                                       self.dtype, self.op, into=pieces) for h in range(hosts)])
+        decoded = torch.stack([self.hook.decode_bucket(self.gathered[:, h], self.group, self.pieces.segments,
+                                                       self.chunk, self.dtype, self.op, into=pieces)
+                               for h in range(hosts)])
         # one exchange: H decodes of one bucket, each counting the (H-1) rows it received, are what every rank sent
         pieces.buckets, pieces.compressed_buckets = 1, 1
-        pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)  # a fp32 ring all-reduce, as the other path counts
+        # a fp32 ring all-reduce, as the other path counts
+        pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)
         self.stats.add(pieces)
         self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
         self.hook._record(self.stats, None)
@@ -334,20 +340,16 @@ class _GatheredWires:
 def _split_hsdp(param_group, comm: TAGCReduceScatter) -> None:
     """Make an HSDP parameter group reduce-scatter over its shard group only, and all-reduce across the
     replicas through ``comm``'s hook (module docstring). Idempotent: a second hook replaces the first."""
-    info = getattr(param_group, "_tagc_hsdp_mesh_info", None) or param_group.mesh_info
+    info = hsdp_mesh_info(param_group)
     if info.is_spmd_mesh:
         raise ValueError("TAGC's HSDP support takes a (replicate, shard) mesh, not an SPMD mesh with dp_mesh_dims")
-    if param_group._all_reduce_hook is not None and not isinstance(param_group._all_reduce_hook, _ReplicaAllReduce):
-        raise ValueError("this HSDP module already has an all-reduce hook (set_all_reduce_hook): TAGC needs that hook point")
-    if not hasattr(param_group, "_tagc_hsdp_mesh_info"):  # the first TAGC hook on this group
-        shard = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim)
-        shard.reduce_scatter_process_group = info.reduce_scatter_process_group
-        if param_group.post_forward_mesh_info is param_group.mesh_info:
-            param_group.post_forward_mesh_info = shard  # else FSDP2 would see a different post-forward mesh
-        param_group.mesh_info = shard
-        param_group._tagc_hsdp_mesh_info = info
+    current = all_reduce_hook(param_group)
+    if current is not None and not isinstance(current, _ReplicaAllReduce):
+        raise ValueError("this HSDP module already has an all-reduce hook (set_all_reduce_hook): "
+                         "TAGC needs that hook point")
+    reduce_over_shard_dim(param_group)  # the first TAGC hook on this group replaces its mesh info; later ones keep it
     comm.replicate = info.replicate_process_group
-    param_group._all_reduce_hook = _ReplicaAllReduce(comm, param_group)
+    set_all_reduce_hook(param_group, _ReplicaAllReduce(comm, param_group))
 
 
 def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
@@ -357,13 +359,12 @@ def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
     paths = {id(module): name for name, module in model.named_modules()}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            if not state._fsdp_param_groups:
+            groups = param_groups(module)
+            if not groups:
                 continue
             comm = TAGCReduceScatter(hook, module)
             comm._label = paths.get(id(module)) or "<root>"
-            groups = state._fsdp_param_groups
-            hsdp = [g for g in groups if isinstance(g.mesh_info, HSDPMeshInfo) or hasattr(g, "_tagc_hsdp_mesh_info")]
+            hsdp = [g for g in groups if hsdp_mesh_info(g) is not None]
             if hsdp and len(groups) > 1:
                 raise ValueError("TAGC supports HSDP modules with one parameter group (no per-parameter meshes)")
             if hsdp:

@@ -57,10 +57,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from tagc.hooks.hierarchy import Topology
 from tagc.hooks.segment import Segment
+from tagc.hooks.torch_simple_fsdp import funcol
 from tagc.kernels.fallbacks import warn_fallback
 
 
@@ -131,8 +131,8 @@ def encode(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tens
 def _(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
     binding = _registry[handle]
     world = _codec_world(handle)
-    return packed.new_empty(world, binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype),
-                            dtype=torch.uint8)
+    row_bytes = binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype)
+    return packed.new_empty(world, row_bytes, dtype=torch.uint8)
 
 
 @torch.library.custom_op("tagc::decode", mutates_args=("state",))

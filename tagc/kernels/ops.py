@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from tagc.kernels._triton import interpreting
 from tagc.kernels.compress import blocks_by_row, launch_compress
@@ -39,6 +38,7 @@ from tagc.kernels.positions import (
     launch_union_index,
 )
 from tagc.kernels.radix_select import launch_row_thresholds
+from tagc.kernels.torch_tracing import is_fake
 from tagc.sketch.codec import (
     EXACT_SOLVE_LIMIT,
     DecodeStats,
