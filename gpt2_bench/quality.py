@@ -114,7 +114,10 @@ def format_seeds_report(
     and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run."""
     gaps = seed_gaps(by_seed)
     seeds = sorted(by_seed)
-    fmt = lambda value, spec: "-" if value is None else format(value, spec)
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     head = f"# GPT-2: val loss of the quality runs ({steps} steps, unshaped, seeds {', '.join(map(str, seeds))})"
     lines = [head, ""]
     if tokens_per_step:

@@ -27,6 +27,7 @@ from gpt2_bench.host_bytes import HostCounter
 from gpt2_bench.sharding import compiled, shard
 from testbed.rank_exit import exit_without_teardown
 
+
 def resolve_device(choice: str) -> tuple[str, str]:
     """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")``
     (NCCL for CUDA tensors, gloo for CPU ones such as ``all_gather_object``'s) or ``("cpu", "gloo")``.

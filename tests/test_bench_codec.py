@@ -1,5 +1,6 @@
 """Smoke test of ``python -m tagc.bench codec --quick``."""
 
+import argparse
 import json
 import math
 
@@ -44,7 +45,7 @@ def test_codec_quick(tmp_path, capsys):
 
 def test_parse_sizes():
     assert parse_sizes("1M,64k,1000") == [1 << 20, 64 << 10, 1000]
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad size"):
         parse_sizes("1X")
 
 

@@ -98,7 +98,10 @@ def test_ddp_layout_trains_with_no_hook_torch_hooks_and_ours_and_counts_its_byte
     with torch.device("meta"):
         model = GPT(GPTConfig.preset("tiny", block_size=32))
     n = sum(p.numel() for p in model.parameters())
-    ring = lambda nbytes: nbytes
+
+    def ring(nbytes: int) -> int:
+        return nbytes
+
     evaluation = 4  # one float32 all-reduce of the val loss sum per run (eval_interval = steps)
     for name in ("ddp", "ddp-bf16", "ddp-powersgd"):
         logged = sum(r["wire_bytes"] for r in steps[name])

@@ -18,8 +18,17 @@ from hypothesis import strategies as st
 pytest.importorskip("numba", reason="numba is not installed")
 
 from tagc.kernels import cpu, dispatch  # noqa: E402
-from tagc.sketch import (SketchLayout, build_index, compress_, decode, encode, keep_limit, merge_index,  # noqa: E402
-                         plan_density, row_thresholds)
+from tagc.sketch import (  # noqa: E402
+    SketchLayout,
+    build_index,
+    compress_,
+    decode,
+    encode,
+    keep_limit,
+    merge_index,
+    plan_density,
+    row_thresholds,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -292,7 +292,7 @@ def test_fsdp2_hsdp_mesh_equals_native_hsdp_and_trains_compressed():
     replica's wire (the leaner way, chosen here) and a compressed reduce-scatter plus a dense
     all-gather give the same gradients, bit for bit, with fewer bytes between hosts for the first."""
     results = run_ranks(_fsdp2_hsdp, WORLD)
-    for compared, trained, scattered in results:
+    for _, trained, scattered in results:
         for step, other in zip(trained["grads"]["tagc"], scattered["grads"]["tagc"]):
             for (name, (a, pa)), (_, (b, pb)) in zip(step.items(), other.items()):
                 assert pa == pb and torch.equal(a, b), name

@@ -101,7 +101,7 @@ def error_feedback_training(rank, world, use_tagc):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses = []
-    for step in range(300):
+    for _ in range(300):
         x = torch.randn(32, 512, generator=gen)
         loss = (model(x) - x @ w_true.T).square().mean()
         loss.backward()
@@ -174,7 +174,7 @@ def mismatched(rank, world):
     """Every mismatch, one after another in the same group: each a ValueError on both ranks naming
     the setting and both values, and the group still usable after it (no hang, no abort)."""
     messages = []
-    for name, mine, theirs in MISMATCHES:
+    for _, mine, theirs in MISMATCHES:
         hook = tagc.hook(**{"dense_steps": 0, **(mine if rank == 0 else theirs)})
         with pytest.raises(ValueError, match="settings differ") as error:
             exchange(rank, world, hook, torch.randn(world, CHUNK))

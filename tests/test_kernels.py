@@ -42,10 +42,6 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from tagc.kernels import STAT_FIELDS, dispatch, ops  # noqa: E402
 from tagc.kernels.peel import PEEL_STATS  # noqa: E402
-from tagc.sketch import kept_list  # noqa: E402
-from tagc.sketch import positions as coded  # noqa: E402
-from tagc.sketch.index import pack_mask  # noqa: E402
-from tagc.sketch.kept_list import capacity  # noqa: E402
 from tagc.sketch import (  # noqa: E402
     SketchLayout,
     build_index,
@@ -53,11 +49,15 @@ from tagc.sketch import (  # noqa: E402
     decode,
     encode,
     index_to_mask,
-    merge_index,
     keep_limit,
+    kept_list,
+    merge_index,
     plan_density,
     row_thresholds,
 )
+from tagc.sketch import positions as coded  # noqa: E402
+from tagc.sketch.index import pack_mask  # noqa: E402
+from tagc.sketch.kept_list import capacity  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [5, 1000, 4096 + 13]

@@ -13,15 +13,17 @@ from tagc.config import TAGCConfig
 from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.engine import Segment
 from tagc.hooks.stats import ExchangeStats
-from tagc.sketch.index import index_to_mask
 from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "bucket/part"
 LEAN = {"positions": "coded", "value_dtype": torch.bfloat16}
+DEFAULT_CONFIG = TAGCConfig()  # frozen: one shared default is safe
 
 
-def exchange(name: str, options: dict, grads: list[torch.Tensor], config: TAGCConfig = TAGCConfig(), steps: int = 1):
+def exchange(
+    name: str, options: dict, grads: list[torch.Tensor], config: TAGCConfig = DEFAULT_CONFIG, steps: int = 1
+):
     """Every rank's codec encodes its rows; each owner decodes what it receives (no process group).
 
     Returns ``(outputs [world][numel] per step, sent [world][numel] per step, codecs, stats per owner)``.
@@ -43,7 +45,9 @@ def exchange(name: str, options: dict, grads: list[torch.Tensor], config: TAGCCo
     return outputs, sent, codecs, stats
 
 
-def wire_bits_per_element(name: str, options: dict, numel: int, world: int, config: TAGCConfig = TAGCConfig()) -> float:
+def wire_bits_per_element(
+    name: str, options: dict, numel: int, world: int, config: TAGCConfig = DEFAULT_CONFIG
+) -> float:
     codec = make_codec(name, config, options=options)
     return sum(w.row_bytes for w in codec.wire(numel, world, torch.float32)) * 8 / numel
 

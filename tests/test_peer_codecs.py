@@ -12,8 +12,7 @@ import torch.distributed as dist
 
 import tagc
 from tagc.config import TAGCConfig
-from tagc.hooks import Segment
-from tagc.hooks import quantized, topk
+from tagc.hooks import Segment, quantized, topk
 from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.sparsify import keep_limit, keep_mask, row_thresholds
@@ -21,9 +20,10 @@ from tests.distributed import eager_and_traced_step, run_ranks
 
 KEY = "w#1/part0"
 QUANTIZERS = ("bf16", "fp8", "int4", "int4-stochastic")
+SPARSE_CONFIG = TAGCConfig(sparsity=0.9)  # frozen: one shared default is safe
 
 
-def build(name: str, config: TAGCConfig = TAGCConfig(sparsity=0.9), **options):
+def build(name: str, config: TAGCConfig = SPARSE_CONFIG, **options):
     if name == "int4-stochastic":
         name, options = "int4", {**options, "stochastic": True}
     return make_codec(name, config, options=options)
@@ -172,7 +172,7 @@ def test_quantizers_carry_nan_inf_to_the_owner(name, value):
 # ----------------------------------------------------------------------------- error feedback: sign, topk
 
 
-def two_steps(name, grads_per_step, config=TAGCConfig(sparsity=0.9), **options):
+def two_steps(name, grads_per_step, config=SPARSE_CONFIG, **options):
     """Run the steps; return the codecs, and for the last step (residuals before, out, wires, stats)."""
     world = grads_per_step[0][0].shape[0]
     codecs = [build(name, config, **options) for _ in range(world)]

@@ -228,7 +228,7 @@ def test_traced_exchange_equals_the_engine_and_agrees_on_nonfinite():
         assert engine_stats["wire_bytes"] == traced_stats["wire_bytes"] and traced_stats["peel_success"] == 1.0
     for rank_results in run_ranks(_traced_halves, 2, True, timeout_s=120):
         (engine, _, _, engine_stats), _ = rank_results
-        for outs, residuals_kept, plain_cols, stats in rank_results:  # the engine and the traced halves alike
+        for outs, _, plain_cols, stats in rank_results:  # the engine and the traced halves alike
             poisoned = outs[1]
             torch.testing.assert_close(poisoned, engine[1], rtol=0, atol=0, equal_nan=True)
             compressed = torch.ones_like(poisoned, dtype=torch.bool)

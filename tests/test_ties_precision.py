@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from tagc.kernels import dispatch
 from tagc.sketch import (
     InconsistentSketchError,
-    index_positions,
     SketchLayout,
     build_index,
     compress_,
     decode,
     encode,
     encode_positions,
+    index_positions,
     keep_limit,
     merge_index,
     plan_density,

@@ -36,7 +36,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ModuleNotFoundError as err:
         if err.name != f"tagc.bench.{module_name}":
             raise
-        raise SystemExit(f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{module_name}.py)")
+        raise SystemExit(
+            f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{module_name}.py)"
+        ) from err
     status = module.main(rest)
     if isinstance(status, int) and status:
         raise SystemExit(status)

@@ -129,7 +129,7 @@ def topology(group: Optional[dist.ProcessGroup], hierarchy: str, ranks_per_host:
         return Topology(world, hosts, remote)
     per = world // hosts
     whole = world == dist.get_world_size()
-    lists = [list(ranks[h * per : (h + 1) * per]) for h in range(hosts)] + [list(ranks[l::per]) for l in range(per)]
+    lists = [list(ranks[h * per : (h + 1) * per]) for h in range(hosts)] + [list(ranks[j::per]) for j in range(per)]
     made = [dist.new_group(members, use_local_synchronization=not whole) for members in lists]
     index = ranks.index(me)
     return Topology(world, hosts, remote, local=made[index // per], cross=made[hosts + index % per])

@@ -17,7 +17,15 @@ import torch
 
 from tagc.sketch.index import pack_mask
 from tagc.sketch.layout import SketchLayout
-from tagc.sketch.sparsify import capacity, check_density, check_sketch_dtype, held_back, keep_limit, keep_mask, row_thresholds
+from tagc.sketch.sparsify import (
+    capacity,
+    check_density,
+    check_sketch_dtype,
+    held_back,
+    keep_limit,
+    keep_mask,
+    row_thresholds,
+)
 
 
 def check_compress_args(grad: torch.Tensor, residual: torch.Tensor, density: float) -> None:

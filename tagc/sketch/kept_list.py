@@ -24,8 +24,14 @@ from typing import Optional
 
 import torch
 
-from tagc.sketch.sparsify import capacity  # noqa: F401  (the lists' length: the selection rule's capacity)
-from tagc.sketch.sparsify import check_density, check_sketch_dtype, keep_limit, keep_mask, row_thresholds
+from tagc.sketch.sparsify import (
+    capacity,  # noqa: F401  (the lists' length: the selection rule's capacity)
+    check_density,
+    check_sketch_dtype,
+    keep_limit,
+    keep_mask,
+    row_thresholds,
+)
 
 POSITION_BLOCK = 1 << 16
 """Positions travel as uint16 offsets within blocks of this many entries, plus a count per block."""
