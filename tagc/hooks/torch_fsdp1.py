@@ -24,8 +24,10 @@ from backward_drain.torch_versions import check_internals, read_internal
 
 INTEGRATION = "TAGC's FSDP1 adapter (tagc.hooks.fsdp1)"
 ADVICE = "use another integration (FSDP2: fully_shard, SimpleFSDP, or DDP)"
-NEEDS = tuple(f"torch.distributed.fsdp._flat_param.FlatParameter:{name}"
-              for name in ("_fqns", "_shapes", "_numels", "_sharded_size"))
+NEEDS = ("torch.distributed.fsdp._flat_param.FlatParameter:_fqns",
+         "torch.distributed.fsdp._flat_param.FlatParameter:_shapes",
+         "torch.distributed.fsdp._flat_param.FlatParameter:_numels",
+         "torch.distributed.fsdp._flat_param.FlatParameter:_sharded_size")
 """The private names checked at import (:func:`check_torch`). Read at run time, and checked there: a unit's
 ``_handle``, ``_comm_hook`` and ``_comm_hook_state``, its handle's ``_reduce_dtype``."""
 

@@ -1,0 +1,236 @@
+"""Private torch names live in one module per integration, each checked against the torch versions tested.
+
+(a) A static walk (``ast``) of every module of ``tagc``, ``fsdp_integration`` and ``backward_drain``:
+no module but the integration's internals module names a private torch attribute or module (as an
+attribute, an import, or a string handed to ``getattr``), and each name below is used in an
+internals module (so the list cannot go stale unnoticed).
+
+(b) Each internals module's ``check_torch()``: silent on the torch this runs on; a warning naming the
+version, the tested ones and what to do when ``torch.__version__`` is one not tested; the
+documented error when a name it needs is gone; and the same error where a name read at run time
+is missing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from backward_drain import torch_versions
+from backward_drain.torch_versions import TESTED_TORCH, TorchInternalsError, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tagc", "fsdp_integration", "backward_drain")
+
+PRIVATE = {
+    # FSDP2 (fully_shard)
+    "_fully_shard": "tagc.hooks.torch_fsdp2", "_fsdp_api": "tagc.hooks.torch_fsdp2",
+    "_fsdp_common": "tagc.hooks.torch_fsdp2", "_get_fsdp_state": "tagc.hooks.torch_fsdp2",
+    "_fsdp_param_groups": "tagc.hooks.torch_fsdp2", "_module_info": "tagc.hooks.torch_fsdp2",
+    "_param_fqn": "tagc.hooks.torch_fsdp2", "_orig_size": "tagc.hooks.torch_fsdp2",
+    "_all_reduce_hook": "tagc.hooks.torch_fsdp2", "_local_tensor": "tagc.hooks.torch_fsdp2",
+    "_post_accumulate_grad_hooks": "tagc.hooks.torch_fsdp2",
+    # FSDP1 (FullyShardedDataParallel)
+    "_handle": "tagc.hooks.torch_fsdp1", "_fqns": "tagc.hooks.torch_fsdp1", "_numels": "tagc.hooks.torch_fsdp1",
+    "_shapes": "tagc.hooks.torch_fsdp1", "_sharded_size": "tagc.hooks.torch_fsdp1",
+    "_comm_hook": "tagc.hooks.torch_fsdp1", "_comm_hook_state": "tagc.hooks.torch_fsdp1",
+    "_reduce_dtype": "tagc.hooks.torch_fsdp1", "_flat_param": "tagc.hooks.torch_fsdp1",
+    # DDP
+    "_has_rebuilt_buckets": "tagc.hooks.torch_ddp",
+    # the autograd engine (the backward drain)
+    "_C": "backward_drain.torch_autograd", "_current_graph_task_id": "backward_drain.torch_autograd",
+    "_execution_engine": "backward_drain.torch_autograd",
+    # tracing and compiling
+    "_subclasses": "tagc.kernels.torch_tracing", "_functorch": "fsdp_integration.torch_internals",
+    "_inductor": "fsdp_integration.torch_internals", "_dynamo": "fsdp_integration.torch_internals",
+    "_version": "fsdp_integration.torch_internals",
+}
+"""Each private torch name, and the one internals module allowed to use it."""
+
+SEMI_PUBLIC = {"_functional_collectives": ("fsdp_integration.torch_internals", "tagc.hooks.torch_simple_fsdp")}
+"""Underscored but the documented home of the traceable collectives: one internals module per integration that
+uses it (``fsdp_integration`` and ``tagc`` may not import each other)."""
+
+INTERNALS = ("backward_drain.torch_autograd", "fsdp_integration.torch_internals", "tagc.hooks.torch_fsdp2",
+             "tagc.hooks.torch_fsdp1", "tagc.hooks.torch_ddp", "tagc.hooks.torch_simple_fsdp",
+             "tagc.kernels.torch_tracing")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def private_uses(source: str, names: set[str]) -> set[tuple[str, int]]:
+    """``(name, line)`` for each use of a name in ``names`` in ``source``: an attribute (``x._name``), a part of
+    an imported module (``import torch._x``, ``from torch._x import y``, ``from torch import _x``), a string
+    constant that is exactly the name (``getattr(x, "_name")``), or a part of a string that is a dotted torch path
+    (``"torch._x.y"``, ``"torch.a.C:_x"``: what ``importlib`` or a check resolves). Docstrings, which only mention
+    names, are not uses."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.add((node.attr, node.lineno))
+        elif isinstance(node, ast.Import):
+            found.update((part, node.lineno) for alias in node.names for part in alias.name.split(".") if part in names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".") + [alias.name for alias in node.names]
+            found.update((part, node.lineno) for part in parts if part in names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in names:
+                found.add((node.value, node.lineno))
+            elif re.fullmatch(r"torch(\.\w+)+(:\w+)?", node.value):
+                found.update((part, node.lineno) for part in re.split(r"[.:]", node.value) if part in names)
+    return found
+
+
+MODULES = _modules()
+USES = {module: private_uses(path.read_text(), set(PRIVATE) | set(SEMI_PUBLIC)) for module, path in MODULES.items()}
+
+
+def test_the_walk_finds_private_uses():
+    source = ("import torch._dynamo\nfrom torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter\n"
+              "from torch import _C\nx = state._fsdp_param_groups\ny = getattr(unit, '_handle', None)\n"
+              "def f():\n    '''mentions _fsdp_param_groups in prose'''\n"
+              "needs = ('torch.distributed.fsdp._flat_param.FlatParameter:_fqns', 'not torch._dynamo')\n")
+    assert private_uses(source, set(PRIVATE)) == {("_dynamo", 1), ("_fully_shard", 2), ("_fsdp_api", 2),
+                                                  ("_C", 3), ("_fsdp_param_groups", 4), ("_handle", 5),
+                                                  ("_flat_param", 8), ("_fqns", 8)}
+    assert set(INTERNALS) <= set(MODULES)
+
+
+def test_private_torch_names_only_in_their_internals_module():
+    wrong = sorted(f"{module}:{line} uses {name} (allowed in {PRIVATE.get(name) or SEMI_PUBLIC[name]})"
+                   for module, uses in USES.items() for name, line in uses
+                   if module not in ((PRIVATE[name],) if name in PRIVATE else SEMI_PUBLIC[name]))
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", sorted(PRIVATE) + sorted(SEMI_PUBLIC))
+def test_every_listed_name_is_used_by_its_internals_module(name):
+    """A name no module uses any more should leave the list (and a renamed one be found)."""
+    owners = (PRIVATE[name],) if name in PRIVATE else SEMI_PUBLIC[name]
+    for owner in owners:
+        assert name in {used for used, _ in USES[owner]}, f"{owner} does not use {name}"
+
+
+# ------------------------------------------------------------------ the version check
+
+
+def _internals(module: str):
+    return importlib.import_module(module)
+
+
+def _needs(module) -> tuple[str, ...]:
+    return tuple(module.NEEDS) + tuple(name for names in getattr(module, "COMPILE_NEEDS", {}).values()
+                                       for name in names)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Each test sees the once-per-integration warning anew."""
+    monkeypatch.setattr(torch_versions, "_warned", set())
+
+
+@pytest.mark.parametrize("module", INTERNALS)
+def test_check_is_silent_on_the_tested_torch(module, fresh_warnings):
+    assert ".".join(torch.__version__.split("+")[0].split(".")[:2]) in TESTED_TORCH
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _internals(module).check_torch()
+    for name in _needs(_internals(module)):
+        resolve(name)
+
+
+@pytest.mark.parametrize("module", INTERNALS)
+def test_untested_version_warns_once(module, monkeypatch, fresh_warnings):
+    internals = _internals(module)
+    monkeypatch.setattr(torch, "__version__", "9.9.0")
+    with pytest.warns(RuntimeWarning) as record:
+        internals.check_torch()
+    (warning,) = record
+    message = str(warning.message)
+    assert internals.INTEGRATION in message and "torch 9.9.0" in message
+    assert f"checked on torch {TESTED_TORCH[0]}" in message and "pin torch==2.13.*" in message
+    assert internals.ADVICE in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        internals.check_torch()  # once per integration and process
+
+
+def _remove(monkeypatch, name: str) -> None:
+    """Make the running torch lack ``name``: delete the attribute (or the annotation ``C:_x`` declares); where
+    torch's C++ types refuse that, replace the object holding it by a stand-in without it."""
+    owner, _, declared = name.partition(":")
+    if declared:
+        cls = resolve(owner)
+        for holder in cls.__mro__:
+            if declared in vars(holder).get("__annotations__", {}):
+                monkeypatch.delitem(vars(holder)["__annotations__"], declared)
+            if declared in vars(holder):
+                monkeypatch.delattr(holder, declared)
+        return
+    parent_name, _, attr = name.rpartition(".")
+    parent = resolve(parent_name)
+    if isinstance(parent, types.ModuleType) or attr in getattr(parent, "__dict__", {}):
+        try:
+            value = getattr(parent, attr)
+            delattr(parent, attr)
+            setattr(parent, attr, value)
+        except (AttributeError, TypeError):
+            pass
+        else:
+            monkeypatch.delattr(parent, attr)
+            return
+    grand_name, _, parent_attr = parent_name.rpartition(".")
+    monkeypatch.setattr(resolve(grand_name), parent_attr, types.SimpleNamespace())
+
+
+NEEDED = [(module, name) for module in INTERNALS for name in _needs(_internals(module))]
+
+
+@pytest.mark.parametrize("module, name", NEEDED, ids=[f"{m.rpartition('.')[2]}-{n}" for m, n in NEEDED])
+def test_missing_name_raises(module, name, monkeypatch, fresh_warnings):
+    internals = _internals(module)
+    _remove(monkeypatch, name)
+    with pytest.raises(TorchInternalsError) as caught:
+        torch_versions.check_internals(internals.INTEGRATION, _needs(internals), internals.ADVICE)
+    message = str(caught.value)
+    assert f"needs torch's private {name}," in message and f"torch {torch.__version__} does not have" in message
+    assert "pin torch==2.13.*" in message and internals.ADVICE in message
+    if name in internals.NEEDS:  # the names checked at import: the module's own check refuses too
+        with pytest.raises(TorchInternalsError, match="pin torch"):
+            internals.check_torch()
+
+
+def test_missing_run_time_name_raises_where_read():
+    from tagc.hooks import torch_ddp, torch_fsdp1, torch_fsdp2
+
+    stand_in = types.SimpleNamespace()
+    cases = [(lambda: torch_ddp.has_rebuilt_buckets(stand_in), torch_ddp, "_has_rebuilt_buckets"),
+             (lambda: torch_fsdp1.comm_hook(stand_in), torch_fsdp1, "_comm_hook"),
+             (lambda: torch_fsdp1.flat_param(stand_in), torch_fsdp1, "_handle"),
+             (lambda: torch_fsdp2.param_fqn(stand_in), torch_fsdp2, "_param_fqn"),
+             (lambda: torch_fsdp2.all_reduce_hook(stand_in), torch_fsdp2, "_all_reduce_hook")]
+    for call, internals, name in cases:
+        with pytest.raises(TorchInternalsError) as caught:
+            call()
+        assert f"SimpleNamespace.{name}, which torch {torch.__version__} does not have" in str(caught.value)
+        assert internals.ADVICE in str(caught.value)
+
+
+def test_release_is_major_minor():
+    assert torch_versions.torch_release("2.13.0+cpu") == "2.13"
+    assert torch_versions.torch_release("2.14.1") == "2.14"
+    assert torch_versions.torch_release("3.0.0a0+git1234") == "3.0"
