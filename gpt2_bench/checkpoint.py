@@ -28,7 +28,9 @@ def complete(directory: str | Path) -> list[tuple[int, Path]]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted((int(m.group(1)), path) for path in directory.iterdir() if path.is_dir() and (m := _COMPLETE.match(path.name)))
+    return sorted(
+        (int(m.group(1)), path) for path in directory.iterdir() if path.is_dir() and (m := _COMPLETE.match(path.name))
+    )
 
 
 def latest(directory: str | Path) -> Optional[Path]:
@@ -55,7 +57,9 @@ def _state(model, optimizer, hook, generator: torch.Generator) -> dict:
     return state
 
 
-def save(directory: str | Path, steps_done: int, model, optimizer, hook, generator: torch.Generator, keep: int = 0) -> Path:
+def save(
+    directory: str | Path, steps_done: int, model, optimizer, hook, generator: torch.Generator, keep: int = 0
+) -> Path:
     """Write ``step-<steps_done>`` under ``directory`` on every rank (a collective); returns its path.
 
     With ``keep`` > 0, only the newest ``keep`` complete checkpoints stay: older ones are removed

@@ -177,7 +177,9 @@ class TrainConfig:
         if self.param_dtype not in REDUCE_DTYPES:
             raise ValueError(f"param_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.param_dtype!r}")
         if self.param_dtype and self.integration == "ddp":
-            raise ValueError("param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters (leave it out)")
+            raise ValueError(
+                "param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters (leave it out)"
+            )
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
@@ -217,7 +219,9 @@ class TrainConfig:
         if self.compression == "none":
             algo = "fsdp"
         elif spec(self.codec).uses_config:
-            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc" else "")
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (
+                f"-b{self.index_bits}" if self.codec == "tagc" else ""
+            )
         else:
             algo = f"{self.codec}-{self.compression}"
         algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
@@ -257,7 +261,10 @@ def library_dense_steps(codec: str, compression: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.")
+    p = argparse.ArgumentParser(
+        prog="python -m gpt2_bench.train",
+        description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.",
+    )
     from tagc.hooks.codec_registry import codec_names
     from tagc.hooks.settings import PLAIN_CODECS
 
@@ -265,8 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
     p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
     p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS)
-    p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
-                   help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter")
+    p.add_argument(
+        "--transport",
+        default=defaults.transport,
+        choices=TRANSPORTS,
+        help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter",
+    )
     p.add_argument("--codec", default=defaults.codec,
                    help=f"how the --compression columns cross the wire: {', '.join(codec_names())} (default tagc)")
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
@@ -281,8 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=float, default=defaults.ratio)
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
-    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_batches", "seed", "world", "threads", "warmup_steps",
-                  "min_compress_numel"):
+    for field in (
+        "steps",
+        "batch_size",
+        "block_size",
+        "eval_interval",
+        "eval_batches",
+        "seed",
+        "world",
+        "threads",
+        "warmup_steps",
+        "min_compress_numel",
+    ):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--dense-steps", type=int, default=None,
                    help="steps sent uncompressed before the codec starts (default: the library's, tagc.hook()'s: "
@@ -295,42 +316,90 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
                         "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
                         "every parameter's (plain runs too)")
-    p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
-                   help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)")
+    p.add_argument(
+        "--ramp-steps",
+        type=int,
+        default=defaults.ramp_steps,
+        help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)",
+    )
     p.add_argument("--embedding-ratio", type=float, default=None,
                    help="tagc/topk: the tied embedding / LM head's own ratio (e.g. 4: denser than --ratio)")
-    p.add_argument("--device", default=defaults.device, choices=DEVICES,
-                   help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; auto (default): cuda when a GPU is visible")
+    p.add_argument(
+        "--device",
+        default=defaults.device,
+        choices=DEVICES,
+        help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; "
+        "auto (default): cuda when a GPU is visible",
+    )
     p.add_argument("--hosts", type=int, default=defaults.hosts,
                    help="emulated hosts, each a network namespace running --nproc-per-host ranks under torchrun; "
                         "--link shapes the links between hosts (default 1: every rank on one loopback)")
-    p.add_argument("--nproc-per-host", type=int, default=None, help="ranks per emulated host (default: --world / --hosts)")
-    p.add_argument("--flat", dest="hierarchy", action="store_const", const="flat", default=defaults.hierarchy,
-                   help="exchange every rank with every rank across hosts (default: plain within a host, the codec between hosts)")
-    p.add_argument("--hsdp", action="store_true",
-                   help="fsdp2: shard within a host, replicate across hosts (a 2-D mesh); the gradient crosses hosts as an all-reduce")
-    p.add_argument("--torch-hook", action="store_true",
-                   help="--integration ddp: run --codec bf16 or powersgd as torch's own DDP comm hook (bf16_compress_hook, "
-                        "powerSGD_hook; --codec-option rank=R) instead of through tagc.ddp_hook")
+    p.add_argument(
+        "--nproc-per-host", type=int, default=None, help="ranks per emulated host (default: --world / --hosts)"
+    )
+    p.add_argument(
+        "--flat",
+        dest="hierarchy",
+        action="store_const",
+        const="flat",
+        default=defaults.hierarchy,
+        help="exchange every rank with every rank across hosts (default: plain within a host, the codec between hosts)",
+    )
+    p.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="fsdp2: shard within a host, replicate across hosts (a 2-D mesh); "
+        "the gradient crosses hosts as an all-reduce",
+    )
+    p.add_argument(
+        "--torch-hook",
+        action="store_true",
+        help="--integration ddp: run --codec bf16 or powersgd as torch's own DDP comm hook (bf16_compress_hook, "
+        "powerSGD_hook; --codec-option rank=R) instead of through tagc.ddp_hook",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
-                   help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)")
-    p.add_argument("--max-time", dest="max_time_s", type=float, default=None,
-                   help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
-                        "default: no limit")
+    p.add_argument(
+        "--group-timeout",
+        dest="group_timeout_s",
+        type=float,
+        default=defaults.group_timeout_s,
+        help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)",
+    )
+    p.add_argument(
+        "--max-time",
+        dest="max_time_s",
+        type=float,
+        default=None,
+        help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
+        "default: no limit",
+    )
     p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)")
-    p.add_argument("--keep-checkpoints", type=int, default=0,
-                   help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is ~0.4-0.6 GB")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)"
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=0,
+        help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is ~0.4-0.6 GB",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir"
+    )
     p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
                         "measures live memory); by default the ranks keep it for reuse")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of the "
-                        "units before it and all finish at the end of backward)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)")
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of the "
+        "units before it and all finish at the end of backward)",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)"
+    )
     p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
     p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,

@@ -46,7 +46,16 @@ from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError
 from gpt2_bench.corpora import OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
 from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
 
-__all__ = ["prepare", "TokenData", "get_batch", "load_meta", "default_cache_dir", "DataError", "EOT_TOKEN", "OFFLINE_ASSETS_PIP"]
+__all__ = [
+    "prepare",
+    "TokenData",
+    "get_batch",
+    "load_meta",
+    "default_cache_dir",
+    "DataError",
+    "EOT_TOKEN",
+    "OFFLINE_ASSETS_PIP",
+]
 
 _DEFAULT_VAL_EVERY = {"openwebtext": 2000}  # OWT: 0.05% of ~8M documents, like nanoGPT; others 5%
 _WRITE_BATCH = 512  # documents per tokenizer call
@@ -93,7 +102,8 @@ def prepare(
                 (out / f"{split}.bin.{os.getpid()}.tmp").unlink(missing_ok=True)
             raise DataError(
                 f"corpus {corpus.name!r} is too small: {counts['documents']} non-empty documents gave "
-                f"{counts['train_tokens']} train / {counts['val_tokens']} val tokens (val: every {val_every}th document)"
+                f"{counts['train_tokens']} train / {counts['val_tokens']} val tokens "
+                f"(val: every {val_every}th document)"
             )
         (out / "meta.json").unlink(missing_ok=True)  # incomplete until rewritten
         for split in ("train", "val"):

@@ -66,9 +66,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
     labels = [label for label, _, _ in SETUPS]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key, title in ((axes[0], "iter_ms", "steady-state step (ms)"), (axes[1], "forward_rss_mb", "RSS after forward (MB)")):
+    for ax, key, title in (
+        (axes[0], "iter_ms", "steady-state step (ms)"),
+        (axes[1], "forward_rss_mb", "RSS after forward (MB)"),
+    ):
         for offset, (algorithm, colour) in enumerate((("fsdp", "tab:blue"), ("tagc", "tab:orange"))):
-            values = [next(r[key] for r in rows if r["setup"] == label and r["algorithm"] == algorithm) for label in labels]
+            values = [
+                next(r[key] for r in rows if r["setup"] == label and r["algorithm"] == algorithm) for label in labels
+            ]
             ax.bar([i + 0.4 * offset for i in range(len(labels))], values, width=0.4, color=colour,
                    label="plain" if algorithm == "fsdp" else "TAGC")
         ax.set_xticks([i + 0.2 for i in range(len(labels))], labels)
@@ -93,14 +98,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--compression must be all or non-attn here (the plain rows are always run)")
     rows = measure(base)
     table = format_table(rows)
-    print(f"preset {base.preset}, {base.world} ranks, {base.steps} steps of {base.batch_size}x{base.block_size} tokens, "
-          f"unshaped loopback\n\n{table}")
+    print(
+        f"preset {base.preset}, {base.world} ranks, {base.steps} steps of {base.batch_size}x{base.block_size} tokens, "
+        f"unshaped loopback\n\n{table}"
+    )
     out = Path(base.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot(rows, out / "integrations.png")
-    (out / "report.md").write_text(f"# Integrations: step time and memory\n\n{table}\n\n![integrations](integrations.png)\n")
+    (out / "report.md").write_text(
+        f"# Integrations: step time and memory\n\n{table}\n\n![integrations](integrations.png)\n"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "curve"} for r in rows], indent=2) + "\n"
+        )
     return 0
 
 

@@ -69,15 +69,20 @@ fewer than half its elements."""
 
 
 def powersgd_start_iter(dense_steps: int) -> int:
-    """``start_powerSGD_iter`` for a dense warm-up of ``dense_steps``: the iteration ours start at (module docstring)."""
+    """``start_powerSGD_iter`` for a dense warm-up of ``dense_steps``: the iteration ours start at
+    (module docstring)."""
     return max(2, dense_steps + 1)
 
 
-def wrap_ddp(model: nn.Module, cfg: TrainConfig, world: int, device: torch.device, hook: Any = None) -> tuple[nn.Module, Any]:
+def wrap_ddp(
+    model: nn.Module, cfg: TrainConfig, world: int, device: torch.device, hook: Any = None
+) -> tuple[nn.Module, Any]:
     """``model`` (on ``device``) wrapped in ``DistributedDataParallel`` with the comm hook ``cfg`` asks for;
     ``hook`` is the ``tagc.hook(...)`` to install (``None``: DDP's own reduction, or torch's hook with
     ``cfg.torch_hook``). Returns ``(ddp_model, counter)``, the counter as module docstring."""
-    device_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    device_ids = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    )
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     ranks_per_host = world // max(1, cfg.hosts)
     if cfg.torch_hook:
@@ -125,7 +130,12 @@ class _Counter:
         self.last_step, self._current = self._current, ExchangeStats()
 
     def stats(self) -> dict:
-        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(), "units": []}
+        return {
+            "step": self.step_count,
+            "last_step": self.last_step.as_dict(),
+            "total": self.total.as_dict(),
+            "units": [],
+        }
 
     def state_dict(self) -> dict:
         return {"step": self.step_count}
@@ -186,7 +196,8 @@ class OurHook(_Counter):
 
 
 class TorchHook(_Counter):
-    """Torch's ``bf16_compress_hook`` or ``powerSGD_hook`` on ``ddp``, its bytes counted per bucket (module docstring)."""
+    """Torch's ``bf16_compress_hook`` or ``powerSGD_hook`` on ``ddp``, its bytes counted per bucket
+    (module docstring)."""
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, codec: str, rank: int, start_iter: int,
                  one_rank_per_host: bool) -> None:
@@ -211,7 +222,9 @@ class TorchHook(_Counter):
         ddp.register_comm_hook(self, TorchHook._call)
 
     @staticmethod
-    def _call(counter, bucket):  # no annotations: DDP checks them against its own objects, and this module's are strings
+    def _call(
+        counter, bucket
+    ):  # no annotations: DDP checks them against its own objects, and this module's are strings
         self = counter
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -246,8 +259,11 @@ class TorchHook(_Counter):
         if self.state.iter < self.state.start_powerSGD_iter:
             return ring(4 * buffer.numel(), self.world)
         size = buffer.element_size()
-        p, q, uncompressed = powersgd_sizes([tuple(g.shape) for g in bucket.gradients()], self.state.matrix_approximation_rank,
-                                            self.state.min_compression_rate)
+        p, q, uncompressed = powersgd_sizes(
+            [tuple(g.shape) for g in bucket.gradients()],
+            self.state.matrix_approximation_rank,
+            self.state.min_compression_rate,
+        )
         return ring(size * uncompressed, self.world) + ring(size * p, self.world) + ring(size * q, self.world)
 
     # ------------------------------------------------------------------ checkpoints
@@ -275,7 +291,9 @@ class TorchHook(_Counter):
         mine = self.state
         mine.iter = int(state["iter"])
         keys = state["rng_keys"].numpy().astype(np.uint32)
-        mine.rng.set_state(("MT19937", keys, int(state["rng_pos"]), int(state["rng_has_gauss"]), float(state["rng_cached"])))
+        mine.rng.set_state(
+            ("MT19937", keys, int(state["rng_pos"]), int(state["rng_has_gauss"]), float(state["rng_cached"]))
+        )
         prefix = f"residual.rank{dist.get_rank()}."
         device = next(self.ddp.module.parameters()).device
         tables = {"error": mine.error_dict, "p": mine.p_memory_dict, "q": mine.q_memory_dict}

@@ -36,15 +36,26 @@ def make_hook(cfg: TrainConfig):
 
     select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
     codec = "plain" if cfg.compression == "none" else cfg.codec
-    tagc_settings = dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
+    tagc_settings = (
+        dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
+    )
     topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
     if cfg.embedding_ratio is not None:
         from tagc.hooks.selection import ratio_for
 
         select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
-    return tagc.hook(select=select, min_compress_numel=cfg.min_compress_numel, dense_steps=cfg.dense_steps,
-                     ramp_steps=cfg.ramp_steps,
-                     codec=codec, overlap=cfg.overlap, plain=cfg.plain, **tagc_settings, **topology, **cfg.codec_options)
+    return tagc.hook(
+        select=select,
+        min_compress_numel=cfg.min_compress_numel,
+        dense_steps=cfg.dense_steps,
+        ramp_steps=cfg.ramp_steps,
+        codec=codec,
+        overlap=cfg.overlap,
+        plain=cfg.plain,
+        **tagc_settings,
+        **topology,
+        **cfg.codec_options,
+    )
 
 
 def shard(model, cfg: TrainConfig, world: int, device=None):
@@ -90,8 +101,14 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision
 
-        model = FSDP(model, device_id=device, auto_wrap_policy=fsdp1_wrap_policy(model),
-                     mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if reduce_dtype else None)
+        model = FSDP(
+            model,
+            device_id=device,
+            auto_wrap_policy=fsdp1_wrap_policy(model),
+            mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            if reduce_dtype
+            else None,
+        )
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook

@@ -143,8 +143,12 @@ def timeline(start: float, backward: float, backward_end: float, end: float, uni
     """One step's spans in ms from its start: forward, backward, optimizer, and per unit its wire
     and its codec / wait spans on the training thread (from :meth:`tagc.TAGCHook.stats`)."""
     ms = lambda t: round((t - start) * 1e3, 2)  # noqa: E731
-    return {"forward": [0.0, ms(backward)], "backward": [ms(backward), ms(backward_end)], "optimizer": [ms(backward_end), ms(end)],
-            "units": [{"unit": u["unit"], "events": [[kind, ms(a), ms(b)] for kind, a, b in u["events"]]} for u in units]}
+    return {
+        "forward": [0.0, ms(backward)],
+        "backward": [ms(backward), ms(backward_end)],
+        "optimizer": [ms(backward_end), ms(end)],
+        "units": [{"unit": u["unit"], "events": [[kind, ms(a), ms(b)] for kind, a, b in u["events"]]} for u in units],
+    }
 
 
 def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str) -> None:
@@ -197,7 +201,9 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if rank == 0:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=cfg.steps, initial=first_step, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False)
+        progress = tqdm(
+            total=cfg.steps, initial=first_step, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False
+        )
     start = time.perf_counter()
     val_loss = float("nan")
     forward_rss_mb = None
@@ -209,7 +215,9 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if host_counter is not None:
             host_counter.start()
         tick = time.perf_counter()
-        x, y = data.get_batch("train", cfg.batch_size, model_cfg.block_size, gen, device=device, rank=rank, world_size=world)
+        x, y = data.get_batch(
+            "train", cfg.batch_size, model_cfg.block_size, gen, device=device, rank=rank, world_size=world
+        )
         with _autocast(device):
             _, loss = step_fn(x, y)
         if step == cfg.steps - 1:
@@ -232,9 +240,16 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         iter_s = time.perf_counter() - tick
         if host_counter is not None:
             host_counter.stop(step)
-        record = {"step": step, "loss": float(loss.detach()), "lr": learning_rate(cfg, step), "iter_ms": iter_s * 1e3,
-                  "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
-                  "elapsed_s": time.perf_counter() - start, "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world}
+        record = {
+            "step": step,
+            "loss": float(loss.detach()),
+            "lr": learning_rate(cfg, step),
+            "iter_ms": iter_s * 1e3,
+            "forward_ms": forward_s * 1e3,
+            "backward_ms": backward_s * 1e3,
+            "elapsed_s": time.perf_counter() - start,
+            "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world,
+        }
         if hook is not None:
             hook.end_step()
             stats = hook.stats()
@@ -244,16 +259,31 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if hook is not None:
             last = stats["last_step"]
             exchange_s = last["compress_s"] + last["exposed_s"] + last["decode_s"]  # the step's time on the exchange
-            record.update(exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
-                          compress_ms=last["compress_s"] * 1e3, exposed_ms=last["exposed_s"] * 1e3,
-                          wire_ms=last["wire_s"] * 1e3, decode_ms=last["decode_s"] * 1e3,
-                          wire_bytes=last["wire_bytes"], plain_bytes=last["plain_equivalent_bytes"],
-                          inter_host_bytes=last.get("inter_host_bytes", 0) * world,  # every rank alike: all hosts' exchange
-                          peel_success=last["peel_success"], unpeeled=last["unpeeled"],
-                          units={u["unit"]: {"wire_ms": u["wire_s"] * 1e3, "exposed_ms": u["exposed_s"] * 1e3,
-                                             "bytes": u["wire_bytes"]} for u in stats["units"]})
+            record.update(
+                exchange_ms=exchange_s * 1e3,
+                exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
+                compress_ms=last["compress_s"] * 1e3,
+                exposed_ms=last["exposed_s"] * 1e3,
+                wire_ms=last["wire_s"] * 1e3,
+                decode_ms=last["decode_s"] * 1e3,
+                wire_bytes=last["wire_bytes"],
+                plain_bytes=last["plain_equivalent_bytes"],
+                inter_host_bytes=last.get("inter_host_bytes", 0) * world,  # every rank alike: all hosts' exchange
+                peel_success=last["peel_success"],
+                unpeeled=last["unpeeled"],
+                units={
+                    u["unit"]: {
+                        "wire_ms": u["wire_s"] * 1e3,
+                        "exposed_ms": u["exposed_s"] * 1e3,
+                        "bytes": u["wire_bytes"],
+                    }
+                    for u in stats["units"]
+                },
+            )
             if step == cfg.steps - 2:  # a steady step's timeline, for the picture
-                record["timeline"] = timeline(tick, tick + forward_s, tick + forward_s + backward_s, tick + iter_s, stats["units"])
+                record["timeline"] = timeline(
+                    tick, tick + forward_s, tick + forward_s + backward_s, tick + iter_s, stats["units"]
+                )
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
             val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size, device)
             record["val_loss"] = val_loss
@@ -277,11 +307,28 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if rank == 0:
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
-        log.write(json.dumps({"summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
-                              "peak_rss_mb": _peak_rss_mb(), "forward_rss_mb": forward_rss_mb, "first_step": first_step,
-                              "stopped_at": stopped_at, "device": str(device),
-                              **({"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {})})
-                  + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "summary": True,
+                    "n_params": n_params,
+                    "grad_mb": grad_mb,
+                    "val_loss": val_loss,
+                    "hook_total": total,
+                    "peak_rss_mb": _peak_rss_mb(),
+                    "forward_rss_mb": forward_rss_mb,
+                    "first_step": first_step,
+                    "stopped_at": stopped_at,
+                    "device": str(device),
+                    **(
+                        {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+                        if device.type == "cuda"
+                        else {}
+                    ),
+                }
+            )
+            + "\n"
+        )
         log.close()
     dist.barrier()
 

@@ -59,7 +59,11 @@ class AdamW(torch.optim.AdamW):
         if second_moment not in SECOND_MOMENTS:
             raise ValueError(f"second_moment must be one of {SECOND_MOMENTS} ('local': each rank's own gradient of "
                              f"the compressed parameters; 'decoded': torch.optim.AdamW's), got {second_moment!r}")
-        if hook is not None and not hasattr(hook, "local_gradients") and hasattr(getattr(hook, "hook", None), "local_gradients"):
+        if (
+            hook is not None
+            and not hasattr(hook, "local_gradients")
+            and hasattr(getattr(hook, "hook", None), "local_gradients")
+        ):
             hook = hook.hook  # tagc.ddp_hook's state
         if hook is not None and not hasattr(hook, "local_gradients"):
             raise TypeError(f"hook must be the hook from tagc.hook(...) (or None), got {type(hook).__name__}")
@@ -101,8 +105,9 @@ class AdamW(torch.optim.AdamW):
         padded shard) instead of ``grad``."""
         state = self.state[param]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype() if torch.get_default_dtype() == torch.float64
-                                         else torch.float32)
+            state["step"] = torch.tensor(
+                0.0, dtype=torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+            )
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         value, gradient = _local(param), _local(grad)

@@ -133,15 +133,30 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
                         wire_source=f"formula: gloo {rs_name} = all-reduce ring, 2(N-1)/N*n*4"))
     methods.append(dict(method="fair fp32", kind="fair", dtype="fp32", run=lambda: plain_reduce_scatter(rows, None)[1],
                         wire_source="counted: all-to-all bytes sent"))
-    methods.append(dict(method="fair bf16", kind="fair", dtype="bf16", run=lambda: plain_reduce_scatter(rows_bf16, None)[1],
-                        wire_source="counted: all-to-all bytes sent"))
+    methods.append(
+        dict(
+            method="fair bf16",
+            kind="fair",
+            dtype="bf16",
+            run=lambda: plain_reduce_scatter(rows_bf16, None)[1],
+            wire_source="counted: all-to-all bytes sent",
+        )
+    )
     segs = [Segment(name, start, numel) for name, start, numel in segments]
-    for ratio, bits, overlap, wire in ((r, b, o, w) for r in args.ratios for b in args.bits for o in args.overlap for w in args.wire):
+    for ratio, bits, overlap, wire in (
+        (r, b, o, w) for r in args.ratios for b in args.bits for o in args.overlap for w in args.wire
+    ):
         if wire == "lean" and bits != 1:
             continue  # coded positions code a set: 1-bit index only
         lean = LEAN_OPTIONS if wire == "lean" else {}
-        hook = tagc.hook(dense_steps=0, ratio=ratio, index_bits=bits, select="all", min_part=MIN_PART if overlap else max(chunk, 1),
-                         **lean)
+        hook = tagc.hook(
+            dense_steps=0,
+            ratio=ratio,
+            index_bits=bits,
+            select="all",
+            min_part=MIN_PART if overlap else max(chunk, 1),
+            **lean,
+        )
         inp = torch.empty_like(grad)
 
         def prepare(inp=inp) -> None:
@@ -177,12 +192,20 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
             return hook.total.wire_bytes - before
 
         single_round = codec_hook.codec.rounds == 1
-        methods.append(dict(
-            method=f"codec {name}{' lean' if options else ''}", kind="codec", dtype="fp32", hook=codec_hook,
-            prepare=prepare_codec, run=run_codec,
-            formula_wire_bytes=(world - 1) * codec_hook.wire_row_bytes(shaped, chunk, world, torch.float32) if single_round else None,
-            wire_source="counted: hook.stats wire_bytes",
-        ))
+        methods.append(
+            dict(
+                method=f"codec {name}{' lean' if options else ''}",
+                kind="codec",
+                dtype="fp32",
+                hook=codec_hook,
+                prepare=prepare_codec,
+                run=run_codec,
+                formula_wire_bytes=(world - 1) * codec_hook.wire_row_bytes(shaped, chunk, world, torch.float32)
+                if single_round
+                else None,
+                wire_source="counted: hook.stats wire_bytes",
+            )
+        )
     return methods
 
 
@@ -268,7 +291,9 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         per_step = {k: statistics.median(d[k] for d in deltas) for k in ("compress_s", "decode_s", "exposed_s")}
         worst = torch.tensor([per_step["compress_s"], per_step["decode_s"], per_step["exposed_s"]], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        counts = torch.tensor([sum(d[k] for d in deltas) for k in ("support", "peeled", "unpeeled", "estimated")], dtype=torch.float64)
+        counts = torch.tensor(
+            [sum(d[k] for d in deltas) for k in ("support", "peeled", "unpeeled", "estimated")], dtype=torch.float64
+        )
         dist.all_reduce(counts)
         support, peeled, unpeeled, estimated = (float(c) for c in counts)
         row.update(
@@ -285,11 +310,33 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
 
 
 def _worker_args(args, out: str, link_name: str, count_lo: bool) -> list[str]:
-    argv = ["--worker", "--out", out, "--link-name", link_name, "--world", str(args.world), "--sizes", ",".join(args.sizes),
-            "--ratios", ",".join(f"{r:g}" for r in args.ratios), "--bits", ",".join(map(str, args.bits)),
-            "--overlap", ",".join("on" if o else "off" for o in args.overlap), "--reps", str(args.reps),
-            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout),
-            "--wire", ",".join(args.wire)]
+    argv = [
+        "--worker",
+        "--out",
+        out,
+        "--link-name",
+        link_name,
+        "--world",
+        str(args.world),
+        "--sizes",
+        ",".join(args.sizes),
+        "--ratios",
+        ",".join(f"{r:g}" for r in args.ratios),
+        "--bits",
+        ",".join(map(str, args.bits)),
+        "--overlap",
+        ",".join("on" if o else "off" for o in args.overlap),
+        "--reps",
+        str(args.reps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--pg-timeout",
+        str(args.pg_timeout),
+        "--wire",
+        ",".join(args.wire),
+    ]
     if args.codecs:
         argv += ["--codecs", ",".join(args.codecs)]
     if count_lo:
@@ -308,15 +355,20 @@ def run_link(args, link_text: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tagc-exchange-") as tmp:
         out = os.path.join(tmp, "rank0.json")
         if rate is None:
-            launch = Launch([torchrun_argv("testbed.exchange", _worker_args(args, out, name, False), args.world)], env=env)
+            launch = Launch(
+                [torchrun_argv("testbed.exchange", _worker_args(args, out, name, False), args.world)], env=env
+            )
             launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
             description = "unshaped loopback (this machine's network namespace)"
         else:
             with ShapedLink(rate, world=args.world) as link:
                 description = link.describe()
                 print(f"[exchange] {description}", file=sys.stderr, flush=True)
-                launch = Launch([torchrun_argv("testbed.exchange", _worker_args(args, out, name, True), args.world)], env=env,
-                                wrap=lambda host, argv: link.wrap(argv))
+                launch = Launch(
+                    [torchrun_argv("testbed.exchange", _worker_args(args, out, name, True), args.world)],
+                    env=env,
+                    wrap=lambda host, argv: link.wrap(argv),
+                )
                 launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
         with open(out) as f:
             rows = json.load(f)
@@ -356,8 +408,10 @@ def _fmt_bytes(b: Optional[float]) -> str:
 def table(rows: list[dict]) -> str:
     """A text table of one link's rows (all sizes)."""
     lines = []
-    header = (f"{'method':<26} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'bits/param':>10} {'lo/rank':>10} {'peel':>7} "
-              f"{'compress':>9} {'decode':>8} {'crossover':>10}  note")
+    header = (
+        f"{'method':<26} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'bits/param':>10} {'lo/rank':>10} {'peel':>7} "
+        f"{'compress':>9} {'decode':>8} {'crossover':>10}  note"
+    )
     for size in dict.fromkeys(r["size"] for r in rows):
         sub = [r for r in rows if r["size"] == size]
         first = sub[0]
@@ -389,8 +443,10 @@ def table(rows: list[dict]) -> str:
 def summary(rows: list[dict]) -> str:
     """Paper reference, target, the best TAGC variant per link and the crossover estimate."""
     lines = [
-        f"paper (GPT-2 ~162M, 2 nodes, 10 Gbit, GPUs): FSDP {PAPER['fsdp_ms_per_mb']} -> TAGC {PAPER['tagc_ms_per_mb']} ms/MB "
-        f"= {PAPER['ratio']}x; target: <= {TARGET_RATIO}x of the fair fp32 baseline where compression is not the bottleneck",
+        f"paper (GPT-2 ~162M, 2 nodes, 10 Gbit, GPUs): "
+        f"FSDP {PAPER['fsdp_ms_per_mb']} -> TAGC {PAPER['tagc_ms_per_mb']} ms/MB "
+        f"= {PAPER['ratio']}x; target: <= {TARGET_RATIO}x of the fair fp32 baseline "
+        "where compression is not the bottleneck",
     ]
     for (link, size) in dict.fromkeys((r["link"], r["size"]) for r in rows):
         sub = [r for r in rows if r["link"] == link and r["size"] == size and r["kind"] == "tagc"]
@@ -401,13 +457,18 @@ def summary(rows: list[dict]) -> str:
         bf16 = next((r for r in rows if r["link"] == link and r["size"] == size and r["method"] == "fair bf16"), None)
         verdict = "meets" if best["ratio_to_fair_baseline"] <= TARGET_RATIO else "misses"
         lines.append(
-            f"{link:>7} {size}: best {best['method']} {best['ms_per_mb']:.3f} ms/MB = {best['ratio_to_fair_baseline']:.2f}x fair fp32"
+            f"{link:>7} {size}: best {best['method']} {best['ms_per_mb']:.3f} ms/MB "
+            f"= {best['ratio_to_fair_baseline']:.2f}x fair fp32"
             + f" at {best['bits_per_param']:.2f} bits/param"
             + (f" ({best['ms_per_mb'] / bf16['ms_per_mb']:.2f}x fair bf16)" if bf16 else "")
             + f", {verdict} the {TARGET_RATIO}x target"
-            + (f"; crossover (compute {cross['compute_s'] * 1e3:.0f} ms + bytes/rate vs plain bytes/rate, {cross['method']}): "
-               f"TAGC beats fair fp32 below ~{format_rate(int(cross['crossover_bps']))} per rank on this CPU"
-               if cross.get("crossover_bps") else "; TAGC sends no fewer bytes: no crossover")
+            + (
+                f"; crossover (compute {cross['compute_s'] * 1e3:.0f} ms + bytes/rate vs plain bytes/rate, "
+                f"{cross['method']}): "
+                f"TAGC beats fair fp32 below ~{format_rate(int(cross['crossover_bps']))} per rank on this CPU"
+                if cross.get("crossover_bps")
+                else "; TAGC sends no fewer bytes: no crossover"
+            )
         )
     return "\n".join(lines)
 
@@ -456,14 +517,28 @@ def _size(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed.exchange", description=__doc__.split("\n\n")[0])
-    p.add_argument("--link", type=_csv(_link), default=None, help="link rates per rank, e.g. 10gbit,1gbit,100mbit, or none (default: 10gbit,1gbit,100mbit)")
+    p.add_argument(
+        "--link",
+        type=_csv(_link),
+        default=None,
+        help="link rates per rank, e.g. 10gbit,1gbit,100mbit, or none (default: 10gbit,1gbit,100mbit)",
+    )
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--sizes", type=_csv(_size), default=None, help=f"buckets: {', '.join(SIZES)} or element counts like 1M (default mlp)")
+    p.add_argument(
+        "--sizes",
+        type=_csv(_size),
+        default=None,
+        help=f"buckets: {', '.join(SIZES)} or element counts like 1M (default mlp)",
+    )
     p.add_argument("--ratios", type=_csv(float), default=None, help="TAGC ratios (default 2,5,10)")
     p.add_argument("--bits", type=_csv(int), default=None, help="index bits (default 1,4)")
     p.add_argument("--overlap", type=_csv(_overlap), default=None, help="pipelining on/off (default on,off)")
-    p.add_argument("--wire", type=_csv(_wire), default=None,
-                   help="TAGC's wire: bitmap (index + fp32 sketch), lean (coded positions + bf16 cells) (default bitmap,lean)")
+    p.add_argument(
+        "--wire",
+        type=_csv(_wire),
+        default=None,
+        help="TAGC's wire: bitmap (index + fp32 sketch), lean (coded positions + bf16 cells) (default bitmap,lean)",
+    )
     p.add_argument("--codecs", type=_csv(str), default=[],
                    help="peer codecs to run beside TAGC on the same engine, e.g. bf16,fp8,int4,sign,topk,powersgd")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 5, --quick 2)")

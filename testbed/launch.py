@@ -48,8 +48,17 @@ def exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def torchrun_argv(module: str, args: Sequence[str], nproc_per_host: int, *, hosts: int = 1, host: int = 0,
-                  rdzv_addr: Optional[str] = None, local_addr: Optional[str] = None, run_id: str = "testbed") -> list[str]:
+def torchrun_argv(
+    module: str,
+    args: Sequence[str],
+    nproc_per_host: int,
+    *,
+    hosts: int = 1,
+    host: int = 0,
+    rdzv_addr: Optional[str] = None,
+    local_addr: Optional[str] = None,
+    run_id: str = "testbed",
+) -> list[str]:
     """The ``torchrun`` command that runs ``python -m module args`` as ``nproc_per_host`` ranks of host ``host``.
 
     One host: ``--standalone`` (torchrun picks a free port). Several: every host's torchrun meets
@@ -101,7 +110,9 @@ class _Echo(threading.Thread):
             text = raw = decoder.decode(chunk)
             if self.prefix:  # at each line's start (after a newline), not after a progress bar's \r
                 pieces = re.split(r"(?<=\n)", text)
-                text = "".join((self.prefix if at_start or i else "") + piece for i, piece in enumerate(pieces) if piece)
+                text = "".join(
+                    (self.prefix if at_start or i else "") + piece for i, piece in enumerate(pieces) if piece
+                )
                 at_start = text.endswith("\n")
             sys.stderr.write(text)
             sys.stderr.flush()
@@ -189,8 +200,10 @@ class Launch:
         try:
             while any(proc.poll() is None for proc in self.procs):
                 now = time.monotonic()
-                if failed_at is None and (any(proc.returncode not in (None, 0) for proc in self.procs)
-                                          or any(echo.root for echo in self._echoes)):  # a host's torchrun may linger after its report
+                if failed_at is None and (
+                    any(proc.returncode not in (None, 0) for proc in self.procs)
+                    or any(echo.root for echo in self._echoes)
+                ):  # a host's torchrun may linger after its report
                     failed_at = now
                 if failed_at is not None and now - failed_at > grace_s:
                     break
@@ -208,6 +221,10 @@ class Launch:
         if failures:
             rank, code = failures[0]
             others = ", ".join(f"rank {r}: {exit_reason(c)}" for r, c in failures[1:])
-            raise RankFailed(f"rank {rank} failed first ({exit_reason(code)}{'; ' + others if others else ''})", rank, code)
-        bad = ", ".join(f"host {h}: {exit_reason(c) if c is not None else 'still running'}" for h, c in enumerate(codes) if c != 0)
+            raise RankFailed(
+                f"rank {rank} failed first ({exit_reason(code)}{'; ' + others if others else ''})", rank, code
+            )
+        bad = ", ".join(
+            f"host {h}: {exit_reason(c) if c is not None else 'still running'}" for h, c in enumerate(codes) if c != 0
+        )
         raise RankFailed(f"{what} failed ({bad}); see the output above")

@@ -239,7 +239,9 @@ class ShapedLink(Namespaces):
                 self._open_unshare()
             except LinkError as err:
                 errors.append(str(err))
-                raise LinkError("cannot create a network namespace for the shaped link:\n  " + "\n  ".join(errors)) from None
+                raise LinkError(
+                    "cannot create a network namespace for the shaped link:\n  " + "\n  ".join(errors)
+                ) from None
         self._shape()
 
     def _open_netns(self) -> None:
@@ -252,7 +254,9 @@ class ShapedLink(Namespaces):
         if shutil.which("unshare") is None or shutil.which("nsenter") is None:
             raise LinkError("`unshare`/`nsenter` (util-linux) not available")
         # unshare execs `sleep` inside the new user+network namespace: its pid holds the namespace
-        holder = subprocess.Popen(["unshare", "-rn", "sleep", "infinity"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            ["unshare", "-rn", "sleep", "infinity"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self._holder = holder
         ours = os.readlink("/proc/self/ns/net")
         for _ in range(500):
@@ -317,7 +321,9 @@ class ShapedLink(Namespaces):
             return ["nsenter", "-t", str(self._holder.pid), "-U", "-n", "--preserve-credentials", *argv]
         raise LinkError("the link is not open")
 
-    def launch(self, argvs: Sequence[Sequence[str]], env: Optional[Mapping[str, str]] = None, **popen_kw) -> list[subprocess.Popen]:
+    def launch(
+        self, argvs: Sequence[Sequence[str]], env: Optional[Mapping[str, str]] = None, **popen_kw
+    ) -> list[subprocess.Popen]:
         """Start each command inside the namespace; the link kills them (by pid) when it closes."""
         procs = []
         for argv in argvs:
@@ -340,6 +346,7 @@ class ShapedLink(Namespaces):
             return f"unshaped private loopback ({self.kind} {self.name})"
         p = tbf_params(self.rate_bps, self.world)
         return (
-            f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by {self.world} ranks, "
+            f"{format_rate(self.rate_bps)} per rank, full duplex: "
+            f"tbf {format_rate(p['rate_bps'])} shared by {self.world} ranks, "
             f"burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB ({self.kind} {self.name})"
         )

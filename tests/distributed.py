@@ -23,8 +23,13 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeo
     faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints where it was
     torch.set_num_threads(1)
     # a FileStore in the run's own directory: no port to pick, so no race with other processes for one
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -21,7 +21,17 @@ def test_codec_quick(tmp_path, capsys):
     assert set(result) >= {"throughput", "peeling", "targets"}
 
     ops = {r["op"] for r in result["throughput"]}
-    assert ops == {"clone", "copy_", "sparsify", "build_index", "encode", "compress_", "decode", "compress_ numba", "decode numba"}
+    assert ops == {
+        "clone",
+        "copy_",
+        "sparsify",
+        "build_index",
+        "encode",
+        "compress_",
+        "decode",
+        "compress_ numba",
+        "decode numba",
+    }
     for row in result["throughput"]:
         for key in ("numel", "seconds", "gb_per_s", "x_clone", "x_copy"):
             assert _positive(row[key]), (key, row)

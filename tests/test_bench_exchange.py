@@ -124,8 +124,22 @@ def check_rows(rows, links):
 
 def test_quick_unshaped_run_writes_json_rows(tmp_path):
     path = tmp_path / "rows.json"
-    exchange.main(["--quick", "--link", "none", "--sizes", "128K", "--json", str(path), "--no-progress", "--timeout", "120",
-                   "--codecs", CODECS])
+    exchange.main(
+        [
+            "--quick",
+            "--link",
+            "none",
+            "--sizes",
+            "128K",
+            "--json",
+            str(path),
+            "--no-progress",
+            "--timeout",
+            "120",
+            "--codecs",
+            CODECS,
+        ]
+    )
     rows = json.loads(path.read_text())
     check_rows(rows, ["none"])
     assert all(r["lo_bytes_per_rank"] is None for r in rows)  # not in a private namespace: not counted
@@ -157,15 +171,31 @@ def check_codec_rows(rows):
 def test_quick_shaped_run_is_really_shaped(tmp_path):
     open_or_skip(ShapedLink("100mbit")).close()
     path = tmp_path / "rows.json"
-    exchange.main(["--quick", "--link", "100mbit", "--sizes", "512K", "--json", str(path), "--no-progress", "--timeout", "120",
-                   "--codecs", CODECS])
+    exchange.main(
+        [
+            "--quick",
+            "--link",
+            "100mbit",
+            "--sizes",
+            "512K",
+            "--json",
+            str(path),
+            "--no-progress",
+            "--timeout",
+            "120",
+            "--codecs",
+            CODECS,
+        ]
+    )
     rows = json.loads(path.read_text())
     check_rows(rows, ["100mbit"])
     check_codec_rows(rows)
     fair = next(r for r in rows if r["method"] == "fair fp32")
     wire_s = 8 * fair["wire_bytes_per_rank"] / 1e8
     assert fair["median_s"] >= 0.8 * wire_s  # 2 MB at 100 Mbit: ~170 ms; unshaped it is a few ms
-    for row in rows:  # the loopback's own counter agrees with the counted bytes (headers and timing traffic aside), every codec
+    for row in (
+        rows
+    ):  # the loopback's own counter agrees with the counted bytes (headers and timing traffic aside), every codec
         assert row["lo_bytes_per_rank"] == pytest.approx(row["wire_bytes_per_rank"], rel=0.1, abs=20_000)
     assert not [n for n in ShapedLink.list_netns() if n.startswith(f"tagc-{os.getpid()}-")]
 

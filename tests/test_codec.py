@@ -128,8 +128,14 @@ def test_stopping_set_is_solved_exactly():
     """Two positions on the same three cells (a 2-element stopping set) with different signs."""
     layout = SketchLayout(31, 10, lane=1)  # 4 rows: many blocks share all their cells
     rows, signs = layout.block_rows, layout.block_signs
-    same = [(i, j) for i in range(31) for j in range(i + 1, 31)
-            if torch.equal(rows[i], rows[j]) and not torch.equal(signs[i], signs[j]) and not torch.equal(signs[i], -signs[j])]
+    same = [
+        (i, j)
+        for i in range(31)
+        for j in range(i + 1, 31)
+        if torch.equal(rows[i], rows[j])
+        and not torch.equal(signs[i], signs[j])
+        and not torch.equal(signs[i], -signs[j])
+    ]
     assert same, "layout has no such pair"
     i, j = same[0]
     values = torch.zeros(31)

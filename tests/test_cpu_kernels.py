@@ -59,7 +59,9 @@ def test_compress_equals_reference_bit_for_bit(numel, bits):
     layout = SketchLayout(numel, 10.0, seed=int(torch.randint(0, 2**31, ())))
     grad, residual = _gradients(3, numel)
     density = plan_density(10.0, 3)
-    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, bits)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(
+        grad, residual, density, layout, bits
+    )
     assert torch.equal(cpu_index, index)
     assert torch.equal(cpu_residual, ref_residual)
     assert torch.equal(cpu_table, table)
@@ -78,7 +80,9 @@ def test_compress_under_ties_equals_reference_bit_for_bit(numel, values):
     residual = torch.randint(-1, 2, (2, numel)).float() * 0.5
     layout = SketchLayout(numel, 10.0)
     density = plan_density(10.0, 2)
-    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, 1)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(
+        grad, residual, density, layout, 1
+    )
     assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
     kept = ((grad + residual) != cpu_residual).sum(1)
     assert (kept <= keep_limit(numel, density) * 1.05).all(), kept
@@ -91,7 +95,9 @@ def test_compress_matches_reference_on_any_shape(numel, ranks, density, ratio, b
     torch.manual_seed(seed)
     layout = SketchLayout(numel, ratio, seed=seed)
     grad, residual = _gradients(ranks, numel, zeros=0.2)
-    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(grad, residual, density, layout, bits)
+    (index, table), (cpu_index, cpu_table), ref_residual, cpu_residual = _both_compress(
+        grad, residual, density, layout, bits
+    )
     assert torch.equal(cpu_index, index) and torch.equal(cpu_residual, ref_residual) and torch.equal(cpu_table, table)
 
 
@@ -159,7 +165,9 @@ def _summed(layout, ranks, density, bits):
     return table.sum(dim=0), union
 
 
-@pytest.mark.parametrize("numel,ratio,overload", [(1000, 8.0, 1.0), (300_001, 10.0, 1.0), (300_001, 10.0, 2.5), (20, 10.0, 1.0)])
+@pytest.mark.parametrize(
+    "numel,ratio,overload", [(1000, 8.0, 1.0), (300_001, 10.0, 1.0), (300_001, 10.0, 2.5), (20, 10.0, 1.0)]
+)
 @pytest.mark.parametrize("bits", [1, 4])
 def test_decode_equals_reference(numel, ratio, overload, bits):
     """Same support, same positions settled in the same rounds, same values up to rounding —
@@ -260,7 +268,9 @@ def test_kept_lists_equal_reference_bit_for_bit(numel, kind):
     from tagc.sketch.kept_list import capacity
 
     ranks = 3
-    grad, residual = _gradients(ranks, numel) if kind == "randn" else (_tie_gradients(kind, ranks, numel), torch.zeros(ranks, numel))
+    grad, residual = (
+        _gradients(ranks, numel) if kind == "randn" else (_tie_gradients(kind, ranks, numel), torch.zeros(ranks, numel))
+    )
     density = plan_density(10.0, ranks)
     cap = capacity(numel, density)
     expected, got, ref_residual, cpu_residual = _both_lists(grad, residual, density, cap)

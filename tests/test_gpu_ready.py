@@ -22,17 +22,39 @@ from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "tagc" / "hooks"
-FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint", "as_tensor", "linspace", "eye"}
+FACTORIES = {
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "randn",
+    "rand",
+    "randint",
+    "as_tensor",
+    "linspace",
+    "eye",
+}
 
 ALLOWED_HOST_FACTORIES = {
     # (file, enclosing function): why the tensor never feeds a collective
     ("plan.py", "_columns"): "a plan's column list (device-free plans); indexes go through Part.index(device)",
-    ("powersgd.py", "_q"): "drawn from a host generator (the same Q on every device type), moved .to(device) before use",
+    (
+        "powersgd.py",
+        "_q",
+    ): "drawn from a host generator (the same Q on every device type), moved .to(device) before use",
     ("powersgd.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("quantized.py", "state_dict"): "a checkpoint counter, never exchanged",
-    ("fsdp2.py", "build"): "an HSDP shard's piece layout, built once per shard size on the host, moved .to(device) before use",
+    (
+        "fsdp2.py",
+        "build",
+    ): "an HSDP shard's piece layout, built once per shard size on the host, moved .to(device) before use",
     ("describe.py", "_column_bytes"): "hook.describe's report: planned bytes per column, on the host, never exchanged",
-    ("describe.py", "_segment_codecs"): "hook.describe's report: which part owns each column, on the host, never exchanged",
+    (
+        "describe.py",
+        "_segment_codecs",
+    ): "hook.describe's report: which part owns each column, on the host, never exchanged",
 }
 """Tensor factories in tagc/hooks allowed on the host (no ``device=``, or ``device="cpu"``)."""
 
@@ -72,7 +94,10 @@ def test_no_tensor_factory_in_the_hooks_is_on_the_host_by_accident():
 
 
 def test_the_static_check_finds_a_factory_without_device(tmp_path, monkeypatch):
-    (tmp_path / "bad.py").write_text("import torch\n\ndef flag():\n    return torch.tensor([1])\n\ndef ok(x):\n    return torch.zeros(1, device=x.device)\n")
+    (tmp_path / "bad.py").write_text(
+        "import torch\n\ndef flag():\n    return torch.tensor([1])\n\n"
+        "def ok(x):\n    return torch.zeros(1, device=x.device)\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "HOOKS", tmp_path)
     assert [(f[0], f[1]) for f in _host_factories()] == [("bad.py", "flag")]
 
@@ -226,7 +251,9 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the 
 
 @needs_no_gpu
 def test_gpu_check_without_a_gpu_says_so_and_exits_0():
-    result = subprocess.run([sys.executable, "-m", "tagc.bench", "gpu-check"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tagc.bench", "gpu-check"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout
 

@@ -38,7 +38,8 @@ def _exchange(hook, grad, segments=None):
 
 
 def _host_block(step: int, rank: int) -> torch.Tensor:
-    """What step 1 gives rank ``(h, l)``: the chunks of ranks ``(h', l)`` summed over host ``h``'s ranks (``[H, C]``)."""
+    """What step 1 gives rank ``(h, l)``: the chunks of ranks ``(h', l)`` summed over host ``h``'s ranks
+    (``[H, C]``)."""
     host, local = divmod(rank, PER_HOST)
     summed = sum(_grad(step, host * PER_HOST + other).double() for other in range(PER_HOST))
     return summed.view(HOSTS, PER_HOST, -1)[:, local].float()
@@ -55,7 +56,9 @@ def _engine(rank, world):
     plain_error = ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
     # tagc: what the owner decodes is the exact sum of what the cross ranks kept (their residual + kept == block)
-    hook = tagc.hook(dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
+    hook = tagc.hook(
+        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024
+    )
     host, local = divmod(rank, PER_HOST)
     density = hook.config.density(HOSTS)
     outs, checks, rows, unions = [], [], [], []
@@ -91,12 +94,16 @@ def _engine(rank, world):
     dist.all_gather(received, sum(outs) * world)
     holds = [torch.empty_like(held) for _ in range(world)]
     dist.all_gather(holds, held)
-    owed = torch.stack([sum(holds[h * PER_HOST + (j % PER_HOST)][j // PER_HOST] for h in range(HOSTS)) for j in range(world)])
+    owed = torch.stack(
+        [sum(holds[h * PER_HOST + (j % PER_HOST)][j // PER_HOST] for h in range(HOSTS)) for j in range(world)]
+    )
     put_in = sum(_grad(step, r).double() for step in range(3) for r in range(world)).float()
     feedback = ((torch.stack(received) + owed - put_in).norm() / put_in.norm()).item()
     stats, state = hook.stats()["total"], hook.state_dict()
     # a checkpoint of the H-row residuals resumes exactly
-    resumed = tagc.hook(dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024)
+    resumed = tagc.hook(
+        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024
+    )
     resumed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     resumes = bool(torch.equal(_exchange(resumed, _grad(9, rank)), _exchange(hook, _grad(9, rank))))
     return {"plain_error": plain_error, "checks": checks, "residuals": residuals, "feedback": feedback, "stats": stats,
@@ -129,8 +136,12 @@ def _bytes(rank, world):
     segments = [Segment("w", 0, CHUNK)]
     grad = _grad(0, rank)
     result = {}
-    for name, options in {"flat": dict(hierarchy="flat", ranks_per_host=PER_HOST), "auto": dict(ranks_per_host=PER_HOST),
-                          "one_host": {}, "warmup": dict(ranks_per_host=PER_HOST, dense_steps=1)}.items():
+    for name, options in {
+        "flat": dict(hierarchy="flat", ranks_per_host=PER_HOST),
+        "auto": dict(ranks_per_host=PER_HOST),
+        "one_host": {},
+        "warmup": dict(ranks_per_host=PER_HOST, dense_steps=1),
+    }.items():
         hook = tagc.hook(ratio=10, select="all", **{"dense_steps": 0, **options})
         out = _exchange(hook, grad, segments)
         result[name] = {"stats": hook.stats()["total"], "out": out,
@@ -169,7 +180,10 @@ def test_bad_settings_name_the_allowed_values():
     old = os.environ.get("LOCAL_WORLD_SIZE")
     try:
         os.environ["LOCAL_WORLD_SIZE"] = "8"
-        assert tagc.hook(dense_steps=0).ranks_per_host == 8 and tagc.hook(dense_steps=0, ranks_per_host=2).ranks_per_host == 2
+        assert (
+            tagc.hook(dense_steps=0).ranks_per_host == 8
+            and tagc.hook(dense_steps=0, ranks_per_host=2).ranks_per_host == 2
+        )
         os.environ.pop("LOCAL_WORLD_SIZE")
         assert tagc.hook(dense_steps=0).ranks_per_host is None
         assert tagc.hook(dense_steps=0).settings()["hierarchy"] == "auto"
@@ -186,7 +200,9 @@ def _invalid(rank, world):
     messages["divide"] = str(error.value)
     for name, mine, theirs in [("hierarchy", "auto", "flat"), ("ranks_per_host", 2, 1)]:
         with pytest.raises(ValueError, match="settings differ") as error:
-            _exchange(tagc.hook(**{"dense_steps": 0, "ranks_per_host": PER_HOST, name: mine if rank == 0 else theirs}), grad)
+            _exchange(
+                tagc.hook(**{"dense_steps": 0, "ranks_per_host": PER_HOST, name: mine if rank == 0 else theirs}), grad
+            )
         messages[name] = str(error.value)
     agreed = _exchange(tagc.hook(dense_steps=0, ranks_per_host=PER_HOST), grad)  # the group still works
     return messages, bool(torch.isfinite(agreed).all())
@@ -195,7 +211,10 @@ def _invalid(rank, world):
 def test_invalid_and_mismatched_topology_settings_are_clear_errors_on_every_rank():
     for messages, still_works in run_ranks(_invalid, WORLD):
         assert still_works
-        assert "hierarchy (this rank" in messages["hierarchy"] and "ranks_per_host (this rank" in messages["ranks_per_host"]
+        assert (
+            "hierarchy (this rank" in messages["hierarchy"]
+            and "ranks_per_host (this rank" in messages["ranks_per_host"]
+        )
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -235,20 +254,37 @@ def _fsdp2_runs(rank, world, mesh, variants: dict, steps: int = 2):
             loss = model(x).square().mean()
             loss.backward()
             losses[name].append(loss.item())
-            grads[name].append({n: (p.grad.to_local().clone(), tuple(p.grad.placements)) for n, p in model.named_parameters()})
+            grads[name].append(
+                {n: (p.grad.to_local().clone(), tuple(p.grad.placements)) for n, p in model.named_parameters()}
+            )
             optimizers[name].step()
             optimizers[name].zero_grad()
-    params = {name: {n: p.to_local().detach().clone() for n, p in model.named_parameters()} for name, model in models.items()}
-    return {"grads": grads, "losses": losses, "params": params, "stats": {n: h.stats()["total"] for n, h in hooks.items()},
-            "hierarchical": {n: any(t.hierarchical for t in h._topologies.values()) for n, h in hooks.items()}}
+    params = {
+        name: {n: p.to_local().detach().clone() for n, p in model.named_parameters()} for name, model in models.items()
+    }
+    return {
+        "grads": grads,
+        "losses": losses,
+        "params": params,
+        "stats": {n: h.stats()["total"] for n, h in hooks.items()},
+        "hierarchical": {n: any(t.hierarchical for t in h._topologies.values()) for n, h in hooks.items()},
+    }
 
 
 def _fsdp2_flat_mesh(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    return _fsdp2_runs(rank, world, mesh, {"native": (None, None), "plain": (dict(codec="plain", ranks_per_host=PER_HOST), None),
-                                           "blocking": (dict(codec="plain", ranks_per_host=PER_HOST, overlap=False), None)})
+    return _fsdp2_runs(
+        rank,
+        world,
+        mesh,
+        {
+            "native": (None, None),
+            "plain": (dict(codec="plain", ranks_per_host=PER_HOST), None),
+            "blocking": (dict(codec="plain", ranks_per_host=PER_HOST, overlap=False), None),
+        },
+    )
 
 
 def _close(a: dict, b: dict, tol: float = 1e-6) -> None:
@@ -357,9 +393,13 @@ def _simple(rank, world, compiled):
         for model in models:
             model.zero_grad()
     ops = [op for graph in graphs.get("backward", []) for op in graph]
-    return {"errors": errors, "stats": [h.stats()["total"] for h in hooks],
-            "all_to_alls": ops.count("_c10d_functional.all_to_all_single.default"), "encodes": ops.count("tagc.encode.default"),
-            "opaque": ops.count("tagc.reduce_scatter.default")}
+    return {
+        "errors": errors,
+        "stats": [h.stats()["total"] for h in hooks],
+        "all_to_alls": ops.count("_c10d_functional.all_to_all_single.default"),
+        "encodes": ops.count("tagc.encode.default"),
+        "opaque": ops.count("tagc.reduce_scatter.default"),
+    }
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -368,9 +408,15 @@ def test_simple_fsdp_hierarchical_equals_the_reference(compiled):
         eager, hooked = result["stats"]
         if compiled:
             assert max(result["errors"]) == 0.0  # one arithmetic, eager or traced
-            assert eager["wire_bytes"] == hooked["wire_bytes"] and eager["inter_host_bytes"] == hooked["inter_host_bytes"] > 0
+            assert (
+                eager["wire_bytes"] == hooked["wire_bytes"]
+                and eager["inter_host_bytes"] == hooked["inter_host_bytes"] > 0
+            )
             # per unit: the intra-host all-to-all, then encode -> all-to-all on the cross group -> decode
             assert result["opaque"] == 0 and result["all_to_alls"] == 2 * result["encodes"] > 0
         else:
             assert max(result["errors"]) < 1e-6
-            assert hooked["wire_bytes"] == eager["wire_bytes"] and hooked["inter_host_bytes"] > 0 == eager["inter_host_bytes"]
+            assert (
+                hooked["wire_bytes"] == eager["wire_bytes"]
+                and hooked["inter_host_bytes"] > 0 == eager["inter_host_bytes"]
+            )

@@ -18,13 +18,18 @@ CHUNK = 300_000
 
 def segments(chunk=CHUNK):
     """Two compressible 'weights' and a small plain 'bias' in every chunk."""
-    return [Segment("mlp.c_fc.weight", 0, chunk - 1000 - 150_000), Segment("mlp.c_fc.bias", chunk - 1000 - 150_000, 1000),
-            Segment("mlp.c_proj.weight", chunk - 150_000, 150_000)]
+    return [
+        Segment("mlp.c_fc.weight", 0, chunk - 1000 - 150_000),
+        Segment("mlp.c_fc.bias", chunk - 1000 - 150_000, 1000),
+        Segment("mlp.c_proj.weight", chunk - 150_000, 150_000),
+    ]
 
 
 def exchange(rank, world, hook, grad, op=dist.ReduceOp.AVG, segs=None):
     out = torch.empty(grad.numel() // world)
-    hook.reduce_scatter(out, grad.reshape(-1).clone(), None, op, segs if segs is not None else segments(grad.numel() // world))
+    hook.reduce_scatter(
+        out, grad.reshape(-1).clone(), None, op, segs if segs is not None else segments(grad.numel() // world)
+    )
     return out
 
 
@@ -228,8 +233,10 @@ def run_ranks_allow_missing(fn, world):
 
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_entry, args=(world, out, fn, (), 20.0, False), nprocs=world, join=True)
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) if os.path.exists(os.path.join(out, f"rank{r}.pt")) else None
-                for r in range(world)]
+        return [
+            torch.load(os.path.join(out, f"rank{r}.pt")) if os.path.exists(os.path.join(out, f"rank{r}.pt")) else None
+            for r in range(world)
+        ]
 
 
 def nonfinite(rank, world, policy):
@@ -246,15 +253,30 @@ def nonfinite(rank, world, policy):
         return None
     out = exchange(rank, world, hook, grad)
     (parts,) = hook.residuals.values()
-    return out, hook.stats()["total"]["nonfinite_parts"], all(bool(torch.isfinite(p).all()) for p in parts), before, parts
+    return (
+        out,
+        hook.stats()["total"]["nonfinite_parts"],
+        all(bool(torch.isfinite(p).all()) for p in parts),
+        before,
+        parts,
+    )
 
 
 def test_nonfinite_gradient_reaches_every_owner_or_raises():
     results = run_ranks(nonfinite, 2, "propagate")
     assert torch.isnan(results[0][0][5])  # the NaN reaches its owner, as plain FSDP would
-    for out, count, finite_residuals, _, _ in results:  # the compressed part is NaN on every owner; the plain bias is not
+    for (
+        out,
+        count,
+        finite_residuals,
+        _,
+        _,
+    ) in results:  # the compressed part is NaN on every owner; the plain bias is not
         assert count == 1 and finite_residuals
-        assert torch.isnan(out[: CHUNK - 1000 - 150_000]).all() and torch.isfinite(out[CHUNK - 1000 - 150_000 : CHUNK - 150_000]).all()
+        assert (
+            torch.isnan(out[: CHUNK - 1000 - 150_000]).all()
+            and torch.isfinite(out[CHUNK - 1000 - 150_000 : CHUNK - 150_000]).all()
+        )
     (_, _, _, before1, after1) = results[1]
     assert all(torch.equal(a, b) for a, b in zip(before1, after1))  # the rank with the NaN keeps its residual as it was
     run_ranks(nonfinite, 2, "raise")
@@ -264,7 +286,9 @@ def world_one_and_tiny(rank, world):
     hook = tagc.hook(dense_steps=0, ratio=10)
     if world == 1:
         grad = torch.randn(1, 1000)
-        return torch.equal(exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 1000)]), grad[0])
+        return torch.equal(
+            exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 1000)]), grad[0]
+        )
     tiny = torch.randn(world, 7)  # below the size floor: plain, exact
     out = exchange(rank, world, hook, tiny, op=dist.ReduceOp.SUM, segs=[Segment("mlp.c_fc.weight", 0, 5)])
     everyone = [torch.empty_like(tiny) for _ in range(world)]
@@ -315,7 +339,9 @@ def test_the_hook_runs_on_the_triton_kernels():
 
 
 def raw_resend(rank, world):
-    hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select="all", fallback="raw", min_part=1 << 16)  # dense: far above the threshold
+    hook = tagc.hook(
+        dense_steps=0, ratio=10, sparsity=0.0, select="all", fallback="raw", min_part=1 << 16
+    )  # dense: far above the threshold
     torch.manual_seed(rank)
     grad = torch.randn(world, 100_000)
     out = exchange(rank, world, hook, grad, op=dist.ReduceOp.SUM, segs=[Segment("w", 0, 100_000)])
@@ -343,12 +369,16 @@ def dense_warmup(rank, world):
         exact = sum(g[rank] for g in everyone) / world
         hook.end_step()
         last = hook.stats()["last_step"]
-        results.append(((out - exact).abs().max().item(), last["compressed_buckets"], last["wire_bytes"], len(hook.residuals)))
+        results.append(
+            ((out - exact).abs().max().item(), last["compressed_buckets"], last["wire_bytes"], len(hook.residuals))
+        )
     return results
 
 
 def test_dense_warmup_sends_the_first_steps_plain():
-    for (err0, comp0, wire0, res0), (err1, comp1, wire1, res1), (err2, comp2, wire2, res2) in run_ranks(dense_warmup, 2):
+    for (err0, comp0, wire0, res0), (err1, comp1, wire1, res1), (err2, comp2, wire2, res2) in run_ranks(
+        dense_warmup, 2
+    ):
         assert err0 < 1e-6 and err1 < 1e-6  # warm-up steps: the exact mean, nothing kept back
         assert comp0 == comp1 == 0 and res0 == res1 == 0 and wire0 == wire1
         assert comp2 == 1 and res2 == 1 and wire2 < wire1 / 4 and err2 > 1e-3  # then compressed (lossy vs dense)

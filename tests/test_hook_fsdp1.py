@@ -18,7 +18,9 @@ def train_fsdp1(rank, world, use_tagc, unit_ratio=None):
     if use_tagc:
         from tagc.hooks.selection import ratio_for
 
-        select = "all" if unit_ratio is None else ratio_for("", unit_ratio, "all")  # built here: a closure does not pickle
+        select = (
+            "all" if unit_ratio is None else ratio_for("", unit_ratio, "all")
+        )  # built here: a closure does not pickle
         hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select=select, min_compress_numel=1024)
         tagc.register_comm_hook(model, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -78,7 +80,12 @@ def test_fsdp1_units_are_selected_by_their_full_names():
     assert decided["transformer.h.0.attn.c_attn.weight+transformer.h.0.attn.c_attn.bias"] is False
     assert decided["transformer.h.1.mlp.c_fc.weight+transformer.h.1.mlp.c_fc.bias"] is True
     assert decided["transformer.h.0.attn.c_proj.weight+transformer.h.0.attn.c_proj.bias"] is True
-    assert decided["transformer.h.0.ln_1.weight+transformer.h.0.ln_1.bias+transformer.h.0.ln_2.weight+transformer.h.0.ln_2.bias"] is False
+    assert (
+        decided[
+            "transformer.h.0.ln_1.weight+transformer.h.0.ln_1.bias+transformer.h.0.ln_2.weight+transformer.h.0.ln_2.bias"
+        ]
+        is False
+    )
     root = next(name for name in decided if name.startswith("transformer.wte.weight"))
     assert decided[root] is True  # the (tied) embedding dominates the root unit
 

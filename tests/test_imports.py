@@ -109,7 +109,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_project():
-    assert {"tagc", "tagc.hooks.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train", "testbed.hosts"} <= set(MODULES)
+    assert {"tagc", "tagc.hooks.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train", "testbed.hosts"} <= set(
+        MODULES
+    )
     assert "tagc.kernels.ops" in GRAPH["tagc.kernels.dispatch"]  # a function-level import counts
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -118,12 +120,21 @@ def test_no_import_cycle():
     assert _cycles(GRAPH) == []
 
 
-@pytest.mark.parametrize("importer, forbidden", [
-    ("fsdp_integration", ("tagc", "gpt2_bench", "testbed")),  # the FSDP wrapper knows nothing of TAGC: TAGC installs itself
-    ("tagc", ("gpt2_bench", "fsdp_integration", "testbed")),  # the library knows nothing of its experiments nor of a wrapper
-    ("testbed", ("gpt2_bench",)),  # the tooling serves the experiments, never the reverse
-    ("backward_drain", ("tagc", "fsdp_integration", "gpt2_bench", "testbed")),  # torch only: both wrappers share it
-])
+@pytest.mark.parametrize(
+    "importer, forbidden",
+    [
+        (
+            "fsdp_integration",
+            ("tagc", "gpt2_bench", "testbed"),
+        ),  # the FSDP wrapper knows nothing of TAGC: TAGC installs itself
+        (
+            "tagc",
+            ("gpt2_bench", "fsdp_integration", "testbed"),
+        ),  # the library knows nothing of its experiments nor of a wrapper
+        ("testbed", ("gpt2_bench",)),  # the tooling serves the experiments, never the reverse
+        ("backward_drain", ("tagc", "fsdp_integration", "gpt2_bench", "testbed")),  # torch only: both wrappers share it
+    ],
+)
 def test_dependencies_point_one_way(importer, forbidden):
     wrong = sorted(f"{module} imports {name}" for module, names in IMPORTS.items()
                    if module.split(".")[0] == importer for name in names if name.split(".")[0] in forbidden)

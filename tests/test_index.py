@@ -61,7 +61,9 @@ def test_index_shape_is_checked():
         build_index(torch.ones(4), 2)
 
 
-@given(numel=st.integers(1, 500), density=st.floats(0.0, 1.0), bits=st.sampled_from([1, 4]), seed=st.integers(0, 2**31 - 1))
+@given(
+    numel=st.integers(1, 500), density=st.floats(0.0, 1.0), bits=st.sampled_from([1, 4]), seed=st.integers(0, 2**31 - 1)
+)
 @settings(max_examples=60, deadline=None)
 def test_index_positions_are_the_support(numel, density, bits, seed):
     from tagc.sketch import index_positions

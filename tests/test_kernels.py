@@ -181,7 +181,11 @@ def _compress_both(grad, residual, density, layout, bits, tau=None):
 
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("bits", [1, 4])
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-grad", "bf16-both"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32", "bf16-grad", "bf16-both"],
+)
 def test_compress_matches_reference(numel, bits, dtypes):
     grad_dtype, res_dtype = dtypes
     layout = _layout(numel)
@@ -436,7 +440,9 @@ def _assert_coded_like_reference(mask: torch.Tensor, cap: int, low: int) -> None
     assert got.dtype == torch.uint8 and got.shape == (rows, coded.coded_row_bytes(numel, cap, low))
     assert torch.equal(got, code), "code_index differs from the reference"
     positions, count = coded.positions_from_mask(mask, cap)
-    assert torch.equal(dispatch.encode_positions(positions, count, numel, cap, low, **TRITON), code), "encode_positions differs"
+    assert torch.equal(dispatch.encode_positions(positions, count, numel, cap, low, **TRITON), code), (
+        "encode_positions differs"
+    )
     decoded, decoded_count = dispatch.decode_positions(code, numel, cap, low, **TRITON)
     want, want_count = coded.decode_positions(code, numel, cap, low)
     assert torch.equal(decoded, want) and torch.equal(decoded_count, want_count), "decode_positions differs"
@@ -446,7 +452,8 @@ def _assert_coded_like_reference(mask: torch.Tensor, cap: int, low: int) -> None
 
 
 def _adversarial_mask(rows: int, numel: int, density: float) -> torch.Tensor:
-    """Random rows, then: an empty row, a full first block, a dense (bitmap) block, one entry per block, the last position."""
+    """Random rows, then: an empty row, a full first block, a dense (bitmap) block, one entry per block,
+    the last position."""
     mask = torch.rand(rows, numel, device=DEVICE) < density
     if rows > 1:
         mask[1] = False
@@ -475,7 +482,8 @@ def test_coded_positions_match_reference(rows, numel):
 
 @pytest.mark.parametrize("low", [0, 4, 12])
 def test_coded_positions_every_block_kind(low):
-    """Blocks of every kind in one row: empty, sparse Elias-Fano, exactly at the switch, bitmap, full, a partial last."""
+    """Blocks of every kind in one row: empty, sparse Elias-Fano, exactly at the switch, bitmap, full,
+    a partial last."""
     block = coded.CODE_BLOCK
     numel = 6 * block + 1000
     mask = torch.zeros(2, numel, dtype=torch.bool, device=DEVICE)
@@ -533,14 +541,19 @@ def _list_both(grad, residual, density, cap, tau=None):
     want = kept_list.list_kept_(grad, res_r, density, cap, tau=tau)
     for name, a, b in zip(("counts", "offsets", "values", "residual"), (*got, res_k), (*want, res_r)):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{name} differ from the reference"
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (
+            f"{name} differ from the reference"
+        )
     return got
 
 
 _LIST_CASES = [
     *[(numel, dtypes, integer) for numel in (5, 4096 + 13) for dtypes in ("fp32", "bf16") for integer in (False, True)],
     (65_536 + 1000, "fp32", True),  # two position blocks
-    *[pytest.param(65_536 + 1000, dtypes, integer, marks=pytest.mark.slow) for dtypes, integer in (("fp32", False), ("bf16", False), ("bf16", True))],
+    *[
+        pytest.param(65_536 + 1000, dtypes, integer, marks=pytest.mark.slow)
+        for dtypes, integer in (("fp32", False), ("bf16", False), ("bf16", True))
+    ],
 ]
 
 
@@ -579,7 +592,9 @@ def test_sum_lists_matches_reference(ranks, numel):
     """Bit for bit, rows added in rank order: shared positions get values whose float32 sum depends on order."""
     density = 0.05
     grad = torch.randn(ranks, numel, device=DEVICE)
-    grad[:, :64] = torch.tensor([1e8, 1.0, -1e8, 3.0], device=DEVICE)[torch.arange(ranks, device=DEVICE) % 4, None] * 1e3
+    grad[:, :64] = (
+        torch.tensor([1e8, 1.0, -1e8, 3.0], device=DEVICE)[torch.arange(ranks, device=DEVICE) % 4, None] * 1e3
+    )
     cap = capacity(numel, density)
     counts, offsets, values = kept_list.list_kept_(grad, torch.zeros_like(grad), density, cap)
     got = dispatch.sum_lists(counts, offsets, values, numel, **TRITON)
@@ -646,8 +661,20 @@ def test_ops_fake_implementations():
     with FakeTensorMode(allow_non_fake_inputs=True):
         grad, residual = torch.empty(2, 1000), torch.empty(2, 1000)
         assert ops.row_thresholds(residual, grad, 0.1).shape == (2,)
-        index, table, held = ops.compress_(grad, residual, torch.empty(2), t.rows, t.signs, t.lane_xor, layout.lane_bits,
-                                           layout.table_numel, 4, 100, 110, *inverse)
+        index, table, held = ops.compress_(
+            grad,
+            residual,
+            torch.empty(2),
+            t.rows,
+            t.signs,
+            t.lane_xor,
+            layout.lane_bits,
+            layout.table_numel,
+            4,
+            100,
+            110,
+            *inverse,
+        )
         assert index.shape == (2, 500) and index.dtype == torch.uint8 and table.shape == (2, layout.table_numel)
         assert held.shape == (2,) and held.dtype == torch.int64
         out, state, stats, rest = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4,
@@ -663,8 +690,20 @@ def test_ops_under_torch_compile():
 
     def step(grad, residual):
         tau = torch.ops.tagc.row_thresholds(residual, grad, 0.05)
-        return torch.ops.tagc.compress(grad, residual, tau, t.rows, t.signs, t.lane_xor, layout.lane_bits, layout.table_numel, 1,
-                                       keep_limit(1000, 0.05), capacity(1000, 0.05), *inverse)
+        return torch.ops.tagc.compress(
+            grad,
+            residual,
+            tau,
+            t.rows,
+            t.signs,
+            t.lane_xor,
+            layout.lane_bits,
+            layout.table_numel,
+            1,
+            keep_limit(1000, 0.05),
+            capacity(1000, 0.05),
+            *inverse,
+        )
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     grad = torch.randn(2, 1000, device=DEVICE)
@@ -677,7 +716,8 @@ def test_ops_under_torch_compile():
 
 
 def test_positions_and_list_ops_fake_and_under_torch_compile():
-    """The coded-positions and kept-list ops: fake shapes for tracing, and a compiled graph giving the reference's bytes."""
+    """The coded-positions and kept-list ops: fake shapes for tracing, and a compiled graph giving the
+    reference's bytes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     numel, cap, low = 9000, 500, 4
@@ -685,12 +725,18 @@ def test_positions_and_list_ops_fake_and_under_torch_compile():
         index = torch.empty(2, 1125, dtype=torch.uint8)
         code = torch.ops.tagc.code_index(index, numel, cap, low)
         assert code.shape == (2, coded.coded_row_bytes(numel, cap, low)) and code.dtype == torch.uint8
-        assert torch.ops.tagc.encode_positions(torch.empty(2, cap, dtype=torch.int64), torch.empty(2, dtype=torch.int64),
-                                               numel, cap, low).shape == code.shape
+        assert (
+            torch.ops.tagc.encode_positions(
+                torch.empty(2, cap, dtype=torch.int64), torch.empty(2, dtype=torch.int64), numel, cap, low
+            ).shape
+            == code.shape
+        )
         positions, count = torch.ops.tagc.decode_positions(code, numel, cap, low)
         assert positions.shape == (2, cap) and count.shape == (2,) and positions.dtype == torch.int64
         assert torch.ops.tagc.union_index(code, numel, cap, low).shape == (1125,)
-        counts, offsets, values = torch.ops.tagc.list_kept(torch.empty(2, numel), torch.empty(2, numel), torch.empty(2), cap, 400)
+        counts, offsets, values = torch.ops.tagc.list_kept(
+            torch.empty(2, numel), torch.empty(2, numel), torch.empty(2), cap, 400
+        )
         assert counts.shape == (2, 2) and offsets.dtype == torch.uint16 and values.shape == (2, cap)
         assert torch.ops.tagc.sum_lists(counts, offsets, values, numel).shape == (numel,)
 
@@ -741,30 +787,208 @@ _BUILD_KERNELS = textwrap.dedent(
     def sketch_and_decode():
         for grad in ("*fp32", "*bf16"):
             for bits in (1, 4):
-                build(compress._count_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"), dict(BITS=bits, BLOCK=1024))
-                build(compress._compress_kernel, dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", index_ptr="*u8", sent_ptr="*fp32", above_before_ptr="*i32", ties_before_ptr="*i32", room_ptr="*i32", cap="i32", numel="i32", nbytes="i32"), dict(BITS=bits, BLOCK=1024))
+                build(
+                    compress._count_kernel,
+                    dict(grad_ptr=grad, res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"),
+                    dict(BITS=bits, BLOCK=1024),
+                )
+                build(
+                    compress._compress_kernel,
+                    dict(
+                        grad_ptr=grad,
+                        res_ptr="*fp32",
+                        tau_ptr="*fp32",
+                        index_ptr="*u8",
+                        sent_ptr="*fp32",
+                        above_before_ptr="*i32",
+                        ties_before_ptr="*i32",
+                        room_ptr="*i32",
+                        cap="i32",
+                        numel="i32",
+                        nbytes="i32",
+                    ),
+                    dict(BITS=bits, BLOCK=1024),
+                )
         for lane_bits, rows in ((10, 2), (0, 2048)):
-            build(compress._table_kernel, dict(sent_ptr="*fp32", table_ptr="*fp32", by_row_ptr="*i64", row_start_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", numel="i32", table_numel="i32", table_rows="i32"), dict(LANE_BITS=lane_bits, ROWS=rows))
+            build(
+                compress._table_kernel,
+                dict(
+                    sent_ptr="*fp32",
+                    table_ptr="*fp32",
+                    by_row_ptr="*i64",
+                    row_start_ptr="*i64",
+                    signs_ptr="*fp32",
+                    xor_ptr="*i64",
+                    numel="i32",
+                    table_numel="i32",
+                    table_rows="i32",
+                ),
+                dict(LANE_BITS=lane_bits, ROWS=rows),
+            )
         for bits, lane_bits, bb in ((1, 10, 4), (4, 0, 4096)):
-            build(peel._setup_kernel, dict(index_ptr="*u8", state_ptr="*i8", counts_ptr="*i32", per_column_ptr="*i32", rows_ptr="*i64", xor_ptr="*i64", numel="i32", blocks="i32"), dict(LANE_BITS=lane_bits, BITS=bits, BB=bb))
-            build(peel._list_kernel, dict(state_ptr="*i8", first_ptr="*i32", list_ptr="*i32", xor_ptr="*i64", numel="i32", blocks="i32"), dict(LANE_BITS=lane_bits, BB=bb))
-        build(peel._check_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", stats_ptr="*i64", table_numel="i32"), dict(INCONSISTENT=7, BLOCK=1024))
+            build(
+                peel._setup_kernel,
+                dict(
+                    index_ptr="*u8",
+                    state_ptr="*i8",
+                    counts_ptr="*i32",
+                    per_column_ptr="*i32",
+                    rows_ptr="*i64",
+                    xor_ptr="*i64",
+                    numel="i32",
+                    blocks="i32",
+                ),
+                dict(LANE_BITS=lane_bits, BITS=bits, BB=bb),
+            )
+            build(
+                peel._list_kernel,
+                dict(state_ptr="*i8", first_ptr="*i32", list_ptr="*i32", xor_ptr="*i64", numel="i32", blocks="i32"),
+                dict(LANE_BITS=lane_bits, BB=bb),
+            )
+        build(
+            peel._check_kernel,
+            dict(work_ptr="*fp64", counts_ptr="*i32", stats_ptr="*i64", table_numel="i32"),
+            dict(INCONSISTENT=7, BLOCK=1024),
+        )
         for fallback, lane_bits in ((0, 10), (1, 0), (2, 4)):
-            build(peel._peel_kernel, dict(work_ptr="*fp64", counts_ptr="*i32", owner_ptr="*i32", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", list_ptr="*i32", support_ptr="*i32", stuck_ptr="*i64", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64", blocks="i32"), dict(LANE_BITS=lane_bits, TILE=1024, FALLBACK=fallback, STUCK_CAP=256))
-            build(peel._solve_kernel, dict(work_ptr="*fp64", stuck_ptr="*i64", system_ptr="*fp64", rhs_ptr="*fp64", out_ptr="*fp32", state_ptr="*i8", stats_ptr="*i64", rest_ptr="*i64", rows_ptr="*i64", signs_ptr="*fp32", xor_ptr="*i64"), dict(LANE_BITS=lane_bits, M=256, ROWS=16, FALLBACK=fallback, TOL=3e-9))
+            build(
+                peel._peel_kernel,
+                dict(
+                    work_ptr="*fp64",
+                    counts_ptr="*i32",
+                    owner_ptr="*i32",
+                    out_ptr="*fp32",
+                    state_ptr="*i8",
+                    stats_ptr="*i64",
+                    list_ptr="*i32",
+                    support_ptr="*i32",
+                    stuck_ptr="*i64",
+                    rows_ptr="*i64",
+                    signs_ptr="*fp32",
+                    xor_ptr="*i64",
+                    blocks="i32",
+                ),
+                dict(LANE_BITS=lane_bits, TILE=1024, FALLBACK=fallback, STUCK_CAP=256),
+            )
+            build(
+                peel._solve_kernel,
+                dict(
+                    work_ptr="*fp64",
+                    stuck_ptr="*i64",
+                    system_ptr="*fp64",
+                    rhs_ptr="*fp64",
+                    out_ptr="*fp32",
+                    state_ptr="*i8",
+                    stats_ptr="*i64",
+                    rest_ptr="*i64",
+                    rows_ptr="*i64",
+                    signs_ptr="*fp32",
+                    xor_ptr="*i64",
+                ),
+                dict(LANE_BITS=lane_bits, M=256, ROWS=16, FALLBACK=fallback, TOL=3e-9),
+            )
 
     def the_others():
         for grad in ("*fp32", "*bf16"):
             for p in (0, 1):
-                build(radix_select._radix_hist_kernel, dict(res_ptr="*fp32", grad_ptr=grad, hist_ptr="*i32", prefix_ptr="*i32", numel="i32", size="i32", stride="i32"), dict(HAS_GRAD=True, SAMPLED=p == 1, PASS=p, BLOCK=1024))
-        build(positions._count_kernel, dict(index_ptr="*u8", counts_ptr="*i32", numel="i32", stride="i32", blocks="i32"), {})
+                build(
+                    radix_select._radix_hist_kernel,
+                    dict(
+                        res_ptr="*fp32",
+                        grad_ptr=grad,
+                        hist_ptr="*i32",
+                        prefix_ptr="*i32",
+                        numel="i32",
+                        size="i32",
+                        stride="i32",
+                    ),
+                    dict(HAS_GRAD=True, SAMPLED=p == 1, PASS=p, BLOCK=1024),
+                )
+        build(
+            positions._count_kernel,
+            dict(index_ptr="*u8", counts_ptr="*i32", numel="i32", stride="i32", blocks="i32"),
+            {},
+        )
         for low, union in ((0, False), (4, True)):  # both sides of the LOW > 0 branch, both outputs
-            build(positions._code_bitmap_kernel, dict(index_ptr="*u8", m_ptr="*i64", start_ptr="*i64", body_ptr="*i32", numel="i32", stride="i32", blocks="i32", body_words="i32"), dict(LOW=low, B_BITS=12))
-            build(positions._decode_kernel, dict(code_ptr="*u8", m_ptr="*i64", first_ptr="*i64", start_ptr="*i64", out_ptr="*i32" if union else "*i64", numel="i32", cap="i32", blocks="i32", row_bytes="i32"), dict(LOW=low, B_BITS=12, UNION=union))
-        build(positions._code_list_kernel, dict(pos_ptr="*i64", m_ptr="*i64", first_ptr="*i64", start_ptr="*i64", body_ptr="*i32", cap="i32", blocks="i32", body_words="i32"), dict(LOW=4, B_BITS=12, TILE=1024))
-        build(kept_list._list_count_kernel, dict(grad_ptr="*fp32", res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"), dict(BLOCK=1024))
-        build(kept_list._list_write_kernel, dict(grad_ptr="*bf16", res_ptr="*bf16", tau_ptr="*fp32", ties_before_ptr="*i64", room_ptr="*i64", kept_before_ptr="*i64", ok_ptr="*i32", offsets_ptr="*u16", values_ptr="*fp32", numel="i32", cap="i32"), dict(BLOCK=1024, POSITION_BLOCK=65536))
-        build(kept_list._sum_lists_kernel, dict(counts_ptr="*i32", offsets_ptr="*u16", values_ptr="*fp32", first_ptr="*i64", out_ptr="*fp32", numel="i32", cap="i32"), dict(TILE=1024, POSITION_BLOCK=65536))
+            build(
+                positions._code_bitmap_kernel,
+                dict(
+                    index_ptr="*u8",
+                    m_ptr="*i64",
+                    start_ptr="*i64",
+                    body_ptr="*i32",
+                    numel="i32",
+                    stride="i32",
+                    blocks="i32",
+                    body_words="i32",
+                ),
+                dict(LOW=low, B_BITS=12),
+            )
+            build(
+                positions._decode_kernel,
+                dict(
+                    code_ptr="*u8",
+                    m_ptr="*i64",
+                    first_ptr="*i64",
+                    start_ptr="*i64",
+                    out_ptr="*i32" if union else "*i64",
+                    numel="i32",
+                    cap="i32",
+                    blocks="i32",
+                    row_bytes="i32",
+                ),
+                dict(LOW=low, B_BITS=12, UNION=union),
+            )
+        build(
+            positions._code_list_kernel,
+            dict(
+                pos_ptr="*i64",
+                m_ptr="*i64",
+                first_ptr="*i64",
+                start_ptr="*i64",
+                body_ptr="*i32",
+                cap="i32",
+                blocks="i32",
+                body_words="i32",
+            ),
+            dict(LOW=4, B_BITS=12, TILE=1024),
+        )
+        build(
+            kept_list._list_count_kernel,
+            dict(grad_ptr="*fp32", res_ptr="*fp32", tau_ptr="*fp32", counts_ptr="*i32", numel="i32"),
+            dict(BLOCK=1024),
+        )
+        build(
+            kept_list._list_write_kernel,
+            dict(
+                grad_ptr="*bf16",
+                res_ptr="*bf16",
+                tau_ptr="*fp32",
+                ties_before_ptr="*i64",
+                room_ptr="*i64",
+                kept_before_ptr="*i64",
+                ok_ptr="*i32",
+                offsets_ptr="*u16",
+                values_ptr="*fp32",
+                numel="i32",
+                cap="i32",
+            ),
+            dict(BLOCK=1024, POSITION_BLOCK=65536),
+        )
+        build(
+            kept_list._sum_lists_kernel,
+            dict(
+                counts_ptr="*i32",
+                offsets_ptr="*u16",
+                values_ptr="*fp32",
+                first_ptr="*i64",
+                out_ptr="*fp32",
+                numel="i32",
+                cap="i32",
+            ),
+            dict(TILE=1024, POSITION_BLOCK=65536),
+        )
+
 
     sketch_and_decode()
     if MODE != "atomics":

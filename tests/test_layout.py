@@ -71,7 +71,9 @@ def test_seed_changes_layout_and_same_seed_repeats():
     assert not torch.equal(a.block_rows, c.block_rows)
 
 
-@pytest.mark.parametrize("kwargs", [{"numel": 0, "ratio": 10}, {"numel": 10, "ratio": 1}, {"numel": 10, "ratio": 10, "lane": 6}])
+@pytest.mark.parametrize(
+    "kwargs", [{"numel": 0, "ratio": 10}, {"numel": 10, "ratio": 1}, {"numel": 10, "ratio": 10, "lane": 6}]
+)
 def test_bad_layout_arguments(kwargs):
     with pytest.raises(ValueError):
         SketchLayout(**kwargs)

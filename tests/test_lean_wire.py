@@ -65,7 +65,9 @@ def test_lean_options_cut_the_wire_as_documented(world):
     topk_lean = wire_bits_per_element("topk", LEAN, numel, world)
     assert tagc_bitmap == pytest.approx(1 + 32 / 10, rel=1e-3)
     index_bits = tagc_lean - 16 / 10
-    assert index_bits < 0.3 and index_bits < density * (math.log2(1 / density) + 3)  # ~d (log2(1/d) + 2) + slack; the bitmap's is 1
+    assert index_bits < 0.3 and index_bits < density * (
+        math.log2(1 / density) + 3
+    )  # ~d (log2(1/d) + 2) + slack; the bitmap's is 1
     assert topk_lean < 0.55 * topk_offsets  # 16-bit offsets + fp32 -> ~7-bit codes + bf16
     # topk's lean list: a bf16 value and an Elias-Fano code (~log2(1/d) + 2 bits) per entry of its capacity
     cap = capacity(numel, density) / numel
@@ -83,7 +85,10 @@ def test_topk_lean_sends_exact_bf16_values_and_feeds_their_rounding_back(world, 
     """bf16 values, or float16 scaled per block (``value_dtype="float16"``): what every rank sent, exactly."""
     gen = torch.Generator().manual_seed(world)
     numel = 150_000
-    grads = [torch.randn(3, world, numel, generator=gen) * torch.exp(torch.randn(world, numel, generator=gen)) for _ in range(world)]
+    grads = [
+        torch.randn(3, world, numel, generator=gen) * torch.exp(torch.randn(world, numel, generator=gen))
+        for _ in range(world)
+    ]
     options = {**LEAN, "value_dtype": value_dtype}
     wire_dtypes = [w.dtype for w in make_codec("topk", TAGCConfig(), options=options).wire(numel, world, torch.float32)]
     assert (torch.float16 if value_dtype == "float16" else torch.bfloat16) in wire_dtypes
@@ -155,7 +160,9 @@ def test_scaled_float16_round_trip_within_its_rounding(columns):
     assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype) for w in value_wires(columns, torch.float16)]
     back = unpack_values(wires)
     blocks = torch.nn.functional.pad(values.abs(), (0, -columns % SCALE_BLOCK)).view(3, -1, SCALE_BLOCK).amax(dim=2)
-    bound = torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2**-11  # half an ulp of 11 bits, at the block's top
+    bound = (
+        torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2**-11
+    )  # half an ulp of 11 bits, at the block's top
     assert ((back - values).abs() <= torch.maximum(values.abs() * 2**-11, bound * 2**-13)).all()
     assert torch.equal(back[1], torch.zeros(columns)) and back[2, 0].item() == pytest.approx(1e30, rel=2**-11)
     poisoned = values.clone()
@@ -210,7 +217,9 @@ def test_topk_lean_encode_and_decode_never_read_tensors_on_the_host():
     world, numel = 2, 70_001
     codec = make_codec("topk", TAGCConfig(), options=LEAN)
     wires = codec.encode(torch.empty(world, numel, device="meta"), KEY, None)
-    assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype) for w in codec.wire(numel, world, torch.float32)]
+    assert [(w.shape[1], w.dtype) for w in wires] == [
+        (w.columns, w.dtype) for w in codec.wire(numel, world, torch.float32)
+    ]
     assert codec.decode(wires, numel, KEY, None, ExchangeStats()).shape == (numel,)
 
 

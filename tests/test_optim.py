@@ -166,7 +166,9 @@ def _kept_equals_own_gradient(rank, world, integration, dense_steps):
             checked.add(name)
         opt.step()
         opt.zero_grad()
-    compressed = {n.removeprefix("module.") for n, p in names.items() if p.dim() >= 2 and "wte" not in n}  # not the embedding
+    compressed = {
+        n.removeprefix("module.") for n, p in names.items() if p.dim() >= 2 and "wte" not in n
+    }  # not the embedding
     return {"errors": errors, "checked": checked, "compressed": compressed, "steps_kept": steps_kept}
 
 

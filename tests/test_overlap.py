@@ -66,7 +66,9 @@ def _fsdp2(rank, world, overlap, micro_batches):
     tagc.register_comm_hook(model, hook)
     deferred = []
     original = hook.start
-    hook.start = lambda *args, **kw: (deferred.append(torch._C._current_graph_task_id() != -1), original(*args, **kw))[1]
+    hook.start = lambda *args, **kw: (deferred.append(torch._C._current_graph_task_id() != -1), original(*args, **kw))[
+        1
+    ]
     return _train(model, rank, world, micro_batches, hook=hook), sum(deferred)
 
 
@@ -108,7 +110,8 @@ def test_compiled_exchange_equals_the_overlapped_eager_one(micro_batches):
 
 DELAY_S = 0.4
 COMPUTE_S = 0.3
-"""Each block's backward is made this long (a sleep when its output's gradient arrives), so there is compute to hide behind."""
+"""Each block's backward is made this long (a sleep when its output's gradient arrives), so there is
+compute to hide behind."""
 
 
 class _SlowLink:

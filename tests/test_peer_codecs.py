@@ -357,7 +357,9 @@ ERROR_BOUND = {"bf16": 0.005, "fp8": 0.05, "int4": 0.15, "int4-stochastic": 0.22
 
 def hook_for(name, **settings):
     if name == "int4-stochastic":
-        return tagc.hook(codec="int4", stochastic=True, select="all", min_compress_numel=1000, **{"dense_steps": 0, **settings})
+        return tagc.hook(
+            codec="int4", stochastic=True, select="all", min_compress_numel=1000, **{"dense_steps": 0, **settings}
+        )
     config = {"sparsity": 0.9} if name == "topk" else {}
     return tagc.hook(codec=name, select="all", min_compress_numel=1000, **config, **{"dense_steps": 0, **settings})
 

@@ -129,7 +129,9 @@ def _reference_and_feedback(rank, world):
                             (matrix_residuals(hook)[name] + out[name] - m).abs().max() / m.abs().max()))
             residual[name] = matrix_residuals(hook)[name].clone()
         plain = gathered(exchange(powersgd_hook(select="none"), pack(grads, world), world), world)
-        results.append(((out["a.bias"] - plain["a.bias"]).abs().max(), (out["skip.weight"] - plain["skip.weight"]).abs().max()))
+        results.append(
+            ((out["a.bias"] - plain["a.bias"]).abs().max(), (out["skip.weight"] - plain["skip.weight"]).abs().max())
+        )
     return results
 
 
@@ -228,7 +230,12 @@ def _nonfinite(rank, world):
     after = hook.codec.state_dict()
     kept = all(torch.equal(after[k], v) for k, v in before.items() if "/a.weight/" in k)  # residual, Q, draws
     finite_state = all(bool(torch.isfinite(v).all()) for v in after.values())
-    return bool(out["a.weight"].isnan().all()), bool(torch.isfinite(out["b.weight"]).all() and torch.isfinite(out["a.bias"]).all()), kept, finite_state
+    return (
+        bool(out["a.weight"].isnan().all()),
+        bool(torch.isfinite(out["b.weight"]).all() and torch.isfinite(out["a.bias"]).all()),
+        kept,
+        finite_state,
+    )
 
 
 def test_a_nonfinite_matrix_reaches_every_owner_and_poisons_no_state():
@@ -305,7 +312,9 @@ def _simple_fsdp(rank, world):
 
 
 def test_simple_fsdp_eager_overlapped_blocking_and_compiled_agree():
-    for (overlapped, o_bytes, buckets), (blocking, b_bytes, _), (compiled, c_bytes, _) in run_ranks(_simple_fsdp, 2, timeout_s=300):
+    for (overlapped, o_bytes, buckets), (blocking, b_bytes, _), (compiled, c_bytes, _) in run_ranks(
+        _simple_fsdp, 2, timeout_s=300
+    ):
         assert buckets > 0 and o_bytes == b_bytes == c_bytes
         assert all(torch.equal(a, b) for a, b in zip(overlapped, blocking))
         assert all(torch.equal(a, b) for a, b in zip(overlapped, compiled))  # the exchange is one opaque op there

@@ -53,7 +53,9 @@ def ramp_and_ratios(rank, world, codec):
     (parts,) = hook.residuals.values()
     for part, residual in zip(plan.compressed_parts, parts):
         held[:, part.columns] = residual
-    conserved = (decoded + _owned_sum(held, rank) - _owned_sum(produced, rank)).abs().max() / _owned_sum(produced, rank).abs().max()
+    conserved = (decoded + _owned_sum(held, rank) - _owned_sum(produced, rank)).abs().max() / _owned_sum(
+        produced, rank
+    ).abs().max()
     # the steady wire: each ratio's parts at that ratio (the formula of every codec's wire, per group)
     steady = 0
     for numel, ratio in ((MLP, 10.0), (EMB, 4.0)):
@@ -62,7 +64,9 @@ def ramp_and_ratios(rank, world, codec):
         one = make_codec(codec, tagc.TAGCConfig(ratio=ratio), options=hook.codec_options)
         steady += sum(w.row_bytes for a, b in zip(bounds, bounds[1:]) for w in one.wire(b - a, world, torch.float32))
     steady = (world - 1) * (steady + 1000 * 4)  # + the plain bias
-    kept = [(held[:, s.start:s.start + s.numel] == 0).float().mean().item() for s in SEGMENTS[:2]]  # sent, so nothing held
+    kept = [
+        (held[:, s.start : s.start + s.numel] == 0).float().mean().item() for s in SEGMENTS[:2]
+    ]  # sent, so nothing held
     return float(conserved), wire, steady, kept, hook.config.density(world), tagc.TAGCConfig(ratio=4).density(world)
 
 
@@ -100,7 +104,9 @@ def test_loaded_residuals_reach_every_ratio_of_the_codec():
     at4 = hook._codec_at(4.0)
     assert at4 is not hook.codec and at4.config.ratio == 4.0 and at4.layout(1 << 16).ratio == 4.0
     assert hook.codec.layout(1 << 16).ratio == 10.0
-    hook.load_state_dict({"step": 3, "config": repr(hook.config.fingerprint()), "residual.rank0.b/part0": torch.ones(2, 5)})
+    hook.load_state_dict(
+        {"step": 3, "config": repr(hook.config.fingerprint()), "residual.rank0.b/part0": torch.ones(2, 5)}
+    )
     assert at4.residuals is hook.codec.residuals and torch.equal(at4.residuals["b/part0"], torch.ones(2, 5))
     assert math.isclose(hook._codec_at(10.0).config.ratio, 10.0) and hook._codec_at(10.0) is hook.codec
 

@@ -62,7 +62,9 @@ def _recording_backend(graphs: dict):
 
 
 def test_bucket_layout_pads_rows_like_torch_chunk():
-    entries, chunk = bucket_layout(["a", "b", "c"], [torch.Size([5, 3]), torch.Size([4]), torch.Size([1, 2])], world=4, rank=2)
+    entries, chunk = bucket_layout(
+        ["a", "b", "c"], [torch.Size([5, 3]), torch.Size([4]), torch.Size([1, 2])], world=4, rank=2
+    )
     assert [e.rows for e in entries] == [2, 1, 1]
     assert [e.local_rows for e in entries] == [1, 1, 0]  # torch.chunk: 2, 2, 1, 0 rows of a
     assert [e.start for e in entries] == [0, 6, 7] and chunk == 9
@@ -113,7 +115,9 @@ def _inductor_matches_reference(rank, world):
     loss = compiled(_mine(idx, rank), _mine(tgt, rank))[1]
     loss.backward()
     reference(idx, tgt)[1].backward()
-    return max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return max(
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())
+    )
 
 
 @pytest.mark.slow
@@ -223,7 +227,9 @@ def _traced_halves(rank, world, poison):
 
 
 def test_traced_exchange_equals_the_engine_and_agrees_on_nonfinite():
-    for (engine, _, _, engine_stats), (traced, _, _, traced_stats) in run_ranks(_traced_halves, 2, False, timeout_s=120):
+    for (engine, _, _, engine_stats), (traced, _, _, traced_stats) in run_ranks(
+        _traced_halves, 2, False, timeout_s=120
+    ):
         assert all(torch.equal(a, b) for a, b in zip(engine, traced))  # one path: bit for bit
         assert engine_stats["wire_bytes"] == traced_stats["wire_bytes"] and traced_stats["peel_success"] == 1.0
     for rank_results in run_ranks(_traced_halves, 2, True, timeout_s=120):
@@ -388,7 +394,9 @@ def _generic_hook_point(rank, world):
     before = len(_registry)
     tagc.register_comm_hook(model, tagc.hook(dense_steps=0, min_compress_numel=1024))
     installed = len(_registry) - before
-    model.register_comm_hook(tagc.hook(dense_steps=0, min_compress_numel=1024))  # the one line; over the first: its entries go
+    model.register_comm_hook(
+        tagc.hook(dense_steps=0, min_compress_numel=1024)
+    )  # the one line; over the first: its entries go
     gc.collect()
     replaced = len(_registry) - before
     del model
@@ -465,7 +473,12 @@ def _bf16_compute_fp32_reduce(rank, world):
     reference(idx, tgt)[1].backward()
     rel = max(((p.grad.full_tensor() - q.grad).norm() / q.grad.norm()).item()
               for p, q in zip(model.parameters(), reference.parameters()))
-    return {str(p.dtype) for p in model.parameters()}, {str(p.grad.dtype) for p in model.parameters()}, set(map(str, reduced)), rel
+    return (
+        {str(p.dtype) for p in model.parameters()},
+        {str(p.grad.dtype) for p in model.parameters()},
+        set(map(str, reduced)),
+        rel,
+    )
 
 
 def test_bf16_parameters_reduce_in_fp32():
@@ -497,8 +510,14 @@ def _dcp_round_trip(rank, world, path):
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state["model"])
     fresh_hook.load_state_dict(state["tagc"])
-    weights = max((p.full_tensor() - q.full_tensor()).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))
-    residuals = [(k, torch.equal(v, fresh_hook.residuals[k][i])) for k, parts in hook.residuals.items() for i, v in enumerate(parts)]
+    weights = max(
+        (p.full_tensor() - q.full_tensor()).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters())
+    )
+    residuals = [
+        (k, torch.equal(v, fresh_hook.residuals[k][i]))
+        for k, parts in hook.residuals.items()
+        for i, v in enumerate(parts)
+    ]
     return weights, residuals, sum(v.abs().sum().item() for parts in hook.residuals.values() for v in parts)
 
 
@@ -557,7 +576,9 @@ def _bf16_gather_matches_rounded_reference(rank, world):
     loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
     loss.backward()
     reference(idx, tgt)[1].backward()
-    errors = [(p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())]
+    errors = [
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())
+    ]
     dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
     return {"errors": errors, "dtypes": dtypes, "gathered": model.transformer.h[0].attn.c_attn.weight.dtype}
 

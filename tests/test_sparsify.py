@@ -12,7 +12,9 @@ from tagc.sketch import sparsify as sparsify_module
 from tagc.sketch import split_kept, threshold
 
 
-@given(numel=st.integers(1, 5000), density=st.floats(0.0, 1.0), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**31 - 1))
+@given(
+    numel=st.integers(1, 5000), density=st.floats(0.0, 1.0), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**31 - 1)
+)
 @settings(max_examples=60, deadline=None)
 def test_kept_plus_residual_is_exactly_the_input(numel, density, scale, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -47,9 +47,13 @@ def test_hosts_are_made_shaped_and_removed_on_success_and_on_error():
     hosts = EmulatedHosts(3, "100mbit")
     with hosts:
         assert sorted(_ours(hosts)) == sorted([hosts.switch] + [hosts.namespace(h) for h in range(3)])
-        qdisc = subprocess.run(["tc", "-n", hosts.namespace(1), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["tc", "-n", hosts.namespace(1), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
-        port = subprocess.run(["tc", "-n", hosts.switch, "qdisc", "show", "dev", "p1"], capture_output=True, text=True).stdout
+        port = subprocess.run(
+            ["tc", "-n", hosts.switch, "qdisc", "show", "dev", "p1"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in port  # the download direction is shaped too
     assert _ours(hosts) == [] and not hosts.exists()
     failing = EmulatedHosts(2, "100mbit")
@@ -98,7 +102,9 @@ _SENDER = textwrap.dedent("""
                 c = socket.create_connection((addr, 5000)); break
             except OSError:
                 time.sleep(0.05)
-        t = time.perf_counter(); c.sendall(b"x" * n); c.shutdown(socket.SHUT_WR); c.recv(1); print(time.perf_counter() - t)
+        t = time.perf_counter()
+        c.sendall(b"x" * n); c.shutdown(socket.SHUT_WR); c.recv(1)
+        print(time.perf_counter() - t)
 """)
 
 
@@ -117,7 +123,11 @@ def test_bytes_between_hosts_are_counted_and_paced_at_the_link_rate():
         assert n <= sent <= 1.1 * n
         assert float(client.stdout) >= 0.9 * n * 8 / 100e6
         local = subprocess.Popen(hosts.wrap(0, [sys.executable, "-c", _SENDER, "server", hosts.address(0), str(n)]))
-        subprocess.run(hosts.wrap(0, [sys.executable, "-c", _SENDER, "client", hosts.address(0), str(n)]), capture_output=True, timeout=60)
+        subprocess.run(
+            hosts.wrap(0, [sys.executable, "-c", _SENDER, "client", hosts.address(0), str(n)]),
+            capture_output=True,
+            timeout=60,
+        )
         local.wait(timeout=60)
         assert hosts.tx_bytes(0) - before[0] - sent < 0.01 * n  # its own address: over its loopback
 

@@ -51,7 +51,9 @@ def _numba_runs() -> bool:
     return True
 
 
-TRITON = pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(not _triton_runs(), reason="no triton / interpreter")])
+TRITON = pytest.param(
+    "triton", marks=[pytest.mark.triton, pytest.mark.skipif(not _triton_runs(), reason="no triton / interpreter")]
+)
 NUMBA = pytest.param("numba", marks=pytest.mark.skipif(not _numba_runs(), reason="numba is not installed"))
 BACKENDS = ["torch", NUMBA, TRITON]
 CPU_BACKENDS = ["torch", NUMBA]
@@ -238,7 +240,9 @@ def _available(backends):
     return names
 
 
-@pytest.mark.parametrize("kind,bits", [(kind, 1) for kind in TIE_KINDS + ["bf16_tensor"]] + [("integer", 4), ("bf16_tensor", 4)])
+@pytest.mark.parametrize(
+    "kind,bits", [(kind, 1) for kind in TIE_KINDS + ["bf16_tensor"]] + [("integer", 4), ("bf16_tensor", 4)]
+)
 def test_tie_parity_across_backends(kind, bits):
     """Index and residual bit for bit on every back end, tables too where sums are exact
     (the Numba table always): rows of ties with a residual that also ties."""
@@ -501,12 +505,16 @@ def test_contract_holds_on_random_inputs(numel, ranks, load, spread, cancel, see
     layout = SketchLayout(numel, 5.0, seed=seed)
 
     def scaled(n, g):
-        return torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * spread)
+        return torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** (
+            torch.rand(n, generator=g, dtype=torch.float64) * spread
+        )
 
     rank_values = _sparse_ranks(layout, ranks, load, gen, scale=scaled)
     if ranks > 1:
         flip = (rank_values[0] != 0) & (torch.rand(numel, generator=gen) < cancel)
-        rank_values[1][flip] = (-rank_values[0].double() * (1 + 1e-6 * torch.randn(numel, generator=gen, dtype=torch.float64))).float()[flip]
+        rank_values[1][flip] = (
+            -rank_values[0].double() * (1 + 1e-6 * torch.randn(numel, generator=gen, dtype=torch.float64))
+        ).float()[flip]
     values, _ = _decode_ranks(layout, rank_values, "torch")
     _assert_contract(layout, rank_values, values)
 
@@ -551,7 +559,11 @@ def test_half_precision_converts_exactly(dtype, backend):
     values[spots] = torch.randn(120, generator=gen).to(dtype)
     # the smallest subnormal, except for bf16 in Triton's interpreter, whose bf16 -> fp32 conversion
     # mangles subnormals (compiled kernels convert by a shift, exactly)
-    smallest = info.tiny if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available() else info.tiny * info.eps
+    smallest = (
+        info.tiny
+        if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available()
+        else info.tiny * info.eps
+    )
     values[spots[:4]] = torch.tensor([info.max, -info.tiny, smallest, info.eps], dtype=dtype)
     decoded, stats = _decode(encode(values, layout), build_index(values, 1), layout, 1, backend)
     assert stats.unpeeled == 0
@@ -634,7 +646,9 @@ def test_detection_rate_of_single_missing_positions():
     table, union = torch.stack(tables).sum(0), _merge(indexes, 1)
     support = index_positions(union, layout.numel, 1)
     cells, _ = layout.cells(support)
-    count = torch.zeros(layout.table_numel, dtype=torch.int64).index_add_(0, cells.reshape(-1), torch.ones(cells.numel(), dtype=torch.int64))
+    count = torch.zeros(layout.table_numel, dtype=torch.int64).index_add_(
+        0, cells.reshape(-1), torch.ones(cells.numel(), dtype=torch.int64)
+    )
     # a missing position q: caught iff one of its cells has no other support position
     predicted = (count[cells] == 1).any(1)
     tried = torch.randperm(support.numel(), generator=gen)[:300]

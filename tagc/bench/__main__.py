@@ -27,7 +27,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     name, rest = args[0], args[1:]
     if name in MOVED:
-        raise SystemExit(f"tagc.bench: {name!r} runs over an emulated link, experiment tooling outside the library: {MOVED[name]}")
+        raise SystemExit(
+            f"tagc.bench: {name!r} runs over an emulated link, experiment tooling outside the library: {MOVED[name]}"
+        )
     if name not in BENCHMARKS:
         raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     module_name = name.replace("-", "_")

@@ -200,7 +200,13 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     result = {}
     for op, limit in TARGETS.items():
         row = next(r for r in rows if r["numel"] == numel and r["op"] == ("compress_" if op == "compress" else op))
-        result[op] = {"numel": numel, "x_clone": row["x_clone"], "x_copy": row["x_copy"], "limit_x_clone": limit, "pass": row["x_clone"] <= limit}
+        result[op] = {
+            "numel": numel,
+            "x_clone": row["x_clone"],
+            "x_copy": row["x_copy"],
+            "limit_x_clone": limit,
+            "pass": row["x_clone"] <= limit,
+        }
     return result
 
 
@@ -325,7 +331,10 @@ def print_throughput(rows: list[dict[str, Any]], density: float) -> None:
 
 
 def print_targets(result: dict[str, dict[str, Any]], density: float) -> None:
-    what = {"compress": f"fused sparsify+index+encode (compress_) at {density:g} density", "decode": "decode at the planned density"}
+    what = {
+        "compress": f"fused sparsify+index+encode (compress_) at {density:g} density",
+        "decode": "decode at the planned density",
+    }
     for op, t in result.items():
         verdict = "PASS" if t["pass"] else "FAIL"
         print(
@@ -336,7 +345,10 @@ def print_targets(result: dict[str, dict[str, Any]], density: float) -> None:
 
 def print_peeling(rows: list[dict[str, Any]], thresholds: list[dict[str, Any]]) -> None:
     print(f"\nPeeling vs load (theoretical threshold {PEELING_THRESHOLD}, planned load {PLANNED_LOAD}):")
-    print(f"{'size':>6} {'lanes':>5} {'rows':>6} {'load':>6} {'success':>8} {'peel-only':>9} {'recovered':>10} {'solved':>8} {'s/decode':>9}")
+    print(
+        f"{'size':>6} {'lanes':>5} {'rows':>6} {'load':>6} {'success':>8} "
+        f"{'peel-only':>9} {'recovered':>10} {'solved':>8} {'s/decode':>9}"
+    )
     for r in rows:
         print(
             f"{human(r['numel']):>6} {r['lanes']:>5} {r['rows_per_lane']:>6} {r['load']:>6.3f} {r['success']:>8.2f} "
@@ -345,25 +357,48 @@ def print_peeling(rows: list[dict[str, Any]], thresholds: list[dict[str, Any]]) 
     for t in thresholds:
         up_to = "none" if t["all_success_up_to"] is None else f"{t['all_success_up_to']:.3f}"
         below = "not reached" if t["below_half_at"] is None else f"{t['below_half_at']:.3f}"
-        print(f"measured threshold, {human(t['numel'])}: every trial recovered up to load {up_to}; below 50% success from load {below}")
+        print(
+            f"measured threshold, {human(t['numel'])}: every trial recovered up to load {up_to}; "
+            f"below 50% success from load {below}"
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Run the codec benchmark (see ``--help``)."""
     parser = argparse.ArgumentParser(prog="python -m tagc.bench codec", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=None, help=f"throughput sizes in elements (default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--sizes", type=parse_sizes, default=None, help=f"throughput sizes in elements (default {DEFAULT_SIZES})"
+    )
     parser.add_argument("--ratio", type=float, default=10.0, help="sketch compression ratio (default 10)")
-    parser.add_argument("--density", type=float, default=0.04, help="kept fraction for sparsify/compress_ (default 0.04)")
+    parser.add_argument(
+        "--density", type=float, default=0.04, help="kept fraction for sparsify/compress_ (default 0.04)"
+    )
     parser.add_argument("--bits", type=int, choices=(1, 4), default=1, help="index bits per element (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per op, median reported (default 5; quick 2)")
-    parser.add_argument("--trials", type=int, default=None, help="random supports per load on the peeling curve (default 20; quick 2)")
-    parser.add_argument("--peel-sizes", type=parse_sizes, default=None, help=f"chunk sizes for the peeling curve (default {DEFAULT_PEEL_SIZES})")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per op, median reported (default 5; quick 2)"
+    )
+    parser.add_argument(
+        "--trials", type=int, default=None, help="random supports per load on the peeling curve (default 20; quick 2)"
+    )
+    parser.add_argument(
+        "--peel-sizes",
+        type=parse_sizes,
+        default=None,
+        help=f"chunk sizes for the peeling curve (default {DEFAULT_PEEL_SIZES})",
+    )
     parser.add_argument("--loads", type=parse_loads, default=None, help="comma-separated loads for the peeling curve")
     parser.add_argument("--json", metavar="PATH", help="write machine-readable results here")
-    parser.add_argument("--plot", metavar="PATH", default="bench_out/peeling.png", help="peeling curve PNG (default bench_out/peeling.png)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        default="bench_out/peeling.png",
+        help="peeling curve PNG (default bench_out/peeling.png)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes and few trials (smoke test)")
     parser.add_argument("--seed", type=int, default=0, help="torch RNG seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for this run (default: torch's setting)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads for this run (default: torch's setting)"
+    )
     args = parser.parse_args(argv)
     if any(v is not None and v < 1 for v in (args.repeats, args.trials, args.threads)):
         parser.error("--repeats, --trials and --threads must be at least 1")
@@ -401,7 +436,14 @@ def run(args: argparse.Namespace) -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "config": {"ratio": args.ratio, "density": args.density, "bits": args.bits, "repeats": repeats, "trials": trials, "threads": torch.get_num_threads()},
+                    "config": {
+                        "ratio": args.ratio,
+                        "density": args.density,
+                        "bits": args.bits,
+                        "repeats": repeats,
+                        "trials": trials,
+                        "threads": torch.get_num_threads(),
+                    },
                     "throughput": rows,
                     "targets": target_result,
                     "peeling": peel_rows,

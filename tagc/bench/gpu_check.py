@@ -51,14 +51,20 @@ def run_kernel_tests(device: torch.device) -> dict:
     tests = Path(__file__).resolve().parents[2] / "tests" / "test_kernels.py"
     if not tests.exists():
         return {"ok": None, "note": f"{tests} not found (not a source checkout): kernel tests skipped"}
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0)),
+    }
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
                             capture_output=True, text=True, env=env, cwd=tests.parents[1])
     tail = (result.stdout + result.stderr).strip().splitlines()[-15:]
     return {"ok": result.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
 
 
-def codec_round_trip(device: torch.device, ranks: int = 4, numel: int = 1 << 20, ratio: float = 10.0, steps: int = 3) -> dict:
+def codec_round_trip(
+    device: torch.device, ranks: int = 4, numel: int = 1 << 20, ratio: float = 10.0, steps: int = 3
+) -> dict:
     """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
     from tagc.config import TAGCConfig
     from tagc.hooks.codecs import TAGCCodec
@@ -89,7 +95,9 @@ def codec_round_trip(device: torch.device, ranks: int = 4, numel: int = 1 << 20,
         if step > 0:
             reads.append(counted.count)
         if nan_step:  # rank 1 sends NaN tables to every owner: every owner's part is NaN
-            checks.append(("a NaN rank poisons the part at every owner", all(bool(torch.isnan(d).all()) for d in decoded)))
+            checks.append(
+                ("a NaN rank poisons the part at every owner", all(bool(torch.isnan(d).all()) for d in decoded))
+            )
             checks.append(("the NaN rank keeps its residual", bool(torch.equal(codecs[1].residuals["k"], before[1]))))
             checks.append(("nonfinite_parts counted", all(s.as_dict()["nonfinite_parts"] == 1 for s in stats)))
             continue
@@ -102,7 +110,12 @@ def codec_round_trip(device: torch.device, ranks: int = 4, numel: int = 1 << 20,
             checks.append((f"step {step} owner {owner}: exact support", bool(torch.equal(got != 0, exact != 0))))
             checks.append((f"step {step} owner {owner}: values within fp32 rounding (rel {rel:.1e})", rel <= 1e-6))
     failed = [name for name, ok in checks if not ok]
-    return {"ok": not failed and all(r == 0 for r in reads), "host_reads_per_steady_step": reads, "failed": failed, "checks": len(checks)}
+    return {
+        "ok": not failed and all(r == 0 for r in reads),
+        "host_reads_per_steady_step": reads,
+        "failed": failed,
+        "checks": len(checks),
+    }
 
 
 def one_rank_group(device: torch.device) -> dict:
@@ -139,7 +152,9 @@ def one_rank_group(device: torch.device) -> dict:
         finally:
             os.environ.pop("TAGC_STRICT_SYNC", None)
             dist.destroy_process_group()
-    result["ok"] = all(v for k, v in result.items() if k != "host_reads_last_step") and result.get("host_reads_last_step") == 0
+    result["ok"] = (
+        all(v for k, v in result.items() if k != "host_reads_last_step") and result.get("host_reads_last_step") == 0
+    )
     return result
 
 
@@ -190,26 +205,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.cuda.set_device(device)
     from tagc.kernels import triton_available
 
-    results: dict = {"device": torch.cuda.get_device_name(device), "capability": torch.cuda.get_device_capability(device),
-                     "torch": torch.__version__, "triton": triton_available()}
-    print(f"gpu-check on {results['device']} (sm_{''.join(map(str, results['capability']))}), torch {torch.__version__}, "
-          f"triton {'yes' if results['triton'] else 'NO: the torch reference runs, not sync-free'}")
+    results: dict = {
+        "device": torch.cuda.get_device_name(device),
+        "capability": torch.cuda.get_device_capability(device),
+        "torch": torch.__version__,
+        "triton": triton_available(),
+    }
+    print(
+        f"gpu-check on {results['device']} (sm_{''.join(map(str, results['capability']))}), torch {torch.__version__}, "
+        f"triton {'yes' if results['triton'] else 'NO: the torch reference runs, not sync-free'}"
+    )
     if not args.skip_tests:
         results["kernel_tests"] = run_kernel_tests(device)
-        print(f"kernel tests on the device: {results['kernel_tests'].get('summary') or results['kernel_tests'].get('note')}")
+        tests = results["kernel_tests"]
+        print(f"kernel tests on the device: {tests.get('summary') or tests.get('note')}")
     results["codec_round_trip"] = codec_round_trip(device)
     print(f"codec round trip (4 emulated ranks): {'ok' if results['codec_round_trip']['ok'] else 'FAILED'} "
           f"{results['codec_round_trip']}")
     results["one_rank_group"] = one_rank_group(device)
     print(f"one-rank NCCL group: {results['one_rank_group']}")
-    sizes = [int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s) for s in args.sizes.split(",")]
+    sizes = [
+        int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s)
+        for s in args.sizes.split(",")
+    ]
     results["times"] = kernel_times(device, sizes)
     for row in results["times"]:
-        print(f"  {row['numel']:>10,} elements: compress {row['compress_ms']:.3f} ms ({row['compress_over_memcpy']:.1f}x memcpy), "
-              f"decode {row['decode_ms']:.3f} ms ({row['decode_over_memcpy']:.1f}x); memcpy of 3x the part {row['memcpy_3x_ms']:.3f} ms")
+        print(
+            f"  {row['numel']:>10,} elements: "
+            f"compress {row['compress_ms']:.3f} ms ({row['compress_over_memcpy']:.1f}x memcpy), "
+            f"decode {row['decode_ms']:.3f} ms ({row['decode_over_memcpy']:.1f}x); "
+            f"memcpy of 3x the part {row['memcpy_3x_ms']:.3f} ms"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    failed = [name for name in ("kernel_tests", "codec_round_trip", "one_rank_group") if results.get(name, {}).get("ok") is False]
+    failed = [
+        name
+        for name in ("kernel_tests", "codec_round_trip", "one_rank_group")
+        if results.get(name, {}).get("ok") is False
+    ]
     print("gpu-check: " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0
 

@@ -50,7 +50,9 @@ def _copy_gbps(nbytes: int, device: str) -> float:
     return 2 * half / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype, device: str, reference: bool) -> dict[str, Any]:
+def run_size(
+    numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype, device: str, reference: bool
+) -> dict[str, Any]:
     """Time every kernel on one chunk of ``numel`` elements; return one result row."""
     from tagc.kernels import dispatch
     from tagc.kernels.benchutil import time_ms
@@ -82,8 +84,12 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
     settled = torch.ones(numel, dtype=torch.bool, device=device)
     if stats.raw_positions is not None:
         settled[stats.raw_positions] = False
-    checked = (checked and stats.as_dict() == stats_r.as_dict() and bool(torch.allclose(values, want, rtol=1e-5, atol=1e-6))
-               and bool(torch.allclose(values[settled], union[settled], rtol=1e-5, atol=1e-6)))
+    checked = (
+        checked
+        and stats.as_dict() == stats_r.as_dict()
+        and bool(torch.allclose(values, want, rtol=1e-5, atol=1e-6))
+        and bool(torch.allclose(values[settled], union[settled], rtol=1e-5, atol=1e-6))
+    )
 
     tau = dispatch.row_thresholds(residual, density, grad=grad, **triton)
     elem_in = grad.element_size() + residual.element_size()
@@ -102,7 +108,13 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
         # table in, f64 work, counts and owners, index, state, lists, values out
         "decode": layout.table_numel * (4 + 8 + 4 + 4) + numel * bits // 8 + numel * (1 + 4 + 4),
     }
-    row: dict[str, Any] = {"numel": numel, "lanes": layout.lanes, "density": density, "checked": checked, "unpeeled": stats.unpeeled}
+    row: dict[str, Any] = {
+        "numel": numel,
+        "lanes": layout.lanes,
+        "density": density,
+        "checked": checked,
+        "unpeeled": stats.unpeeled,
+    }
     for name in ms:
         row[f"{name}_ms"] = ms[name]
         row[f"{name}_gbps"] = moved[name] / ms[name] / 1e6
@@ -120,7 +132,12 @@ def run_size(numel: int, ratio: float, ranks: int, bits: int, dtype: torch.dtype
 def main(argv: Optional[list[str]] = None) -> None:
     """Run the kernel benchmark (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m tagc.bench kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=parse_sizes, default=None, help=f"chunk sizes (default {DEFAULT_SIZES} on CUDA, {INTERPRETER_SIZES} in the interpreter)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help=f"chunk sizes (default {DEFAULT_SIZES} on CUDA, {INTERPRETER_SIZES} in the interpreter)",
+    )
     parser.add_argument("--ratio", type=float, default=10.0)
     parser.add_argument("--ranks", type=int, default=2, help="ranks whose union the density is planned for")
     parser.add_argument("--bits", type=int, choices=(1, 4), default=1)
@@ -142,7 +159,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = args.sizes or parse_sizes(DEFAULT_SIZES if cuda else INTERPRETER_SIZES)
     note = None
     if not cuda:
-        note = "NO GPU: kernels ran in the Triton INTERPRETER on the CPU; the timings below are NOT meaningful (only the checks are)"
+        note = (
+            "NO GPU: kernels ran in the Triton INTERPRETER on the CPU; "
+            "the timings below are NOT meaningful (only the checks are)"
+        )
         print(f"*** {note} ***", file=sys.stderr)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rows = []
@@ -157,7 +177,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{row[op + '_gbps'] / row[op + '_copy_gbps']:>6.0%}")
         extra = ""
         if "torch_compress_ms" in row:
-            extra = f"; torch reference: compress {row['torch_compress_ms']:.3f} ms, decode {row['torch_decode_ms']:.3f} ms"
+            extra = (
+                f"; torch reference: compress {row['torch_compress_ms']:.3f} ms, decode {row['torch_decode_ms']:.3f} ms"
+            )
         print(f"{'':>23} | codec {row['codec_ms']:.3f} ms vs 10 Gbit link {row['link_ms']:.3f} ms for fp32 "
               f"(x{row['codec_over_link']:.2f}; compressed on the wire {row['wire_ms']:.3f} ms){extra}")
     if note:

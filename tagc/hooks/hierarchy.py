@@ -52,8 +52,10 @@ def resolve_ranks_per_host(ranks_per_host: Optional[int]) -> Optional[int]:
             raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a positive integer: pass ranks_per_host= explicitly")
         return int(env)
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
-        raise ValueError(f"ranks_per_host must be None (torchrun's LOCAL_WORLD_SIZE, else one host) or an integer >= 1, "
-                         f"got {ranks_per_host!r}")
+        raise ValueError(
+            f"ranks_per_host must be None (torchrun's LOCAL_WORLD_SIZE, else one host) or an integer >= 1, "
+            f"got {ranks_per_host!r}"
+        )
     return ranks_per_host
 
 

@@ -128,7 +128,9 @@ def gather_from_owners(
         dist.all_gather(lists, padded, group=group)
         send = torch.cat([rows[r].index_select(0, lists[r][: sizes[r]]).float() for r in range(world)])
         recv = torch.empty(world * wanted.numel(), dtype=torch.float32, device=device)
-        dist.all_to_all_single(recv, send, output_split_sizes=[wanted.numel()] * world, input_split_sizes=sizes, group=group)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=[wanted.numel()] * world, input_split_sizes=sizes, group=group
+        )
     me = dist.get_rank(group)
     sent = (sum(sizes) - sizes[me]) * 4 + (world - 1) * (8 + 8 * max(sizes))
     return recv.view(world, wanted.numel()).sum(dim=0), sent

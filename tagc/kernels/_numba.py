@@ -34,7 +34,9 @@ def accumulate_row(grad, residual, n, t, candidates):
 
 
 @njit(cache=True, nogil=True)
-def compress_rows(grad, residual, tau, limit, cap, block_rows, block_signs, lane_xor, lane_bits, bits, index, table, held):
+def compress_rows(
+    grad, residual, tau, limit, cap, block_rows, block_signs, lane_xor, lane_bits, bits, index, table, held
+):
     """Per chunk, error feedback and the selection rule of :mod:`tagc.sketch.sparsify`
     (``|a| > tau`` and the first ``limit - count(|a| > tau)`` ties ``|a| == tau``, of those
     the first ``cap``, in index order), then index bits, sketch cells and residual;

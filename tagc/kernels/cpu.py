@@ -10,8 +10,8 @@ index operations per round. These kernels do the same arithmetic in one loop eac
   ties ``|a| == tau`` up to :func:`~tagc.sketch.sparsify.keep_limit`, in index order; ``tau``
   from the reference's sample, :func:`row_thresholds`) set their index bit, add ``sign * a``
   to their three cells and leave 0 in the residual; the rest stay in the residual. A second
-  walk over the short list of candidates settles the ties and the capacity. Positions are added in the reference's order, so
-  index, residual and table equal the reference's bit for bit.
+  walk over the short list of candidates settles the ties and the capacity. Positions are added
+  in the reference's order, so index, residual and table equal the reference's bit for bit.
 * :func:`decode_cpu` - unpack the union, count and id-sum every cell, then peel with a
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback
@@ -87,7 +87,9 @@ def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> 
     if size == n:  # no sample: the reference's exact path
         return row_thresholds(rows, density, grad=grads)
     keep = keep_limit(size, density)
-    return torch.from_numpy(_kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1))
+    return torch.from_numpy(
+        _kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1)
+    )
 
 
 def compress_cpu(
@@ -114,9 +116,19 @@ def compress_cpu(
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
     held = torch.empty(n_chunks, dtype=torch.int64)
-    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), keep_limit(layout.numel, density),
-                             capacity(layout.numel, density) if cap is None else cap, *_tables(layout), layout.lane_bits, bits, index.numpy(),
-                             table.numpy(), held.numpy())
+    _kernels().compress_rows(
+        grads.numpy(),
+        rows.numpy(),
+        tau.numpy(),
+        keep_limit(layout.numel, density),
+        capacity(layout.numel, density) if cap is None else cap,
+        *_tables(layout),
+        layout.lane_bits,
+        bits,
+        index.numpy(),
+        table.numpy(),
+        held.numpy(),
+    )
     return (index, table, held) if return_held else (index, table)
 
 

@@ -163,7 +163,9 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     return values, known, rounds, inconsistent
 
 
-def _solve_stopping_sets(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve_stopping_sets(
+    work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Solve the linear system of the positions peeling left, exactly where it determines them.
 
     Returns their values (min-norm least squares) and a mask of the uniquely determined ones:
@@ -234,7 +236,9 @@ def check_decode_args(table: torch.Tensor, index: torch.Tensor, layout: SketchLa
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
-        raise ValueError(f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}")
+        raise ValueError(
+            f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}"
+        )
     check_index(index, layout.numel, bits)
 
 

@@ -74,7 +74,11 @@ def compress_(
     rows = residual.view(-1, layout.numel)
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
-    tau = row_thresholds(rows, density) if tau is None else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
+    tau = (
+        row_thresholds(rows, density)
+        if tau is None
+        else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
+    )
     cap = capacity(layout.numel, density) if cap is None else cap
     limit = keep_limit(layout.numel, density)
     held = held_back(rows, tau, limit, cap) if return_held else None
