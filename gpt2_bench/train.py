@@ -231,7 +231,9 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         backward_s = time.perf_counter() - tick - forward_s
         grad_norm = None
         if cfg.grad_clip or diagnostics is not None:  # without clipping, max_norm inf scales by 1.0: a no-op
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            clip = getattr(opt, "clip_grad_norm_", None)  # tagc.optim.AdamW: its kept gradients are clipped alike
+            grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None
+                         else torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
         if diagnostics is not None:
             diagnostics.before_step()
         opt.step()

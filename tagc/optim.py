@@ -18,14 +18,21 @@ One rank's gradient is noisier than the mean over ``world`` ranks: on elements w
 is mostly noise the second moment reads up to ``world`` times plain's. It is also blind to what
 other ranks' batches touch and this rank's does not: embeddings (rows of tokens absent from a
 rank's batch are zero there) are therefore not kept (:mod:`tagc.hooks.local_grads`), and an
-element whose kept gradient is exactly zero is fed the decoded one. Gradient clipping scales the
-decoded gradient (so ``exp_avg``) but not the kept one.
+element whose kept gradient is exactly zero is fed the decoded one. Gradient clipping must
+scale the kept gradient as it scales the decoded one: clip with :meth:`AdamW.clip_grad_norm_`
+(``torch.nn.utils.clip_grad_norm_`` that remembers its factor for the next step) instead of
+calling torch's directly; an unclipped kept gradient (early steps clip by 10x and more) inflates
+the second moment for as long as ``beta2`` remembers it.
 
 Use it in place of ``torch.optim.AdamW``, after the hook is installed::
 
     hook = tagc.hook(ratio=10, index_bits=1)
     model.register_comm_hook(hook)
     opt = tagc.optim.AdamW(model.parameters(), hook=hook, lr=3e-4, weight_decay=0.1)
+    ...
+    loss.backward()
+    opt.clip_grad_norm_(1.0)  # in place of torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
 """
 
 from __future__ import annotations
@@ -76,8 +83,19 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options)
         self.hook = hook
         self.second_moment = second_moment
+        self._clip_coef: Optional[torch.Tensor] = None  # this step's clip_grad_norm_ factor, for the kept gradients
         if local:
             hook.keep_local_gradients = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, remembering its factor so
+        that the next :meth:`step` scales the kept gradients alike (a kept gradient left unclipped would
+        feed the second moment steps the decoded gradient never took). Returns the total norm, as torch's."""
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = total.full_tensor() if isinstance(total, DTensor) else total
+        self._clip_coef = torch.clamp(max_norm / (norm.detach() + 1e-6), max=1.0)  # torch's own factor: no host read
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -96,8 +114,9 @@ class AdamW(torch.optim.AdamW):
         finally:
             for _, p, grad in held:
                 p.grad = grad
+        coef, self._clip_coef = self._clip_coef, None
         for group, p, grad in held:
-            self._local_step(group, p, grad, kept[id(p)])
+            self._local_step(group, p, grad, kept[id(p)] if coef is None else kept[id(p)] * coef)
         return loss
 
     def _local_step(self, group: dict, param: torch.Tensor, grad: torch.Tensor, kept: torch.Tensor) -> None:

@@ -179,3 +179,25 @@ def test_the_hook_keeps_each_ranks_own_gradient_of_its_shard(integration):
         assert result["steps_kept"][-1] > 0  # DDP settles its buckets in its first step
         assert result["checked"] and result["checked"] <= result["compressed"]
         assert max(result["errors"]) < 1e-6
+
+
+def test_clip_grad_norm_scales_the_kept_gradient_as_the_decoded_one():
+    """torch's clip factor (max_norm / (norm + 1e-6)) reaches the kept gradient; the next step forgets it."""
+    weight = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+    module, hook = _Module(weight), _FakeHook()
+    opt = tagc.optim.AdamW([weight], hook=hook, lr=1e-2, betas=(0.9, 0.5), weight_decay=0.0)
+    segment = Segment("block.weight", 0, 6, module)
+    decoded, own = torch.full((3, 2), 3.0, dtype=torch.float64), torch.full((6,), 4.0, dtype=torch.float64)
+    weight.grad = decoded.clone()
+    hook.local_gradients.keep([segment], own, 1.0)
+    norm = opt.clip_grad_norm_(0.5)
+    coef = 0.5 / (float(norm) + 1e-6)
+    assert float(norm) == pytest.approx(54 ** 0.5) and torch.allclose(weight.grad, decoded * coef)
+    opt.step()
+    torch.testing.assert_close(opt.state[weight]["exp_avg_sq"], torch.full((3, 2), 0.5 * (4.0 * coef) ** 2,
+                                                                             dtype=torch.float64))
+    weight.grad = decoded.clone()
+    hook.local_gradients.keep([segment], own, 1.0)
+    opt.step()  # no clip this step: the kept gradient as it is
+    expected = 0.5 * 0.5 * (4.0 * coef) ** 2 + 0.5 * 16.0
+    torch.testing.assert_close(opt.state[weight]["exp_avg_sq"], torch.full((3, 2), expected, dtype=torch.float64))
