@@ -113,7 +113,9 @@ def _check_identical_across_ranks(model: nn.Module, group: dist.ProcessGroup) ->
                          "(torch.manual_seed) or broadcast the weights before simple_fsdp")
 
 
-def _swap_class(module: nn.Module, params: dict[str, tuple[Unit, int]], unit: Optional[Unit], extra: Optional[dict] = None) -> None:
+def _swap_class(
+    module: nn.Module, params: dict[str, tuple[Unit, int]], unit: Optional[Unit], extra: Optional[dict] = None
+) -> None:
     """Give ``module`` a subclass whose parameter attributes are unsharding properties and,
     for a unit's module, whose ``forward`` binds the unit's gathered parameters."""
     base = type(module)
@@ -187,13 +189,15 @@ def simple_fsdp(
             owner.setdefault(id(p), unit_name)
 
     sharded: dict[int, nn.Parameter] = {}
-    uses: dict[str, list[tuple[str, nn.Module, str, int]]] = {n: [] for n, _ in chosen}  # unit -> (fqn, module, attr, id)
+    # unit -> (fqn, module, attr, id)
+    uses: dict[str, list[tuple[str, nn.Module, str, int]]] = {n: [] for n, _ in chosen}
     for module_name, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in sharded:
-                sharded[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad)
+                shard = distribute_tensor(p.detach(), mesh, [Shard(0)])
+                sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 fqn = f"{module_name}.{attr}" if module_name else attr
                 uses[owner[id(p)]].append((fqn, module, attr, id(p)))
             else:
@@ -224,7 +228,8 @@ def simple_fsdp(
 
     for module in model.modules():
         if module is model:
-            _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)), {"register_comm_hook": register_comm_hook})
+            extra = {"register_comm_hook": register_comm_hook}
+            _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)), extra)
         elif id(module) in slots or id(module) in unit_of_module:
             _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)))
     model._simple_fsdp_units = unit_objects

@@ -62,6 +62,7 @@ from torch import nn
 from gpt2_bench.config import TORCH_HOOKS, TrainConfig, check_ddp_settings
 from tagc.hooks.ddp import DDPHookState, bind_ddp, ring
 from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.torch_ddp import has_rebuilt_buckets
 
 MIN_COMPRESSION_RATE = 2
 """``PowerSGDState``'s default ``min_compression_rate``: a matrix is compressed only where it sends
@@ -230,7 +231,7 @@ class TorchHook(_Counter):
 
         start = time.perf_counter()
         stats = ExchangeStats(buckets=1, plain_equivalent_bytes=ring(4 * bucket.buffer().numel(), self.world))
-        if self.codec == "powersgd" and not self.ddp._has_rebuilt_buckets:
+        if self.codec == "powersgd" and not has_rebuilt_buckets(self.ddp):
             # DDP's first iteration (and a resumed run's): buckets it rebuilds next, whose indices PowerSGD's
             # state must not key; reduced as powerSGD_hook reduces its vanilla iterations, and counted as one
             stats.wire_bytes = ring(4 * bucket.buffer().numel(), self.world)

@@ -27,7 +27,7 @@ from backward_drain import torch_versions
 from backward_drain.torch_versions import TESTED_TORCH, TorchInternalsError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tagc", "fsdp_integration", "backward_drain")
+PACKAGES = ("tagc", "fsdp_integration", "backward_drain", "gpt2_bench")
 
 PRIVATE = {
     # FSDP2 (fully_shard)

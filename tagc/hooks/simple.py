@@ -68,7 +68,7 @@ from tagc.kernels.fallbacks import warn_fallback
 class _Binding:
     """What the custom ops reach through a handle: one unit's hook, group and segments."""
 
-    hook: "tagc.hooks.engine.TAGCHook"  # named, not imported: the engine imports this module (TAGCHook.__call__)
+    hook: "tagc.hooks.engine.TAGCHook"  # noqa: F821  named, not imported: the engine imports this module (TAGCHook.__call__)
     group: dist.ProcessGroup
     segments: tuple[Segment, ...]
     unit: str
@@ -180,8 +180,10 @@ def _traced_hierarchical(packed: torch.Tensor, handle: int, state: torch.Tensor,
     return _traced(block, handle, state, topo.cross, hosts)
 
 
-def bind(hook: "tagc.hooks.engine.TAGCHook", unit) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                         Optional[Callable[[torch.Tensor], Callable[[], torch.Tensor]]]]:
+def bind(
+    hook: "tagc.hooks.engine.TAGCHook",  # noqa: F821  named, not imported (the engine imports this module)
+    unit,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Optional[Callable[[torch.Tensor], Callable[[], torch.Tensor]]]]:
     """SimpleFSDP's comm hook for ``unit`` through ``hook``: ``(reduce_scatter, start)``.
 
     ``unit`` is a SimpleFSDP unit: its ``name``, ``owner_modules`` (one module per parameter)
