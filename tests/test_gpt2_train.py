@@ -264,6 +264,7 @@ def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
     assert {"update_rms", "v_p50", "n"} <= set(records[-1]["groups"]["linear"])
 
 
+@pytest.mark.slow  # 23 s: the default optimizer's resume is checked by the killed-rank test above
 def test_the_local_second_moment_resumes_bit_for_bit(tmp_path):
     """tagc.optim.AdamW's state is torch.optim.AdamW's: a resumed run repeats the uninterrupted losses."""
     from gpt2_bench.launch import RankFailed
