@@ -314,12 +314,12 @@ def _fsdp2_hsdp(rank, world):
     trained = _fsdp2_runs(rank, world, mesh, {"tagc": (tagc_options, None)}, steps=4)
     import tagc.hooks.fsdp2 as fsdp2
 
-    gathers = fsdp2._gathers_wires
-    fsdp2._gathers_wires = lambda *args: False  # the other way across replicas: reduce-scatter, then a dense all-gather
+    gathers = fsdp2.gathers_wires
+    fsdp2.gathers_wires = lambda *args: False  # the other way across replicas: reduce-scatter, then a dense all-gather
     try:
         scattered = _fsdp2_runs(rank, world, mesh, {"tagc": (tagc_options, None)}, steps=4)
     finally:
-        fsdp2._gathers_wires = gathers
+        fsdp2.gathers_wires = gathers
     return compared, trained, scattered
 
 

@@ -90,12 +90,12 @@ def test_replicas_gather_wires_on_cuda_only_where_every_replica_decodes_the_same
     (no float atomics), the torch reference's CUDA scatter-add only under deterministic algorithms."""
     from types import SimpleNamespace
 
-    from tagc.hooks import fsdp2
+    from tagc.hooks import replicas
     from tagc.kernels import dispatch
 
     cuda_chunk = SimpleNamespace(device=torch.device("cuda"))
-    assert fsdp2.decodes_alike_on_every_replica(torch.zeros(4))
+    assert replicas.decodes_alike_on_every_replica(torch.zeros(4))
     for backend, deterministic, alike in [("triton", False, True), ("torch", False, False), ("torch", True, True)]:
         monkeypatch.setattr(dispatch, "resolve_backend", lambda *tensors, backend_=backend, **kw: backend_)
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda d=deterministic: d)
-        assert fsdp2.decodes_alike_on_every_replica(cuda_chunk) is alike, (backend, deterministic)
+        assert replicas.decodes_alike_on_every_replica(cuda_chunk) is alike, (backend, deterministic)

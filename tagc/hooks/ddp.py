@@ -58,15 +58,15 @@ from torch import nn
 from tagc.hooks import nonfinite
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
-from tagc.hooks.fsdp2 import (
-    _GatheredWires,
-    _gathers_wires,
-    _parameters,
-    _PendingAllReduce,
-    _Pieces,
-    decodes_alike_on_every_replica,
-)
 from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
+from tagc.hooks.replicas import (
+    GatheredWires,
+    PendingAllReduce,
+    Pieces,
+    decodes_alike_on_every_replica,
+    gathers_wires,
+    model_parameters,
+)
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.torch_ddp import has_rebuilt_buckets
@@ -90,7 +90,7 @@ class _Bucket:
     numel: int
     form: str | None = None
     planned_bytes: dict = dataclasses.field(default_factory=dict)
-    pieces: dict = dataclasses.field(default_factory=dict)  # device -> _Pieces
+    pieces: dict = dataclasses.field(default_factory=dict)  # device -> Pieces
 
 
 class DDPHookState:
@@ -114,7 +114,7 @@ class DDPHookState:
         self._params = {id(p): (name, modules[name.rpartition(".")[0]]) for name, p in model.module.named_parameters()}
         self._buckets: dict[tuple, _Bucket] = {}
         self._unsettled_step = False  # this step's buckets were DDP's first ones, reduced as DDP does
-        hook.note_parameters(_parameters(model.module))  # the settings check compares what select picks
+        hook.note_parameters(model_parameters(model.module))  # the settings check compares what select picks
 
     def settled(self) -> bool:
         """Whether DDP's buckets are final. DDP rebuilds them once, in the order gradients became ready
@@ -385,11 +385,11 @@ class DDPHookState:
 
     # ------------------------------------------------------------------ the reduce-scatter forms
 
-    def _pieces(self, layout: _Bucket, world: int, device: torch.device) -> _Pieces:
+    def _pieces(self, layout: _Bucket, world: int, device: torch.device) -> Pieces:
         """The bucket cut as HSDP cuts a shard, each piece keeping its parameter's shape (piece ``j`` of a
         parameter is its ``j``-th contiguous slice, so the rows' concatenation is the parameter: powersgd)."""
         if device not in layout.pieces:
-            pieces = _Pieces.build(layout.segments, layout.numel, world, device)
+            pieces = Pieces.build(layout.segments, layout.numel, world, device)
             whole = [s for s in layout.segments if s.numel]
             shaped = tuple(dataclasses.replace(p, shape=s.shape) for p, s in zip(pieces.segments, whole))
             layout.pieces[device] = dataclasses.replace(pieces, segments=shaped)
@@ -403,14 +403,14 @@ class DDPHookState:
         chunk = buffer.new_empty(pieces.index.shape[1])
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else buffer.dtype
         op = dist.ReduceOp.AVG
-        if layout.form == "gather" and _gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
-            _GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats()).wait()
+        if layout.form == "gather" and gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
+            GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats()).wait()
             return
         pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments, keep_local=False)
         gathered = (world - 1) * chunk.numel()
         pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
                                         plain_equivalent_bytes=plain_bytes(world, chunk.numel())))
-        _PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype).wait()
+        PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype).wait()
 
 
 def _done(buffer: torch.Tensor) -> torch.futures.Future:

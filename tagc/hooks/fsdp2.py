@@ -35,7 +35,6 @@ the cross-host exchange is deferred to the end of the backward pass as above.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Optional
 
@@ -47,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from backward_drain import BackwardDrain, in_backward_pass
 from tagc.hooks.engine import PendingBucket, Segment, TAGCHook, op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
+from tagc.hooks.replicas import GatheredWires, PendingAllReduce, Pieces, gathers_wires, model_parameters
 from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.torch_fsdp2 import (
     ReduceScatter,
@@ -60,8 +60,6 @@ from tagc.hooks.torch_fsdp2 import (
     set_all_reduce_hook,
 )
 from tagc.hooks.transport import plain_reduce_scatter
-from tagc.kernels import dispatch
-from tagc.kernels.fallbacks import warn_fallback
 
 
 class TAGCReduceScatter(ReduceScatter):
@@ -166,41 +164,6 @@ class _Deferred:
 _DEFERRED = _Deferred()
 
 
-@dataclasses.dataclass
-class _Pieces:
-    """A shard of ``numel`` elements cut for ``hosts`` replicas: each parameter's segment padded to a
-    multiple of ``hosts`` and cut into ``hosts`` pieces, so replica ``h``'s chunk holds piece ``h`` of
-    every parameter (the selection policy still sees parameters)."""
-
-    index: torch.Tensor  # [hosts, chunk]: positions in the shard, ``numel`` for padding (a zero appended)
-    inverse: torch.Tensor  # [numel]: where each shard position is in the flattened [hosts, chunk]
-    segments: tuple[Segment, ...]
-
-    @classmethod
-    def build(cls, segments: tuple[Segment, ...], numel: int, hosts: int, device: torch.device) -> "_Pieces":
-        if sum(s.numel for s in segments) != numel:  # e.g. parameters without a gradient: one segment
-            covered = sum(s.numel for s in segments)
-            warn_fallback("hsdp-one-segment", f"TAGC on HSDP: a shard of {numel} elements does not match its "
-                      f"parameters' segments ({covered} elements): it is exchanged as one segment '<shard>', which "
-                      "select sees without the parameters' names (e.g. some parameters have no gradient)")
-            segments = (Segment("<shard>", 0, numel),)
-        columns, pieces, at = [], [], 0
-        for s in segments:
-            if s.numel == 0:
-                continue
-            per = -(-s.numel // hosts)
-            offsets = torch.arange(hosts * per, device="cpu")
-            columns.append(torch.where(offsets < s.numel, s.start + offsets, numel).view(hosts, per))
-            pieces.append(Segment(s.name, at, per, s.module, selected=s.selected))  # a piece is no matrix: no shape
-            at += per
-        index = torch.cat(columns, dim=1)
-        flat = index.reshape(-1)
-        kept = (flat < numel).nonzero().squeeze(1)
-        inverse = torch.empty(numel, dtype=torch.int64, device="cpu")
-        inverse[flat[kept]] = kept
-        return cls(index.to(device), inverse.to(device), tuple(pieces))
-
-
 class _ReplicaAllReduce:
     """HSDP's all-reduce hook: the host-reduced shard all-reduced across the replicate group, compressed
     (the engine's reduce-scatter over the replicas, then a dense all-gather), in place."""
@@ -208,7 +171,7 @@ class _ReplicaAllReduce:
     def __init__(self, comm: TAGCReduceScatter, param_group) -> None:
         self.comm = comm
         self.param_group = param_group
-        self._pieces: dict[tuple, _Pieces] = {}
+        self._pieces: dict[tuple, Pieces] = {}
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         comm, hook, group = self.comm, self.comm.hook, self.comm.replicate
@@ -219,7 +182,7 @@ class _ReplicaAllReduce:
         numel = reduce_output.numel()
         key = (numel, hosts, reduce_output.device)
         if key not in self._pieces:
-            self._pieces[key] = _Pieces.build(comm.segments(), numel, hosts, reduce_output.device)
+            self._pieces[key] = Pieces.build(comm.segments(), numel, hosts, reduce_output.device)
         pieces = self._pieces[key]
         rows = torch.cat([reduce_output.reshape(-1), reduce_output.new_zeros(1)])[pieces.index]
         chunk = reduce_output.new_empty(pieces.index.shape[1])
@@ -228,8 +191,8 @@ class _ReplicaAllReduce:
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
         hook.keep_local(comm.segments(), pieces.segments, chunk.numel(), hosts, reduce_output.reshape(-1),
                         1.0 if op == dist.ReduceOp.AVG else float(hosts))  # the host's gradient, on the replicas' scale
-        if _gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
-            finish = _GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
+        if gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
+            finish = GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
             if hook.overlap and comm._can_defer(reduce_output, comm._op):
                 _DEFERRED.add(comm, finish)
             else:
@@ -243,98 +206,11 @@ class _ReplicaAllReduce:
                                  inter_host_bytes=remote * row_bytes)  # a ring all-gather's volume
         pending.stats.add(comm.take_host_stats())
         pending.stats.add(gathered)
-        finish = _PendingAllReduce(pending, reduce_output, pieces, group, gather_dtype)
+        finish = PendingAllReduce(pending, reduce_output, pieces, group, gather_dtype)
         if hook.overlap and comm._can_defer(reduce_output, comm._op):
             _DEFERRED.add(comm, finish)
         else:
             finish.wait()
-
-
-class _PendingAllReduce:
-    """A replica all-reduce in flight: :meth:`wait` finishes the compressed reduce-scatter, all-gathers
-    the reduced pieces and writes the shard in place."""
-
-    def __init__(self, pending: PendingBucket, output: torch.Tensor, pieces: _Pieces, group,
-                 dtype: torch.dtype) -> None:
-        self.pending, self.output, self.pieces, self.group, self.dtype = pending, output, pieces, group, dtype
-
-    def wait(self) -> torch.Tensor:
-        chunk = self.pending.wait().to(self.dtype)
-        begin = time.perf_counter()
-        gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
-        dist.all_gather_single(gathered, chunk, group=self.group)
-        self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
-        self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
-        return self.output
-
-
-def decodes_alike_on_every_replica(chunk: torch.Tensor) -> bool:
-    """Whether every replica decodes ``chunk``'s wires to the same bits: on the CPU and on the Triton
-    kernels always; on CUDA without Triton (the torch reference's scatter-add) only under
-    ``torch.use_deterministic_algorithms(True)``."""
-    return (chunk.device.type != "cuda" or dispatch.resolve_backend(chunk) == "triton"
-            or torch.are_deterministic_algorithms_enabled())
-
-
-def _gathers_wires(hook: TAGCHook, segments: tuple[Segment, ...], chunk: torch.Tensor, hosts: int,
-                   gather_dtype: torch.dtype, group) -> bool:
-    """Whether to all-reduce by gathering every replica's wire (:class:`_GatheredWires`) instead of a
-    compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
-    against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
-    warm-up or a density ramp), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
-    the same bits: on the CPU and on the Triton kernels (no float atomics: the same bits on every
-    run), or with ``torch.use_deterministic_algorithms(True)`` on the torch reference's CUDA path (its
-    scatter-add sums in any order, and replicas must stay identical)."""
-    if hook.warming_up or not hook.codec.compresses:
-        return False
-    if not decodes_alike_on_every_replica(chunk):
-        return False
-    plan = hook._plan(segments, chunk.numel(), hosts)
-    if not plan.compressed or not all(part.codec.traceable() for part in plan.parts):
-        return False
-    row_bytes = hook.wire_row_bytes(segments, chunk.numel(), hosts, chunk.dtype)
-    return hosts * row_bytes < row_bytes + chunk.numel() * gather_dtype.itemsize
-
-
-class _GatheredWires:
-    """A replica all-reduce that gathers wires: each replica encodes its ``[H, chunk]`` pieces once
-    (:meth:`TAGCHook.encode_bucket`), one all-gather hands every replica every wire, and every
-    replica decodes all ``H`` pieces (:meth:`TAGCHook.decode_bucket`). The same bytes, decoded by
-    the same deterministic code, give bit-identical replicas; the decoded values are exact where
-    the codec is (TAGC: the support, and each value within the cells' float32 rounding)."""
-
-    def __init__(self, hook: TAGCHook, rows: torch.Tensor, output: torch.Tensor, pieces: _Pieces, group, op,
-                 host_stats: ExchangeStats) -> None:
-        self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
-        self.chunk = rows.shape[1]
-        self.dtype = rows.dtype
-        # uint8 [H, B]: piece h's row for replica h (records its encode time)
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)
-        self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
-        self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
-        self.stats = host_stats
-        self.done = False
-
-    def wait(self) -> torch.Tensor:
-        if self.done:
-            return self.output
-        begin = time.perf_counter()
-        self.work.wait()
-        self.stats.add(ExchangeStats(exposed_s=time.perf_counter() - begin))
-        hosts = self.gathered.shape[0]
-        pieces = ExchangeStats()
-        decoded = torch.stack([self.hook.decode_bucket(self.gathered[:, h], self.group, self.pieces.segments,
-                                                       self.chunk, self.dtype, self.op, into=pieces)
-                               for h in range(hosts)])
-        # one exchange: H decodes of one bucket, each counting the (H-1) rows it received, are what every rank sent
-        pieces.buckets, pieces.compressed_buckets = 1, 1
-        # a fp32 ring all-reduce, as the other path counts
-        pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)
-        self.stats.add(pieces)
-        self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
-        self.hook._record(self.stats, None)
-        self.done = True
-        return self.output
 
 
 def _split_hsdp(param_group, comm: TAGCReduceScatter) -> None:
@@ -372,12 +248,5 @@ def register_fsdp2(model: nn.Module, hook: TAGCHook) -> int:
             module.set_custom_reduce_scatter(comm)
             installed += 1
     if installed:
-        hook.note_parameters(_parameters(model))  # the settings check compares what select picks, not its name
+        hook.note_parameters(model_parameters(model))  # the settings check compares what select picks, not its name
     return installed
-
-
-def _parameters(model: nn.Module) -> list[Segment]:
-    """Every parameter of ``model`` (once, by its name), with the module that holds it: what ``select`` sees."""
-    modules = dict(model.named_modules())
-    return [Segment(name, 0, param.numel(), modules[name.rpartition(".")[0]], shape=tuple(param.shape))
-            for name, param in model.named_parameters()]
