@@ -47,7 +47,7 @@ ALLOWED_HOST_FACTORIES = {
     ("powersgd.py", "state_dict"): "a checkpoint counter, never exchanged",
     ("quantized.py", "state_dict"): "a checkpoint counter, never exchanged",
     (
-        "fsdp2.py",
+        "replicas.py",
         "build",
     ): "an HSDP shard's piece layout, built once per shard size on the host, moved .to(device) before use",
     ("describe.py", "_column_bytes"): "hook.describe's report: planned bytes per column, on the host, never exchanged",
