@@ -141,6 +141,7 @@ def _tagc_exchange_with_a_nan(rank: int, world: int, fallback: str) -> tuple[int
     return stats.as_dict()["nonfinite_parts"], bool(values.isnan().all())
 
 
+@pytest.mark.slow  # 2-rank runs of the raw/error decode paths (~6 s); device-counted codecs stay in the default suite
 @pytest.mark.parametrize("fallback", ["raw", "error"])
 def test_tagc_host_read_decodes_count_a_nonfinite_part_once_at_every_owner(fallback):
     assert run_ranks(_tagc_exchange_with_a_nan, 2, fallback) == [(1, True), (1, True)]
