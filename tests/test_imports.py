@@ -15,21 +15,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.source_tree import ROOT, modules
+
 PACKAGES = ("tagc", "fsdp_integration", "gpt2_bench", "testbed", "backward_drain")
 HEAVY = ("datasets", "tiktoken", "matplotlib")  # the experiments' dependencies, never the library's
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = modules(PACKAGES)
 
 
 def _import_nodes(tree: ast.AST):

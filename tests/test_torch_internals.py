@@ -18,15 +18,14 @@ import importlib
 import re
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from backward_drain import torch_versions
 from backward_drain.torch_versions import TESTED_TORCH, TorchInternalsError, resolve
+from tests.source_tree import modules
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tagc", "fsdp_integration", "backward_drain", "gpt2_bench")
 
 PRIVATE = {
@@ -63,15 +62,6 @@ INTERNALS = ("backward_drain.torch_autograd", "fsdp_integration.torch_internals"
              "tagc.kernels.torch_tracing")
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
 def private_uses(source: str, names: set[str]) -> set[tuple[str, int]]:
     """``(name, line)`` for each use of a name in ``names`` in ``source``: an attribute (``x._name``), a part of
     an imported module (``import torch._x``, ``from torch._x import y``, ``from torch import _x``), a string
@@ -95,7 +85,7 @@ def private_uses(source: str, names: set[str]) -> set[tuple[str, int]]:
     return found
 
 
-MODULES = _modules()
+MODULES = modules(PACKAGES)
 USES = {module: private_uses(path.read_text(), set(PRIVATE) | set(SEMI_PUBLIC)) for module, path in MODULES.items()}
 
 
