@@ -108,10 +108,12 @@ def format_seeds_report(
     plateau: float | None = None,
     tokens_per_step: int | None = None,
     tolerance: float = 0.01,
+    plain_label: str = PLAIN_METHOD,
 ) -> str:
     """The quality runs over seeds as Markdown: per method a table of every evaluation step (mean
     val loss, mean gap to plain, both spreads, verdict), then one line per method on the last step
-    and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run."""
+    and on whether it stays within ``tolerance`` of plain from the first evaluation past 20% of the run.
+    ``plain_label``: the name the report gives the run filed as plain (e.g. a control run)."""
     gaps = seed_gaps(by_seed)
     seeds = sorted(by_seed)
 
@@ -123,7 +125,7 @@ def format_seeds_report(
     if tokens_per_step:
         lines += [f"{tokens_per_step:,} tokens per step (all ranks), {steps * tokens_per_step:,} in a run.", ""]
     lines += [
-        f"Gap: the method's val loss against {PLAIN_METHOD}'s of the same seed, averaged over seeds. Spread: the "
+        f"Gap: the method's val loss against {plain_label}'s of the same seed, averaged over seeds. Spread: the "
         f"range of a method's val loss over seeds, in % of its mean. A gap smaller than the larger spread "
         f"(plain's or the method's) is a tie."
         + (" One seed: no spread, so no tie is called." if len(seeds) < 2 else ""),
@@ -133,7 +135,7 @@ def format_seeds_report(
     if plateau is not None and plain_rows:
         end = plain_rows[-1]["plain"]
         lines += [
-            (f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {PLAIN_METHOD} "
+            (f"Unigram plateau (val tokens under the train split's token frequencies): {plateau:.4f}; {plain_label} "
              f"ends at {end:.4f} (mean over seeds), {abs(plateau - end):.2f} nats "
              f"{'below' if end < plateau else 'above'} "
              f"it. Methods part only past it."),
@@ -145,7 +147,7 @@ def format_seeds_report(
         lines += [
             f"## `{method}`",
             "",
-            (f"| step | {PLAIN_METHOD} | {method} | gap | per seed | {PLAIN_METHOD} spread | "
+            (f"| step | {plain_label} | {method} | gap | per seed | {plain_label} spread | "
              f"{method} spread | verdict |"),
             "|---:|---:|---:|---:|---|---:|---:|---|",
         ]
@@ -255,11 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_seed = read_runs(args.directory, [m for m in args.methods.split(",") if m], args.plain)
     steps = args.steps or 1 + max(c["step"] for runs in by_seed.values() for run in runs.values() for c in run["curve"])
     out = Path(args.out or Path(args.directory) / "quality.md")
-    report = format_seeds_report(by_seed, steps)
-    if args.plain != PLAIN_METHOD:  # the report names plain by PLAIN_METHOD: name the run compared against
-        for before, after in ((f"{PLAIN_METHOD}'s", f"{args.plain}'s"), (f"| {PLAIN_METHOD} |", f"| {args.plain} |"),
-                              (f"{PLAIN_METHOD} spread", f"{args.plain} spread")):
-            report = report.replace(before, after)
+    report = format_seeds_report(by_seed, steps, plain_label=args.plain)
     out.write_text(report)
     plot_seed_gaps(by_seed, out.with_suffix(".png"))
     print(report)
