@@ -126,7 +126,7 @@ class TAGCHook:
         self._counting_reads = False
         self.keep_local_gradients: bool | str = False
         """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`;
-        ``"all"``: of every parameter, compressed or not, in the eager exchange: a control for experiments)
+        ``"all"``: of every parameter, compressed or not: a control for experiments)
         for :class:`tagc.optim.AdamW`, which sets it."""
         self.local_gradients = LocalGradients()
 
@@ -401,10 +401,9 @@ class TAGCHook:
                                 coder=self._coder(), state=self.state, nonfinite=self.nonfinite, stream=side,
                                 remote_rows=remote)
         rows = input.view(world, chunk)
-        if keep_local and (self.keep_local_gradients == "all" or (self.keep_local_gradients and plan.compressed)):
-            own = dist.get_rank(group) if world > 1 else 0
-            kept = tuple(segments) if self.keep_local_gradients == "all" else plan.chosen
-            self.local_gradients.keep(kept, rows[own], op_scale(op, world) * world)
+        if keep_local:
+            own = rows[dist.get_rank(group) if world > 1 else 0]
+            self._keep_own_row(plan, segments, own, op_scale(op, world) * world)
         pending.send(rows, topo)
         self.state.in_flight.append(pending)
         return pending
@@ -419,6 +418,15 @@ class TAGCHook:
         """Finish every exchange in flight, oldest first."""
         for pending in list(self.state.in_flight):
             pending.wait()
+
+    def _keep_own_row(self, plan: BucketPlan, segments: Sequence[Segment], row: torch.Tensor,
+                      factor: float | torch.Tensor) -> None:
+        """Keep this rank's ``row`` (its own gradient of its chunk) times ``factor`` for the segments
+        :attr:`keep_local_gradients` asks for: the ones ``plan`` compresses, or all of them (``"all"``)."""
+        if self.keep_local_gradients == "all":
+            self.local_gradients.keep(tuple(segments), row, factor)
+        elif self.keep_local_gradients and plan.compressed:
+            self.local_gradients.keep(plan.chosen, row, factor)
 
     def keep_local(self, segments: Sequence[Segment], pieces: Sequence[Segment], chunk: int, world: int,
                    gradient: torch.Tensor, factor: float | torch.Tensor) -> None:
@@ -464,8 +472,8 @@ class TAGCHook:
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
-        if local_factor is not None and self.keep_local_gradients and plan.compressed:
-            self.local_gradients.keep(plan.chosen, rows[dist.get_rank(group)], local_factor)
+        if local_factor is not None:
+            self._keep_own_row(plan, segments, rows[dist.get_rank(group)], local_factor)
         wire, timing = traced.encode_bucket(plan, rows, group, self._coder())
         self._record(ExchangeStats(compress_s=timing.compress_s), None)
         return wire
