@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 from testbed.paper import EXCHANGE_SHARE
 
 INTEGRATIONS = ("simple", "fsdp2", "fsdp1", "ddp")
-COMPRESSIONS = ("none", "all", "non-attn")
+COMPRESSIONS = ("none", "all", "non-attn", "blocks")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
@@ -271,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
     p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
-    p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS)
+    p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS,
+                   help="which parameters the codec compresses: none, all, non-attn (the paper's non-attention "
+                        "linears, the embedding and LM head included), blocks (non-attn less the embedding and LM "
+                        "head)")
     p.add_argument(
         "--transport",
         default=defaults.transport,

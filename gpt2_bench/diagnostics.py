@@ -44,7 +44,7 @@ GROUPS = ("embedding", "linear", "attention", "other")
 default selection compresses (MLP and attention output projections); the attention input
 projection; everything else (position embedding, norms, biases)."""
 
-COMPRESSED_GROUPS = {"none": (), "non-attn": ("embedding", "linear"), "all": GROUPS}
+COMPRESSED_GROUPS = {"none": (), "non-attn": ("embedding", "linear"), "blocks": ("linear",), "all": GROUPS}
 """The groups a run's ``compression`` setting routes to its codec (buckets below
 ``min_compress_numel`` aside)."""
 

@@ -34,7 +34,8 @@ def make_hook(cfg: TrainConfig):
     import tagc
     from tagc.hooks.codec_registry import spec
 
-    select = {"none": "none", "all": "all", "non-attn": "non_attention_linear"}[cfg.compression]
+    select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
+              "blocks": "non_attention_block_linear"}[cfg.compression]
     codec = "plain" if cfg.compression == "none" else cfg.codec
     tagc_settings = (
         dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}

@@ -5,6 +5,7 @@ import torch.nn as nn
 from tagc.hooks.selection import (
     is_embedding_or_head,
     is_projection,
+    non_attention_block_linear,
     non_attention_linear,
     resolve_policy,
     select_all,
@@ -36,9 +37,18 @@ def test_non_attention_linear_picks_the_papers_layers(name):
     assert non_attention_linear(name, None) is expected  # by name alone (FSDP1 units)
 
 
+@pytest.mark.parametrize("name", sorted(GPT2_NAMES))
+def test_block_linears_are_the_non_attention_linears_less_embedding_and_head(name):
+    module, in_paper = GPT2_NAMES[name]
+    expected = in_paper and name not in ("transformer.wte.weight", "lm_head.weight")
+    assert non_attention_block_linear(name, module) is expected
+    assert non_attention_block_linear(name, None) is expected
+
+
 def test_policies_by_name():
     assert resolve_policy("all") is select_all and resolve_policy("none") is select_none
     assert resolve_policy("non-attn") is non_attention_linear
+    assert resolve_policy("blocks") is non_attention_block_linear
     custom = lambda fqn, module: fqn.endswith("c_fc.weight")  # noqa: E731
     assert resolve_policy(custom) is custom
     with pytest.raises(ValueError, match="select must be"):

@@ -68,6 +68,13 @@ def is_embedding_or_head(fqn: str, module: Optional[nn.Module] = None) -> bool:
     return bool(_EMBEDDING_OR_HEAD.search(fqn.rsplit(".", 1)[0]))
 
 
+def non_attention_block_linear(fqn: str, module: Optional[nn.Module] = None) -> bool:
+    """:func:`non_attention_linear` without the token embedding and the LM head
+    (:func:`is_embedding_or_head`): the MLP linears and attention output projections of the
+    transformer blocks only, so that the embedding's share of a codec's loss can be measured apart."""
+    return non_attention_linear(fqn, module) and not is_embedding_or_head(fqn, module)
+
+
 def select_all(fqn: str, module: Optional[nn.Module] = None) -> bool:
     """Compress every parameter (buckets below the size floor still go plain)."""
     return True
@@ -81,6 +88,8 @@ def select_none(fqn: str, module: Optional[nn.Module] = None) -> bool:
 POLICIES: dict[str, SelectPolicy] = {
     "non_attention_linear": non_attention_linear,
     "non-attn": non_attention_linear,
+    "non_attention_block_linear": non_attention_block_linear,
+    "blocks": non_attention_block_linear,
     "all": select_all,
     "none": select_none,
 }
