@@ -63,6 +63,9 @@ def build_compare_parser(argv: Sequence[str] | None = None) -> argparse.Argument
     parser.add_argument("--flat-from", default=None,
                         help="--layout ddp/hsdp: take the flat-FSDP rows beside the layout's from an earlier layout "
                              "compare's --json instead of timing them again")
+    parser.add_argument("--flat-methods", default=None,
+                        help="--layout ddp/hsdp: the flat-FSDP methods timed beside the layout's (comma-separated; "
+                             "default: every flat method with one of the layout's codecs)")
     parser.add_argument("--methods", default="paper",
                         help=f"comma-separated methods: {', '.join(METHODS)}; 'peers' for all of them; "
                              f"default 'paper' ({', '.join(PAPER_METHODS)}, in the paper's table). With --hosts: "
@@ -128,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpt2_bench.compare_layout import layout_main
 
         return layout_main(parser, args)
-    if args.flat_from:
-        parser.error("--flat-from goes with --layout ddp or hsdp")
+    if args.flat_from or args.flat_methods:
+        parser.error("--flat-from and --flat-methods go with --layout ddp or hsdp")
     if args.hosts > 1:
         return hosts_main(parser, args)
     methods, shares, seeds, base = _flat_settings(parser, args)

@@ -37,7 +37,6 @@ from gpt2_bench.methods import (
     FLAT_PEER,
     LAYOUT_BASELINES,
     LAYOUT_FIELDS,
-    LAYOUT_METHODS,
     layout_config,
     method_config,
     parse_layout_methods,
@@ -141,7 +140,13 @@ def format_layout_verdict(rows: list[Row], layout: str) -> str:
     bf16 = by_method.get(bf16_name)
     best = winner(rows)
     lines = []
-    if best is None:
+    if all(row.val_loss_delta is None for row in rows):
+        fastest = min(rows, key=lambda row: row.iter_ms)
+        over = bf16.iter_ms / fastest.iter_ms if bf16 else None
+        lines.append(f"- No val losses (give --quality-steps or --loss-from): the fastest method is "
+                     f"**{fastest.method}** ({fastest.iter_ms:.0f} ms"
+                     + (f", {over:.2f}x over {bf16_name}" if over else "") + "), whatever its loss.")
+    elif best is None:
         lines.append(f"- No method kept val loss within {LOSS_TOLERANCE:.0%} of {plain}'s.")
     else:
         over = bf16.iter_ms / best.iter_ms if bf16 else None
@@ -242,7 +247,7 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error("--loss-from and --quality-steps are two sources of the loss: give one")
     try:
         methods = parse_layout_methods(layout, None if args.methods == "paper" else args.methods)
-        flat_methods = tuple(LAYOUT_METHODS["flat"])
+        flat_methods = parse_layout_methods("flat", args.flat_methods)
         shares = [float(x) for x in args.shares.split(",")] if args.shares else [args.link_share]
     except ValueError as error:
         parser.error(str(error))

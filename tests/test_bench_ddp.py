@@ -168,3 +168,38 @@ def test_torch_hook_runs_have_their_own_names():
     torch_bf16 = TrainConfig(integration="ddp", compression="all", codec="bf16", torch_hook=True)
     ours_bf16 = dataclasses.replace(torch_bf16, torch_hook=False)
     assert torch_bf16.run_name != ours_bf16.run_name and torch_bf16.run_name.startswith("ddp-")
+
+
+def _layout_row(method: str, iter_ms: float, delta: float | None = None):
+    from gpt2_bench.compare_rows import Row
+
+    row = Row(method=method, algorithm=method, compressed="-", iter_ms=iter_ms, val_loss=float("nan"), layout="ddp")
+    row.val_loss_delta = delta
+    return row
+
+
+def test_layout_verdict_names_the_fastest_within_the_loss_target_and_says_when_losses_are_missing():
+    from gpt2_bench.compare_layout import format_layout_verdict
+
+    timed = [_layout_row("ddp", 900.0), _layout_row("ddp-bf16", 600.0), _layout_row("powersgd-lean", 150.0),
+             _layout_row("int4", 200.0)]
+    without = format_layout_verdict(timed, "ddp")
+    assert "No val losses" in without and "**powersgd-lean**" in without and "4.00x over ddp-bf16" in without
+    assert "No method kept" not in without
+
+    scored = [_layout_row("ddp", 900.0, 0.0), _layout_row("ddp-bf16", 600.0, 0.002),
+              _layout_row("powersgd-lean", 150.0, 0.02), _layout_row("int4", 200.0, 0.008)]
+    verdict = format_layout_verdict(scored, "ddp")
+    assert "**int4**" in verdict and "3.00x over ddp-bf16" in verdict and "target 3x: met" in verdict
+
+
+def test_flat_methods_choose_the_flat_rows_and_belong_to_a_layout():
+    from gpt2_bench.compare import main
+    from gpt2_bench.methods import LAYOUT_METHODS, parse_layout_methods
+
+    assert parse_layout_methods("flat", "fsdp,int4") == ("fsdp", "int4")
+    assert parse_layout_methods("flat", None) == tuple(LAYOUT_METHODS["flat"])
+    with pytest.raises(ValueError, match="unknown flat method"):
+        parse_layout_methods("flat", "ddp-bf16")
+    with pytest.raises(SystemExit):
+        main(["--flat-methods", "fsdp"])  # the flat compare has no flat rows beside it
