@@ -14,6 +14,10 @@ one flat all-gather in forward and one reduce-scatter in backward per unit
 reduce-scatter (:data:`CommHook`); ``tagc.register_comm_hook(model, tagc.hook(...))``
 installs TAGC through it, which then sees one large aligned buffer per block, with each
 parameter as a segment for its selection policy. This package never imports ``tagc``.
+
+On a 2-D ``(replicate, shard)`` mesh the model is HSDP (:mod:`fsdp_integration.hsdp`): parameters are
+``(Replicate(), Shard(0))`` DTensors, gathered within the shard group (a host), their gradients
+reduce-scattered there and all-reduced across the replicate group (the hosts).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_integration.bucket import Bucket, PendingGradients, ReduceScatter, ReduceScatterStart
+from fsdp_integration.hsdp import mesh_layout
 from fsdp_integration.prefetch import Prefetcher
 from fsdp_integration.reshard import GATHER_TAG, regather_saved_params
 
@@ -97,16 +102,18 @@ def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return units + [("", model)]
 
 
-def _check_identical_across_ranks(model: nn.Module, group: dist.ProcessGroup) -> None:
+def _check_identical_across_ranks(model: nn.Module, groups: Sequence[dist.ProcessGroup]) -> None:
     """Sharding keeps each rank's own slice, so every rank must start from the same weights.
 
-    The check all-reduces on the mesh's ``group``, with tensors on the parameters' device (the
-    group's own: NCCL takes no CPU tensor), never on another group or the host."""
+    The check all-reduces over the mesh's ``groups`` in turn (each dim of a 2-D mesh: together they reach
+    every rank of the mesh, so every rank reaches the same verdict), with tensors on the parameters'
+    device (the groups' own: NCCL takes no CPU tensor), never on another group or the host."""
     with torch.no_grad():
         sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     low, high = sums.clone(), sums.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    for group in groups:
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(low, high):
         names = [n for (n, _), same in zip(model.named_parameters(), (low == high).tolist()) if not same]
         raise ValueError(f"parameters differ across ranks ({names[:3]}...): seed every rank the same "
@@ -146,7 +153,10 @@ def simple_fsdp(
     Args:
         model: an ``nn.Module`` with plain (non-DTensor) parameters, identical on every rank.
         mesh: a 1-D device mesh (default: every rank of the default group, on the
-            parameters' device type).
+            parameters' device type), or a 2-D ``(replicate, shard)`` mesh for HSDP: parameters
+            sharded over dim 1 (the ranks of a host) and replicated over dim 0 (across hosts), e.g.
+            ``init_device_mesh("cpu", (hosts, ranks_per_host), mesh_dim_names=("replicate", "shard"))``
+            (:mod:`fsdp_integration.hsdp`).
         mp_policy: compute / reduction dtypes.
         reshard_after_forward: free each block's gathered parameters after its forward and
             all-gather them again in backward (eager: saved-tensor hooks; compiled: the
@@ -168,13 +178,14 @@ def simple_fsdp(
         raise ValueError("this model is already wrapped by simple_fsdp")
     device_type = next(model.parameters()).device.type
     mesh = mesh or DeviceMesh(device_type, list(range(dist.get_world_size())))
-    if mesh.ndim != 1:
-        raise ValueError(f"simple_fsdp shards over a 1-D mesh; got a {mesh.ndim}-D mesh")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh (init_device_mesh(...)), got {type(mesh).__name__}")
+    layout = mesh_layout(mesh)  # 1-D: FSDP; 2-D (replicate, shard): HSDP; else a clear error
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {name!r} is already a DTensor; simple_fsdp wants plain parameters")
 
-    _check_identical_across_ranks(model, mesh.get_group())
+    _check_identical_across_ranks(model, layout.groups)
 
     named = dict(model.named_modules())
     missing = [n for n in units or () if n not in named]
@@ -196,7 +207,7 @@ def simple_fsdp(
             if p is None:
                 continue
             if id(p) not in sharded:
-                shard = distribute_tensor(p.detach(), mesh, [Shard(0)])
+                shard = distribute_tensor(p.detach(), mesh, list(layout.placements))
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
                 fqn = f"{module_name}.{attr}" if module_name else attr
                 uses[owner[id(p)]].append((fqn, module, attr, id(p)))
@@ -204,7 +215,6 @@ def simple_fsdp(
                 uses[owner[id(p)]].append((None, module, attr, id(p)))
             module._parameters[attr] = sharded[id(p)]
 
-    group = mesh.get_group()
     prefetcher = Prefetcher(enabled=prefetch)
     pending = PendingGradients() if overlap else None
     unit_objects: list[Unit] = []
@@ -215,8 +225,8 @@ def simple_fsdp(
         if not firsts:
             continue
         params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
-        bucket = Bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params], group,
-                        mp_policy.param_dtype, mp_policy.reduce_dtype, pending, mp_policy.compute_dtype)
+        bucket = layout.bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params],
+                               mp_policy.param_dtype, mp_policy.reduce_dtype, pending, mp_policy.compute_dtype)
         bucket.params = [p for _, p in params]
         unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
                     reshard_after_forward and unit_name != "", prefetcher)
@@ -253,7 +263,9 @@ CommHook = Callable[[Unit], tuple[ReduceScatter, Optional[ReduceScatterStart]]]
 """A unit -> its gradient reduce-scatter and, optionally, the launcher that overlaps it.
 
 ``reduce_scatter(packed)`` gets the unit's packed gradients ``[world * S]`` (row ``j`` for rank
-``j``, laid out as ``unit.bucket.entries`` say) and returns this rank's averaged chunk ``[S]``;
+``j``, laid out as ``unit.bucket.entries`` say) and returns this rank's averaged chunk ``[S]``; on an
+HSDP mesh (``unit.bucket`` is an :class:`~fsdp_integration.hsdp.HSDPBucket`) ``world`` is the shard
+group's and the chunk is averaged over every rank of the mesh: across ``bucket.replicate`` too;
 it also runs under ``torch.compile``. ``start(packed)`` (eager, ``overlap=True``) launches the
 same exchange and returns the function that finishes it; ``None`` makes every backward wait for
 its unit's ``reduce_scatter``."""

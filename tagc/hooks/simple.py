@@ -27,6 +27,10 @@ on the cross group::
     block = all_to_all_single(packed as [G, H*S], local).sum(0)   # host-reduced [H, S]
     wire = tagc::encode(block); wire = all_to_all_single(wire, cross); chunk = tagc::decode(wire, ...)
 
+On an HSDP mesh (``(replicate, shard)``: the unit's bucket names its ``replicate`` group) the unit's
+exchange is plain within the host and the replica all-reduce of FSDP2's HSDP across hosts, eager or
+compiled: :mod:`tagc.hooks.simple_hsdp`.
+
 The adapter installs itself through SimpleFSDP's reduce-scatter hook point
 (``model.register_comm_hook``, :data:`fsdp_integration.simple_fsdp.CommHook`), which
 :func:`tagc.register_comm_hook` calls with :func:`bind`; it reads a unit by duck typing
@@ -188,7 +192,8 @@ def bind(
 
     ``unit`` is a SimpleFSDP unit: its ``name``, ``owner_modules`` (one module per parameter)
     and ``bucket`` (``entries`` with ``fqn``/``start``/``numel``/``shape``, ``group``, ``chunk``,
-    ``world``). The returned ``reduce_scatter`` carries its registry ``handle``."""
+    ``world``; on an HSDP mesh also ``replicate``: then :func:`tagc.hooks.simple_hsdp.bind_replicated`).
+    The returned ``reduce_scatter`` carries its registry ``handle``."""
     if not hasattr(hook, "encode_bucket"):  # duck-typed: the engine calls bind itself (no import cycle)
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
@@ -197,10 +202,14 @@ def bind(
         for entry, module in zip(bucket.entries, unit.owner_modules)
     )
     hook.note_parameters(segments)  # the settings check compares what select picks, not its name
+    device = unit.params[0].device if getattr(unit, "params", None) else torch.device("cpu")
+    if getattr(bucket, "replicate", None) is not None:  # HSDP: plain within the host, the codec across replicas
+        from tagc.hooks.simple_hsdp import bind_replicated
+
+        return bind_replicated(hook, unit, segments, torch.zeros(1, dtype=torch.int64, device=device))
     handle = next(_handles)
     # every rank binds the same units in the same order: the subgroups of a hierarchical topology are made here
     topo = hook.topology(bucket.group) if bucket.world > 1 else None
-    device = unit.params[0].device if getattr(unit, "params", None) else torch.device("cpu")
     binding = _Binding(hook, bucket.group, segments, unit.name, topo, torch.zeros(1, dtype=torch.int64, device=device))
     _registry[handle] = binding
     hierarchical = topo is not None and topo.hierarchical
