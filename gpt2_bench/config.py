@@ -10,6 +10,8 @@ from typing import Any, Optional, Sequence
 from testbed.paper import EXCHANGE_SHARE
 
 INTEGRATIONS = ("simple", "fsdp2", "fsdp1", "ddp")
+HSDP_INTEGRATIONS = ("fsdp2", "simple")
+"""The integrations with an HSDP layout (``hsdp``: a 2-D mesh, sharded within a host, replicated across hosts)."""
 COMPRESSIONS = ("none", "all", "non-attn", "blocks")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -77,7 +79,7 @@ class TrainConfig:
     """``tagc.hook(hierarchy=...)``: ``auto`` exchanges hierarchically when the ranks span several
     hosts (plain within a host, the codec between hosts); ``flat``: every rank with every rank."""
     hsdp: bool = False
-    """FSDP2 only: a 2-D mesh (hosts x ranks per host), parameters sharded within a host and
+    """FSDP2 or SimpleFSDP: a 2-D mesh (hosts x ranks per host), parameters sharded within a host and
     replicated across hosts; the gradient crosses hosts once, as an all-reduce."""
     torch_hook: bool = False
     """``integration="ddp"``: run the codec as torch's own DDP comm hook instead of through
@@ -197,8 +199,9 @@ class TrainConfig:
         from tagc.hooks.hierarchy import check_hierarchy
 
         check_hierarchy(self.hierarchy)
-        if self.hsdp and (self.integration != "fsdp2" or self.hosts < 2):
-            raise ValueError("hsdp applies to integration='fsdp2' on several hosts (hosts >= 2)")
+        if self.hsdp and (self.integration not in HSDP_INTEGRATIONS or self.hosts < 2):
+            raise ValueError("hsdp applies to integration='fsdp2' or 'simple' (SimpleFSDP) on several hosts "
+                             f"(hosts >= 2), got integration={self.integration!r}, hosts={self.hosts}")
         if self.integration == "ddp" or self.torch_hook:
             check_ddp_settings(self)
         if self.hosts > 1 and self.link == "scaled":
@@ -351,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hsdp",
         action="store_true",
-        help="fsdp2: shard within a host, replicate across hosts (a 2-D mesh); "
+        help="fsdp2 or simple: shard within a host, replicate across hosts (a 2-D mesh); "
         "the gradient crosses hosts as an all-reduce",
     )
     p.add_argument(

@@ -59,6 +59,16 @@ def make_hook(cfg: TrainConfig):
     )
 
 
+def hsdp_mesh(cfg: TrainConfig, world: int, device):
+    """``cfg.hsdp``'s 2-D ``(replicate, shard)`` mesh: replicate across hosts, shard within one (torchrun numbers
+    a host's ranks consecutively); ``None`` without ``hsdp``."""
+    if not cfg.hsdp:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (cfg.hosts, world // cfg.hosts), mesh_dim_names=("replicate", "shard"))
+
+
 def shard(model, cfg: TrainConfig, world: int, device=None):
     """Wrap ``model`` with the chosen FSDP flavour (or DDP: :mod:`gpt2_bench.layout_ddp`) and install the comm
     hook; returns (model, hook). ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get
@@ -85,15 +95,12 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         on_cpu = device is None or torch.device(device).type == "cpu"
         compute_dtype = torch.float32 if param_dtype is not None and on_cpu else None
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
-        model = simple_fsdp(model, mp_policy=policy, overlap=cfg.overlap)
+        model = simple_fsdp(model, mesh=hsdp_mesh(cfg, world, device), mp_policy=policy, overlap=cfg.overlap)
     elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if cfg.hsdp:  # replicate across hosts, shard within one (torchrun numbers a host's ranks consecutively)
-            mesh = init_device_mesh(device.type, (cfg.hosts, world // cfg.hosts), mesh_dim_names=("replicate", "shard"))
-        else:
-            mesh = init_device_mesh(device.type, (world,))
+        mesh = hsdp_mesh(cfg, world, device) if cfg.hsdp else init_device_mesh(device.type, (world,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh, mp_policy=policy)
