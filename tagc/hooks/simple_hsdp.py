@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.engine import TAGCHook, op_scale, scale_into
+from tagc.hooks.exchange import op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.replicas import (
     GatheredWires,
@@ -53,7 +53,6 @@ from tagc.hooks.replicas import (
     gathers_wires,
 )
 from tagc.hooks.segment import Segment
-from tagc.hooks.simple import _all_to_all
 from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.torch_simple_fsdp import funcol
 from tagc.hooks.transport import plain_reduce_scatter
@@ -65,7 +64,7 @@ AVG = dist.ReduceOp.AVG
 class ReplicaBinding:
     """One HSDP unit's hook, groups, segments and pieces: what its exchange (and the custom ops) need."""
 
-    hook: TAGCHook
+    hook: "tagc.hooks.engine.TAGCHook"  # noqa: F821  named, not imported: the engine imports tagc.hooks.simple
     shard: dist.ProcessGroup
     replicate: dist.ProcessGroup
     segments: tuple[Segment, ...]
@@ -235,14 +234,18 @@ def _(gathered: torch.Tensor, state: torch.Tensor, handle: int, dtype: torch.dty
 
 
 def _traced(packed: torch.Tensor, handle: int, binding: ReplicaBinding) -> torch.Tensor:
-    received = _all_to_all(packed.view(binding.shards, binding.chunk), binding.shard)
+    send = packed.view(binding.shards, binding.chunk)
+    received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, binding.shard))
     wire = replica_encode(received, binding.state, handle)
     gathered = funcol.wait_tensor(funcol.all_gather_single(wire, 0, binding.replicate))
     return replica_decode(gathered, binding.state, handle, packed.dtype)
 
 
 def bind_replicated(
-    hook: TAGCHook, unit, segments: tuple[Segment, ...], state: torch.Tensor
+    hook: "tagc.hooks.engine.TAGCHook",  # noqa: F821  named, not imported (the engine imports tagc.hooks.simple)
+    unit,
+    segments: tuple[Segment, ...],
+    state: torch.Tensor,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Optional[Callable[[torch.Tensor], Callable[[], torch.Tensor]]]]:
     """SimpleFSDP's comm hook for an HSDP ``unit`` (its bucket has ``replicate``): ``(reduce_scatter, start)``,
     as :func:`tagc.hooks.simple.bind` returns them; ``state``: the unit's state token."""
