@@ -135,15 +135,16 @@ def test_plain_codec_is_bit_identical_to_simple_fsdp_hsdp(compiled):
 
 
 TAGC = dict(ratio=10, index_bits=1, select="all", min_compress_numel=1024, ranks_per_host=PER_HOST)
+INT4 = dict(codec="int4", select="all", min_compress_numel=1024, ranks_per_host=PER_HOST)
 
 
-def _compiled_tagc(rank, world):
+def _compiled_tagc(rank, world, options):
     """Eager TAGC HSDP against the same hook compiled (the traced halves), from a 1-step dense warm-up on."""
     from tests.test_simple_fsdp import _recording_backend
 
     graphs: dict = {}
-    eager_model, eager, eager_hook = _hsdp({**TAGC, "dense_steps": 1})
-    model, compiled, hook = _hsdp({**TAGC, "dense_steps": 1}, _recording_backend(graphs))
+    eager_model, eager, eager_hook = _hsdp({**options, "dense_steps": 1})
+    model, compiled, hook = _hsdp({**options, "dense_steps": 1}, _recording_backend(graphs))
     errors, stats = [], []
     for step in range(3):
         x = _inputs(step, rank)
@@ -164,17 +165,19 @@ def _compiled_tagc(rank, world):
 
 
 @pytest.mark.slow
-def test_compiled_tagc_equals_eager_and_counts_the_same_bytes():
+@pytest.mark.parametrize("codec", ["tagc", "int4"])
+def test_compiled_tagc_equals_eager_and_counts_the_same_bytes(codec):
     """The warm-up compiles to one opaque exchange per unit; after it the graph is made again with the
     traced halves (all-to-all within the host, encode, all-gather of every replica's wire across hosts,
     decode): the gradients are the eager exchange's bit for bit, and the bytes counted are the same."""
-    for result in run_ranks(_compiled_tagc, WORLD, timeout_s=600):
+    options = TAGC if codec == "tagc" else INT4
+    for result in run_ranks(_compiled_tagc, WORLD, options, timeout_s=600):
         assert max(result["errors"]) == 0.0
         for eager, compiled in result["stats"]:
             for field in ("wire_bytes", "inter_host_bytes", "plain_equivalent_bytes", "buckets", "compressed_buckets"):
                 assert eager[field] == compiled[field], field
         eager, _ = result["stats"][-1]
-        assert eager["compressed_buckets"] == result["units"] and eager["support"] > 0
+        assert eager["compressed_buckets"] == result["units"]
         assert 0 < eager["inter_host_bytes"] < 0.5 * eager["plain_equivalent_bytes"]
         units = result["units"]
         warmup, traced = result["graphs"]
@@ -267,8 +270,7 @@ def test_tagc_conserves_the_exact_sum_and_both_routes_agree():
 def test_int4_is_within_its_bound_of_the_exact_average():
     """int4 quantizes each replica's piece blockwise (``|x - deq(x)| <= blockmax / 14``): the average over
     replicas is within the mean of the hosts' largest magnitudes / 14 of the exact one, and not exact."""
-    options = dict(codec="int4", select="all", min_compress_numel=1024, ranks_per_host=PER_HOST)
-    for result in run_ranks(_unit_exchange, WORLD, options, timeout_s=300):
+    for result in run_ranks(_unit_exchange, WORLD, INT4, timeout_s=300):
         for step in result["steps"]:
             assert step["replicas_agree"]
             error = (step["out"].double() - step["exact"]).abs()
