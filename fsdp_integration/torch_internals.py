@@ -31,6 +31,7 @@ from backward_drain.torch_versions import check_internals
 INTEGRATION = "SimpleFSDP (fsdp_integration)"
 ADVICE = "wrap the model with torch's fully_shard (FSDP2) instead"
 NEEDS = ("torch.distributed._functional_collectives.all_gather_single",
+         "torch.distributed._functional_collectives.all_reduce",
          "torch.distributed._functional_collectives.reduce_scatter_single",
          "torch.distributed._functional_collectives.wait_tensor",
          "torch._functorch.config.joint_custom_pass")

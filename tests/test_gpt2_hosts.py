@@ -74,7 +74,7 @@ def test_host_methods_are_checked():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world=4, hosts=3), "hosts must be a positive integer dividing world"),
-    (dict(world=4, hosts=2, hsdp=True), "hsdp applies to integration='fsdp2'"),
+    (dict(world=4, hosts=2, hsdp=True, integration="fsdp1"), "hsdp applies to integration='fsdp2'"),
     (dict(world=4, hosts=2, link="scaled"), "give emulated hosts a rate"),
     (dict(hierarchy="tree"), "hierarchy must be one of"),
 ])

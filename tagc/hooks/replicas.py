@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tagc.hooks.engine import PendingBucket, Segment, TAGCHook
+from tagc.hooks.eager import PendingBucket
+from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.kernels import dispatch
 from tagc.kernels.fallbacks import warn_fallback
@@ -78,8 +79,9 @@ def decodes_alike_on_every_replica(chunk: torch.Tensor) -> bool:
             or torch.are_deterministic_algorithms_enabled())
 
 
-def gathers_wires(hook: TAGCHook, segments: tuple[Segment, ...], chunk: torch.Tensor, hosts: int,
-                   gather_dtype: torch.dtype, group) -> bool:
+def gathers_wires(hook: "tagc.hooks.engine.TAGCHook",  # noqa: F821  named, not imported: the engine imports this module
+                  segments: tuple[Segment, ...], chunk: torch.Tensor, hosts: int,
+                  gather_dtype: torch.dtype, group) -> bool:
     """Whether to all-reduce by gathering every replica's wire (:class:`GatheredWires`) instead of a
     compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
     against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
@@ -105,7 +107,8 @@ class GatheredWires:
     the same deterministic code, give bit-identical replicas; the decoded values are exact where
     the codec is (TAGC: the support, and each value within the cells' float32 rounding)."""
 
-    def __init__(self, hook: TAGCHook, rows: torch.Tensor, output: torch.Tensor, pieces: Pieces, group, op,
+    def __init__(self, hook: "tagc.hooks.engine.TAGCHook",  # noqa: F821  named, not imported
+                 rows: torch.Tensor, output: torch.Tensor, pieces: Pieces, group, op,
                  host_stats: ExchangeStats) -> None:
         self.hook, self.output, self.pieces, self.group, self.op = hook, output, pieces, group, op
         self.chunk = rows.shape[1]

@@ -17,7 +17,8 @@ from backward_drain.torch_versions import check_internals
 
 INTEGRATION = "TAGC's SimpleFSDP binding (tagc.hooks.simple)"
 ADVICE = "use another integration (FSDP2: fully_shard, or DDP)"
-NEEDS = ("torch.distributed._functional_collectives.all_to_all_single",
+NEEDS = ("torch.distributed._functional_collectives.all_gather_single",
+         "torch.distributed._functional_collectives.all_to_all_single",
          "torch.distributed._functional_collectives.wait_tensor")
 """The semi-private names checked at import (:func:`check_torch`)."""
 
