@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -345,3 +347,164 @@ def test_checkpoint_round_trip():
     """The restored hook continues bit for bit as the original; a hook without the residuals does not."""
     for result in run_ranks(_checkpoint, 2):
         assert all(result), result
+
+
+# ---------------------------------------------------------------------------------------------- the overlap
+
+OVERLAP_CODECS = {
+    "plain": {"codec": "plain"},
+    "tagc": {"ratio": 4},
+    "tagc-4bit": {"ratio": 4, "index_bits": 4},
+    "topk": {"codec": "topk", "ratio": 4},
+    "int4": {"codec": "int4"},
+    "powersgd": {"codec": "powersgd", "rank": 2},
+    "bf16": {"codec": "bf16"},
+    "tagc-raw": {"ratio": 4, "fallback": "raw"},
+    "powersgd-bf16": {"codec": "powersgd", "rank": 2, "value_dtype": "bfloat16"},
+    "tagc-bf16-warmup": {"ratio": 4, "plain": "bf16", "dense_steps": 1},
+}
+"""Every form: ``allreduce`` (plain), ``sketch`` (tagc: OR-ed and summed indexes; powersgd: P then Q), ``gather``
+(topk, int4, bf16) and ``rs+ag`` (coded raw re-sends, powersgd's rounds in bf16, a bf16 dense warm-up)."""
+
+COUNTERS = ("buckets", "compressed_buckets", "wire_bytes", "plain_equivalent_bytes", "inter_host_bytes", "support",
+            "peeled", "unpeeled", "estimated", "raw", "overflow", "bitmap_blocks", "nonfinite_parts")
+
+
+def _overlapped_vs_blocking(rank: int, world: int) -> dict:
+    results = {}
+    for label, settings in OVERLAP_CODECS.items():
+        settings = {"select": "all", "dense_steps": 0, "min_compress_numel": 1, **settings}
+        runs = []
+        for overlap in (True, False):
+            ddp = _ddp(_model())
+            state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, **settings)
+            ddp.register_comm_hook(state, hook_fn)
+            steps = []
+            for step in range(4):  # DDP's first buckets, then three reduced by the hook (error feedback carried)
+                steps.append(_grads(ddp, rank, step))
+                state.end_step()
+            total = state.stats()["total"]
+            runs.append({"steps": steps, "forms": state.forms(), "counters": {k: total[k] for k in COUNTERS},
+                         "finished_in_backward": state._drained_task != -1,
+                         "residuals": {k: v.clone() for k, v in state.state_dict().items()
+                                       if k.startswith("residual.") and isinstance(v, torch.Tensor)}})
+        results[label] = runs
+    return results
+
+
+def test_overlapped_hook_gives_the_blocking_hooks_gradients_bit_for_bit():
+    """Every codec, in every form: the overlapped hook (collectives launched async, decoded in their callbacks, the
+    dependent ones launched at the end of the backward pass) gives the gradients, residuals and byte counts of the
+    blocking one (overlap=False), bit for bit, step after step; every compressing form was deferred."""
+    forms = set()
+    for rank_result in run_ranks(_overlapped_vs_blocking, 2, timeout_s=300.0):
+        for label, (overlapped, blocking) in rank_result.items():
+            for step, (a, b) in enumerate(zip(overlapped["steps"], blocking["steps"])):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (label, step)
+                assert any(x.abs().sum() > 0 for x in a), (label, step)
+            assert overlapped["forms"] == blocking["forms"], label
+            assert overlapped["counters"] == blocking["counters"], label
+            assert overlapped["residuals"].keys() == blocking["residuals"].keys(), label
+            assert all(torch.equal(v, blocking["residuals"][k]) for k, v in overlapped["residuals"].items()), label
+            assert overlapped["finished_in_backward"] == (label != "plain"), label  # plain: DDP's own all-reduce
+            assert not blocking["finished_in_backward"], label
+            forms |= {form for form, _ in overlapped["forms"].values()}
+    assert forms == {"sketch", "gather", "rs+ag"}
+
+
+DELAY_S = 0.4
+"""Every all-reduce of the timed step completes this long after its launch (a slow link)."""
+COMPUTE_S = 0.15
+"""Each layer's backward is made this long, so there is compute to hide the exchanges behind."""
+
+
+class _SlowWork:
+    """An async all-reduce whose future completes ``DELAY_S`` after launch, with the real one's value."""
+
+    def __init__(self, work) -> None:
+        launched = time.perf_counter()
+        self.future = torch.futures.Future()
+
+        def arrived(done: torch.futures.Future) -> None:
+            def complete() -> None:
+                try:
+                    self.future.set_result(done.value())
+                except Exception as error:  # noqa: BLE001 - handed on to the waiter
+                    self.future.set_exception(error)
+
+            threading.Timer(max(0.0, launched + DELAY_S - time.perf_counter()), complete).start()
+
+        work.get_future().add_done_callback(arrived)
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def wait(self) -> bool:
+        self.future.wait()
+        return True
+
+
+def _slow_link(rank: int, world: int) -> dict:
+    real_all_reduce = dist.all_reduce
+    slow = {"on": False}
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
+        return _SlowWork(work) if async_op and slow["on"] else work
+
+    def slow_backward(module: nn.Module, args, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: time.sleep(COMPUTE_S) if slow["on"] else None)
+
+    dist.all_reduce = all_reduce
+    out = {}
+    try:
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            layers = [nn.Linear(128, 128) for _ in range(4)]
+            for layer in layers:  # each layer's backward takes COMPUTE_S (when its output's gradient arrives)
+                layer.register_forward_hook(slow_backward)
+            ddp = DDP(nn.Sequential(*layers), bucket_cap_mb=0.05)  # a bucket per layer's weight
+            state, hook_fn = tagc.ddp_hook(ddp, ratio=4, select="all", dense_steps=0, min_compress_numel=1,
+                                           overlap=overlap)
+            events = []
+
+            def timed(hook_state, bucket, _events=events, _hook=hook_fn):
+                index = bucket.index()
+                _events.append(("call", index, time.perf_counter()))
+                future = _hook(hook_state, bucket)
+                future.add_done_callback(lambda _, at=index: _events.append(("done", at, time.perf_counter())))
+                return future
+
+            ddp.register_comm_hook(state, timed)
+            x = torch.randn(8, 128, generator=torch.Generator().manual_seed(rank))
+            for step in range(3):  # the last is timed: DDP's first buckets, the plans and kernels are made before
+                slow["on"] = step == 2
+                events.clear()
+                loss = ddp(x).square().sum()
+                start = time.perf_counter()
+                loss.backward()
+                backward_s = time.perf_counter() - start
+                state.end_step()
+            calls = {i: t for kind, i, t in events if kind == "call"}
+            done = {i: t for kind, i, t in events if kind == "done"}
+            out[overlap] = {"backward_s": backward_s, "calls": calls, "done": done,
+                            "forms": {form for form, _ in state.forms().values()}}
+    finally:
+        dist.all_reduce = real_all_reduce
+    return out
+
+
+def test_the_exchanges_overlap_the_backward_pass():
+    """With a slow link (every all-reduce DELAY_S) and a slow backward (COMPUTE_S per layer), the overlapped hook
+    lets the backward go on while earlier buckets are on the wire: the next bucket is handed over before the first
+    one's exchange completes, and the step takes at least a delay less than blocking, which pays one per bucket."""
+    for result in run_ranks(_slow_link, 2, timeout_s=180.0):
+        overlapped, blocking = result[True], result[False]
+        buckets = len(blocking["calls"])
+        assert buckets >= 3 and len(overlapped["calls"]) == buckets
+        assert overlapped["forms"] == blocking["forms"] == {"sketch"}
+        assert blocking["backward_s"] >= buckets * DELAY_S + 4 * COMPUTE_S
+        assert overlapped["backward_s"] < blocking["backward_s"] - DELAY_S
+        first, second = sorted(overlapped["calls"])[:2]  # DDP hands the buckets over in index order
+        assert overlapped["calls"][second] < overlapped["done"][first]  # backward went on while bucket 0 flew
+        assert blocking["done"][first] <= blocking["calls"][second]  # blocking: it waited

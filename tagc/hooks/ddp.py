@@ -44,17 +44,32 @@ Error feedback is keyed by the bucket's parameters (their names) and the part, a
 by call order or bucket index. DDP's first iteration runs on buckets it rebuilds afterwards: that
 iteration is reduced as DDP reduces it and is not counted as a step (:meth:`DDPHookState.settled`).
 Steps are counted as the engine counts them (a bucket seen twice), or exactly by
-:meth:`DDPHookState.end_step` after ``optimizer.step()``. The hook is blocking per bucket except in
-the ``allreduce`` form, whose future completes when the all-reduce does.
+:meth:`DDPHookState.end_step` after ``optimizer.step()``.
+
+The exchange overlaps the rest of the backward pass, as torch's own hooks do (``overlap=True``, the
+default): the hook encodes the bucket on the calling thread (the backward's critical path),
+launches its collectives (``async_op=True``) and returns a future that completes with the averaged
+buffer, decoded in the collectives' callbacks (``.then``). A collective that needs another's result
+(``rs+ag``'s all-gather, PowerSGD's ``Q``) is launched on the backward's thread, in bucket order, in a
+final callback of the backward pass that runs before DDP's own waits for the buckets (never from a
+collective's callback: on gloo that runs on the backend's thread, and a collective launched there
+could meet other collectives in a different order on each rank). The same callback records each
+bucket's statistics: the hook's counters are only ever touched by the backward's thread. The collectives,
+their order, the wire and the decode are the blocking exchange's, so the gradients are bit for bit
+the same. ``overlap=False`` finishes every bucket inside its hook call; so does a hook called
+outside a backward pass.
 """
 
+import collections
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from backward_drain import BackwardDrain, current_graph_task
 from tagc.hooks import nonfinite
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
@@ -93,6 +108,37 @@ class _Bucket:
     pieces: dict = dataclasses.field(default_factory=dict)  # device -> Pieces
 
 
+@dataclasses.dataclass
+class _Flight:
+    """One bucket's exchange, from its hook call until its statistics are recorded.
+
+    ``future``: what DDP waits for, the averaged buffer; its callbacks decode, touching nothing shared
+    but the bucket's own residuals (and ``stats``, which no other thread touches until ``future`` is
+    done). ``launch``: the dependent collective, on the backward's thread (:meth:`DDPHookState._launch`).
+    ``stats``: recorded on the backward's thread once ``future`` is done; ``key``: the bucket then
+    checked for NaN/Inf under ``nonfinite="raise"`` (``None``: the form raises where it decodes).
+    ``errors``: what the callbacks raised, re-raised as it was (a future's ``wait`` would wrap it)."""
+
+    stats: ExchangeStats
+    future: torch.futures.Future | None = None
+    launch: Callable[[], None] | None = None
+    key: str | None = None
+    task: int = -1
+    errors: list = dataclasses.field(default_factory=list)
+
+    def callback(self, body: Callable[[torch.futures.Future], torch.Tensor]) -> Callable:
+        """``body`` for ``Future.then``, keeping what it raises in :attr:`errors`."""
+
+        def run(future: torch.futures.Future) -> torch.Tensor:
+            try:
+                return body(future)
+            except Exception as error:
+                self.errors.append(error)
+                raise
+
+        return run
+
+
 class DDPHookState:
     """DDP's comm-hook state: a :class:`TAGCHook` bound to the DDP model that registers it.
 
@@ -114,6 +160,9 @@ class DDPHookState:
         self._params = {id(p): (name, modules[name.rpartition(".")[0]]) for name, p in model.module.named_parameters()}
         self._buckets: dict[tuple, _Bucket] = {}
         self._unsettled_step = False  # this step's buckets were DDP's first ones, reduced as DDP does
+        self._flights: collections.deque[_Flight] = collections.deque()  # launched, not yet finished; oldest first
+        self._drain = BackwardDrain()
+        self._drained_task = -1  # the backward pass whose final callback last finished buckets
         hook.note_parameters(model_parameters(model.module))  # the settings check compares what select picks
 
     def settled(self) -> bool:
@@ -181,10 +230,69 @@ class DDPHookState:
             plan = steady
             if hook.warming_up:  # the density ramp: this stage's ratios, the same parts and residuals
                 plan = hook._plan(layout.segments, layout.numel, world, hook.step_count - hook.dense_steps)
-            self._sketch(buffer, plan, world)
-            return _done(buffer)
-        self._pieces_exchange(layout, buffer, world)
-        return _done(buffer)
+            return self._defer(self._sketch(buffer, plan, world))
+        return self._defer(self._pieces_exchange(layout, buffer, world))
+
+    # ------------------------------------------------------------------ finishing buckets
+
+    def _defer(self, flight: _Flight) -> torch.futures.Future:
+        """Hand DDP the bucket's future, and finish the bucket (its dependent collective, its statistics) in a
+        final callback of the backward pass. That callback is queued at the pass's first bucket, DDP's own
+        (which waits for every bucket's future) at its last: ours runs first. Finished here instead with
+        ``overlap=False``, outside a backward pass, or after our callback ran in this pass (a callback
+        queued now would run after DDP's wait)."""
+        task = current_graph_task()
+        if not self.hook.overlap or task == -1 or task == self._drained_task:
+            self._finish(flight)
+            return flight.future
+        flight.task = task
+        self._drain.add(self._finish_oldest)  # first finishes what a failed pass left (its flights are older)
+        self._flights.append(flight)
+        return flight.future
+
+    def _finish_oldest(self, deliver: bool) -> None:
+        """The final callback's item, one per bucket, oldest first: launch every dependent collective not launched
+        yet, in bucket order (the first item launches them all, so bucket ``k``'s goes while ``k+1``'s is
+        prepared), then finish the oldest bucket. ``deliver`` false (a failed backward pass left the bucket): it
+        is finished all the same, so that no rank is left waiting for its collectives."""
+        flight = self._flights.popleft()
+        self._drained_task = flight.task
+        try:
+            for launched in (flight, *self._flights):
+                self._launch(launched)
+        finally:
+            self._finish(flight)
+
+    @staticmethod
+    def _launch(flight: _Flight) -> None:
+        """Launch the bucket's dependent collective (once), on the backward's thread: every rank launches the
+        buckets' collectives in the same order there."""
+        launch, flight.launch = flight.launch, None
+        if launch is None:
+            return
+        try:
+            launch()
+        except Exception as error:
+            if not flight.future.done():
+                flight.future.set_exception(error)
+            raise
+
+    def _finish(self, flight: _Flight) -> None:
+        """Wait for the bucket's future and record its statistics (on the backward's thread)."""
+        self._launch(flight)
+        begin = time.perf_counter()
+        try:
+            flight.future.wait()
+        except Exception:
+            if flight.errors:
+                raise flight.errors[0] from None  # as the decode raised it (e.g. FloatingPointError)
+            raise
+        flight.stats.exposed_s += time.perf_counter() - begin
+        hook = self.hook
+        hook._record(flight.stats, None)
+        if flight.key is not None and hook.nonfinite == "raise" and bool(flight.stats.nonfinite_parts):
+            raise FloatingPointError(f"a gradient in TAGC bucket {flight.key!r} is NaN/Inf on some rank "
+                                     "(nonfinite='raise')")  # no host read under "propagate"
 
     def _layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _Bucket:
         params = bucket.parameters()
@@ -266,32 +374,31 @@ class DDPHookState:
 
     # ------------------------------------------------------------------ the all-reduce form
 
-    def _sketch(self, buffer: torch.Tensor, plan: _BucketPlan, world: int) -> None:
+    def _sketch(self, buffer: torch.Tensor, plan: _BucketPlan, world: int) -> _Flight:
         hook = self.hook
         n = buffer.numel()
         stats = ExchangeStats(buckets=1, compressed_buckets=1, plain_equivalent_bytes=ring(4 * n, world))
+        flight = _Flight(stats, key=plan.key)
         compressed = [p for p in plan.parts if p.codec is not hook.plain]
         plain = [p for p in plan.parts if p.codec is hook.plain]
         for part in compressed:
             hook._check_restored_part(part)
         if isinstance(compressed[0].codec, PowerSGDCodec):
-            summed = self._powersgd(buffer, compressed[0], plain, stats, world)
+            self._powersgd(flight, buffer, compressed[0], plain, world)
         else:
-            summed = self._tagc(buffer, compressed, plain, stats, world)
-        scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
-        hook._record(stats, None)
-        if hook.nonfinite == "raise" and bool(stats.nonfinite_parts):  # no host read under "propagate"
-            raise FloatingPointError(f"a gradient in TAGC bucket {plan.key!r} is NaN/Inf on some rank "
-                                     "(nonfinite='raise')")
+            self._tagc(flight, buffer, compressed, plain, world)
+        return flight
 
-    def _all_reduce(self, tensor: torch.Tensor, stats: ExchangeStats, op=dist.ReduceOp.SUM) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, stats: ExchangeStats, op=dist.ReduceOp.SUM) -> torch.futures.Future:
+        """Launch ``tensor``'s all-reduce (in place); a future of its completion."""
         stats.wire_bytes += ring(tensor.numel() * tensor.element_size(), dist.get_world_size(self.group))
-        dist.all_reduce(tensor, op=op, group=self.group)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True).get_future()
 
-    def _tagc(self, buffer: torch.Tensor, parts: list[_Part], plain: list[_Part], stats: ExchangeStats,
-              world: int) -> torch.Tensor:
-        """TAGC's all-reduce form: compress every part whole, sum the tables, merge the indexes, decode."""
+    def _tagc(self, flight: _Flight, buffer: torch.Tensor, parts: list[_Part], plain: list[_Part], world: int) -> None:
+        """TAGC's all-reduce form: compress every part whole, launch the tables' sum and the indexes' merge; the
+        future decodes."""
         device = buffer.device
+        stats = flight.stats
         indexes, tables = [], []
         for part in parts:
             codec: TAGCCodec = part.codec
@@ -305,50 +412,75 @@ class DDPHookState:
             indexes.append(index.reshape(-1))
             tables.append(table.reshape(-1).float())
         values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)
-        self._all_reduce(values, stats)
-        merged = self._merge_indexes(torch.cat(indexes), parts[0].codec.config.index_bits, stats)
-        summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
-        at = 0
-        for part in plain:
-            summed[part.index(device)] = values[at : at + part.numel]
-            at += part.numel
-        index_at = 0
-        for part in parts:
-            codec = part.codec
-            layout = codec.layout(part.numel)
-            table = values[at : at + layout.table_numel]
-            index_bytes = -(-part.numel * codec.config.index_bits // 8)
-            union = merged[index_at : index_at + index_bytes]
-            bits = codec.config.index_bits
-            summed[part.index(device)] = nonfinite.decode_(table, union, layout, bits, "estimate", stats)
-            at += layout.table_numel
-            index_at += index_bytes
-        return summed
+        launched = [self._all_reduce(values, stats)]
+        bits = parts[0].codec.config.index_bits
+        merge = self._merge_indexes(torch.cat(indexes), bits, stats, launched)
 
-    def _merge_indexes(self, index: torch.Tensor, bits: int, stats: ExchangeStats) -> torch.Tensor:
-        """Every rank's index bytes merged: OR of the 1-bit bitmaps, sum of the 4-bit counts."""
+        def decode(_: torch.futures.Future) -> torch.Tensor:
+            for done in launched:
+                done.wait()  # raises a collective's error; on CUDA, orders this stream after the collective
+            merged = merge()
+            summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
+            at = 0
+            for part in plain:
+                summed[part.index(device)] = values[at : at + part.numel]
+                at += part.numel
+            index_at = 0
+            for part in parts:
+                codec = part.codec
+                layout = codec.layout(part.numel)
+                table = values[at : at + layout.table_numel]
+                index_bytes = -(-part.numel * bits // 8)
+                union = merged[index_at : index_at + index_bytes]
+                summed[part.index(device)] = nonfinite.decode_(table, union, layout, bits, "estimate", stats)
+                at += layout.table_numel
+                index_at += index_bytes
+            scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
+            return buffer
+
+        flight.future = self._after_all(launched, device).then(flight.callback(decode))
+
+    def _after_all(self, launched: list[torch.futures.Future], device: torch.device) -> torch.futures.Future:
+        """A future done once every one of ``launched`` is. On NCCL the last one (done at launch, CUDA semantics):
+        its callbacks run on streams made to wait for it, and the callback waits for the others (events, no host
+        wait), so the decode stays off the backward's stream. Elsewhere ``collect_all``: a callback must not block
+        a backend thread waiting for another collective."""
+        if backend_of(self.group, device) == "nccl":
+            return launched[-1]
+        return torch.futures.collect_all(launched)
+
+    def _merge_indexes(self, index: torch.Tensor, bits: int, stats: ExchangeStats,
+                       launched: list[torch.futures.Future]) -> Callable[[], torch.Tensor]:
+        """Launch the merge of every rank's index bytes (OR of the 1-bit bitmaps, sum of the 4-bit counts), adding
+        its future to ``launched``; returns what gives the merged index once it is done."""
         if bits == 4:
-            self._all_reduce(index, stats)  # packed nibbles add without carrying: at most 15 ranks
-            return index
+            launched.append(self._all_reduce(index, stats))  # packed nibbles add without carrying: at most 15 ranks
+            return lambda: index
         if not self._index_gathered(bits, index.device):
-            self._all_reduce(index, stats, dist.ReduceOp.BOR)
-            return index
+            launched.append(self._all_reduce(index, stats, dist.ReduceOp.BOR))
+            return lambda: index
         world = dist.get_world_size(self.group)
         gathered = index.new_empty(world * index.numel())
-        dist.all_gather_into_tensor(gathered, index, group=self.group)
+        launched.append(dist.all_gather_into_tensor(gathered, index, group=self.group, async_op=True).get_future())
         stats.wire_bytes += (world - 1) * index.numel()
-        rows = gathered.view(world, -1)
-        merged = rows[0]
-        for row in rows[1:]:  # one OR per rank, not per element
-            merged = merge_index(merged, row, 1)
-        return merged
 
-    def _powersgd(self, buffer: torch.Tensor, part: _Part, plain: list[_Part], stats: ExchangeStats,
-                  world: int) -> torch.Tensor:
-        """PowerSGD's all-reduce form, the DDP hook's algorithm on the codec's state (:mod:`tagc.hooks.powersgd`)."""
+        def merge() -> torch.Tensor:
+            rows = gathered.view(world, -1)
+            merged = rows[0]
+            for row in rows[1:]:  # one OR per rank, not per element
+                merged = merge_index(merged, row, 1)
+            return merged
+
+        return merge
+
+    def _powersgd(self, flight: _Flight, buffer: torch.Tensor, part: _Part, plain: list[_Part], world: int) -> None:
+        """PowerSGD's all-reduce form, the DDP hook's algorithm on the codec's state (:mod:`tagc.hooks.powersgd`):
+        ``P`` (with the uncompressed columns) launched here, ``Q`` by :attr:`_Flight.launch` once ``P`` is summed
+        (on the backward's thread), ``P Q^T`` formed in ``Q``'s callback."""
         codec: PowerSGDCodec = part.codec
         shapes = codec._layouts[part.key]
         device = buffer.device
+        stats = flight.stats
         grad = buffer[part.index(device)]
         ms, qs = [], []
         for mat in shapes.matrices:
@@ -362,26 +494,38 @@ class DDPHookState:
         uncompressed = [grad[start : start + count] for start, count in shapes.plain]
         uncompressed += [buffer[p.index(device)] for p in plain]
         first = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)] + [t.float() for t in uncompressed])
-        self._all_reduce(first, stats)
+        summed_first = self._all_reduce(first, stats)
         p_total = sum(shapes.p_sizes)
-        summed_ps = first[:p_total].split(shapes.p_sizes)
-        ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
-        second = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else first.new_zeros(0)
-        self._all_reduce(second, stats)
-        summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
-        values = torch.empty(part.numel, dtype=torch.float32, device=device)
-        for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, second.split(shapes.q_sizes)):
-            approx = codec.approximate(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used, world, stats)
-            values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
-        at = p_total
-        for start, count in shapes.plain:
-            values[start : start + count] = first[at : at + count]
-            at += count
-        summed[part.index(device)] = values
-        for p in plain:
-            summed[p.index(device)] = first[at : at + p.numel]
-            at += p.numel
-        return summed
+        flight.future = _future_of(buffer)
+
+        def launch() -> None:
+            summed_first.wait()
+            summed_ps = first[:p_total].split(shapes.p_sizes)
+            ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
+            second = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else first.new_zeros(0)
+
+            def decode(summed_second: torch.futures.Future) -> torch.Tensor:
+                summed_second.wait()
+                summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
+                values = torch.empty(part.numel, dtype=torch.float32, device=device)
+                for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, second.split(shapes.q_sizes)):
+                    approx = codec.approximate(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used,
+                                               world, stats)
+                    values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
+                at = p_total
+                for start, count in shapes.plain:
+                    values[start : start + count] = first[at : at + count]
+                    at += count
+                summed[part.index(device)] = values
+                for p in plain:
+                    summed[p.index(device)] = first[at : at + p.numel]
+                    at += p.numel
+                scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
+                return buffer
+
+            _complete(flight.future, self._all_reduce(second, stats).then(flight.callback(decode)))
+
+        flight.launch = launch
 
     # ------------------------------------------------------------------ the reduce-scatter forms
 
@@ -395,7 +539,7 @@ class DDPHookState:
             layout.pieces[device] = dataclasses.replace(pieces, segments=shaped)
         return layout.pieces[device]
 
-    def _pieces_exchange(self, layout: _Bucket, buffer: torch.Tensor, world: int) -> None:
+    def _pieces_exchange(self, layout: _Bucket, buffer: torch.Tensor, world: int) -> _Flight:
         """``rs+ag`` or ``gather`` (during a dense warm-up with ``plain`` not fp32: ``rs+ag``)."""
         hook = self.hook
         pieces = self._pieces(layout, world, buffer.device)
@@ -404,13 +548,45 @@ class DDPHookState:
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else buffer.dtype
         op = dist.ReduceOp.AVG
         if layout.form == "gather" and gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
-            GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats()).wait()
-            return
+            hook.topology(self.group)  # the decode reads it: made here, where a hierarchical one may create groups
+            wires = GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats())  # encodes, launches
+            flight = _Flight(wires.stats)
+            if hook.strict_sync:
+                # strict sync mode counts the host reads of the hook's thread: decode there (in the final callback)
+                flight.future = _future_of(buffer)
+                flight.launch = lambda: (wires.work.wait(), flight.future.set_result(wires.decode()))
+            else:
+                flight.future = wires.work.get_future().then(
+                    flight.callback(lambda gathered: (gathered.wait(), wires.decode())[1]))
+            return flight
         pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments, keep_local=False)
         gathered = (world - 1) * chunk.numel()
         pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
                                         plain_equivalent_bytes=plain_bytes(world, chunk.numel())))
-        PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype).wait()
+        replicas = PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype)
+        flight = _Flight(ExchangeStats(), _future_of(buffer))  # the engine records the reduce-scatter's statistics
+        # the all-gather needs the reduce-scatter's result: launched on the backward's thread
+        flight.launch = lambda: _complete(flight.future, replicas.gather())
+        return flight
+
+
+def _future_of(buffer: torch.Tensor) -> torch.futures.Future:
+    """A future for ``buffer``, completed by :func:`_complete` (on CUDA: its waiters wait for the writer's stream)."""
+    return torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
+
+
+def _complete(future: torch.futures.Future, source: torch.futures.Future) -> None:
+    """Complete ``future`` as ``source`` completes: a callback cannot return a future for ``then`` to wait on."""
+
+    def forward(done: torch.futures.Future) -> None:
+        try:
+            value = done.value()
+        except Exception as error:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    source.then(forward)  # on CUDA: runs on streams made to wait for ``source``, where the result is recorded
 
 
 def _done(buffer: torch.Tensor) -> torch.futures.Future:

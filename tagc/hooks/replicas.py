@@ -66,8 +66,26 @@ class PendingAllReduce:
         begin = time.perf_counter()
         gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
         dist.all_gather_single(gathered, chunk, group=self.group)
-        self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
+        self._write(gathered)
         self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
+        return self.output
+
+    def gather(self) -> torch.futures.Future:
+        """:meth:`wait` without waiting for the all-gather: finish the compressed reduce-scatter (blocking),
+        launch the all-gather and return a future of the output, written in the all-gather's callback.
+        The caller records the time it waits for the future."""
+        chunk = self.pending.wait().to(self.dtype)
+        gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
+        work = dist.all_gather_single(gathered, chunk, group=self.group, async_op=True)
+
+        def write(future: torch.futures.Future) -> torch.Tensor:
+            future.wait()  # on CUDA: the callback's stream waits for the all-gather's
+            return self._write(gathered)
+
+        return work.get_future().then(write)
+
+    def _write(self, gathered: torch.Tensor) -> torch.Tensor:
+        self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
         return self.output
 
 
@@ -126,6 +144,15 @@ class GatheredWires:
         begin = time.perf_counter()
         self.work.wait()
         self.stats.add(ExchangeStats(exposed_s=time.perf_counter() - begin))
+        self.decode()
+        self.hook._record(self.stats, None)
+        self.done = True
+        return self.output
+
+    def decode(self) -> torch.Tensor:
+        """Decode every replica's wires into the output once the all-gather (:attr:`work`) is done, adding
+        the statistics to :attr:`stats` without recording them: :meth:`wait` records them; a caller that
+        decodes in the all-gather's callback (another thread, on gloo) records them on its own thread."""
         hosts = self.gathered.shape[0]
         pieces = ExchangeStats()
         decoded = torch.stack([self.hook.decode_bucket(self.gathered[:, h], self.group, self.pieces.segments,
@@ -137,8 +164,6 @@ class GatheredWires:
         pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)
         self.stats.add(pieces)
         self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
-        self.hook._record(self.stats, None)
-        self.done = True
         return self.output
 
 
