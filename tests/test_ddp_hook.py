@@ -412,9 +412,9 @@ def test_overlapped_hook_gives_the_blocking_hooks_gradients_bit_for_bit():
     assert forms == {"sketch", "gather", "rs+ag"}
 
 
-DELAY_S = 0.4
+DELAY_S = 0.3
 """Every all-reduce of the timed step completes this long after its launch (a slow link)."""
-COMPUTE_S = 0.15
+COMPUTE_S = 0.1
 """Each layer's backward is made this long, so there is compute to hide the exchanges behind."""
 
 
@@ -471,9 +471,12 @@ def _slow_link(rank: int, world: int) -> dict:
             def timed(hook_state, bucket, _events=events, _hook=hook_fn):
                 index = bucket.index()
                 _events.append(("call", index, time.perf_counter()))
-                future = _hook(hook_state, bucket)
-                future.add_done_callback(lambda _, at=index: _events.append(("done", at, time.perf_counter())))
-                return future
+
+                def arrived(future: torch.futures.Future, at: int = index) -> torch.Tensor:
+                    _events.append(("done", at, time.perf_counter()))
+                    return future.value()
+
+                return _hook(hook_state, bucket).then(arrived)  # DDP waits for the time to be taken
 
             ddp.register_comm_hook(state, timed)
             x = torch.randn(8, 128, generator=torch.Generator().manual_seed(rank))
@@ -494,6 +497,7 @@ def _slow_link(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_exchanges_overlap_the_backward_pass():
     """With a slow link (every all-reduce DELAY_S) and a slow backward (COMPUTE_S per layer), the overlapped hook
     lets the backward go on while earlier buckets are on the wire: the next bucket is handed over before the first
@@ -503,6 +507,7 @@ def test_the_exchanges_overlap_the_backward_pass():
         buckets = len(blocking["calls"])
         assert buckets >= 3 and len(overlapped["calls"]) == buckets
         assert overlapped["forms"] == blocking["forms"] == {"sketch"}
+        assert all(run["done"][i] > run["calls"][i] for run in (overlapped, blocking) for i in run["calls"])
         assert blocking["backward_s"] >= buckets * DELAY_S + 4 * COMPUTE_S
         assert overlapped["backward_s"] < blocking["backward_s"] - DELAY_S
         first, second = sorted(overlapped["calls"])[:2]  # DDP hands the buckets over in index order
