@@ -513,3 +513,32 @@ def test_the_exchanges_overlap_the_backward_pass():
         first, second = sorted(overlapped["calls"])[:2]  # DDP hands the buckets over in index order
         assert overlapped["calls"][second] < overlapped["done"][first]  # backward went on while bucket 0 flew
         assert blocking["done"][first] <= blocking["calls"][second]  # blocking: it waited
+
+
+def _raising(rank: int, world: int) -> dict:
+    out = {}
+    for label, settings in {"tagc": {"ratio": 4}, "int4": {"codec": "int4"}}.items():
+        for overlap in (True, False):
+            ddp = _ddp(_model())
+            state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, select="all", dense_steps=0, min_compress_numel=1,
+                                           nonfinite="raise", **settings)
+            ddp.register_comm_hook(state, hook_fn)
+            _grads(ddp, rank, 0)  # DDP's first buckets
+            x, y = _batch(rank, 1)
+            try:
+                (nn.functional.mse_loss(ddp(x), y) * (float("nan") if rank else 1.0)).backward()
+                out[label, overlap] = None
+            except FloatingPointError as error:
+                out[label, overlap] = str(error)
+    return out
+
+
+@pytest.mark.slow
+def test_nonfinite_raise_is_raised_by_the_backward_pass_overlapped_or_not():
+    """nonfinite="raise" in the sketch (tagc: checked once its callback decoded) and gather (int4: raised in the
+    callback) forms: the backward pass raises FloatingPointError on every rank, overlapped as blocking, naming the
+    bucket (no hang, no wrapping)."""
+    for result in run_ranks(_raising, 2, timeout_s=120.0):
+        for label in ("tagc", "int4"):
+            assert result[label, True] is not None and "NaN/Inf" in result[label, True], label
+            assert result[label, True] == result[label, False], label
