@@ -53,7 +53,7 @@ def hook(
             error feedback), ``"plain"`` (the fair uncompressed reduce-scatter, for baselines),
             or a peer codec; the unselected columns always go plain (:mod:`tagc.hooks.codecs`).
         overlap: launch each bucket's exchange as soon as its gradient is packed and finish
-            them all at the end of the backward pass (SimpleFSDP eager, FSDP2), decoding
+            them all at the end of the backward pass (SimpleFSDP eager, FSDP2, DDP), decoding
             whatever has arrived while later blocks compute; ``False`` blocks per bucket.
         nonfinite: ``"propagate"`` (NaN/Inf reach the owners: plain columns where they are, a
             compressed part NaN as a whole; residuals are never poisoned) or ``"raise"``
