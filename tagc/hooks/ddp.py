@@ -83,7 +83,7 @@ from tagc.hooks.replicas import (
     model_parameters,
 )
 from tagc.hooks.segment import Segment
-from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.torch_ddp import has_rebuilt_buckets
 from tagc.hooks.transport import backend_of
 from tagc.sketch.index import merge_index
@@ -559,11 +559,7 @@ class DDPHookState:
                 flight.future = wires.work.get_future().then(
                     flight.callback(lambda gathered: (gathered.wait(), wires.decode())[1]))
             return flight
-        pending = hook.start(chunk, rows.reshape(-1), self.group, op, pieces.segments, keep_local=False)
-        gathered = (world - 1) * chunk.numel()
-        pending.stats.add(ExchangeStats(wire_bytes=gathered * gather_dtype.itemsize,
-                                        plain_equivalent_bytes=plain_bytes(world, chunk.numel())))
-        replicas = PendingAllReduce(pending, buffer, pieces, self.group, gather_dtype)
+        replicas = PendingAllReduce.start(hook, chunk, rows, buffer, pieces, self.group, op, gather_dtype)
         flight = _Flight(ExchangeStats(), _future_of(buffer))  # the engine records the reduce-scatter's statistics
         # the all-gather needs the reduce-scatter's result: launched on the backward's thread
         flight.launch = lambda: _complete(flight.future, replicas.gather())

@@ -198,15 +198,9 @@ class _ReplicaAllReduce:
             else:
                 finish.wait()
             return
-        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, comm.label, keep_local=False)
         remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
-        row_bytes = chunk.numel() * gather_dtype.itemsize
-        gathered = ExchangeStats(wire_bytes=(hosts - 1) * row_bytes,
-                                 plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
-                                 inter_host_bytes=remote * row_bytes)  # a ring all-gather's volume
-        pending.stats.add(comm.take_host_stats())
-        pending.stats.add(gathered)
-        finish = PendingAllReduce(pending, reduce_output, pieces, group, gather_dtype)
+        finish = PendingAllReduce.start(hook, chunk, rows, reduce_output, pieces, group, op, gather_dtype, comm.label,
+                                        comm.take_host_stats(), remote)
         if hook.overlap and comm._can_defer(reduce_output, comm._op):
             _DEFERRED.add(comm, finish)
         else:

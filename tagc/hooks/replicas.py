@@ -61,6 +61,24 @@ class PendingAllReduce:
                  dtype: torch.dtype) -> None:
         self.pending, self.output, self.pieces, self.group, self.dtype = pending, output, pieces, group, dtype
 
+    @classmethod
+    def start(cls, hook: "tagc.hooks.engine.TAGCHook", chunk: torch.Tensor,  # noqa: F821  named, not imported
+              rows: torch.Tensor, output: torch.Tensor, pieces: Pieces, group, op, dtype: torch.dtype,
+              unit: str | None = None, host_stats: ExchangeStats | None = None,
+              remote_rows: int = 0) -> PendingAllReduce:
+        """Launch the engine's compressed reduce-scatter of ``rows`` over ``group`` into ``chunk`` and count
+        the dense all-gather that :meth:`wait` will make (a ring all-gather's volume in ``dtype``; ``remote_rows``
+        of its rows cross hosts), with ``host_stats``, the bytes of the step before, on the same bucket."""
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, unit, keep_local=False)
+        replicas = dist.get_world_size(group)
+        row_bytes = chunk.numel() * dtype.itemsize
+        if host_stats is not None:
+            pending.stats.add(host_stats)
+        pending.stats.add(ExchangeStats(wire_bytes=(replicas - 1) * row_bytes,
+                                        plain_equivalent_bytes=plain_bytes(replicas, chunk.numel()),
+                                        inter_host_bytes=remote_rows * row_bytes))
+        return cls(pending, output, pieces, group, dtype)
+
     def wait(self) -> torch.Tensor:
         chunk = self.pending.wait().to(self.dtype)
         begin = time.perf_counter()

@@ -139,13 +139,8 @@ def start_replicas(binding: ReplicaBinding, host: torch.Tensor, host_stats: Exch
     gather_dtype = binding.gather_dtype(host.dtype)
     if gathers_wires(hook, binding.pieces.segments, chunk, hosts, gather_dtype, group):
         return GatheredWires(hook, rows, host, binding.pieces, group, AVG, host_stats)
-    pending = hook.start(chunk, rows.reshape(-1), group, AVG, binding.pieces.segments, binding.unit, keep_local=False)
-    row_bytes = chunk.numel() * gather_dtype.itemsize
-    pending.stats.add(host_stats)
-    pending.stats.add(ExchangeStats(wire_bytes=(hosts - 1) * row_bytes,
-                                    plain_equivalent_bytes=plain_bytes(hosts, chunk.numel()),
-                                    inter_host_bytes=binding.replica_remote_rows * row_bytes))  # a ring all-gather
-    return PendingAllReduce(pending, host, binding.pieces, group, gather_dtype)
+    return PendingAllReduce.start(hook, chunk, rows, host, binding.pieces, group, AVG, gather_dtype, binding.unit,
+                                  host_stats, binding.replica_remote_rows)
 
 
 def traces_gathered_wires(binding: ReplicaBinding, dtype: torch.dtype, device: torch.device) -> bool:
