@@ -124,22 +124,7 @@ def check_rows(rows, links):
 
 def test_quick_unshaped_run_writes_json_rows(tmp_path):
     path = tmp_path / "rows.json"
-    exchange.main(
-        [
-            "--quick",
-            "--link",
-            "none",
-            "--sizes",
-            "128K",
-            "--json",
-            str(path),
-            "--no-progress",
-            "--timeout",
-            "120",
-            "--codecs",
-            CODECS,
-        ]
-    )
+    _quick_run(path, "none", "128K")
     rows = json.loads(path.read_text())
     check_rows(rows, ["none"])
     assert all(r["lo_bytes_per_rank"] is None for r in rows)  # not in a private namespace: not counted
@@ -147,6 +132,12 @@ def test_quick_unshaped_run_writes_json_rows(tmp_path):
 
 
 CODECS = "bf16,fp8,int4,sign,topk,powersgd"
+
+
+def _quick_run(path, link: str, size: str) -> None:
+    """The quick exchange benchmark of every peer codec at one size on ``link``, its rows written to ``path``."""
+    exchange.main(["--quick", "--link", link, "--sizes", size, "--json", str(path), "--no-progress",
+                   "--timeout", "120", "--codecs", CODECS])
 
 
 def check_codec_rows(rows):
@@ -171,22 +162,7 @@ def check_codec_rows(rows):
 def test_quick_shaped_run_is_really_shaped(tmp_path):
     open_or_skip(ShapedLink("100mbit")).close()
     path = tmp_path / "rows.json"
-    exchange.main(
-        [
-            "--quick",
-            "--link",
-            "100mbit",
-            "--sizes",
-            "512K",
-            "--json",
-            str(path),
-            "--no-progress",
-            "--timeout",
-            "120",
-            "--codecs",
-            CODECS,
-        ]
-    )
+    _quick_run(path, "100mbit", "512K")
     rows = json.loads(path.read_text())
     check_rows(rows, ["100mbit"])
     check_codec_rows(rows)
