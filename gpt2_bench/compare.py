@@ -25,6 +25,9 @@ module: :mod:`gpt2_bench.compare_paper` (the main job), :mod:`gpt2_bench.compare
 (``--methods``, ``--shares``, ``--quality-steps``, ``--loss-from``, ``--timed-from``),
 :mod:`gpt2_bench.compare_quality` (``--quality-only``), :mod:`gpt2_bench.compare_layout`
 (``--layout ddp|hsdp``) and :mod:`gpt2_bench.compare_hosts` (``--hosts H``).
+
+``--param-dtype bf16`` (or ``int8``, SimpleFSDP's blockwise gather) sets the parameter all-gather of every
+method that gathers parameters alike (:mod:`gpt2_bench.methods`): no method has a gather of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def build_compare_parser(argv: Sequence[str] | None = None) -> argparse.Argument
     # 10 steps for TAGC; ``--dense-steps 0`` to see plain top-k from step 0: +11% val loss at 30 steps, the early
     # LM-head moves that error feedback spreads out).
     parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20)
+    param_dtype = next(action for action in parser._actions if action.dest == "param_dtype")
+    param_dtype.help = ("the parameter all-gather dtype of every method that gathers parameters, alike: every "
+                        "flat-FSDP method (fsdp and fsdp-bf16 included) and, with --layout hsdp, every HSDP one; "
+                        "never a DDP one (DDP gathers none). bf16: torchtitan's MixedPrecisionPolicy("
+                        "param_dtype=bf16, reduce_dtype=fp32); int8: SimpleFSDP's blockwise int8 gather (ZeRO++ "
+                        "qwZ). The link of a share is calibrated on the plain step with the same gathers. "
+                        "Default: fp32")
     hosts_probe = argparse.ArgumentParser(add_help=False)
     hosts_probe.add_argument("--hosts", type=int, default=1)
     if hosts_probe.parse_known_args(argv)[0].hosts > 1:  # emulated hosts: a short job per method on the tiny model

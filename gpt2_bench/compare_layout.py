@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpt2_bench.compare_figures import LOSS_TOLERANCE, add_method_columns, winner
-from gpt2_bench.compare_report import format_methods_table, format_share_arithmetic
+from gpt2_bench.compare_report import format_methods_table, format_param_gather, format_share_arithmetic
 from gpt2_bench.compare_rows import Loss, Row, losses_of, read_json, write_rows
 from gpt2_bench.compare_runs import RUN_ATTEMPTS, pooled_median, quality_runs
 from gpt2_bench.config import TrainConfig
@@ -62,20 +62,29 @@ def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_met
     hosts = {"hosts": LAYOUT_FIELDS[layout]["hosts"], "world": LAYOUT_FIELDS[layout]["world"]}
     entries = [("flat", m) for m in flat_methods] + [(layout, m) for m in methods]
     runs: dict[tuple[str, str], list[dict]] = {entry: [] for entry in entries}
+    gathers: dict[tuple[str, str], str | None] = {}
     for round_index in range(rounds):
         for which, method in round_order(entries, round_index):
             method_cfg = layout_config(dataclasses.replace(cfg, link=rate, **hosts), which, method)
+            gathers[(which, method)] = param_gather(method_cfg)
             out = Path(base.out_dir) / f"share-{share:g}" / f"round-{round_index + 1}" / which
             runs[(which, method)].append(run(dataclasses.replace(method_cfg, out_dir=str(out)), data_dir, link=rate,
                                              attempts=RUN_ATTEMPTS))
     rows = []
     for (which, method), results in runs.items():
         rows.append(Row.from_summary(
-            results[-1], method=method, layout=which, share=share, link=rate, link_info=link_info,
+            results[-1], method=method, layout=which, param_dtype=gathers[(which, method)], share=share, link=rate,
+            link_info=link_info,
             preset=base.preset, dense_steps=base.dense_steps, rounds=rounds,
             iter_ms=pooled_median([ms for result in results for ms in result["steady_iter_ms"]]),
             iter_ms_per_round=[result["iter_ms"] for result in results]))
     return rows, link_info
+
+
+def param_gather(cfg: TrainConfig) -> str | None:
+    """A run's parameter all-gather dtype for its row: ``fp32`` (the parameters' own), ``bf16`` or ``int8``;
+    ``None`` under DDP, which gathers no parameters."""
+    return None if cfg.integration == "ddp" else cfg.param_dtype or "fp32"
 
 
 def layout_quality(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str], steps: int,
@@ -102,13 +111,19 @@ def losses_by_layout(path: str) -> dict[str, dict[str, Loss]]:
     return found
 
 
-def flat_rows_from(path: str, flat_methods: Sequence[str], share: float) -> list[Row]:
-    """The flat rows of share ``share`` in an earlier layout compare's ``--json``."""
+def flat_rows_from(path: str, flat_methods: Sequence[str], share: float, param_dtype: str | None = None) -> list[Row]:
+    """The flat rows of share ``share`` in an earlier layout compare's ``--json``; rows that say they gathered
+    their parameters in another dtype than ``param_dtype`` (``None``: fp32) are a clear error."""
     rows = {row["method"]: row for row in read_json(path)
             if row.get("layout") == "flat" and row.get("share") == share and row.get("iter_ms")}
     missing = [method for method in flat_methods if method not in rows]
     if missing:
         raise ValueError(f"--flat-from {path} has no flat rows for {', '.join(missing)} at share {share:g}")
+    wanted = param_dtype or "fp32"
+    other = sorted({rows[m]["param_dtype"] for m in flat_methods if rows[m].get("param_dtype") not in (None, wanted)})
+    if other:
+        raise ValueError(f"--flat-from {path}: its flat rows gathered their parameters in {', '.join(other)}, this "
+                         f"compare in {wanted}: give the same --param-dtype")
     return [Row.from_json(rows[method]) for method in flat_methods]
 
 
@@ -189,7 +204,7 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
         share_rows, link_info = time_layout(base, layout, methods, timed_flat, share, rounds, data_dir)
         layout_rows = [row for row in share_rows if row.layout == layout]
         flat_rows = ([row for row in share_rows if row.layout == "flat"]
-                     or flat_rows_from(flat_from, flat_methods, share))
+                     or flat_rows_from(flat_from, flat_methods, share, base.param_dtype))
         rate_bps = parse_rate(link_info["rate"])
         add_method_columns(layout_rows, rate_bps, quality.get(layout), *LAYOUT_BASELINES[layout])
         add_method_columns(flat_rows, rate_bps, quality.get("flat"))
@@ -217,6 +232,7 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
               f"error-feedback codecs dense for the first {base.dense_steps} steps (torch's powerSGD_hook: "
               f"start_powerSGD_iter {max(2, base.dense_steps + 1)}). The link of a share is calibrated on the flat "
               f"plain step (gpt2_bench.launch.scaled_link); every host's link runs at it.\n\n"
+              f"{format_param_gather(base.param_dtype, base.integration, layout)}\n\n"
               f"`layout buys`: the flat method's step over the layout's with the same codec. Bytes: this rank's per "
               f"step (the hook's count; DDP's own all-reduce and torch's hooks: gpt2_bench.layout_ddp's count).\n\n"
               + "\n".join(sections))
@@ -255,7 +271,13 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         parser.error("--rounds must be >= 1, --quality-steps >= 0")
     if args.out_dir == parser.get_default("out_dir"):
         args.out_dir = LAYOUT_DEFAULTS["out_dir"]
-    base = dataclasses.replace(config_from_args(args), world=LAYOUT_FIELDS[layout]["world"])
+    try:
+        base = dataclasses.replace(config_from_args(args), world=LAYOUT_FIELDS[layout]["world"])
+        for which, names in ((layout, methods), ("flat", flat_methods)):  # every run's settings, checked up front
+            for method in names:
+                layout_config(base, which, method, link="none")
+    except ValueError as error:
+        parser.error(str(error))
     rows, report = layout_report(base, layout, methods, flat_methods, shares, args.rounds, args.quality_steps,
                                  args.quality_dense_steps, args.loss_from, args.flat_from)
     print(report)

@@ -20,11 +20,12 @@ def other_length(row: Row) -> str:
 
 
 def format_methods_table(rows: Sequence[Row], plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> str:
-    """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time
-    and loss."""
+    """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time,
+    loss and the parameters' all-gather dtype (``param gather``; ``-`` where the run gathers none, DDP, or the
+    row does not say)."""
     lines = [(f"| method | compressed | iter ms | vs {plain_method} | vs {bf16_method} | bytes model | wire MB/step | "
-              f"bits/param | codec ms | exposed ms | val loss | vs {plain_method} |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"bits/param | codec ms | exposed ms | val loss | vs {plain_method} | param gather |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         wire = row.wire_bytes_per_step
         delta = row.val_loss_delta
@@ -33,8 +34,26 @@ def format_methods_table(rows: Sequence[Row], plain_method: str = "fsdp", bf16_m
             f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.speedup_vs_fsdp_bf16, '.2f', 'x')} | "
             f"{_fmt(row.bytes_model, '.2f', 'x')} | {_fmt(None if wire is None else wire / 1e6, '.2f')} | "
             f"{_fmt(row.bits_per_param, '.2f')} | {_fmt(row.codec_ms, '.0f')} | {_fmt(row.exposed_ms, '.0f')} | "
-            f"{row.val_loss:.4f}{other_length(row)} | {_fmt(None if delta is None else 100 * delta, '+.2f', '%')} |")
+            f"{row.val_loss:.4f}{other_length(row)} | {_fmt(None if delta is None else 100 * delta, '+.2f', '%')} | "
+            f"{row.param_dtype or '-'} |")
     return "\n".join(lines)
+
+
+def format_param_gather(param_dtype: str | None, integration: str, layout: str = "flat") -> str:
+    """The report's line on the parameter all-gathers: which dtype every method that gathers parameters used
+    (the compare passes ``--param-dtype`` to all of them alike), and what the CPU computes with."""
+    gathered = param_dtype or "fp32"
+    who = {"flat": "every flat-FSDP method", "ddp": "every flat-FSDP method (DDP gathers no parameters)",
+           "hsdp": "every flat-FSDP and HSDP method"}[layout]
+    compute = {None: "",
+               "bf16": (" On the CPU SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (the "
+                        "bf16-rounded weights, float32 products); FSDP2 and FSDP1 compute in bf16."),
+               "int8": (" Each rank's shard is quantized blockwise to int8 (one float32 scale per block) for the "
+                        "all-gather and dequantized after it: compute uses the quantized weights, the sharded fp32 "
+                        "master weights stay exact.")}.get(param_dtype, "")
+    where = "" if integration == "simple" else f" (integration `{integration}`)"
+    return (f"Parameter all-gathers: **{gathered}** for {who}, `fsdp` and `fsdp-bf16` included, and for the plain "
+            f"step the link is calibrated on{where}.{compute}")
 
 
 def format_verdict(rows: Sequence[Row]) -> str:

@@ -21,7 +21,11 @@ integration and fair overlapped transport, so only the gradient codec differs:
   shape-less columns in bf16, as DDP's ``bf16_compress_wrapper``).
 
 Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, since
-it serves all of them alike; the others have nothing to warm up.
+it serves all of them alike; the others have nothing to warm up. So does the parameter
+all-gather: no method sets ``param_dtype``, so the compare's ``--param-dtype`` (bf16, torchtitan's
+default, or SimpleFSDP's blockwise int8) reaches every flat-FSDP and HSDP method alike, ``fsdp`` and
+``fsdp-bf16`` included, and never a DDP one (DDP gathers no parameters). A run's name carries its
+gather dtype (``fsdp-bf16-param-bf16``), so runs that gather differently never share a log.
 """
 
 from __future__ import annotations
@@ -98,7 +102,13 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
         fields["dense_steps"] = 0
     if fields["compression"] == "none" or not spec(fields["codec"]).uses_config:  # the ratio's own settings
         fields.update(ramp_steps=0, embedding_ratio=None)
-    return dataclasses.replace(base, name=method, **fields)
+    return dataclasses.replace(base, name=method + param_suffix(base.param_dtype), **fields)
+
+
+def param_suffix(param_dtype: str | None) -> str:
+    """What a run's name gains from its parameter all-gather dtype: ``-param-bf16``, ``-param-int8``; none for
+    the parameters' own (fp32), so runs made before ``--param-dtype`` keep their names."""
+    return f"-param-{param_dtype}" if param_dtype else ""
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -110,11 +120,12 @@ all-gathers cross the slow link), ``ddp`` (replicated; only the gradient crosses
 
 LAYOUT_FIELDS: dict[str, dict] = {
     "flat": {},
-    "ddp": {"integration": "ddp", "hosts": 2, "world": 2},
+    "ddp": {"integration": "ddp", "hosts": 2, "world": 2, "param_dtype": None},  # DDP gathers no parameters
     "hsdp": {"integration": "fsdp2", "hsdp": True, "hosts": 2, "world": 4},
 }
 """The :class:`TrainConfig` fields a layout sets: the DDP layout on 2 emulated hosts x 1 rank (the
-paper's 2 hosts with 1 GPU each), HSDP on 2 x 2."""
+paper's 2 hosts with 1 GPU each), HSDP on 2 x 2. DDP drops the compare's ``param_dtype`` (it gathers no
+parameters); HSDP keeps it (its gathers within a host are FSDP's)."""
 
 
 def _torch_powersgd_methods() -> dict[str, dict]:
@@ -156,7 +167,8 @@ def layout_config(base: TrainConfig, layout: str, method: str, link: str | None 
     """``base`` with ``layout``'s fields and ``method``'s codec settings (as :func:`method_config`),
     on ``link`` (a rate; emulated hosts cannot take ``"scaled"``: it is resolved before). Its run is
     named ``<layout>-<method>`` (``ddp-tagc``), or the method where it names its layout (``hsdp-bf16``),
-    torch's hooks ``<method>-torch`` (``ddp-powersgd-torch``, beside our ``ddp-powersgd``)."""
+    torch's hooks ``<method>-torch`` (``ddp-powersgd-torch``, beside our ``ddp-powersgd``), each with its
+    gather dtype's :func:`param_suffix` (``hsdp-tagc-param-bf16``; none under DDP)."""
     if layout not in LAYOUT_METHODS:
         raise ValueError(f"unknown layout {layout!r}: choose from {', '.join(LAYOUTS)}")
     if method not in LAYOUT_METHODS[layout]:
@@ -164,9 +176,9 @@ def layout_config(base: TrainConfig, layout: str, method: str, link: str | None 
                          f"choose from {', '.join(LAYOUT_METHODS[layout])}")
     fields = {**LAYOUT_FIELDS[layout], **({"link": link} if link is not None else {})}
     cfg = _with_method(dataclasses.replace(base, **fields) if fields else base, method, LAYOUT_METHODS[layout][method])
-    if cfg.torch_hook:
-        return dataclasses.replace(cfg, name=f"{method}-torch")
-    return cfg if layout == "flat" or method.startswith(layout) else dataclasses.replace(cfg, name=f"{layout}-{method}")
+    name = (f"{method}-torch" if cfg.torch_hook else
+            method if layout == "flat" or method.startswith(layout) else f"{layout}-{method}")
+    return dataclasses.replace(cfg, name=name + param_suffix(cfg.param_dtype))
 
 
 def parse_layout_methods(layout: str, text: str | None) -> tuple[str, ...]:
