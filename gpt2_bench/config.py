@@ -53,6 +53,12 @@ class TrainConfig:
     record the number."""
     ramp_steps: int = 0
     """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
+    feedback: str = "classic"
+    """``tagc.hook(feedback=...)``: the codec's own error feedback (``classic``) or EF21 (``ef21``,
+    :mod:`tagc.hooks.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd)."""
+    feedback_momentum: float = 0.0
+    """``tagc.hook(feedback_momentum=...)``, with ``feedback="ef21"``: the beta of each rank's gradient average
+    ``v = beta v + (1 - beta) g`` compressed instead of ``g`` (EF21-SGDM); 0: none."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -136,6 +142,15 @@ class TrainConfig:
                              f"got {self.dense_steps!r}")
         if self.second_moment not in SECOND_MOMENTS:
             raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
+        from tagc.hooks.feedback import check_feedback
+
+        check_feedback(self.feedback, self.feedback_momentum)
+        if self.feedback != "classic":
+            from tagc.hooks.codec_registry import error_feedback_codecs
+
+            if self.compression == "none" or self.codec not in error_feedback_codecs() or self.torch_hook:
+                raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs "
+                                 f"{error_feedback_codecs()} with compression != 'none' (not to --torch-hook)")
         if self.diagnostics and self.integration == "fsdp1":
             raise ValueError("diagnostics read each parameter by name: use integration 'simple' or 'fsdp2' "
                              "(FSDP1 flattens the parameters)")
@@ -238,6 +253,8 @@ class TrainConfig:
             algo += f"-dense{self.dense_steps}"
         if self.ramp_steps:
             algo += f"-ramp{self.ramp_steps}"
+        if self.feedback != "classic":
+            algo += f"-{self.feedback}" + (f"m{self.feedback_momentum:g}" if self.feedback_momentum else "")
         if self.embedding_ratio is not None:
             algo += f"-emb{self.embedding_ratio:g}"
         if self.torch_hook:
@@ -322,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
                         "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
                         "every parameter's (plain runs too)")
+    p.add_argument("--feedback", default=defaults.feedback, choices=("classic", "ef21"),
+                   help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
+                        "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the optimizer "
+                        "the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback)")
+    p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
+                   help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
+                        "(EF21-SGDM; 0, the default: none)")
     p.add_argument(
         "--ramp-steps",
         type=int,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tagc.config import TAGCConfig
 from tagc.hooks.codecs import Codec
+from tagc.hooks.feedback import MARK
 from tagc.hooks.plan import Part
 
 _PART_KEY = re.compile(r"^(.*?/part\d+)(?=$|[/#])")
@@ -98,6 +99,19 @@ def restored_from(state: dict, config: TAGCConfig) -> Restored | None:
         raise ValueError(f"checkpoint was written with TAGC settings {state.get('config')}, this hook has {config}")
     parts = {part_key(key) for key in codec_state(state)}
     return Restored(parts, state.get("select")) if parts else None
+
+
+def check_feedback(state: dict, codec: Codec) -> None:
+    """A checkpoint of EF21 (:mod:`tagc.hooks.feedback`: entries ``<part>#ef21_...``) loaded into a hook of classic
+    error feedback is an error: its residuals are EF21's shifts, not what a classic codec left unsent. (The other
+    way round :meth:`tagc.hooks.feedback.EF21Codec.load_state_dict` raises.)"""
+    if getattr(codec, "feedback", "classic") == "ef21":
+        return
+    written = sorted(key for key in codec_state(state) if MARK in key)
+    if written:
+        raise ValueError(f"this checkpoint was written with feedback='ef21' (entries such as {written[0]!r}); this hook "
+                         "has feedback='classic': build it with feedback='ef21' (and the checkpoint's "
+                         "feedback_momentum) to resume it")
 
 
 def codec_state(state: dict) -> dict:

@@ -24,7 +24,8 @@ from tagc.hooks.codecs import Codec, PlainCodec, TAGCCodec
 from tagc.hooks.powersgd import DEFAULT_RANK, PowerSGDCodec
 from tagc.hooks.topk import TopKCodec
 
-__all__ = ["SPECS", "CodecSpec", "codec_names", "make_codec", "register", "resolve_options", "spec"]
+__all__ = ["SPECS", "CodecSpec", "codec_names", "error_feedback_codecs", "make_codec", "register", "resolve_options",
+           "spec"]
 
 SPECS: dict[str, CodecSpec] = {}
 """Codec name -> its spec, in registration order."""
@@ -62,6 +63,12 @@ register(CodecSpec("topk", lambda config, residual_dtype, options: TopKCodec(con
 def codec_names() -> tuple[str, ...]:
     """The names ``tagc.hook(codec=...)`` accepts."""
     return tuple(SPECS)
+
+
+def error_feedback_codecs() -> tuple[str, ...]:
+    """The registered codecs with error feedback (a residual of what they did not send), built with their default
+    options: the codecs ``feedback="ef21"`` (:mod:`tagc.hooks.feedback`) and a dense warm-up serve."""
+    return tuple(name for name in codec_names() if make_codec(name, TAGCConfig()).error_feedback)
 
 
 def spec(name: str) -> CodecSpec:

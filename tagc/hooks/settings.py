@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codec_registry import codec_names, make_codec, resolve_options, spec
+from tagc.hooks.codec_registry import codec_names, error_feedback_codecs, make_codec, resolve_options, spec
 from tagc.hooks.codecs import Codec, PlainCodec
+from tagc.hooks.feedback import check_feedback, with_feedback
 from tagc.hooks.hierarchy import check_hierarchy, resolve_ranks_per_host
 from tagc.hooks.selection import SelectPolicy, resolve_policy
 
@@ -71,6 +72,10 @@ class HookSettings:
     ramp_steps: int = 0
     side_stream: bool = True
     """On CUDA, run the codec work on a side stream (:mod:`tagc.hooks.eager`); no effect on the CPU."""
+    feedback: str = "classic"
+    """The error feedback of the codec: its own (``"classic"``) or EF21 (``"ef21"``, :mod:`tagc.hooks.feedback`)."""
+    feedback_momentum: float = 0.0
+    """``feedback="ef21"``: the beta of each rank's gradient average before compression (EF21-SGDM); 0: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, TAGCConfig):
@@ -101,6 +106,15 @@ class HookSettings:
             raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")  # noqa: TRY004
         object.__setattr__(self, "select", resolve_policy(self.select))
         object.__setattr__(self, "codec_options", resolve_options(self.codec, self.codec_options))
+        check_feedback(self.feedback, self.feedback_momentum)
+        if self.feedback != "classic":
+            if self.codec not in error_feedback_codecs():
+                raise ValueError(f"feedback={self.feedback!r} changes a codec's error feedback; codec {self.codec!r} "
+                                 f"has none: use one of {error_feedback_codecs()}, or feedback='classic'")
+            if self.residual_dtype != torch.float32:
+                raise ValueError(f"feedback={self.feedback!r} keeps each rank's shift in the residual, which a "
+                                 f"{self.residual_dtype} residual would round at every step: use "
+                                 "residual_dtype=torch.float32")
 
     @classmethod
     def from_arguments(cls, ratio: float | None = None, index_bits: int | None = None,
@@ -132,6 +146,7 @@ class HookSettings:
         """``(codec, plain)``: the codec of the selected columns, and the one of the columns left plain (and of a
         dense warm-up). Checks what only the codec knows (whether it has a ratio for ``ramp_steps``)."""
         codec = make_codec(self.codec, self.config, self.residual_dtype, self.codec_options)
+        codec = with_feedback(codec, self.feedback, self.feedback_momentum)
         if self.ramp_steps and not codec.uses_ratio:
             raise ValueError(f"ramp_steps ramps a compression ratio; codec {self.codec!r} has none (ramp_steps applies "
                              "to tagc and topk)")
@@ -152,4 +167,5 @@ class HookSettings:
                 "codec_options": sorted(self.codec_options.items()), "select": select_fingerprint,
                 "min_part": self.min_part, "piece_bytes": self.piece_bytes, "dense_steps": self.warmup_steps(codec),
                 "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite, "plain": self.plain,
-                "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host}
+                "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host, "feedback": self.feedback,
+                "feedback_momentum": self.feedback_momentum}

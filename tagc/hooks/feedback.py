@@ -1,0 +1,336 @@
+"""Error feedback of another kind for every error-feedback codec: EF21 (``tagc.hook(feedback="ef21")``).
+
+**Classic error feedback** (the codecs' own): rank ``i`` sends ``C(g_i + r_i)`` and keeps
+``r_i = (g_i + r_i) - C(g_i + r_i)``; the owner hands the optimizer the decoded sum. An element
+that is not selected contributes nothing until it is sent, many steps later, as one burst of
+what it accumulated (staleness: at a density of a few per cent most compressed elements were
+last sent 8 or more steps before).
+
+**EF21** (Richtárik, Sokolov, Fatkhullin 2021, arXiv 2106.05203): rank ``i`` keeps a *shift*
+``h_i``, its last gradient estimate the owners know, and sends the compressed *change*
+``C(g_i - h_i)``; then ``h_i += C(g_i - h_i)``. The owner keeps ``H = sum_i h_i`` by adding the
+decoded sum of the changes every step and hands the optimizer ``H``, dense: an element not
+sent this step keeps its last known value instead of zero, so AdamW moves every element every
+step, and a change is sent when the gradient moves, not when a sum piled up.
+
+**EF21-SGDM** (Fatkhullin, Tyurin, Richtárik 2023, arXiv 2302.00999), ``feedback_momentum=beta``
+(``> 0``): each rank first averages its gradient, ``v_i = beta v_i + (1 - beta) g_i`` (``v_i``
+starts at the first gradient), and compresses ``v_i - h_i``: minibatch noise is averaged before a
+value is held for many steps. The paper's ``eta`` is ``1 - beta``; the optimizer then sees an
+average of the last ``~1 / (1 - beta)`` steps' gradients.
+
+How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
+The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,
+sends ``C(x)`` and leaves ``r = x - C(x)``; subtracting this step's input ``g`` gives
+``r = -h_i - C(x) = -(h_i + C(x))``, the next step's ``-h_i``. The part's decoded sum ``S`` (the sum
+over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is returned.
+
+* :class:`~tagc.hooks.codecs.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and any codec
+  built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose ``decode``
+  returns the sum of what was sent): ``g`` is subtracted right after ``encode``. ``tagc``'s
+  ``fallback="raw"`` re-sends ``(g + r) - r_left`` from a copy it keeps until decode: ``g`` is
+  taken off that copy too, so the re-sent values stay what was sent.
+* ``powersgd`` finalises its residuals in ``decode`` (``r = M - P Q^T / N`` per matrix, ``M = g +
+  r``): the wrapper turns each into ``r_before - P Q^T / N`` there, from the ``M`` the codec kept.
+  The columns it sends plain (shapeless parameters such as biases) have no error feedback under
+  either kind: they reach the optimizer as their plain sum, not through ``H``.
+
+NaN/Inf (the codecs' policy, :mod:`tagc.hooks.codecs`, kept): a rank whose part is not finite
+sends NaN and keeps its residual (its ``h_i``) and ``v_i`` as they were; the owner's part is NaN
+(counted in ``nonfinite_parts``). ``H`` stays the sum of the ``h_i``: the owner sums the rows of
+the ranks that sent finite values (what they added to their ``h_j``) into ``H``, and leaves
+the poisoned rows out. ``powersgd`` keeps every rank's residual of a matrix whose summed ``Q`` is
+not finite, and ``H`` keeps those columns as they were.
+
+State, per part (the codec's keys): the residual (``-h_i``, ``[N, n]``, float32), ``H`` (float32,
+this rank's ``n`` columns; in DDP's ``gather`` form, where every rank decodes every replica's piece,
+one per piece) and, with momentum, ``v_i`` (``[N, n]``, float32). All in :meth:`EF21Codec.state_dict`
+(entries ``<part>#ef21_sum``, ``<part>#ef21_momentum``), so a checkpoint resumes bit for bit.
+
+Caveats:
+
+* The dense warm-up (``dense_steps``) does not go through the codec: EF21 starts from ``h_i = 0``
+  and ``H = 0`` at the first compressed step, so that step's ``H`` is as sparse as classic error
+  feedback's, and it fills in over about ``1 / density`` steps.
+* ``H`` is the sum of every decoded change since the start: a decode error (``tagc``'s
+  ``fallback="estimate"`` where peeling fails, rounding of bf16/fp16 sketch cells) stays in ``H``
+  instead of being lost once. ``fallback="raw"`` removes the first.
+* ``h_i`` is kept through float32 rounding (``(g - h) - g``): it drifts from the exact sum of what
+  was sent by about one float32 rounding of ``|g|`` per step, a random walk. A bf16 residual would
+  drift 65,000 times faster, so ``feedback="ef21"`` needs ``residual_dtype=torch.float32``.
+* Memory: ``H`` adds the part's shard (``1 / N`` of the residual); momentum adds a residual's size.
+* DDP: the wrapped codec is not one of the classes DDP's all-reduce (``sketch``) form reduces
+  itself, so its buckets go ``rs+ag`` or ``gather`` (the engine's exchange), whose bytes differ.
+* A staleness measure that reads the residual (steps since it was zero) does not apply: the
+  residual is ``-h_i``, zero only where the shift is.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tagc.hooks.codecs import Codec, ResidualCodec, Wire, finite
+from tagc.hooks.powersgd import PowerSGDCodec
+from tagc.hooks.stats import ExchangeStats
+
+if TYPE_CHECKING:
+    from tagc.hooks.segment import Segment
+
+FEEDBACKS = ("classic", "ef21")
+"""``tagc.hook(feedback=...)``: the codecs' own error feedback, or EF21 (:class:`EF21Codec`)."""
+SUM = "#ef21_sum"
+"""State entry suffix of a part's ``H`` (``<part>#ef21_sum``; DDP's gather form: ``<part>#ef21_sum<k>`` for piece ``k > 0``)."""
+MOMENTUM = "#ef21_momentum"
+"""State entry suffix of a part's ``v_i``."""
+MARK = "#ef21_"
+"""What every EF21 state entry's name holds (:func:`tagc.hooks.checkpoint.check_feedback`)."""
+
+
+def check_feedback(feedback: str, momentum: float) -> None:
+    """Clear errors for ``feedback`` and ``feedback_momentum`` (the codec is checked by :func:`with_feedback`)."""
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"feedback_momentum must be a number in [0, 1) (0: none; beta of v = beta v + (1 - beta) g), "
+                         f"got {momentum!r}")
+    if momentum and feedback != "ef21":
+        raise ValueError(f"feedback_momentum applies only with feedback='ef21' (EF21-SGDM), got feedback={feedback!r}")
+
+
+def with_feedback(codec: Codec, feedback: str = "classic", momentum: float = 0.0) -> Codec:
+    """``codec`` itself (``"classic"``), or wrapped in :class:`EF21Codec` (``"ef21"``). A codec without error
+    feedback (``plain``, ``bf16``, ``fp8``, ``int4``) is an error under ``"ef21"``: it keeps no residual to shift."""
+    check_feedback(feedback, momentum)
+    if feedback == "classic":
+        return codec
+    return EF21Codec(codec, momentum)
+
+
+class EF21Codec(Codec):
+    """``inner`` with EF21 (``momentum > 0``: EF21-SGDM) instead of its own error feedback (module docstring).
+
+    Everything but the error feedback is ``inner``'s: its wire, rounds, planning, name; a copy at another
+    ratio (:meth:`at_ratio`) shares ``inner``'s state and this wrapper's.
+    """
+
+    feedback = "ef21"
+    summed_rows = False  # the rows are needed apart: a NaN rank's are left out of H
+
+    def __init__(self, inner: Codec, momentum: float = 0.0) -> None:
+        if not inner.error_feedback:
+            raise ValueError(f"feedback='ef21' shifts an error-feedback codec's residual; codec {inner.name!r} keeps "
+                             "none (it sends every element every step): use feedback='classic' with it")
+        if not isinstance(inner, (ResidualCodec, PowerSGDCodec)):
+            raise ValueError(f"feedback='ef21' does not know where codec {inner.name!r} finalises its residual: it "
+                             "serves ResidualCodec codecs (whose encode leaves r = x - sent) and powersgd")
+        if getattr(inner, "residual_dtype", torch.float32) != torch.float32:
+            raise ValueError("feedback='ef21' keeps its shift in the residual through a float32 rounding per step; "
+                             f"residual_dtype={inner.residual_dtype} would drift from the owners' sum: use "
+                             "residual_dtype=torch.float32")
+        check_feedback("ef21", momentum)
+        self.inner = inner
+        self.momentum = float(momentum)
+        self.sums: dict[str, torch.Tensor] = {}
+        """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
+        self.momenta: dict[str, torch.Tensor] = {}
+        """``v_i`` per part, keyed by its state entry name."""
+        self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
+        self._columns: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # powersgd: matrix per column
+
+    # ------------------------------------------------------------------ what the inner codec is
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def compresses(self) -> bool:
+        return self.inner.compresses
+
+    @property
+    def rounds(self) -> int:
+        return self.inner.rounds
+
+    @property
+    def whole_segments(self) -> bool:
+        return self.inner.whole_segments
+
+    @property
+    def uses_ratio(self) -> bool:
+        return self.inner.uses_ratio
+
+    @property
+    def error_feedback(self) -> bool:
+        return True
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The inner codec's residuals: ``-h_i`` per part (:attr:`tagc.hooks.engine.TAGCHook.residuals`)."""
+        return self.inner.residuals
+
+    @property
+    def config(self):
+        """The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``)."""
+        return self.inner.config
+
+    def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
+        self.inner.prepare(key, segments, world)
+
+    def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
+        return self.inner.wire(numel, world, dtype)
+
+    def next_round(self, round, received, key, group):
+        return self.inner.next_round(round, received, key, group)
+
+    def overlappable(self) -> bool:
+        return self.inner.overlappable()
+
+    def traceable(self) -> bool:
+        return self.inner.traceable()
+
+    def at_ratio(self, ratio: float) -> "EF21Codec":
+        inner = self.inner.at_ratio(ratio)
+        if inner is self.inner:
+            return self
+        clone = copy.copy(self)  # the same dicts: one state for every ratio
+        clone.inner = inner
+        return clone
+
+    # ------------------------------------------------------------------ encode: g - h_i, then h_i += what was sent
+
+    def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
+        self._decodes[key] = 0
+        feed = self._average(grad, key) if self.momentum else grad
+        wires = self.inner.encode(feed, key, group)
+        if isinstance(self.inner, ResidualCodec):
+            # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
+            taken = torch.where(finite(feed), feed, torch.zeros((), dtype=feed.dtype, device=feed.device))
+            self.inner.residuals[key].sub_(taken)
+            accumulated = getattr(self.inner, "_accumulated", {}).get(key)  # tagc's fallback="raw": g + r until decode
+            if accumulated is not None:
+                accumulated.sub_(taken)
+        return wires
+
+    def _average(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        """EF21-SGDM: ``v = beta v + (1 - beta) g`` (the first: ``v = g``), kept where finite; returns what the
+        codec encodes: ``v`` (NaN where ``g`` is not finite, so the codec's NaN policy applies)."""
+        name = key + MOMENTUM
+        held = self.momenta.get(name)
+        new = grad.float() if held is None else torch.lerp(held, grad.float(), 1.0 - self.momentum)
+        ok = finite(new)
+        if held is None:
+            self.momenta[name] = torch.where(ok, new, 0.0)
+        else:
+            held.copy_(torch.where(ok, new, held))
+        # powersgd sends its shapeless columns in the gradient's dtype: keep the wire's
+        return new.to(grad.dtype) if isinstance(self.inner, PowerSGDCodec) else new
+
+    # ------------------------------------------------------------------ decode: H += the decoded sum; H out
+
+    def decode(self, received: Sequence[torch.Tensor], numel: int, key: str, group: Optional[dist.ProcessGroup],
+               stats: ExchangeStats) -> torch.Tensor:
+        piece = self._decodes.get(key, 0)
+        self._decodes[key] = piece + 1
+        name = key + SUM + (str(piece) if piece else "")
+        if isinstance(self.inner, PowerSGDCodec):
+            return self._decode_powersgd(received, numel, key, group, stats, name)
+        rows_ok, clean = _finite_rows(received)
+        summed = self.inner.decode(clean, numel, key, group, stats)
+        ok = finite(summed)
+        total = self._sum(name, numel, summed.device)
+        total.add_(torch.where(ok, summed, 0.0))  # the finite ranks' changes: what they added to their h_j
+        ok = ok & rows_ok
+        stats.count_nonfinite(ok)
+        return torch.where(ok, total, torch.nan)
+
+    def _sum(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        total = self.sums.get(name)
+        if total is None:
+            total = self.sums[name] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return total
+
+    def _decode_powersgd(self, received, numel, key, group, stats, name) -> torch.Tensor:
+        """powersgd: each matrix's residual turned from ``M - P Q^T / N`` into ``r - P Q^T / N`` (``M = g + r``), as
+        the codec keeps it (unchanged where the summed ``Q`` is not finite); ``H`` on the matrices' columns."""
+        inner: PowerSGDCodec = self.inner
+        layout, step = inner._layouts[key], inner._steps[key]  # decode pops the step: read it first
+        names = [f"{key}/{mat.name}" for mat in layout.matrices]
+        before = [inner.residuals.get(n) for n in names]
+        summed_q = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
+        oks = [finite(q) for q in summed_q.split(layout.q_sizes)]  # the codec's own test, the same on every rank
+        values = inner.decode(received, numel, key, group, stats)
+        for n, m, old, ok in zip(names, step.ms, before, oks):
+            kept = inner.residuals[n]  # M - P Q^T / N where ok, else the residual as it was
+            shifted = kept - m if old is None else (kept - m).add_(old)
+            inner.residuals[n] = torch.where(ok, shifted, kept)
+        matrix, on_matrix = self._matrix_columns(key, numel, dist.get_rank(group), values.device)
+        ok_columns = torch.stack([*oks, torch.ones((), dtype=torch.bool, device=values.device)])[matrix] & on_matrix
+        total = self._sum(name, numel, values.device)
+        total.copy_(torch.where(ok_columns, total + values, total))
+        return torch.where(ok_columns, total, values)  # the plain columns (and a non-finite matrix) as decoded
+
+    def _matrix_columns(self, key: str, numel: int, me: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """powersgd: for each of this rank's ``numel`` columns of part ``key``, its matrix's index (the number of
+        matrices where none: a plain column or padding), and whether it is a matrix column."""
+        if (key, me) not in self._columns:
+            layout = self.inner._layouts[key]
+            count = len(layout.matrices)
+            matrix = torch.full((numel,), count, dtype=torch.int64)
+            for index, mat in enumerate(layout.matrices):
+                low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
+                if high > low:
+                    matrix[mat.start : mat.start + high - low] = index
+            matrix = matrix.to(device)
+            self._columns[(key, me)] = (matrix, matrix < count)
+        return self._columns[(key, me)]
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.inner.state_dict(), **self.sums, **self.momenta}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The inner codec's entries to it, ``H`` and ``v_i`` here (copies, into the same dicts). A checkpoint of
+        classic error feedback (residuals without ``H``), or one whose momentum differs, is an error: its
+        residuals mean another thing, and EF21 is never restarted from zeros silently."""
+        from tagc.hooks.checkpoint import part_key  # the checkpoint module imports this one (through the settings)
+
+        mine = {key: value for key, value in state.items() if MARK in key}
+        theirs = {key: value for key, value in state.items() if MARK not in key}
+        sums = {key: value for key, value in mine.items() if SUM in key}
+        momenta = {key: value for key, value in mine.items() if key.endswith(MOMENTUM)}
+        unknown = sorted(set(mine) - set(sums) - set(momenta))
+        if unknown:
+            raise ValueError(f"unknown EF21 state entries {unknown[:4]}")
+        parts = {part_key(key) for key in theirs}
+        missing = sorted(parts - {part_key(key) for key in sums})
+        if missing:
+            raise ValueError(f"this checkpoint holds residuals without EF21's sums for parts {missing[:4]}: it was "
+                             "written with feedback='classic', whose residuals are not EF21's shifts. Build the hook "
+                             "with feedback='classic' to resume it")
+        with_momentum = {part_key(key) for key in momenta}
+        if self.momentum and parts - with_momentum or not self.momentum and with_momentum:
+            raise ValueError(f"this checkpoint was written with{'out' if self.momentum else ''} EF21's momentum "
+                             f"(feedback_momentum); this hook has feedback_momentum={self.momentum}: build it as the "
+                             "checkpoint was written")
+        self.inner.load_state_dict(theirs)
+        for held, loaded in ((self.sums, sums), (self.momenta, momenta)):
+            held.clear()
+            held.update({key: value.clone() for key, value in loaded.items()})
+
+
+def _finite_rows(received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(ok, clean)``: ``ok`` (0-d bool) whether every rank's row of every floating wire tensor is finite; ``clean``
+    the wires with the floating rows of a rank that sent a NaN/Inf zeroed (its part adds nothing at the owner: a
+    rank with a non-finite part keeps its residual and sends nothing else, e.g. an all-zero index)."""
+    floating = [wire for wire in received if wire.is_floating_point()]
+    if not floating:
+        return torch.ones((), dtype=torch.bool, device=received[0].device), list(received)
+    rows = torch.stack([torch.isfinite(wire).all(dim=1) for wire in floating]).all(dim=0)  # [N]
+    clean = [torch.where(rows[:, None], wire, torch.zeros((), dtype=wire.dtype, device=wire.device))
+             if wire.is_floating_point() else wire for wire in received]
+    return rows.all(), clean

@@ -1,0 +1,344 @@
+"""EF21 error feedback (``tagc.hook(feedback="ef21")``, :mod:`tagc.hooks.feedback`) on 2 gloo ranks.
+
+The bookkeeping is checked against what each rank actually sent, read back from its wire by a fresh codec
+(independent of the wrapper's state): every rank's shift ``h_i`` (``-residual``) is the sum of what it sent,
+and every owner's output ``H`` is the sum over ranks of the ``h_i`` of its columns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tagc
+from gpt2_bench.config import TrainConfig, build_parser, config_from_args
+from tagc.config import TAGCConfig
+from tagc.hooks import Segment
+from tagc.hooks.checkpoint import check_feedback
+from tagc.hooks.codec_registry import make_codec
+from tagc.hooks.stats import ExchangeStats
+from tests.distributed import run_ranks
+
+CHUNK = 8192
+RATIOS = {"topk": 4.0, "tagc": 4.0}
+
+
+def _hook(codec: str, feedback: str = "ef21", **settings) -> tagc.hooks.TAGCHook:
+    ratio = {"ratio": RATIOS[codec]} if codec in RATIOS else {}
+    return tagc.hook(codec=codec, select="all", dense_steps=0, min_compress_numel=1, feedback=feedback, **ratio,
+                     **settings)
+
+
+def _step(hook, grad: torch.Tensor, segments) -> torch.Tensor:
+    """One step on one bucket, reduced with SUM (the output is the codec's sum, unscaled)."""
+    out = torch.empty(grad.shape[1])
+    hook.reduce_scatter(out, grad.reshape(-1).clone(), None, dist.ReduceOp.SUM, segments)
+    hook.end_step()
+    return out
+
+
+def _recording(hook) -> list:
+    """Record every wire the wrapped codec's inner codec encodes (this rank's rows for every owner)."""
+    inner, wires = hook.codec.inner, []
+    encode = inner.encode
+
+    def recorded(grad, key, group):
+        out = encode(grad, key, group)
+        wires.append(tuple(w.clone() for w in out))
+        return out
+
+    inner.encode = recorded
+    return wires
+
+
+def _sent(codec_name: str, wires, numel: int) -> torch.Tensor:
+    """What this rank sent to each owner, ``[N, numel]``: each row of its wire decoded alone by a fresh codec."""
+    fresh = make_codec(codec_name, TAGCConfig(ratio=RATIOS.get(codec_name, 10.0)))
+    return torch.stack([fresh.decode([w[j : j + 1] for w in wires], numel, "fresh", None, ExchangeStats())
+                        for j in range(wires[0].shape[0])])
+
+
+def _grad(rank: int, step: int, world: int, numel: int = CHUNK) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(world, numel, generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------- bookkeeping
+
+
+def _bookkeeping(rank, world, codec, momentum, steps):
+    hook = _hook(codec, feedback_momentum=momentum)
+    segments = [Segment("w", 0, CHUNK)]
+    wires = _recording(hook)
+    outs, grads, shifts = [], [], []
+    for step in range(steps):
+        grad = _grad(rank, step, world)
+        outs.append(_step(hook, grad, segments))
+        grads.append(grad)
+        (residual,) = hook.codec.residuals.values()
+        shifts.append(-residual.clone())
+    sent = [_sent(codec, w, CHUNK) for w in wires]
+    momenta = [v.clone() for v in hook.codec.momenta.values()]
+    return outs, grads, shifts, sent, momenta
+
+
+@pytest.mark.parametrize("codec, momentum", [("topk", 0.0), ("tagc", 0.0), ("sign", 0.0), ("topk", 0.5)])
+def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec, momentum):
+    steps = 6
+    ranks = run_ranks(_bookkeeping, 2, codec, momentum, steps)
+    for rank, (outs, grads, shifts, sent, momenta) in enumerate(ranks):
+        total = torch.zeros_like(sent[0])
+        averaged = None
+        for step in range(steps):
+            total += sent[step]
+            # h_i is the sum of what rank i sent (to every owner), up to float32 rounding of (g - h) - g
+            assert torch.allclose(shifts[step], total, rtol=1e-5, atol=1e-5), (codec, rank, step)
+            # what was sent is the codec's compression of (v or g) - h: where the shift moved, it is now v (or g)
+            g = grads[step]
+            averaged = g if averaged is None else momentum * averaged + (1 - momentum) * g
+            moved = sent[step] != 0
+            if codec in ("topk", "tagc"):
+                assert 0 < moved.float().mean() < 0.5  # sparse changes
+                assert torch.allclose(shifts[step][moved], averaged[moved], rtol=1e-5, atol=1e-5)
+        if momentum:
+            (held,) = momenta
+            assert torch.allclose(held, averaged, rtol=1e-5, atol=1e-6)  # v = beta v + (1 - beta) g, v_0 = g_0
+    for owner, (outs, *_rest) in enumerate(ranks):
+        expected = torch.zeros(CHUNK)
+        for step in range(steps):
+            decoded = sum(r[3][step][owner] for r in ranks)  # this step's decoded sum: what every rank sent the owner
+            expected += decoded
+            if step == 0:
+                assert torch.allclose(outs[0], decoded, rtol=1e-6, atol=1e-6)  # from h = 0: H is the decoded sum
+            assert torch.allclose(outs[step], expected, rtol=1e-5, atol=1e-5), (codec, owner, step)
+            # H is the sum over ranks of their shifts, on the owner's columns
+            assert torch.allclose(outs[step], sum(r[2][step][owner] for r in ranks), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- a constant gradient
+
+
+def _constant(rank, world, codec, feedback, steps):
+    hook = _hook(codec, feedback)
+    grad = _grad(rank, 0, world)
+    for _ in range(steps):
+        out = _step(hook, grad, [Segment("w", 0, CHUNK)])
+    return out, grad
+
+
+@pytest.mark.parametrize("codec", ["topk", "tagc"])
+def test_a_constant_gradient_is_delivered_whole_every_step(codec):
+    """Density ~9% (ratio 4 on 2 ranks): after ~1/density steps every element's shift holds its gradient, so EF21
+    hands the optimizer the exact, dense sum every step; classic error feedback still hands it sparse bursts."""
+    steps = 30
+    ef21 = run_ranks(_constant, 2, codec, "ef21", steps)
+    classic = run_ranks(_constant, 2, codec, "classic", steps)
+    for owner in range(2):
+        exact = sum(grad[owner] for _, grad in ef21)
+        out = ef21[owner][0]
+        assert (out != 0).all()
+        assert torch.allclose(out, exact, rtol=1e-5, atol=1e-5)
+        assert (classic[owner][0] != 0).float().mean() < 0.5  # classic: this step's bursts only
+
+
+# ---------------------------------------------------------------------------------------------- powersgd (4 rounds)
+
+ROWS, COLS, RANK = 64, 48, 2
+SHARD = ROWS * COLS // 2  # per rank, 2 ranks
+BIAS = 64  # per rank: a shapeless parameter powersgd sends plain
+
+
+def _powersgd(rank, world, steps, constant):
+    hook = _hook("powersgd", rank=RANK)
+    segments = [Segment("w", 0, SHARD, shape=(ROWS, COLS)), Segment("b", SHARD, BIAS, shape=(2 * BIAS,))]
+    outs, grads, shifts = [], [], []
+    for step in range(steps):
+        grad = _grad(rank, 0 if constant else step, world, SHARD + BIAS)
+        outs.append(_step(hook, grad, segments))
+        grads.append(grad)
+        (residual,) = hook.codec.residuals.values()
+        shifts.append(-residual.clone())
+    return outs, grads, shifts
+
+
+def _matrix(grad: torch.Tensor) -> torch.Tensor:
+    return grad[:, :SHARD].reshape(-1).view(ROWS, COLS)
+
+
+def test_powersgd_shifts_move_by_the_rank_r_approximation_and_owners_return_their_sum():
+    steps = 5
+    ranks = run_ranks(_powersgd, 2, steps, False)
+    previous = torch.zeros(ROWS, COLS)
+    for step in range(steps):
+        total = sum(r[2][step] for r in ranks)  # sum of the ranks' shifts, the whole matrix
+        change = total - previous
+        singular = torch.linalg.svdvals(change.double())
+        assert singular[RANK] <= 1e-5 * singular[0]  # what the owners received this step: a rank-r matrix
+        assert singular[RANK - 1] > 1e-3 * singular[0]
+        previous = total
+        for owner, (outs, grads, _) in enumerate(ranks):
+            assert torch.allclose(outs[step][:SHARD], total.reshape(-1)[owner * SHARD : (owner + 1) * SHARD],
+                                  rtol=1e-5, atol=1e-5), (owner, step)
+            # the bias rides plain: this step's exact sum, not accumulated
+            plain = sum(r[1][step][owner, SHARD:] for r in ranks)
+            assert torch.allclose(outs[step][SHARD:], plain, rtol=1e-6, atol=1e-6)
+
+
+def test_powersgd_converges_to_a_constant_gradient():
+    ranks = run_ranks(_powersgd, 2, 40, True)
+    exact = sum(_matrix(r[1][0]) for r in ranks).reshape(-1)
+    for owner, (outs, _, _) in enumerate(ranks):
+        want = exact[owner * SHARD : (owner + 1) * SHARD]
+        first, last = outs[0][:SHARD], outs[-1][:SHARD]
+        assert (last - want).norm() < 1e-3 * want.norm() < (first - want).norm()
+
+
+# ---------------------------------------------------------------------------------------------- NaN/Inf
+
+
+def _nonfinite(rank, world, codec):
+    hook = _hook(codec)
+    segments = [Segment("w", 0, CHUNK)]
+    wires = _recording(hook)
+    outs, shifts = [], []
+    for step in range(4):
+        grad = _grad(rank, step, world)
+        if step == 2 and rank == 1:
+            grad[0, 5] = float("nan")
+        outs.append(_step(hook, grad, segments))
+        (residual,) = hook.codec.residuals.values()
+        shifts.append(-residual.clone())
+    sent = [_sent(codec, w, CHUNK) for w in wires]
+    return outs, shifts, sent, hook.stats()["total"]["nonfinite_parts"]
+
+
+@pytest.mark.parametrize("codec", ["topk", "tagc"])
+def test_a_nonfinite_gradient_leaves_its_shift_and_the_owners_sums_consistent(codec):
+    ranks = run_ranks(_nonfinite, 2, codec)
+    (outs0, shifts0, sent0, count0), (outs1, shifts1, sent1, count1) = ranks
+    assert count0 == count1 == 1
+    assert torch.equal(shifts1[2], shifts1[1])  # the NaN rank's shift stays as it was, bit for bit
+    assert not torch.equal(shifts0[2], shifts0[1])  # the other rank sent (its change reaches H, below)
+    for owner, (outs, shifts, sent, _) in enumerate(ranks):
+        assert torch.isnan(outs[2]).all()  # the policy: the owner's whole part is NaN
+        for step in (1, 3):
+            assert torch.isfinite(outs[step]).all()
+            assert torch.allclose(outs[step], shifts0[step][owner] + shifts1[step][owner], rtol=1e-5, atol=1e-5)
+        # after the NaN step H went on from the finite rank's change alone
+        assert torch.allclose(outs[3], outs[1] + sent0[2][owner] + sent0[3][owner] + sent1[3][owner],
+                              rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _resume(rank, world, codec, momentum):
+    segments = [Segment("w", 0, CHUNK)] if codec != "powersgd" else [Segment("w", 0, SHARD, shape=(ROWS, COLS))]
+    numel = segments[0].numel
+    options = {"rank": RANK} if codec == "powersgd" else {}
+    first = _hook(codec, feedback_momentum=momentum, **options)
+    for step in range(3):
+        _step(first, _grad(rank, step, world, numel), segments)
+    saved = {key: value.clone() if isinstance(value, torch.Tensor) else value
+             for key, value in first.state_dict().items()}
+    assert any("#ef21_sum" in key for key in saved) and (not momentum or any("#ef21_momentum" in k for k in saved))
+    going_on = [_step(first, _grad(rank, step, world, numel), segments) for step in (3, 4)]
+    second = _hook(codec, feedback_momentum=momentum, **options)
+    second.load_state_dict(saved)
+    resumed = [_step(second, _grad(rank, step, world, numel), segments) for step in (3, 4)]
+    errors = []
+    for hook in (_hook(codec, "classic", **options), _hook(codec, feedback_momentum=0.0 if momentum else 0.5,
+                                                           **options)):
+        try:
+            check_feedback(saved, hook.codec)  # what the hook's load_state_dict checks first
+            hook.load_state_dict(saved)
+        except ValueError as error:
+            errors.append(str(error))
+    classic = _hook(codec, "classic", **options)
+    _step(classic, _grad(rank, 0, world, numel), segments)
+    try:
+        _hook(codec, **options).load_state_dict(classic.state_dict())
+    except ValueError as error:
+        errors.append(str(error))
+    return going_on, resumed, errors
+
+
+@pytest.mark.parametrize("codec, momentum", [("tagc", 0.5), ("powersgd", 0.0)])
+def test_a_checkpoint_resumes_bit_identically_and_a_mismatched_one_is_an_error(codec, momentum):
+    for going_on, resumed, errors in run_ranks(_resume, 2, codec, momentum):
+        assert all(torch.equal(a, b) for a, b in zip(going_on, resumed))
+        assert len(errors) == 3
+        assert "feedback='ef21'" in errors[0]  # an EF21 checkpoint into a classic hook
+        assert "momentum" in errors[1]  # another feedback_momentum
+        assert "feedback='classic'" in errors[2]  # a classic checkpoint into an EF21 hook
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+
+
+def _ddp_constant(rank, world, feedback):
+    torch.manual_seed(0)
+    reference = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
+    torch.manual_seed(0)
+    hooked = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
+    state = tagc.ddp_hook(hooked, codec="topk", ratio=4, select="all", dense_steps=0, min_compress_numel=1,
+                          feedback=feedback)
+    hooked.register_comm_hook(*state)
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 64, generator=generator), torch.randn(16, 48, generator=generator)
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for _ in range(40):  # the same batch: a constant gradient
+        got = grads(hooked)
+    forms = {form for form, _ in state[0].forms().values()}
+    return got, grads(reference), forms
+
+
+def test_ddp_delivers_the_exact_average_of_a_constant_gradient():
+    """DDP's ``gather`` form decodes every replica's piece on every rank: EF21 keeps one sum per piece."""
+    for got, want, forms in run_ranks(_ddp_constant, 2, "ef21"):
+        assert "gather" in forms
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+            assert (a != 0).float().mean() > 0.99
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def test_settings_are_validated_with_clear_errors():
+    hook = tagc.hook(feedback="ef21", feedback_momentum=0.9)
+    assert hook.codec.name == "tagc" and hook.codec.momentum == 0.9 and hook.dense_steps == 10
+    assert hook.settings()["feedback"] == "ef21" and hook.settings()["feedback_momentum"] == 0.9
+    assert tagc.hook().settings()["feedback"] == "classic"
+    assert type(tagc.hook().codec).__name__ == "TAGCCodec"  # classic: the codec itself
+    for bad, message in [
+        (dict(feedback="ef22"), "feedback must be one of ('classic', 'ef21')"),
+        (dict(feedback_momentum=0.5), "only with feedback='ef21'"),
+        (dict(feedback="ef21", feedback_momentum=1.0), "[0, 1)"),
+        (dict(feedback="ef21", feedback_momentum=True), "[0, 1)"),
+        (dict(feedback="ef21", codec="int4"), "'tagc', 'powersgd', 'sign', 'topk'"),
+        (dict(feedback="ef21", residual_dtype=torch.bfloat16), "residual_dtype=torch.float32"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            tagc.hook(**bad)
+        assert message in str(error.value), (bad, str(error.value))
+
+
+def test_trainer_flags_reach_the_config_and_the_run_name():
+    parse = build_parser().parse_args
+    cfg = config_from_args(parse(["--codec", "topk", "--feedback", "ef21", "--feedback-momentum", "0.9"]))
+    assert (cfg.feedback, cfg.feedback_momentum) == ("ef21", 0.9)
+    assert "-ef21m0.9" in cfg.run_name and "-ef21" in config_from_args(parse(["--feedback", "ef21"])).run_name
+    assert "ef21" not in TrainConfig().run_name
+    for bad in (dict(feedback="ef21", compression="none"), dict(feedback="ef21", codec="int4"),
+                dict(feedback_momentum=0.5), dict(feedback="nope")):
+        with pytest.raises(ValueError):
+            TrainConfig(**bad)
