@@ -220,6 +220,13 @@ class TorchHook(_Counter):
             self.dense_steps = start_iter
         else:
             raise ValueError(f"torch ships DDP hooks for {TORCH_HOOKS}, not {codec!r}")
+        self.serialize = codec == "powersgd" and dist.get_backend(self.group) == "gloo"
+        """Whether a bucket's hook waits for the previous bucket's future first. ``powerSGD_hook`` issues its
+        ``P`` and ``Q`` all-reduces from completion callbacks, which on gloo run on its worker threads: with
+        several buckets the ranks can then issue collectives in different orders, and gloo pairs them by order
+        (a mismatch aborts the run: "Received data size doesn't match expected size"). Waiting keeps every
+        rank's order the bucket order, at the cost of the hook's overlap with the backward pass."""
+        self._previous: torch.futures.Future | None = None
         ddp.register_comm_hook(self, TorchHook._call)
 
     @staticmethod
@@ -229,6 +236,8 @@ class TorchHook(_Counter):
         self = counter
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+        if self.serialize and self._previous is not None:
+            self._previous.wait()
         start = time.perf_counter()
         stats = ExchangeStats(buckets=1, plain_equivalent_bytes=ring(4 * bucket.buffer().numel(), self.world))
         if self.codec == "powersgd" and not has_rebuilt_buckets(self.ddp):
@@ -250,7 +259,9 @@ class TorchHook(_Counter):
             self.total.wire_s += time.perf_counter() - start
             return fut.value()
 
-        return future.then(done)
+        finished = future.then(done)
+        self._previous = finished
+        return finished
 
     def bucket_bytes(self, bucket: dist.GradBucket) -> int:
         """What the hook puts on the wire for ``bucket`` (this rank, ring volumes), read before it runs."""

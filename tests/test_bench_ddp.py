@@ -203,3 +203,37 @@ def test_flat_methods_choose_the_flat_rows_and_belong_to_a_layout():
         parse_layout_methods("flat", "ddp-bf16")
     with pytest.raises(SystemExit):
         main(["--flat-methods", "fsdp"])  # the flat compare has no flat rows beside it
+
+
+def _torch_powersgd_in_bucket_order(rank: int, world: int) -> dict:
+    """torch's ``powerSGD_hook`` through :class:`TorchHook` on gloo with several buckets: at every hook call
+    the previous bucket's future is complete (so every rank issues collectives in bucket order)."""
+    from gpt2_bench.layout_ddp import TorchHook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)
+    counter = TorchHook(ddp, "powersgd", rank=2, start_iter=2, one_rank_per_host=True)
+    previous_done: list[bool] = []
+    hook = counter._hook
+
+    def recording(state, bucket):
+        previous_done.append(counter._previous is None or counter._previous.done())
+        return hook(state, bucket)
+
+    counter._hook = recording
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        ddp(torch.randn(8, 64, generator=generator)).square().mean().backward()
+        counter.end_step()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return {"serialize": counter.serialize, "previous_done": previous_done, "grads": grads,
+            "buckets": len(previous_done) // 6}
+
+
+def test_torch_powersgd_hook_on_gloo_issues_its_buckets_in_order():
+    results = run_ranks(_torch_powersgd_in_bucket_order, world=2)
+    for result in results:
+        assert result["serialize"] and result["buckets"] > 1
+        assert all(result["previous_done"])
+    torch.testing.assert_close(results[0]["grads"], results[1]["grads"], rtol=0, atol=0)
