@@ -163,15 +163,20 @@ def _row_bytes(codec, numel: int, world: int) -> int:
 
 def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_bytes: int,
                     plain_bytes_each: int) -> dict:
-    """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): element counts."""
-    p = q = plain = 0
+    """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): their bytes. The
+    selected parameters that are no matrix travel as the codec's shape-less columns, in ``value_bytes``
+    (:meth:`tagc.hooks.powersgd.PowerSGDCodec._plain_dtype`); the others in the plain codec's
+    ``plain_bytes_each``."""
+    p = q = columns = plain = 0
     for part in parts:
         if part.compressed and len(part.shape) >= 2:
             rows, cols = part.shape[0], part.numel // part.shape[0]
             p, q = p + rows * rank, q + cols * rank
+        elif part.compressed:
+            columns += part.numel
         else:
             plain += part.numel
-    return {"p": p * value_bytes, "q": q * value_bytes, "plain": plain * plain_bytes_each}
+    return {"p": p * value_bytes, "q": q * value_bytes, "plain": columns * value_bytes + plain * plain_bytes_each}
 
 
 def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compression: dict, ranks_per_host: int = 8,
@@ -187,8 +192,10 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
       :mod:`tagc.hooks.ddp` allows: its all-reduce forms (fp32: ``ring(4n)``; bf16: ``ring(2n)``; TAGC
       with a bitmap, float32 cells and fp32 plain columns: ``ring(4 T + 4 p)`` for the summed sketch tables
       ``T`` and plain columns ``p``, plus the index: ``ring(I)`` by a bitwise-OR all-reduce on gloo,
-      ``(H-1) I`` by an all-gather on NCCL, which has no bitwise reduction; PowerSGD with float32 values:
-      ``ring(4 (P + p)) + ring(4 Q)``), ``rs+ag`` (``(H-1)`` rows of each piece's wire, then a dense
+      ``(H-1) I`` by an all-gather on NCCL, which has no bitwise reduction; PowerSGD:
+      ``ring(v P + s p) + ring(v Q)``, with ``v`` bytes per value, 4 or 2 for bf16 ``value_dtype``, and ``s``
+      per plain column, 4 or 2 with ``plain="bf16"``: each summed in its dtype, as ``bf16_compress_hook``
+      sums), ``rs+ag`` (``(H-1)`` rows of each piece's wire, then a dense
       all-gather of the reduced pieces, float32 or bf16 with ``plain="bf16"``) and ``gather`` (every
       rank's encoded pieces to every rank: ``(H-1) H`` rows; fixed-shape wires only, not PowerSGD);
     * ``hsdp``: FSDP2 HSDP with ``ranks_per_host`` ranks per host: the parameters never cross; each rank
@@ -227,8 +234,8 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
         if method["compression"] == "none":
             return _ring((2 if method.get("bf16") else 4) * n, hosts), "allreduce"
         forms = {}
-        if powersgd and not lean and value_bytes == 4:
-            sizes = _powersgd_bytes(parts, rank, hosts, 4, 4)
+        if powersgd:  # P with the plain columns, then Q, each summed in its own dtype (fp32 or bf16)
+            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
             forms["sketch"] = _ring(sizes["p"] + sizes["plain"], hosts) + _ring(sizes["q"], hosts)
         elif codec.name == "tagc" and codec.positions == "bitmap" and codec.value_dtype.itemsize == 4 and not lean:
             compressed = [part for part in parts if part.compressed]

@@ -361,10 +361,27 @@ OVERLAP_CODECS = {
     "bf16": {"codec": "bf16"},
     "tagc-raw": {"ratio": 4, "fallback": "raw"},
     "powersgd-bf16": {"codec": "powersgd", "rank": 2, "value_dtype": "bfloat16"},
+    "powersgd-lean": {"codec": "powersgd", "rank": 2, "value_dtype": "bfloat16", "plain": "bf16"},
+    "powersgd-rs+ag": {"codec": "powersgd", "rank": 2, "plain": "fp8"},
+    "powersgd-4-buckets": {"codec": "powersgd", "rank": 2, "deep": True},
+    "powersgd-lean-4-buckets": {"codec": "powersgd", "rank": 2, "value_dtype": "bfloat16", "plain": "bf16",
+                                "deep": True},
     "tagc-bf16-warmup": {"ratio": 4, "plain": "bf16", "dense_steps": 1},
+    "tagc-raw-4-buckets": {"ratio": 4, "fallback": "raw", "deep": True},
 }
-"""Every form: ``allreduce`` (plain), ``sketch`` (tagc: OR-ed and summed indexes; powersgd: P then Q), ``gather``
-(topk, int4, bf16) and ``rs+ag`` (coded raw re-sends, powersgd's rounds in bf16, a bf16 dense warm-up)."""
+"""Every form: ``allreduce`` (plain), ``sketch`` (tagc: OR-ed and summed indexes; powersgd: P then Q, in fp32, bf16
+values beside fp32 plain parts, all bf16), ``gather`` (topk, int4, bf16) and ``rs+ag`` (coded raw re-sends,
+powersgd's four rounds with fp8 plain columns, which cannot go by an all-reduce, a bf16 dense warm-up), on 2
+buckets (``_ddp``) or, ``deep``, 4 (:func:`_deep_ddp`: PowerSGD's ``Q`` and ``rs+ag``'s all-gather, with raw re-sends
+inside the reduce-scatter's finish, launched once the first collective is done)."""
+
+
+def _deep_ddp() -> DDP:
+    """Four linear layers (64 -> 64 -> 64 -> 64 -> 48) in four buckets of a weight and its bias."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+              nn.Linear(64, 48)]
+    return DDP(nn.Sequential(*layers), bucket_cap_mb=0.005)
 
 COUNTERS = ("buckets", "compressed_buckets", "wire_bytes", "plain_equivalent_bytes", "inter_host_bytes", "support",
             "peeled", "unpeeled", "estimated", "raw", "overflow", "bitmap_blocks", "nonfinite_parts")
@@ -374,9 +391,10 @@ def _overlapped_vs_blocking(rank: int, world: int) -> dict:
     results = {}
     for label, settings in OVERLAP_CODECS.items():
         settings = {"select": "all", "dense_steps": 0, "min_compress_numel": 1, **settings}
+        deep = settings.pop("deep", False)
         runs = []
         for overlap in (True, False):
-            ddp = _ddp(_model())
+            ddp = _deep_ddp() if deep else _ddp(_model())
             state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, **settings)
             ddp.register_comm_hook(state, hook_fn)
             steps = []
@@ -409,6 +427,11 @@ def test_overlapped_hook_gives_the_blocking_hooks_gradients_bit_for_bit():
             assert overlapped["finished_in_backward"] == (label != "plain"), label  # plain: DDP's own all-reduce
             assert not blocking["finished_in_backward"], label
             forms |= {form for form, _ in overlapped["forms"].values()}
+            buckets = 4 if label.endswith("4-buckets") else 0 if label == "plain" else 2  # plain: DDP's all-reduce
+            assert len(overlapped["forms"]) == buckets, label
+            expected = {"powersgd-lean": "sketch", "powersgd-rs+ag": "rs+ag", "powersgd-4-buckets": "sketch",
+                        "powersgd-lean-4-buckets": "sketch", "tagc-raw-4-buckets": "rs+ag"}.get(label)
+            assert expected is None or {form for form, _ in overlapped["forms"].values()} == {expected}, label
     assert forms == {"sketch", "gather", "rs+ag"}
 
 

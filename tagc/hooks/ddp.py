@@ -15,9 +15,13 @@ names), :func:`ddp_comm_hook` the hook. Each bucket is reduced in one of four *f
   (sketches add); the 1-bit index is merged by ``all_reduce(BOR)`` on gloo (NCCL has no bitwise
   reduction: an all-gather and OR there), the 4-bit rank counts by ``all_reduce(SUM)`` of the
   packed nibbles (exact: at most 15 ranks, so no nibble carries). Every rank decodes the whole
-  bucket. PowerSGD (float32 values, ``plain="fp32"``) likewise, as torch's ``powerSGD_hook``
+  bucket. PowerSGD (``plain`` ``"fp32"`` or ``"bf16"``) likewise, as torch's ``powerSGD_hook``
   does: ``P`` with the uncompressed columns in one ``all_reduce``, then ``Q``; every rank forms
-  ``P Q^T`` itself.
+  ``P Q^T`` itself. Each travels in its own dtype and is summed in it, as torch's
+  ``bf16_compress_hook`` sums in bf16: ``P``, ``Q`` and the codec's shape-less columns in its
+  ``value_dtype`` (``powersgd-lean``: bf16), the plain parts in fp32 or bf16; tensors of a second
+  dtype go in a second all-reduce beside ``P``'s. Not for ``plain="fp8"``/``"int4"``, whose
+  blockwise scales do not add up in an all-reduce: those buckets go ``rs+ag``.
 * ``"rs+ag"``: the engine's compressed reduce-scatter over the bucket cut as HSDP cuts a shard
   (each parameter padded and cut into ``N`` pieces: rank ``j`` owns piece ``j`` of every
   parameter), then an all-gather of the reduced pieces (float32, or bf16 with ``plain="bf16"``).
@@ -28,7 +32,8 @@ names), :func:`ddp_comm_hook` the hook. Each bucket is reduced in one of four *f
 Bytes each rank sends per bucket of ``n`` elements (ring volumes; ``ring(x) = 2 (N-1) x / N``):
 ``allreduce`` ``ring(4 n)``; ``sketch`` ``ring(4 T + 4 p) + ring(I)`` with ``T`` the sketch cells,
 ``p`` the plain columns and ``I = ceil(n_c bits / 8)`` the index bytes of ``n_c`` compressed
-elements (``(N-1) I`` where the index is all-gathered); PowerSGD ``ring(4 (sum m r + sum n r + p))``;
+elements (``(N-1) I`` where the index is all-gathered); PowerSGD ``ring(v (sum m r + p)) + ring(v sum n r)``
+with ``v`` bytes per value (4, or 2 for ``powersgd-lean``: one ``ring`` per dtype of the first all-reduces);
 ``rs+ag`` ``(N-1) (W + c s)`` with ``W`` the engine's wire bytes per rank row of a ``c``-element
 piece and ``s`` the all-gather's element size; ``gather`` ``(N-1) N W``. Where several forms apply
 the hook takes the one that sends the fewest bytes, chosen once per bucket from its settings
@@ -347,13 +352,13 @@ class DDPHookState:
     def _sketch_bytes(self, plan: _BucketPlan, world: int, device: torch.device) -> int | None:
         """Bytes of the all-reduce form, or ``None`` where the settings do not allow it."""
         hook = self.hook
-        if hook.plain_name != "fp32" or not plan.compressed:
+        if not plan.compressed:
             return None
         plain = sum(p.numel for p in plan.parts if p.codec is hook.plain)
         compressed = [p for p in plan.parts if p.codec is not hook.plain]
         if all(isinstance(p.codec, TAGCCodec) for p in compressed):
-            if any(p.codec.positions != "bitmap" or p.codec.value_dtype != torch.float32
-                   or p.codec.config.fallback != "estimate" for p in compressed):
+            if hook.plain_name != "fp32" or any(p.codec.positions != "bitmap" or p.codec.value_dtype != torch.float32
+                                                or p.codec.config.fallback != "estimate" for p in compressed):
                 return None
             cells = sum(p.codec.layout(p.numel).table_numel for p in compressed)
             index = sum(-(-p.numel * p.codec.config.index_bits // 8) for p in compressed)
@@ -361,12 +366,23 @@ class DDPHookState:
             return ring(4 * (cells + plain), world) + ((world - 1) * index if gathered else ring(index, world))
         if all(isinstance(p.codec, PowerSGDCodec) for p in compressed) and len(compressed) == 1:
             codec = compressed[0].codec
-            if codec.value_dtype != torch.float32:
+            dtypes = self._powersgd_dtypes(codec)
+            if dtypes is None:
                 return None
             shapes = codec._layouts[compressed[0].key]
-            plain += sum(count for _, count in shapes.plain)
-            return ring(4 * (sum(shapes.p_sizes) + plain), world) + ring(4 * sum(shapes.q_sizes), world)
+            columns = sum(count for _, count in shapes.plain)
+            first = _by_dtype([(dtypes.values, sum(shapes.p_sizes)), (dtypes.columns, columns), (dtypes.plain, plain)])
+            return (sum(ring(dtype.itemsize * sum(counts), world) for dtype, counts in first.items())
+                    + ring(dtypes.values.itemsize * sum(shapes.q_sizes), world))
         return None
+
+    def _powersgd_dtypes(self, codec: PowerSGDCodec) -> "_PowerSGDDtypes | None":
+        """What PowerSGD's all-reduce form sends in which dtype, or ``None`` where the plain codec has no
+        all-reduce form (``fp8``, ``int4``: their blocks' scales do not add up)."""
+        plain = _SUMMED_PLAIN.get(self.hook.plain_name)
+        if plain is None:
+            return None
+        return _PowerSGDDtypes(codec.value_dtype, codec._plain_dtype(torch.float32), plain)
 
     def _index_gathered(self, bits: int, device: torch.device) -> bool:
         """Whether the 1-bit index is merged by all-gather and OR (no bitwise all-reduce on the backend)."""
@@ -476,8 +492,17 @@ class DDPHookState:
     def _powersgd(self, flight: _Flight, buffer: torch.Tensor, part: _Part, plain: list[_Part], world: int) -> None:
         """PowerSGD's all-reduce form, the DDP hook's algorithm on the codec's state (:mod:`tagc.hooks.powersgd`):
         ``P`` (with the uncompressed columns) launched here, ``Q`` by :attr:`_Flight.launch` once ``P`` is summed
-        (on the backward's thread), ``P Q^T`` formed in ``Q``'s callback."""
+        (on the backward's thread), ``P Q^T`` formed in ``Q``'s callback.
+
+        Each tensor travels in its dtype (:meth:`_powersgd_dtypes`) and is summed in it by the all-reduce, as
+        torch's ``bf16_compress_hook`` sums in bf16: ``P`` and ``Q`` in the codec's ``value_dtype``, its
+        shape-less columns in the same 16-bit dtype (fp32 with float32 values), the plain parts in fp32 or bf16
+        (``plain``). The first round is one all-reduce per dtype, ``P``'s first; every rank receives the same
+        summed bits, so every rank orthonormalises the same ``P``. The codec's error feedback holds this rank's
+        ``M`` minus the averaged approximation formed from the rounded, summed ``P`` and ``Q``: the rounding of
+        the 16-bit wire lands in the residual, as on the flat lean wire."""
         codec: PowerSGDCodec = part.codec
+        dtypes = self._powersgd_dtypes(codec)
         shapes = codec._layouts[part.key]
         device = buffer.device
         stats = flight.stats
@@ -491,39 +516,40 @@ class DDPHookState:
                 m.add_(residual)
             ms.append(m)
             qs.append(orthonormal(codec._q(name, mat, device)))
+        p_flat = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]) if ms else grad.new_zeros(0).float()
         uncompressed = [grad[start : start + count] for start, count in shapes.plain]
-        uncompressed += [buffer[p.index(device)] for p in plain]
-        first = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)] + [t.float() for t in uncompressed])
-        summed_first = self._all_reduce(first, stats)
-        p_total = sum(shapes.p_sizes)
+        first = _Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
+                           *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
+        summed_first = [self._all_reduce(tensor, stats) for tensor in first.flat.values()]  # P's dtype first
         flight.future = _future_of(buffer)
 
         def launch() -> None:
-            summed_first.wait()
-            summed_ps = first[:p_total].split(shapes.p_sizes)
+            summed_first[0].wait()
+            summed_ps = first.summed(0).split(shapes.p_sizes)
             ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
-            second = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms else first.new_zeros(0)
+            second = (torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms
+                      else p_flat.new_zeros(0)).to(dtypes.values)
+            launched = [*summed_first[1:], self._all_reduce(second, stats)]
 
-            def decode(summed_second: torch.futures.Future) -> torch.Tensor:
-                summed_second.wait()
+            def decode(_: torch.futures.Future) -> torch.Tensor:
+                for done in launched:
+                    done.wait()  # raises a collective's error; on CUDA, orders this stream after the collective
                 summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
                 values = torch.empty(part.numel, dtype=torch.float32, device=device)
-                for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, second.split(shapes.q_sizes)):
+                summed_qs = second.float().split(shapes.q_sizes)
+                for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, summed_qs):
                     approx = codec.approximate(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used,
                                                world, stats)
                     values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
-                at = p_total
-                for start, count in shapes.plain:
-                    values[start : start + count] = first[at : at + count]
-                    at += count
+                for at, (start, count) in enumerate(shapes.plain, start=1):
+                    values[start : start + count] = first.summed(at)
                 summed[part.index(device)] = values
-                for p in plain:
-                    summed[p.index(device)] = first[at : at + p.numel]
-                    at += p.numel
+                for at, p in enumerate(plain, start=1 + len(shapes.plain)):
+                    summed[p.index(device)] = first.summed(at)
                 scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
                 return buffer
 
-            _complete(flight.future, self._all_reduce(second, stats).then(flight.callback(decode)))
+            _complete(flight.future, self._after_all(launched, device).then(flight.callback(decode)))
 
         flight.launch = launch
 
@@ -564,6 +590,47 @@ class DDPHookState:
         # the all-gather needs the reduce-scatter's result: launched on the backward's thread
         flight.launch = lambda: _complete(flight.future, replicas.gather())
         return flight
+
+
+_SUMMED_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``plain=`` -> the dtype the plain parts are summed in by PowerSGD's all-reduce form (the others quantize in
+blocks whose scales do not add up: that form is not planned for them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PowerSGDDtypes:
+    """What PowerSGD's all-reduce form sends in which dtype: ``P`` and ``Q`` (the codec's ``value_dtype``), the
+    codec's shape-less columns (the same, or float32 with float32 values), the hook's plain parts."""
+
+    values: torch.dtype
+    columns: torch.dtype
+    plain: torch.dtype
+
+
+def _by_dtype(sizes: list[tuple[torch.dtype, int]]) -> dict[torch.dtype, list[int]]:
+    """``(dtype, numel)`` pieces grouped by dtype, the dtypes in the order they first come: one all-reduce each."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for dtype, numel in sizes:
+        groups.setdefault(dtype, []).append(numel)
+    return groups
+
+
+class _Summands:
+    """Tensors to sum over the ranks, each cast to its dtype and packed with the others of that dtype
+    (:func:`_by_dtype`): :attr:`flat` is what the all-reduces sum in place, :meth:`summed` a piece after."""
+
+    def __init__(self, pieces: list[tuple[torch.dtype, torch.Tensor]]) -> None:
+        groups = _by_dtype([(dtype, tensor.numel()) for dtype, tensor in pieces])
+        self._slots, at = [], dict.fromkeys(groups, 0)
+        for dtype, tensor in pieces:
+            self._slots.append((dtype, at[dtype], tensor.numel()))
+            at[dtype] += tensor.numel()
+        self.flat = {dtype: torch.cat([t.reshape(-1).to(dtype) for d, t in pieces if d == dtype]) for dtype in groups}
+
+    def summed(self, index: int) -> torch.Tensor:
+        """Piece ``index`` of the summed tensors, as float32."""
+        dtype, start, numel = self._slots[index]
+        return self.flat[dtype][start : start + numel].float()
 
 
 def _future_of(buffer: torch.Tensor) -> torch.futures.Future:
