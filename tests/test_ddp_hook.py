@@ -373,7 +373,7 @@ OVERLAP_CODECS = {
 values beside fp32 plain parts, all bf16), ``gather`` (topk, int4, bf16) and ``rs+ag`` (coded raw re-sends,
 powersgd's four rounds with fp8 plain columns, which cannot go by an all-reduce, a bf16 dense warm-up), on 2
 buckets (``_ddp``) or, ``deep``, 4 (:func:`_deep_ddp`: PowerSGD's ``Q`` and ``rs+ag``'s all-gather, with raw re-sends
-inside the reduce-scatter's finish, launched once the first collective is done)."""
+inside the reduce-scatter's finish, launched at the next bucket's hook call)."""
 
 
 def _deep_ddp() -> DDP:
@@ -412,8 +412,9 @@ def _overlapped_vs_blocking(rank: int, world: int) -> dict:
 
 def test_overlapped_hook_gives_the_blocking_hooks_gradients_bit_for_bit():
     """Every codec, in every form: the overlapped hook (collectives launched async, decoded in their callbacks, the
-    dependent ones launched at the end of the backward pass) gives the gradients, residuals and byte counts of the
-    blocking one (overlap=False), bit for bit, step after step; every compressing form was deferred."""
+    dependent ones launched at the next bucket's hook call or at the end of the backward pass) gives the gradients,
+    residuals and byte counts of the blocking one (overlap=False), bit for bit, step after step; every compressing
+    form was deferred."""
     forms = set()
     for rank_result in run_ranks(_overlapped_vs_blocking, 2, timeout_s=300.0):
         for label, (overlapped, blocking) in rank_result.items():
@@ -433,6 +434,82 @@ def test_overlapped_hook_gives_the_blocking_hooks_gradients_bit_for_bit():
                         "powersgd-lean-4-buckets": "sketch", "tagc-raw-4-buckets": "rs+ag"}.get(label)
             assert expected is None or {form for form, _ in overlapped["forms"].values()} == {expected}, label
     assert forms == {"sketch", "gather", "rs+ag"}
+
+
+LAUNCH_ORDER_CODECS = {
+    "powersgd": {"codec": "powersgd", "rank": 2},
+    "powersgd-lean": {"codec": "powersgd", "rank": 2, "value_dtype": "bfloat16", "plain": "bf16"},
+    "rs+ag": {"ratio": 4, "fallback": "raw"},
+}
+
+
+def _launch_order(rank: int, world: int) -> dict:
+    real = {"all_reduce": dist.all_reduce, "all_gather_single": dist.all_gather_single}
+    events = []
+
+    def recording(name):
+        def collective(tensor, *args, **kwargs):
+            events.append((name, tensor.numel()))
+            return real[name](*((tensor,) + args), **kwargs)
+
+        return collective
+
+    out = {}
+    try:
+        dist.all_reduce, dist.all_gather_single = recording("all_reduce"), recording("all_gather_single")
+        for label, settings in LAUNCH_ORDER_CODECS.items():
+            for overlap in (True, False):
+                ddp = _deep_ddp()
+                state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, select="all", dense_steps=0, min_compress_numel=1,
+                                               **settings)
+
+                def called(hook_state, bucket, _hook=hook_fn):
+                    events.append(("call", tuple(tuple(p.shape) for p in bucket.parameters())))
+                    return _hook(hook_state, bucket)
+
+                ddp.register_comm_hook(state, called)
+                for step in range(3):  # DDP's first buckets, then two compressed steps: the last one is recorded
+                    events.clear()
+                    _grads(ddp, rank, step)
+                    state.end_step()
+                out[label, overlap] = {"events": list(events), "forms": {f for f, _ in state.forms().values()}}
+    finally:
+        dist.all_reduce, dist.all_gather_single = real["all_reduce"], real["all_gather_single"]
+    return out
+
+
+def test_dependent_collectives_go_at_the_next_buckets_hook_call():
+    """Four buckets. Overlapped, bucket k's second collective (PowerSGD's ``Q`` all-reduce; ``rs+ag``'s all-gather)
+    is launched at bucket k+1's hook call, before that bucket's first collective, so bucket 0's goes while the
+    backward still has buckets 2 and 3 to compute; only the last bucket's waits for the end of the backward pass.
+    The collectives come in the blocking hook's order (which launches both inside the bucket's own call), so every
+    rank launches them in one order. Shapes: ``P`` = rows x 2 with the bias, ``Q`` = cols x 2."""
+    for result in run_ranks(_launch_order, 2, timeout_s=240.0):
+        for label in ("powersgd", "powersgd-lean"):
+            for overlap in (True, False):
+                run = result[label, overlap]
+                assert run["forms"] == {"sketch"}, label
+                calls = [e for e in run["events"] if e[0] == "call"]
+                assert len(calls) == 4, label
+                first = [("all_reduce", shapes[1][0] * 2 + shapes[0][0]) for _, shapes in calls]  # bias, weight
+                second = [("all_reduce", shapes[1][1] * 2) for _, shapes in calls]
+                if overlap:
+                    expected = [calls[0], first[0]]
+                    for k in range(1, 4):
+                        expected += [calls[k], second[k - 1], first[k]]
+                    expected.append(second[3])
+                else:
+                    expected = [e for k in range(4) for e in (calls[k], first[k], second[k])]
+                assert run["events"] == expected, (label, overlap)
+        for overlap in (True, False):
+            run = result["rs+ag", overlap]
+            assert run["forms"] == {"rs+ag"}
+            seen = [e[0] for e in run["events"] if e[0] in ("call", "all_gather_single")]
+            if overlap:
+                assert seen == ["call", "call", "all_gather_single", "call", "all_gather_single", "call",
+                                "all_gather_single", "all_gather_single"], seen
+            else:
+                assert seen == ["call", "all_gather_single"] * 4, seen
 
 
 DELAY_S = 0.3

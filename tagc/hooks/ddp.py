@@ -55,13 +55,20 @@ The exchange overlaps the rest of the backward pass, as torch's own hooks do (``
 default): the hook encodes the bucket on the calling thread (the backward's critical path),
 launches its collectives (``async_op=True``) and returns a future that completes with the averaged
 buffer, decoded in the collectives' callbacks (``.then``). A collective that needs another's result
-(``rs+ag``'s all-gather, PowerSGD's ``Q``) is launched on the backward's thread, in bucket order, in a
-final callback of the backward pass that runs before DDP's own waits for the buckets (never from a
-collective's callback: on gloo that runs on the backend's thread, and a collective launched there
-could meet other collectives in a different order on each rank). The same callback records each
-bucket's statistics: the hook's counters are only ever touched by the backward's thread. The collectives,
-their order, the wire and the decode are the blocking exchange's, so the gradients are bit for bit
-the same. ``overlap=False`` finishes every bucket inside its hook call; so does a hook called
+(``rs+ag``'s all-gather, PowerSGD's ``Q``) is launched on the backward's thread at the next hook call,
+just before that call launches its own bucket's collectives (waiting there for the first collective
+if it is still on the wire), and the last bucket's in a final callback of the backward pass that runs
+before DDP's own waits for the buckets (so do the later rounds of a reduce-scatter of several rounds,
+which the engine moves on one round per bucket it starts). DDP calls the hook for the buckets in one
+order on every rank, on the backward's thread, so every rank launches every collective at the same
+point of one sequence (for single-round exchanges, the blocking exchange's). Never from a
+collective's callback, as torch's ``powerSGD_hook`` chains its ``Q``: on gloo that callback runs on
+the backend's thread when the bytes happen to arrive, so with several buckets one rank may launch
+bucket ``k``'s ``Q`` before bucket ``k+1``'s ``P`` and another after it, and gloo pairs collectives
+by the order they were launched in (a mismatch sums the wrong tensors, or hangs). The final callback
+records each bucket's statistics: the hook's counters are only ever touched by the backward's thread.
+The collectives, the wire and the decode are the blocking exchange's, so the gradients are bit for
+bit the same. ``overlap=False`` finishes every bucket inside its hook call; so does a hook called
 outside a backward pass.
 """
 
@@ -119,7 +126,12 @@ class _Flight:
 
     ``future``: what DDP waits for, the averaged buffer; its callbacks decode, touching nothing shared
     but the bucket's own residuals (and ``stats``, which no other thread touches until ``future`` is
-    done). ``launch``: the dependent collective, on the backward's thread (:meth:`DDPHookState._launch`).
+    done). ``launch``: the dependent collective, on the backward's thread (:meth:`DDPHookState._launch`);
+    ``waited_s``: the time that launch waited on the backward's thread for PowerSGD's ``P`` to arrive, counted
+    as exposed (the engine counts its own waits, the ``rs+ag`` form's reduce-scatter's). ``early``: whether
+    :meth:`DDPHookState._release` launches it at the next hook call (not a reduce-scatter of several rounds: the
+    engine moves those one round on at each bucket it starts, and finishing them at once would hold the
+    backward's thread for every round left; they go at the end of the backward pass).
     ``stats``: recorded on the backward's thread once ``future`` is done; ``key``: the bucket then
     checked for NaN/Inf under ``nonfinite="raise"`` (``None``: the form raises where it decodes).
     ``errors``: what the callbacks raised, re-raised as it was (a future's ``wait`` would wrap it)."""
@@ -129,6 +141,8 @@ class _Flight:
     launch: Callable[[], None] | None = None
     key: str | None = None
     task: int = -1
+    waited_s: float = 0.0
+    early: bool = True
     errors: list = dataclasses.field(default_factory=list)
 
     def callback(self, body: Callable[[torch.futures.Future], torch.Tensor]) -> Callable:
@@ -255,10 +269,25 @@ class DDPHookState:
         self._flights.append(flight)
         return flight.future
 
+    def _release(self) -> None:
+        """Launch the dependent collective of every bucket still in flight, oldest first, before this hook call
+        launches its own bucket's collectives (after its encode, in the all-reduce forms): every rank reaches this
+        point at the same hook call, so bucket ``k``'s second collective goes just before bucket ``k+1``'s first,
+        the blocking exchange's order, while the backward goes on. Not the flights that are not
+        :attr:`_Flight.early`. An error is kept for the bucket's finish (the final callback), where it is raised
+        as before."""
+        for flight in self._flights:
+            if not flight.early:
+                continue
+            try:
+                self._launch(flight)
+            except Exception as error:
+                flight.errors.append(error)
+
     def _finish_oldest(self, deliver: bool) -> None:
         """The final callback's item, one per bucket, oldest first: launch every dependent collective not launched
-        yet, in bucket order (the first item launches them all, so bucket ``k``'s goes while ``k+1``'s is
-        prepared), then finish the oldest bucket. ``deliver`` false (a failed backward pass left the bucket): it
+        yet, in bucket order (the last bucket's: the earlier ones went at the next hook call, :meth:`_release`),
+        then finish the oldest bucket. ``deliver`` false (a failed backward pass left the bucket): it
         is finished all the same, so that no rank is left waiting for its collectives."""
         flight = self._flights.popleft()
         self._drained_task = flight.task
@@ -292,7 +321,7 @@ class DDPHookState:
             if flight.errors:
                 raise flight.errors[0] from None  # as the decode raised it (e.g. FloatingPointError)
             raise
-        flight.stats.exposed_s += time.perf_counter() - begin
+        flight.stats.exposed_s += time.perf_counter() - begin + flight.waited_s
         hook = self.hook
         hook._record(flight.stats, None)
         if flight.key is not None and hook.nonfinite == "raise" and bool(flight.stats.nonfinite_parts):
@@ -324,6 +353,7 @@ class DDPHookState:
         self.hook._record(ExchangeStats(buckets=1, wire_bytes=ring(nbytes, world),
                                         plain_equivalent_bytes=ring(buffer.numel() * 4, world)), None)
         buffer.mul_(1.0 / world)  # as DDP's reducer scales a bucket without a hook: by the reciprocal
+        self._release()
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -428,6 +458,7 @@ class DDPHookState:
             indexes.append(index.reshape(-1))
             tables.append(table.reshape(-1).float())
         values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)
+        self._release()
         launched = [self._all_reduce(values, stats)]
         bits = parts[0].codec.config.index_bits
         merge = self._merge_indexes(torch.cat(indexes), bits, stats, launched)
@@ -520,11 +551,14 @@ class DDPHookState:
         uncompressed = [grad[start : start + count] for start, count in shapes.plain]
         first = _Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
                            *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
+        self._release()
         summed_first = [self._all_reduce(tensor, stats) for tensor in first.flat.values()]  # P's dtype first
         flight.future = _future_of(buffer)
 
         def launch() -> None:
+            begin = time.perf_counter()
             summed_first[0].wait()
+            flight.waited_s += time.perf_counter() - begin
             summed_ps = first.summed(0).split(shapes.p_sizes)
             ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
             second = (torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms
@@ -573,6 +607,7 @@ class DDPHookState:
         chunk = buffer.new_empty(pieces.index.shape[1])
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else buffer.dtype
         op = dist.ReduceOp.AVG
+        self._release()
         if layout.form == "gather" and gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):
             hook.topology(self.group)  # the decode reads it: made here, where a hierarchical one may create groups
             wires = GatheredWires(hook, rows, buffer, pieces, self.group, op, ExchangeStats())  # encodes, launches
@@ -589,6 +624,7 @@ class DDPHookState:
         flight = _Flight(ExchangeStats(), _future_of(buffer))  # the engine records the reduce-scatter's statistics
         # the all-gather needs the reduce-scatter's result: launched on the backward's thread
         flight.launch = lambda: _complete(flight.future, replicas.gather())
+        flight.early = all(part.codec.rounds == 1 for part in replicas.pending.plan.parts)
         return flight
 
 
