@@ -341,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every parameter's (plain runs too)")
     p.add_argument("--feedback", default=defaults.feedback, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
-                        "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the optimizer "
-                        "the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback)")
+                        "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
+                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback)")
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
                         "(EF21-SGDM; 0, the default: none)")

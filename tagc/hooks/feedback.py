@@ -83,7 +83,8 @@ if TYPE_CHECKING:
 FEEDBACKS = ("classic", "ef21")
 """``tagc.hook(feedback=...)``: the codecs' own error feedback, or EF21 (:class:`EF21Codec`)."""
 SUM = "#ef21_sum"
-"""State entry suffix of a part's ``H`` (``<part>#ef21_sum``; DDP's gather form: ``<part>#ef21_sum<k>`` for piece ``k > 0``)."""
+"""State entry suffix of a part's ``H``: ``<part>#ef21_sum``; in DDP's gather form ``<part>#ef21_sum<k>`` for piece
+``k > 0``."""
 MOMENTUM = "#ef21_momentum"
 """State entry suffix of a part's ``v_i``."""
 MARK = "#ef21_"
