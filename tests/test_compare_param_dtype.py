@@ -15,7 +15,7 @@ from gpt2_bench.config import TrainConfig
 from gpt2_bench.methods import LAYOUT_METHODS, METHODS, layout_config, method_config
 
 
-@pytest.mark.parametrize("param_dtype", ["bf16"])
+@pytest.mark.parametrize("param_dtype", ["bf16", "int8"])
 def test_every_flat_method_gets_the_param_dtype_and_a_name_of_its_own(param_dtype):
     base = TrainConfig(preset="tiny")
     gathered = dataclasses.replace(base, param_dtype=param_dtype)
@@ -57,13 +57,17 @@ def test_a_bad_param_dtype_is_a_clear_error(capsys):
         TrainConfig(integration="ddp", compression="none", param_dtype="bf16")
 
 
-def test_the_layout_compare_checks_every_runs_settings_before_running(monkeypatch):
+def test_the_layout_compare_checks_every_runs_settings_before_running(monkeypatch, capsys):
     reached = []
     monkeypatch.setattr(compare_layout, "layout_report",
                         lambda base, layout, methods, flat, *rest: reached.append((base, methods, flat)) or ([], ""))
     assert compare.main(["--layout", "ddp", "--param-dtype", "bf16", "--flat-methods", "fsdp,fsdp-bf16"]) == 0
     (base, methods, flat), = reached
     assert base.param_dtype == "bf16" and flat == ("fsdp", "fsdp-bf16") and "ddp-bf16" in methods
+    # int8 is SimpleFSDP's gather: HSDP's methods run FSDP2, so the layout compare refuses before running anything
+    with pytest.raises(SystemExit):
+        compare.main(["--layout", "hsdp", "--param-dtype", "int8"])
+    assert "integration='simple'" in capsys.readouterr().err and len(reached) == 1
 
 
 def _summary(cfg: TrainConfig) -> dict:
@@ -102,7 +106,7 @@ def test_the_report_line_says_the_gathers_and_what_the_cpu_computes_with():
     assert format_param_gather(None, "simple").startswith("Parameter all-gathers: **fp32** for every flat-FSDP method")
     bf16 = format_param_gather("bf16", "simple", "ddp")
     assert "**bf16**" in bf16 and "DDP gathers no parameters" in bf16 and "upcasts" in bf16
-    assert "`fsdp2`" in format_param_gather("bf16", "fsdp2")
+    assert "blockwise" in format_param_gather("int8", "simple") and "`fsdp2`" in format_param_gather("bf16", "fsdp2")
 
 
 @pytest.mark.slow
