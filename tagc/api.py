@@ -34,6 +34,8 @@ def hook(
     ramp_steps: int = 0,
     piece_bytes: int | None = None,
     side_stream: bool = True,
+    feedback: str = "classic",
+    feedback_momentum: float = 0.0,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -93,6 +95,13 @@ def hook(
         side_stream: on CUDA, run the codec work on a side stream of the hook's, so the caller's
             stream (the rest of the backward pass) runs on while parts are encoded and sent
             (:mod:`tagc.hooks.eager`); ``False``: on the caller's stream. No effect on the CPU.
+        feedback: ``"classic"`` (default: the codec's own error feedback, the unsent rest waits as a
+            residual) or ``"ef21"`` (each rank sends the compressed change of its gradient against the
+            last estimate the owners know, and the owners hand the optimizer the running sum, dense, so
+            an unsent element keeps its last known value instead of zero; :mod:`tagc.hooks.feedback`).
+            Error-feedback codecs only, with ``residual_dtype=torch.float32``.
+        feedback_momentum: with ``"ef21"``, the ``beta`` of each rank's running average of its gradient,
+            compressed instead of the gradient (EF21-SGDM); 0 (default): none.
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
@@ -104,7 +113,7 @@ def hook(
         ratio, index_bits, sparsity, codec=codec, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype,
         min_part=min_part, dense_steps=dense_steps, overlap=overlap, plain=plain, hierarchy=hierarchy,
         ranks_per_host=ranks_per_host, ramp_steps=ramp_steps, piece_bytes=piece_bytes, side_stream=side_stream,
-        **options)
+        feedback=feedback, feedback_momentum=feedback_momentum, **options)
     return TAGCHook(settings)
 
 

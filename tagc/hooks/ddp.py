@@ -367,7 +367,7 @@ class DDPHookState:
         sketch = self._sketch_bytes(steady, world, buffer.device) if identical else None
         if sketch is not None:
             planned["sketch"] = sketch
-        if not isinstance(hook.codec, PowerSGDCodec):  # powersgd's wire follows the shapes: not planned in bytes
+        if hook.codec.rounds == 1:  # a multi-round codec's wire (powersgd's) follows the shapes: not planned in bytes
             pieces = self._pieces(layout, world, buffer.device)
             chunk = pieces.index.shape[1]
             row = hook.wire_row_bytes(pieces.segments, chunk, world, buffer.dtype)

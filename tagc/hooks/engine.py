@@ -333,6 +333,7 @@ class TAGCHook:
         the hook is installed on its model), else at the first compressed part the checkpoint holds
         no state for."""
         restored = checkpoint.restored_from(state, self.config)
+        checkpoint.check_feedback(state, self.codec)
         self._streams.join()
         self.state.restored = restored
         self._check_restored_select()
