@@ -11,7 +11,6 @@ else at the first compressed part the checkpoint holds no state for (:meth:`Rest
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 
 import torch
@@ -21,15 +20,7 @@ from tagc.config import TAGCConfig
 from tagc.hooks.codecs import Codec
 from tagc.hooks.feedback import MARK
 from tagc.hooks.plan import Part
-
-_PART_KEY = re.compile(r"^(.*?/part\d+)(?=$|[/#])")
-
-
-def part_key(state_key: str) -> str:
-    """The bucket part a codec state entry belongs to: codecs key their state by the part's key
-    (``"<parameters>#<chunk>/part<k>"``), some with a suffix (``/residual``, ``#steps``, ...)."""
-    match = _PART_KEY.match(state_key)
-    return match.group(1) if match else state_key
+from tagc.hooks.state_keys import part_key
 
 
 def part_order(key: str) -> tuple[str, int]:

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from tagc.hooks.codecs import Codec, ResidualCodec, Wire, finite
 from tagc.hooks.powersgd import PowerSGDCodec
+from tagc.hooks.state_keys import part_key
 from tagc.hooks.stats import ExchangeStats
 
 if TYPE_CHECKING:
@@ -298,7 +299,6 @@ class EF21Codec(Codec):
         """The inner codec's entries to it, ``H`` and ``v_i`` here (copies, into the same dicts). A checkpoint of
         classic error feedback (residuals without ``H``), or one whose momentum differs, is an error: its
         residuals mean another thing, and EF21 is never restarted from zeros silently."""
-        from tagc.hooks.checkpoint import part_key  # the checkpoint module imports this one (through the settings)
 
         mine = {key: value for key, value in state.items() if MARK in key}
         theirs = {key: value for key, value in state.items() if MARK not in key}
