@@ -20,6 +20,7 @@ from gpt2_bench.compare_figures import add_method_columns
 from gpt2_bench.compare_report import (
     SHARE_ARITHMETIC,
     format_methods_table,
+    format_param_gather,
     format_share_arithmetic,
     format_verdict,
     method_curves,
@@ -145,6 +146,7 @@ def methods_report(base: TrainConfig, methods: Sequence[str], shares: Sequence[f
               f"median of the steady steps pooled over rounds (dense warm-up steps excluded{timed_in}); "
               f"{loss_source}. TAGC and top-k at ratio {base.ratio:g}; "
               f"error-feedback codecs dense for the first {base.dense_steps} steps.\n\n"
+              f"{format_param_gather(base.param_dtype, base.integration)}\n\n"
               f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; "
               f"`bits/param`: wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); "
               f"`codec ms`: encode + decode on the training thread per step.\n\n{SHARE_ARITHMETIC}\n\n"

@@ -44,6 +44,7 @@ def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "algorithm": "fsdp" if cfg.compression == "none" else cfg.codec,
         "codec": None if cfg.compression == "none" else cfg.codec,
         "reduce_dtype": cfg.reduce_dtype,
+        "param_dtype": None if cfg.integration == "ddp" else (cfg.param_dtype or "fp32"),
         "compressed": cfg.compression,
         "transport": cfg.transport,
         "ratio": cfg.ratio if cfg.compression != "none" else None,
