@@ -81,3 +81,24 @@ def test_host_methods_are_checked():
 def test_host_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.slow  # four torchrun jobs on emulated hosts: ~1 min
+@needs_netns
+def test_ddp_on_two_emulated_hosts_plain_repeats_ddp_and_the_nics_count_what_the_hooks_send(tmp_path):
+    """DDP on 2 emulated hosts x 1 rank (the paper's layout), tiny preset: ``tagc.ddp_hook`` with the plain codec
+    gives DDP's own losses bit for bit, and for ``int4`` and ``tagc`` the hosts' NICs count the hook's bytes plus
+    TCP/IP headers (only the gradient crosses under DDP)."""
+    from gpt2_bench.methods import LAYOUT_METHODS
+
+    base = TrainConfig(preset="tiny", integration="ddp", world=2, hosts=2, link="1gbit", steps=4, eval_interval=4,
+                       eval_batches=1, batch_size=2, block_size=32, dense_steps=1, out_dir=str(tmp_path),
+                       group_timeout_s=60)
+    own = run(dataclasses.replace(base, name="own", **LAYOUT_METHODS["ddp"]["ddp"]))
+    plain = run(dataclasses.replace(base, name="plain", compression="none", transport="fair"))
+    assert plain["val_loss"] == own["val_loss"]
+    assert [c["loss"] for c in plain["curve"]] == [c["loss"] for c in own["curve"]]
+    for method in ("int4", "tagc"):
+        result = run(dataclasses.replace(base, name=method, **LAYOUT_METHODS["ddp"][method]))
+        assert result["wire_bytes_per_rank"] < 0.75 * result["plain_bytes_per_rank"], method  # step 0 goes dense
+        assert 0.95 <= result["inter_host_bytes_per_step"] / result["inter_host_wire_bytes_per_step"] <= 1.1, method
