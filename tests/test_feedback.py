@@ -85,7 +85,8 @@ def _bookkeeping(rank, world, codec, momentum, steps):
     return outs, grads, shifts, sent, momenta
 
 
-@pytest.mark.parametrize("codec, momentum", [("topk", 0.0), ("tagc", 0.0), ("sign", 0.0), ("topk", 0.5)])
+@pytest.mark.parametrize("codec, momentum", [("topk", 0.0), ("tagc", 0.0), ("sign", 0.0),
+                                             pytest.param("topk", 0.5, marks=pytest.mark.slow)])
 def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec, momentum):
     steps = 6
     ranks = run_ranks(_bookkeeping, 2, codec, momentum, steps)
@@ -352,6 +353,7 @@ def _ddp_constant(rank, world, feedback):
     return got, grads(reference), forms
 
 
+@pytest.mark.slow  # DDP on 2 gloo ranks: ~7 s
 def test_ddp_delivers_the_exact_average_of_a_constant_gradient():
     """DDP's ``gather`` form decodes every replica's piece on every rank: EF21 keeps one sum per piece."""
     for got, want, forms in run_ranks(_ddp_constant, 2, "ef21"):

@@ -129,7 +129,8 @@ def _gathered_within_bound(rank, world, block, hosts):
             "huge": huge[1, 2].item(), "zeros": model.head.weight.abs().max().item()}
 
 
-@pytest.mark.parametrize("block, hosts", [(4, 1), (256, 1), (256, 2)], ids=["block-4", "block-256", "hsdp-2x2"])
+@pytest.mark.parametrize("block, hosts", [(4, 1), (256, 1), pytest.param(256, 2, marks=pytest.mark.slow)],
+                         ids=["block-4", "block-256", "hsdp-2x2"])
 def test_gathered_parameters_are_within_the_bound_and_the_masters_stay_exact(block, hosts):
     for result in run_ranks(_gathered_within_bound, 2 * hosts, block, hosts, timeout_s=120):
         assert result["within"] and all(ok and same_shape for _, ok, same_shape in result["within"]), result["within"]
@@ -197,7 +198,7 @@ def _check_training(results):
         assert drift < 1e-2  # three AdamW steps of lr 1e-3 on nearly the same gradients: nearly the same weights
 
 
-@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "int4-hook"])
+@pytest.mark.parametrize("hooked", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "int4-hook"])
 def test_training_steps_with_int8_gathers_stay_close_to_fp32_gathers(hooked):
     _check_training(run_ranks(_train, 2, None, hooked, timeout_s=180))
 
@@ -226,6 +227,7 @@ def test_inductor_compiled_int8_gathers_train_as_eager_does():
     _compiled_as_eager("inductor", atol=1e-3)
 
 
+@pytest.mark.slow  # an Inductor compile: ~8 s
 def test_inductor_compiles_the_round_trip_of_several_ranks_wires():
     """The gathered wire of 2 ranks, dequantized by Inductor: the same values as eager (a view of the int8 wire
     as float32 scales, which Inductor miscompiles, would fail here)."""
@@ -267,6 +269,7 @@ def _sharded_policies(rank, world):
     return found
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_the_trainer_flag_picks_simple_fsdps_int8_gather():
     from gpt2_bench.config import build_parser, config_from_args
 
