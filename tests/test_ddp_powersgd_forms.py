@@ -255,3 +255,51 @@ def test_host_bytes_arithmetic_for_ddp_powersgd_lean_is_the_hooks_count():
     parts = {c: host_bytes.model_parts("tiny", c, 2048, block_size=32) for c in ("none", "all", "non-attn")}
     worked_out, form = host_bytes.per_host_bytes("ddp", "powersgd-lean", 2, parts, rank=4)
     assert form == "sketch" and worked_out == result["wire_bytes"]
+
+
+def test_average_into_is_approximate_in_place_bit_for_bit():
+    """The DDP form's in-place decode (the averaged approximation written into the bucket, the residual into ``M``'s
+    memory) gives the bits of the codec's own :meth:`approximate` (``p q^T``, then ``M - p q^T / N``): the bucket's
+    values, the residual and the next warm-start ``Q``, for 2 and 3 ranks, with a residual held or not, bf16 residuals
+    too; and a non-finite summed ``Q`` leaves the residual and ``Q`` as they were, counted, with NaN in the bucket."""
+    from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
+    from tagc.hooks.stats import ExchangeStats
+
+    generator = torch.Generator().manual_seed(7)
+    rows, cols, rank = 48, 40, 3
+    for world in (2, 3):
+        for residual_dtype in (F32, BF16):
+            for held in (False, True):
+                for finite_q in (True, False):
+                    m = torch.randn(rows, cols, generator=generator)
+                    p = orthonormal(torch.randn(rows, rank, generator=generator))
+                    q = torch.randn(cols, rank, generator=generator) * world
+                    if not finite_q:
+                        q[1, 2] = float("nan")
+                    q_used = torch.randn(cols, rank, generator=generator)
+                    residual = torch.randn(rows, cols, generator=generator).to(residual_dtype)
+                    codecs = []
+                    for _ in range(2):
+                        codec = PowerSGDCodec(rank=rank, residual_dtype=residual_dtype)
+                        if held:
+                            codec.residuals["w"] = residual.clone()
+                            codec.qs["w"] = q_used.clone() * 2
+                        codecs.append(codec)
+                    reference_stats, stats = ExchangeStats(), ExchangeStats()
+                    approx = codecs[0].approximate("w", m.clone(), p, q, q_used, world, reference_stats)
+                    bucket = torch.full((rows * cols + 5,), 9.0)
+                    averaged = bucket[2 : 2 + rows * cols].view(rows, cols)  # a matrix's place in a DDP bucket
+                    codecs[1].average_into("w", m.clone(), p, q, q_used, world, averaged, stats)
+                    label = (world, residual_dtype, held, finite_q)
+                    assert torch.equal(averaged.nan_to_num(), (approx / world).nan_to_num()), label
+                    assert averaged.isnan().any() == (not finite_q), label
+                    assert torch.equal(bucket[:2], torch.full((2,), 9.0)), label  # nothing written outside
+                    assert torch.equal(bucket[-3:], torch.full((3,), 9.0)), label
+                    assert codecs[1].residuals["w"].dtype == residual_dtype, label
+                    assert torch.equal(codecs[1].residuals["w"], codecs[0].residuals["w"]), label
+                    assert torch.equal(codecs[1].qs["w"], codecs[0].qs["w"]), label
+                    assert int(stats.nonfinite_parts) == int(reference_stats.nonfinite_parts) == (0 if finite_q else 1)
+                    if not finite_q:
+                        kept = residual if held else torch.zeros(rows, cols, dtype=residual_dtype)
+                        assert torch.equal(codecs[1].residuals["w"], kept), label
+                        assert torch.equal(codecs[1].qs["w"], q_used * 2 if held else q_used), label

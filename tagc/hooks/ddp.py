@@ -182,6 +182,7 @@ class DDPHookState:
         self._flights: collections.deque[_Flight] = collections.deque()  # launched, not yet finished; oldest first
         self._drain = BackwardDrain()
         self._drained_task = -1  # the backward pass whose final callback last finished buckets
+        self._spans: dict[str, tuple] = {}  # PowerSGD part key -> its runs in the bucket (_powersgd_spans)
         hook.note_parameters(model_parameters(model.module))  # the settings check compares what select picks
 
     def settled(self) -> bool:
@@ -531,29 +532,40 @@ class DDPHookState:
         (``plain``). The first round is one all-reduce per dtype, ``P``'s first; every rank receives the same
         summed bits, so every rank orthonormalises the same ``P``. The codec's error feedback holds this rank's
         ``M`` minus the averaged approximation formed from the rounded, summed ``P`` and ``Q``: the rounding of
-        the 16-bit wire lands in the residual, as on the flat lean wire."""
+        the 16-bit wire lands in the residual, as on the flat lean wire.
+
+        The matrices and the shape-less columns are whole parameters, each a contiguous run of the bucket
+        (:meth:`_powersgd_spans`): ``M`` is read from the buffer as a view (one pass: the gradient plus the
+        residual) and the averaged approximation is formed in the buffer itself (:meth:`PowerSGDCodec.average_into`),
+        the residual in ``M``'s memory: no gather of the part's columns, no matrix-sized temporaries, as torch's hook
+        decompresses into the bucket."""
         codec: PowerSGDCodec = part.codec
         dtypes = self._powersgd_dtypes(codec)
         shapes = codec._layouts[part.key]
+        matrix_at, columns_at = self._powersgd_spans(part, shapes)
         device = buffer.device
         stats = flight.stats
-        grad = buffer[part.index(device)]
         ms, qs = [], []
-        for mat in shapes.matrices:
+        for mat, at in zip(shapes.matrices, matrix_at):
             name = f"{part.key}/{mat.name}"
-            m = grad[mat.start : mat.start + mat.rows * mat.cols].view(mat.rows, mat.cols).to(torch.float32, copy=True)
+            grad = buffer[at : at + mat.rows * mat.cols].view(mat.rows, mat.cols)
             residual = codec.residuals.get(name)
-            if residual is not None:
-                m.add_(residual)
+            if residual is not None and grad.dtype == torch.float32:
+                m = torch.add(grad, residual)  # float32: this rank's own copy (the buffer is overwritten in the decode)
+            else:
+                m = grad.to(torch.float32, copy=True)
+                if residual is not None:
+                    m.add_(residual)
             ms.append(m)
             qs.append(orthonormal(codec._q(name, mat, device)))
-        p_flat = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]) if ms else grad.new_zeros(0).float()
-        uncompressed = [grad[start : start + count] for start, count in shapes.plain]
+        p_flat = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]) if ms else buffer.new_zeros(0).float()
+        uncompressed = [buffer[at : at + count] for at, count in columns_at]
         first = _Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
                            *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
         self._release()
         summed_first = [self._all_reduce(tensor, stats) for tensor in first.flat.values()]  # P's dtype first
         flight.future = _future_of(buffer)
+        scale = op_scale(dist.ReduceOp.AVG, world)
 
         def launch() -> None:
             begin = time.perf_counter()
@@ -568,24 +580,51 @@ class DDPHookState:
             def decode(_: torch.futures.Future) -> torch.Tensor:
                 for done in launched:
                     done.wait()  # raises a collective's error; on CUDA, orders this stream after the collective
-                summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
-                values = torch.empty(part.numel, dtype=torch.float32, device=device)
                 summed_qs = second.float().split(shapes.q_sizes)
-                for mat, m, q_used, p, q in zip(shapes.matrices, ms, qs, ps, summed_qs):
-                    approx = codec.approximate(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used,
-                                               world, stats)
-                    values[mat.start : mat.start + mat.rows * mat.cols] = approx.reshape(-1)
-                for at, (start, count) in enumerate(shapes.plain, start=1):
-                    values[start : start + count] = first.summed(at)
-                summed[part.index(device)] = values
-                for at, p in enumerate(plain, start=1 + len(shapes.plain)):
-                    summed[p.index(device)] = first.summed(at)
-                scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
+                for mat, at, m, q_used, p, q in zip(shapes.matrices, matrix_at, ms, qs, ps, summed_qs):
+                    region = buffer[at : at + mat.rows * mat.cols].view(mat.rows, mat.cols)
+                    averaged = region if region.dtype == torch.float32 else torch.empty_like(m)
+                    codec.average_into(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used, world,
+                                       averaged, stats)
+                    if averaged is not region:
+                        region.copy_(averaged)
+                for index, (at, count) in enumerate(columns_at, start=1):
+                    scale_into(buffer[at : at + count], first.summed(index), scale)
+                for index, p in enumerate(plain, start=1 + len(columns_at)):
+                    columns = p.index(device)
+                    if isinstance(columns, slice):
+                        scale_into(buffer[columns], first.summed(index), scale)
+                    else:
+                        scaled = buffer.new_empty(p.numel)
+                        scale_into(scaled, first.summed(index), scale)
+                        buffer[columns] = scaled
                 return buffer
 
             _complete(flight.future, self._after_all(launched, device).then(flight.callback(decode)))
 
         flight.launch = launch
+
+    def _powersgd_spans(self, part: _Part, shapes) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """Where PowerSGD's matrices start in the bucket, and its shape-less columns' ``(start, count)`` runs there:
+        each is a whole parameter (the codec takes whole segments), so a contiguous run of the buffer. Found once per
+        part from its column list (on the host)."""
+        spans = self._spans.get(part.key)
+        if spans is None:
+            columns = part.columns
+
+            def start(at: int, count: int) -> int:
+                if isinstance(columns, slice) or count == 0:  # an empty parameter: any start
+                    return (columns.start if isinstance(columns, slice) else 0) + at
+                first, last = int(columns[at]), int(columns[at + count - 1])
+                if last - first != count - 1:
+                    raise RuntimeError(f"powersgd part {part.key!r}: a parameter is not one run of the DDP bucket "
+                                       "(the codec takes whole parameters); please report this")
+                return first
+
+            spans = (tuple(start(m.start, m.rows * m.cols) for m in shapes.matrices),
+                     tuple((start(at, count), count) for at, count in shapes.plain))
+            self._spans[part.key] = spans
+        return spans
 
     # ------------------------------------------------------------------ the reduce-scatter forms
 

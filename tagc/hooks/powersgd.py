@@ -250,6 +250,24 @@ class PowerSGDCodec(Codec):
             self.qs[name] = torch.where(ok, q / world, self.qs.get(name, q_used))
         return approx
 
+    def average_into(self, name: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor,
+                     world: int, out: torch.Tensor, stats: ExchangeStats) -> None:
+        """:meth:`approximate` for an all-reduce where every rank needs the whole average: ``out`` (float32, ``m``'s
+        shape, e.g. the matrix's place in a DDP bucket) receives the averaged approximation ``p q^T / world``, and
+        the residual is ``m - out`` (the same bits as :meth:`approximate`'s ``m - p q^T / world``). Written in place:
+        the product into ``out``, the residual into ``m``'s memory (``m`` is this step's own copy; it becomes the
+        residual), so no matrix-sized temporary is made. Non-finite summed ``q``: residual and ``Q`` as they were."""
+        torch.matmul(p, q.T, out=out)
+        out.div_(world)
+        ok = finite(q)  # the summed Q: the same on every rank
+        stats.count_nonfinite(ok)
+        old = self.residuals.get(name)
+        m.sub_(out)
+        kept = torch.where(ok, m, old if old is not None else m.new_zeros(()), out=m)
+        self.residuals[name] = kept.to(self.residual_dtype)
+        if self.warm_start:
+            self.qs[name] = torch.where(ok, q / world, self.qs.get(name, q_used))
+
     def _plain_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
         """The shape-less columns ride in the reduce dtype, or in bf16 with ``value_dtype="bfloat16"``."""
         return reduce_dtype if self.value_dtype == torch.float32 else self.value_dtype
