@@ -85,7 +85,7 @@ from backward_drain import BackwardDrain, current_graph_task
 from tagc.hooks import nonfinite
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
-from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
+from tagc.hooks.powersgd import PowerSGDCodec, left_times, orthonormal, right_times
 from tagc.hooks.replicas import (
     GatheredWires,
     PendingAllReduce,
@@ -558,7 +558,8 @@ class DDPHookState:
                     m.add_(residual)
             ms.append(m)
             qs.append(orthonormal(codec._q(name, mat, device)))
-        p_flat = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)]) if ms else buffer.new_zeros(0).float()
+        p_flat = (torch.cat([right_times(m, q).reshape(-1) for m, q in zip(ms, qs)]) if ms
+                  else buffer.new_zeros(0).float())
         uncompressed = [buffer[at : at + count] for at, count in columns_at]
         first = _Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
                            *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
@@ -573,7 +574,7 @@ class DDPHookState:
             flight.waited_s += time.perf_counter() - begin
             summed_ps = first.summed(0).split(shapes.p_sizes)
             ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
-            second = (torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps)]) if ms
+            second = (torch.cat([left_times(m, p).reshape(-1) for m, p in zip(ms, ps)]) if ms
                       else p_flat.new_zeros(0)).to(dtypes.values)
             launched = [*summed_first[1:], self._all_reduce(second, stats)]
 

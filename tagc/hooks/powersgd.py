@@ -104,6 +104,19 @@ def orthonormal(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix.float()).Q
 
 
+def right_times(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``m @ q`` for a factor ``q`` of few columns (``P = M Q``), formed as ``(q^T m^T)^T``: CPU BLAS is faster with
+    the thin factor on the left (its kernels for a thin right-hand operand are not tuned for it); the same sums in
+    another order, so equal up to float32 rounding."""
+    return (q.T @ m.T).T
+
+
+def left_times(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``m^T @ p`` for a factor ``p`` of few columns (``Q = M^T P``), formed as ``(p^T m)^T``: CPU BLAS is much slower
+    with the transposed ``m`` on the left (as :func:`right_times`); equal up to float32 rounding."""
+    return (p.T @ m).T
+
+
 def _owner_rows(flat: torch.Tensor, world: int) -> torch.Tensor:
     """``flat`` zero-padded and cut into ``world`` rows: row ``j`` is the slice rank ``j`` sums."""
     columns = -(-flat.numel() // world)
