@@ -281,12 +281,11 @@ class EF21Codec(Codec):
         if (key, me) not in self._columns:
             layout = self.inner._layouts[key]
             count = len(layout.matrices)
-            matrix = torch.full((numel,), count, dtype=torch.int64)
+            matrix = torch.full((numel,), count, dtype=torch.int64, device=device)
             for index, mat in enumerate(layout.matrices):
                 low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
                 if high > low:
                     matrix[mat.start : mat.start + high - low] = index
-            matrix = matrix.to(device)
             self._columns[(key, me)] = (matrix, matrix < count)
         return self._columns[(key, me)]
 
