@@ -254,13 +254,7 @@ class PowerSGDCodec(Codec):
         hook's rule) and ``q / world`` as the next warm start, both as they were when ``q`` is not finite
         (counted in ``stats.nonfinite_parts``)."""
         approx = p @ q.T
-        ok = finite(q)  # the summed Q: the same on every rank
-        stats.count_nonfinite(ok)
-        old = self.residuals.get(name)
-        kept = torch.where(ok, m - approx / world, old if old is not None else 0.0)
-        self.residuals[name] = kept.to(self.residual_dtype)
-        if self.warm_start:
-            self.qs[name] = torch.where(ok, q / world, self.qs.get(name, q_used))
+        self._keep(name, m - approx / world, q, q_used, world, stats)
         return approx
 
     def average_into(self, name: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor,
@@ -272,11 +266,17 @@ class PowerSGDCodec(Codec):
         residual), so no matrix-sized temporary is made. Non-finite summed ``q``: residual and ``Q`` as they were."""
         torch.matmul(p, q.T, out=out)
         out.div_(world)
-        ok = finite(q)  # the summed Q: the same on every rank
+        self._keep(name, m.sub_(out), q, q_used, world, stats, out=m)
+
+    def _keep(self, name: str, residual: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor, world: int,
+              stats: ExchangeStats, out: torch.Tensor | None = None) -> None:
+        """Keep ``residual`` as matrix ``name``'s residual and ``q / world`` as its next warm start; both as they
+        were where the summed ``q`` (the same on every rank) is not finite, counted in ``stats.nonfinite_parts``.
+        ``out``: where the kept residual is written (``residual``'s own memory, to make no temporary)."""
+        ok = finite(q)
         stats.count_nonfinite(ok)
         old = self.residuals.get(name)
-        m.sub_(out)
-        kept = torch.where(ok, m, old if old is not None else m.new_zeros(()), out=m)
+        kept = torch.where(ok, residual, old if old is not None else residual.new_zeros(()), out=out)
         self.residuals[name] = kept.to(self.residual_dtype)
         if self.warm_start:
             self.qs[name] = torch.where(ok, q / world, self.qs.get(name, q_used))
