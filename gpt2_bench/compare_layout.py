@@ -31,7 +31,7 @@ from gpt2_bench.compare_figures import LOSS_TOLERANCE, add_method_columns, winne
 from gpt2_bench.compare_report import format_methods_table, format_param_gather, format_share_arithmetic
 from gpt2_bench.compare_rows import Loss, Row, losses_of, read_json, write_rows
 from gpt2_bench.compare_runs import RUN_ATTEMPTS, pooled_median, quality_runs
-from gpt2_bench.config import TrainConfig
+from gpt2_bench.config import TrainConfig, param_gather
 from gpt2_bench.launch import run, scaled_link
 from gpt2_bench.methods import (
     FLAT_PEER,
@@ -79,12 +79,6 @@ def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_met
             iter_ms=pooled_median([ms for result in results for ms in result["steady_iter_ms"]]),
             iter_ms_per_round=[result["iter_ms"] for result in results]))
     return rows, link_info
-
-
-def param_gather(cfg: TrainConfig) -> str | None:
-    """A run's parameter all-gather dtype for its row: ``fp32`` (the parameters' own), ``bf16`` or ``int8``;
-    ``None`` under DDP, which gathers no parameters."""
-    return None if cfg.integration == "ddp" else cfg.param_dtype or "fp32"
 
 
 def layout_quality(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str], steps: int,

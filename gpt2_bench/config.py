@@ -275,6 +275,12 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
 
+def param_gather(cfg: TrainConfig) -> str | None:
+    """A run's parameter all-gather dtype as reports give it: ``fp32`` (the parameters' own), ``bf16`` or ``int8``;
+    ``None`` under DDP, which gathers no parameters."""
+    return None if cfg.integration == "ddp" else cfg.param_dtype or "fp32"
+
+
 def library_dense_steps(codec: str, compression: str) -> int:
     """The dense warm-up ``tagc.hook(codec=codec)`` gives when ``dense_steps`` is not passed
     (:data:`tagc.hooks.engine.DENSE_STEPS` for a codec with error feedback, else 0); 0 for

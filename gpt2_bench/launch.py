@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from gpt2_bench.config import TrainConfig
+from gpt2_bench.config import TrainConfig, param_gather
 from gpt2_bench.host_bytes import COUNT_DEVICE_ENV, inter_host_bytes_per_step
 from testbed.hosts import EmulatedHosts
 from testbed.launch import Launch, RankFailed, torchrun_argv
@@ -44,7 +44,7 @@ def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "algorithm": "fsdp" if cfg.compression == "none" else cfg.codec,
         "codec": None if cfg.compression == "none" else cfg.codec,
         "reduce_dtype": cfg.reduce_dtype,
-        "param_dtype": None if cfg.integration == "ddp" else (cfg.param_dtype or "fp32"),
+        "param_dtype": param_gather(cfg),
         "compressed": cfg.compression,
         "transport": cfg.transport,
         "ratio": cfg.ratio if cfg.compression != "none" else None,
