@@ -128,14 +128,33 @@ paper's 2 hosts with 1 GPU each), HSDP on 2 x 2. DDP drops the compare's ``param
 parameters); HSDP keeps it (its gathers within a host are FSDP's)."""
 
 
-def _torch_powersgd_methods() -> dict[str, dict]:
-    """``ddp-powersgd`` at rank 4 (Vogels et al.'s language model), and at our codec's rank where it differs."""
+HIGH_POWERSGD_RANK = 16
+"""The higher PowerSGD rank the DDP layout adds, ours and torch's alike: the rank whose val loss stayed
+within 1% of plain DDP's in the DDP quality runs, where rank 4 did not (``docs/layout.md``, "Loss under DDP")."""
+
+
+def _powersgd_ranks() -> tuple[int, ...]:
+    """Rank 4 (Vogels et al.'s language model, our default) and :data:`HIGH_POWERSGD_RANK`."""
     from tagc.hooks.powersgd import DEFAULT_RANK
 
-    ranks = dict.fromkeys((4, DEFAULT_RANK))
-    return {("ddp-powersgd" if rank == 4 else f"ddp-powersgd-r{rank}"):
+    return tuple(dict.fromkeys((4, DEFAULT_RANK, HIGH_POWERSGD_RANK)))
+
+
+def _rank_suffix(rank: int) -> str:
+    return "" if rank == 4 else f"-r{rank}"
+
+
+def _torch_powersgd_methods() -> dict[str, dict]:
+    """``ddp-powersgd`` (torch's ``powerSGD_hook``) at each of :func:`_powersgd_ranks`: ``ddp-powersgd-r16``."""
+    return {f"ddp-powersgd{_rank_suffix(rank)}":
             {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": rank}}
-            for rank in ranks}
+            for rank in _powersgd_ranks()}
+
+
+def _our_powersgd_ranks() -> dict[str, dict]:
+    """Our ``powersgd`` at the ranks other than 4, beside torch's at the same rank: ``powersgd-r16``."""
+    return {f"powersgd{_rank_suffix(rank)}": {**METHODS["powersgd"], "codec_options": {"rank": rank}}
+            for rank in _powersgd_ranks() if rank != 4}
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
@@ -148,7 +167,8 @@ LAYOUT_METHODS: dict[str, dict[str, dict]] = {
     "ddp": {"ddp": {"compression": "none", "transport": "gloo"},  # DDP's own fp32 all-reduce, no hook
             "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},  # torch's bf16_compress_hook
             **_torch_powersgd_methods(),  # torch's powerSGD_hook
-            **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},  # ours, through tagc.ddp_hook
+            **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()},  # ours, through tagc.ddp_hook
+            **_our_powersgd_ranks()},
     "hsdp": {"hsdp": METHODS["fsdp"], "hsdp-bf16": METHODS["fsdp-bf16"],
              **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},
 }

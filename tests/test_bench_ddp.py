@@ -237,3 +237,20 @@ def test_torch_powersgd_hook_on_gloo_issues_its_buckets_in_order():
         assert result["serialize"] and result["buckets"] > 1
         assert all(result["previous_done"])
     torch.testing.assert_close(results[0]["grads"], results[1]["grads"], rtol=0, atol=0)
+
+
+def test_ddp_layout_puts_ours_and_torchs_powersgd_side_by_side_at_each_rank():
+    from gpt2_bench.config import TrainConfig
+    from gpt2_bench.methods import HIGH_POWERSGD_RANK, layout_config
+
+    high = f"-r{HIGH_POWERSGD_RANK}"
+    pairs = {4: ("powersgd", "ddp-powersgd"), HIGH_POWERSGD_RANK: ("powersgd" + high, "ddp-powersgd" + high)}
+    names = set()
+    for rank, (ours, torchs) in pairs.items():
+        mine, theirs = (layout_config(TrainConfig(preset="tiny"), "ddp", method) for method in (ours, torchs))
+        assert (mine.torch_hook, theirs.torch_hook) == (False, True)
+        assert mine.codec == theirs.codec == "powersgd"
+        assert mine.codec_options.get("rank", 4) == theirs.codec_options["rank"] == rank
+        assert mine.dense_steps == theirs.dense_steps
+        names |= {mine.name, theirs.name}
+    assert len(names) == 4  # no two runs share a log
