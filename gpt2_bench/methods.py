@@ -13,6 +13,7 @@ integration and fair overlapped transport, so only the gradient codec differs:
 * ``topk`` - TAGC's own selection and error feedback on the non-attention layers, the kept
   values sent as a list instead of a sketch (TAGC without its sketch);
 * ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
+  ``tagc-ef21`` - ``tagc-non-attn`` with EF21 error feedback (``feedback="ef21"``) in place of the classic;
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
   (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
   keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
@@ -54,6 +55,7 @@ METHODS: dict[str, dict] = {
     "powersgd": {"compression": "all", "codec": "powersgd"},
     "tagc-all": {"compression": "all", "codec": "tagc"},
     "tagc-non-attn": {"compression": "non-attn", "codec": "tagc"},
+    "tagc-ef21": {"compression": "non-attn", "codec": "tagc", "feedback": "ef21"},
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
@@ -95,7 +97,7 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
     fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False,
-              **settings}
+              "feedback": "classic", "feedback_momentum": 0.0, **settings}
     from tagc.hooks.codec_registry import spec
 
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up
@@ -157,7 +159,8 @@ def _our_powersgd_ranks() -> dict[str, dict]:
             for rank in _powersgd_ranks() if rank != 4}
 
 
-OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
+OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-lean": "tagc-lean",
+                    "topk-lean": "topk-lean", "int4": "int4",
                     "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""

@@ -395,3 +395,54 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
                 dict(feedback_momentum=0.5), dict(feedback="nope")):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
+
+
+def _ddp_sketch(rank, world, nan_step):
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
+    state = tagc.ddp_hook(model, codec="tagc", ratio=4, select="all", dense_steps=0, min_compress_numel=1,
+                          feedback="ef21")
+    model.register_comm_hook(*state)
+    codec = state[0].hook.codec
+    generator = torch.Generator().manual_seed(rank)
+    steps = []
+    for step in range(6):
+        x, y = torch.randn(16, 64, generator=generator), torch.randn(16, 48, generator=generator)
+        if step == nan_step and rank == 1:
+            x[0, 0] = float("nan")
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        state[0].end_step()
+        steps.append({"grads": [p.grad.clone() for p in model.parameters()],
+                      "shifts": {key: -r.clone().reshape(-1) for key, r in codec.residuals.items()},
+                      "sums": {key: h.clone() for key, h in codec.sums.items()}})
+    forms = {form for form, _ in state[0].forms().values()}
+    return steps, forms, state[0].stats()["total"]["nonfinite_parts"]
+
+
+@pytest.mark.slow  # DDP on 2 gloo ranks: ~6 s
+@pytest.mark.parametrize("nan_step", [None, 3])
+def test_ddp_sketch_form_keeps_every_rank_sum_the_sum_of_the_shifts(nan_step):
+    """TAGC's all-reduce form under EF21: every rank's ``H`` (replicated) is the sum over ranks of their shifts ``h_i``
+    at every step; a non-finite gradient on one rank leaves every shift and ``H`` as they were (that step NaN)."""
+    (steps0, forms0, nonfinite0), (steps1, forms1, _) = run_ranks(_ddp_sketch, 2, nan_step)
+    assert forms0 == forms1 == {"sketch"}
+    assert sum(bool(s["shifts"]) for s in steps0) >= 5
+    assert nonfinite0 == (0 if nan_step is None else len(steps0[-1]["sums"]))  # every part of the NaN step
+    for step, (mine, theirs) in enumerate(zip(steps0, steps1)):
+        assert mine["sums"].keys() == {key + "#ef21_sum" for key in mine["shifts"]}
+        for key, shift in mine["shifts"].items():
+            total = mine["sums"][key + "#ef21_sum"]
+            assert torch.equal(total, theirs["sums"][key + "#ef21_sum"])  # replicated, bit for bit
+            assert torch.allclose(total, shift + theirs["shifts"][key], rtol=1e-5, atol=1e-6), (step, key)
+            previous = steps0[step - 1]["shifts"].get(key) if step else None  # DDP's first iteration is its own
+            if previous is not None:
+                moved = (shift != previous).float().mean()
+                assert (moved == 0) if step == nan_step else (0 < moved < 0.6)  # sparse changes, none when NaN
+        for index, (a, b) in enumerate(zip(mine["grads"], theirs["grads"])):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+            assert a.isnan().all() == (step == nan_step)
+            earlier = [s["grads"][index] for s in steps0[1:step] if not s["grads"][index].isnan().any()]
+            if earlier:  # H fills in: an element once sent keeps its value (classic error feedback's would be 0)
+                assert (a != 0).float().mean() >= (earlier[-1] != 0).float().mean()
+    assert min((g != 0).float().mean() for g in steps0[-1]["grads"]) > 0.35

@@ -15,7 +15,11 @@ names), :func:`ddp_comm_hook` the hook. Each bucket is reduced in one of four *f
   (sketches add); the 1-bit index is merged by ``all_reduce(BOR)`` on gloo (NCCL has no bitwise
   reduction: an all-gather and OR there), the 4-bit rank counts by ``all_reduce(SUM)`` of the
   packed nibbles (exact: at most 15 ranks, so no nibble carries). Every rank decodes the whole
-  bucket. PowerSGD (``plain`` ``"fp32"`` or ``"bf16"``) likewise, as torch's ``powerSGD_hook``
+  bucket. TAGC under EF21 (``feedback="ef21"``) too: each rank compresses its change ``g - h_i``, every rank adds
+  the decoded sum of the changes to its copy of ``H`` (the whole bucket: ``H`` is replicated) and hands DDP
+  ``H / N``. A part whose summed table is not finite (a rank's gradient was) leaves every shift and ``H`` as
+  they were: the summed table cannot tell which rank's change was finite, so every rank takes its own back.
+  PowerSGD (``plain`` ``"fp32"`` or ``"bf16"``) likewise, as torch's ``powerSGD_hook``
   does: ``P`` with the uncompressed columns in one ``all_reduce``, then ``Q``; every rank forms
   ``P Q^T`` itself. Each travels in its own dtype and is summed in it, as torch's
   ``bf16_compress_hook`` sums in bf16: ``P``, ``Q`` and the codec's shape-less columns in its
@@ -83,8 +87,9 @@ from torch import nn
 
 from backward_drain import BackwardDrain, current_graph_task
 from tagc.hooks import nonfinite
-from tagc.hooks.codecs import TAGCCodec
+from tagc.hooks.codecs import TAGCCodec, finite
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
+from tagc.hooks.feedback import SUM, EF21Codec
 from tagc.hooks.powersgd import PowerSGDCodec, left_times, orthonormal, right_times
 from tagc.hooks.replicas import (
     GatheredWires,
@@ -387,13 +392,14 @@ class DDPHookState:
             return None
         plain = sum(p.numel for p in plan.parts if p.codec is hook.plain)
         compressed = [p for p in plan.parts if p.codec is not hook.plain]
-        if all(isinstance(p.codec, TAGCCodec) for p in compressed):
-            if hook.plain_name != "fp32" or any(p.codec.positions != "bitmap" or p.codec.value_dtype != torch.float32
-                                                or p.codec.config.fallback != "estimate" for p in compressed):
+        sketched = [_sketched(p.codec) for p in compressed]
+        if all(isinstance(codec, TAGCCodec) for codec in sketched):
+            if hook.plain_name != "fp32" or any(codec.positions != "bitmap" or codec.value_dtype != torch.float32
+                                                or codec.config.fallback != "estimate" for codec in sketched):
                 return None
-            cells = sum(p.codec.layout(p.numel).table_numel for p in compressed)
-            index = sum(-(-p.numel * p.codec.config.index_bits // 8) for p in compressed)
-            gathered = self._index_gathered(compressed[0].codec.config.index_bits, device)
+            cells = sum(codec.layout(p.numel).table_numel for p, codec in zip(compressed, sketched))
+            index = sum(-(-p.numel * codec.config.index_bits // 8) for p, codec in zip(compressed, sketched))
+            gathered = self._index_gathered(sketched[0].config.index_bits, device)
             return ring(4 * (cells + plain), world) + ((world - 1) * index if gathered else ring(index, world))
         if all(isinstance(p.codec, PowerSGDCodec) for p in compressed) and len(compressed) == 1:
             codec = compressed[0].codec
@@ -443,25 +449,34 @@ class DDPHookState:
 
     def _tagc(self, flight: _Flight, buffer: torch.Tensor, parts: list[_Part], plain: list[_Part], world: int) -> None:
         """TAGC's all-reduce form: compress every part whole, launch the tables' sum and the indexes' merge; the
-        future decodes."""
+        future decodes. Under EF21 (an :class:`EF21Codec` around TAGC) a part compresses ``g - h_i`` (its residual
+        holds ``-h_i``; ``v_i - h_i`` with momentum), its residual becomes the next ``-h_i`` as
+        :meth:`EF21Codec.encode` leaves it, and the decoded sum is added to ``H`` (:meth:`_ef21_decoded`)."""
         device = buffer.device
         stats = flight.stats
-        indexes, tables = [], []
+        indexes, tables, shifts = [], [], []
         for part in parts:
-            codec: TAGCCodec = part.codec
+            ef21 = part.codec if isinstance(part.codec, EF21Codec) else None
+            codec: TAGCCodec = _sketched(part.codec)
             grad = buffer[part.index(device)].view(1, part.numel)
+            if ef21 is not None and ef21.momentum:
+                grad = ef21._average(grad, part.key)
             residual = codec.residual(part.key, grad)
+            before = residual.clone() if ef21 is not None else None
             ok, grad = nonfinite.zero_unless_finite(grad)
             cap, _ = codec._capacity(part.numel, world)
             index, table, held = nonfinite.compress_(ok, grad, residual, codec.config.density(world),
                                                      codec.layout(part.numel), codec.config.index_bits, cap)
+            if ef21 is not None:
+                residual.sub_(grad)  # -(h_i + sent): zero where the part is not finite, as EF21Codec.encode
+            shifts.append(None if ef21 is None else (ef21, residual, before))
             stats.overflow = stats.overflow + held
             indexes.append(index.reshape(-1))
             tables.append(table.reshape(-1).float())
         values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)
         self._release()
         launched = [self._all_reduce(values, stats)]
-        bits = parts[0].codec.config.index_bits
+        bits = _sketched(parts[0].codec).config.index_bits
         merge = self._merge_indexes(torch.cat(indexes), bits, stats, launched)
 
         def decode(_: torch.futures.Future) -> torch.Tensor:
@@ -474,13 +489,13 @@ class DDPHookState:
                 summed[part.index(device)] = values[at : at + part.numel]
                 at += part.numel
             index_at = 0
-            for part in parts:
-                codec = part.codec
-                layout = codec.layout(part.numel)
+            for part, shift in zip(parts, shifts):
+                layout = _sketched(part.codec).layout(part.numel)
                 table = values[at : at + layout.table_numel]
                 index_bytes = -(-part.numel * bits // 8)
                 union = merged[index_at : index_at + index_bytes]
-                summed[part.index(device)] = nonfinite.decode_(table, union, layout, bits, "estimate", stats)
+                decoded = nonfinite.decode_(table, union, layout, bits, "estimate", stats)
+                summed[part.index(device)] = decoded if shift is None else _ef21_decoded(part, decoded, *shift)
                 at += layout.table_numel
                 index_at += index_bytes
             scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
@@ -707,6 +722,24 @@ class _Summands:
         """Piece ``index`` of the summed tensors, as float32."""
         dtype, start, numel = self._slots[index]
         return self.flat[dtype][start : start + numel].float()
+
+
+def _sketched(codec):
+    """The codec whose sketch travels: TAGC itself, or the TAGC an :class:`EF21Codec` wraps."""
+    return codec.inner if isinstance(codec, EF21Codec) and isinstance(codec.inner, TAGCCodec) else codec
+
+
+def _ef21_decoded(part: _Part, decoded: torch.Tensor, ef21: EF21Codec, residual: torch.Tensor,
+                  before: torch.Tensor) -> torch.Tensor:
+    """EF21 in the all-reduce form: ``H`` (replicated: every rank decodes the whole part) plus the decoded sum of the
+    ranks' changes, returned. Where the summed table was not finite (``decoded`` all NaN), ``H`` stays and every
+    rank takes its change back (its residual, ``-h_i``, as ``before`` the encode), so ``H`` stays the sum of the
+    ``h_i``; the part comes out NaN, as the codecs' policy has it."""
+    ok = finite(decoded)
+    total = ef21._sum(part.key + SUM, part.numel, decoded.device)
+    total.add_(torch.where(ok, decoded, 0.0))
+    residual.copy_(torch.where(ok, residual, before))
+    return torch.where(ok, total, torch.nan)
 
 
 def _future_of(buffer: torch.Tensor) -> torch.futures.Future:

@@ -59,8 +59,9 @@ Caveats:
   was sent by about one float32 rounding of ``|g|`` per step, a random walk. A bf16 residual would
   drift 65,000 times faster, so ``feedback="ef21"`` needs ``residual_dtype=torch.float32``.
 * Memory: ``H`` adds the part's shard (``1 / N`` of the residual); momentum adds a residual's size.
-* DDP: the wrapped codec is not one of the classes DDP's all-reduce (``sketch``) form reduces
-  itself, so its buckets go ``rs+ag`` or ``gather`` (the engine's exchange), whose bytes differ.
+* DDP: TAGC under EF21 keeps DDP's all-reduce (``sketch``) form, where every rank keeps the whole
+  part's ``H`` (:mod:`tagc.hooks.ddp`); the other codecs' buckets go ``rs+ag`` or ``gather`` (the
+  engine's exchange), whose bytes differ from their classic all-reduce form's.
 * A staleness measure that reads the residual (steps since it was zero) does not apply: the
   residual is ``-h_i``, zero only where the shift is.
 """
