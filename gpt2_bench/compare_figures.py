@@ -46,7 +46,8 @@ def add_method_columns(rows: list[Row], rate_bps: int | None, quality: dict[str,
         row.bytes_model_ms = model_ms
     plain_loss = (quality[plain_method].val_loss if quality and plain_method in quality
                   else None if plain is None else plain.val_loss)
-    plain_steps = None if plain is None else plain.val_loss_steps
+    plain_steps = (quality[plain_method].steps if quality and plain_method in quality
+                   else None if plain is None else plain.val_loss_steps)
     for row in rows:
         comparable = plain_loss is not None and same_run_length(row, plain_steps)
         row.val_loss_delta = row.val_loss / plain_loss - 1 if comparable else None

@@ -182,11 +182,39 @@ def format_layout_verdict(rows: list[Row], layout: str) -> str:
     return "\n".join(lines)
 
 
+def timed_rows_from(path: str, layout: str, methods: Sequence[str], flat_methods: Sequence[str],
+                    share: float) -> tuple[list[Row], dict]:
+    """The rows of share ``share`` in an earlier layout compare's ``--json`` (the layout's ``methods`` and the flat
+    ``flat_methods`` it has) and their link, as :func:`time_layout` returns them; a missing method is a clear error."""
+    found = [row for row in read_json(path) if row.get("share") == share and row.get("iter_ms")]
+    by_layout = {which: {row["method"]: row for row in found if (row.get("layout") or "flat") == which}
+                 for which in (layout, "flat")}
+    missing = ([m for m in methods if m not in by_layout[layout]]
+               + [f"flat {m}" for m in flat_methods if m not in by_layout["flat"]])
+    if missing:
+        raise ValueError(f"--timed-from {path} has no rows for {', '.join(missing)} at share {share:g} "
+                         f"(it has {', '.join(by_layout[layout]) or 'none'} for {layout})")
+    rows = ([Row.from_json(by_layout[layout][m]) for m in methods]
+            + [Row.from_json(by_layout["flat"][m]) for m in flat_methods])
+    return rows, by_layout[layout][methods[0]].get("link_info") or {"rate": rows[0].link, "exchange_share": None}
+
+
+def _losses_only_from(rows: list[Row], losses: dict[str, Loss] | None) -> None:
+    """Where the losses come from quality runs, a row without one keeps its timed run's loss marked with that run's
+    length, so that it is never set against a quality run's loss (a gap of training, not of method)."""
+    if losses:
+        for row in rows:
+            if row.method not in losses and row.val_loss_steps is None:
+                row.val_loss_steps = row.steps
+
+
 def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str],
                   shares: Sequence[float], rounds: int, quality_steps: int, quality_dense_steps: int | None = None,
-                  loss_from: str | None = None, flat_from: str | None = None) -> tuple[list[Row], str]:
-    """Time the layout's methods and the flat ones at every share, set each against its own layout's
-    baselines; returns the rows and a Markdown report (also ``<out_dir>/layout-<layout>.md``)."""
+                  loss_from: str | None = None, flat_from: str | None = None,
+                  timed_from: str | None = None) -> tuple[list[Row], str]:
+    """Time the layout's methods and the flat ones at every share (or read them from ``timed_from``, an earlier
+    layout compare's ``--json``), set each against its own layout's baselines; returns the rows and a Markdown
+    report (also ``<out_dir>/layout-<layout>.md``)."""
     from gpt2_bench.data import prepare
 
     data_dir = str(prepare(base.dataset, base.cache_dir))
@@ -195,11 +223,19 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
     timed_flat = [] if flat_from else flat_methods
     rows, sections = [], []
     for share in shares:
-        share_rows, link_info = time_layout(base, layout, methods, timed_flat, share, rounds, data_dir)
+        share_rows, link_info = (timed_rows_from(timed_from, layout, methods, timed_flat, share) if timed_from else
+                                 time_layout(base, layout, methods, timed_flat, share, rounds, data_dir))
+        if timed_from:  # the header tells the timed runs' settings, not this command's defaults
+            first = share_rows[0]
+            base = dataclasses.replace(base, steps=first.steps or base.steps,
+                                       dense_steps=base.dense_steps if first.dense_steps is None else first.dense_steps)
+            rounds = first.rounds or rounds
         layout_rows = [row for row in share_rows if row.layout == layout]
         flat_rows = ([row for row in share_rows if row.layout == "flat"]
                      or flat_rows_from(flat_from, flat_methods, share, base.param_dtype))
         rate_bps = parse_rate(link_info["rate"])
+        _losses_only_from(layout_rows, quality.get(layout))
+        _losses_only_from(flat_rows, quality.get("flat"))
         add_method_columns(layout_rows, rate_bps, quality.get(layout), *LAYOUT_BASELINES[layout])
         add_method_columns(flat_rows, rate_bps, quality.get("flat"))
         rows += layout_rows + flat_rows
@@ -214,6 +250,7 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
             f"### Flat FSDP on the same hosts and link{timed_in}\n\n"
             f"{format_methods_table(flat_rows)}\n\n### Side by side: what the layout buys, what the codec buys\n\n"
             f"{format_beside(layout_rows, flat_rows, layout)}\n")
+    timed_source = f"The timed rows are read from {timed_from} (timed there, not again).\n\n" if timed_from else ""
     loss_source = (f"val loss from {loss_from}" if loss_from else
                    f"val loss from unshaped quality runs of {quality_steps} steps (the layout's on unshaped emulated "
                    f"hosts, the flat ones the flat compare's)" if quality_steps else
@@ -226,6 +263,7 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
               f"error-feedback codecs dense for the first {base.dense_steps} steps (torch's powerSGD_hook: "
               f"start_powerSGD_iter {max(2, base.dense_steps + 1)}). The link of a share is calibrated on the flat "
               f"plain step (gpt2_bench.launch.scaled_link); every host's link runs at it.\n\n"
+              f"{timed_source}"
               f"{format_param_gather(base.param_dtype, base.integration, layout)}\n\n"
               f"`layout buys`: the flat method's step over the layout's with the same codec. Bytes: this rank's per "
               f"step (the hook's count; DDP's own all-reduce and torch's hooks: gpt2_bench.layout_ddp's count).\n\n"
@@ -248,9 +286,9 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.hosts > 1 or args.nproc_per_host:
         parser.error(f"--layout {layout} sets its own hosts ({LAYOUT_FIELDS[layout]}): "
                      f"leave out --hosts/--nproc-per-host")
-    for flag in ("seeds", "timed_from"):
-        if getattr(args, flag):
-            parser.error(f"--{flag.replace('_', '-')} is not supported with --layout (the flat compare has it)")
+    if args.seeds:
+        parser.error("--seeds is not supported with --layout (the flat compare has it; or run the layout's quality "
+                     "runs with the trainer and give their mean with --loss-from)")
     if args.quality_only:
         parser.error("--quality-only is not supported with --layout")
     if args.loss_from and args.quality_steps:
@@ -272,8 +310,13 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
                 layout_config(base, which, method, link="none")
     except ValueError as error:
         parser.error(str(error))
-    rows, report = layout_report(base, layout, methods, flat_methods, shares, args.rounds, args.quality_steps,
-                                 args.quality_dense_steps, args.loss_from, args.flat_from)
+    try:
+        rows, report = layout_report(base, layout, methods, flat_methods, shares, args.rounds, args.quality_steps,
+                                     args.quality_dense_steps, args.loss_from, args.flat_from, args.timed_from)
+    except ValueError as error:
+        if not args.timed_from:
+            raise
+        parser.error(str(error))
     print(report)
     if args.json:
         write_rows(rows, args.json)

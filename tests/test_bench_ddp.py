@@ -254,3 +254,41 @@ def test_ddp_layout_puts_ours_and_torchs_powersgd_side_by_side_at_each_rank():
         assert mine.dense_steps == theirs.dense_steps
         names |= {mine.name, theirs.name}
     assert len(names) == 4  # no two runs share a log
+
+
+def test_a_layout_report_is_made_again_from_timed_rows_with_the_quality_runs_losses(tmp_path, monkeypatch):
+    """``--layout ddp --timed-from`` times nothing: the earlier rows, the losses of ``--loss-from`` (the mean of the
+    quality runs), and a row without a quality loss never counts for the verdict (its timed run's loss is marked
+    with that run's length)."""
+    from gpt2_bench import compare, compare_layout
+
+    def fail(*args, **kwargs):
+        raise AssertionError("--timed-from must not train or time")
+
+    monkeypatch.setattr(compare_layout, "time_layout", fail)
+    monkeypatch.setattr(compare_layout, "run", fail)
+    monkeypatch.setattr("gpt2_bench.data.prepare", lambda *args, **kwargs: tmp_path)
+    timed = [{"method": m, "layout": layout, "algorithm": m, "compressed": "all", "iter_ms": t, "n_params": 10,
+              "wire_bytes_per_step": 8, "val_loss": 9.1, "share": 0.9, "link": "86.5mbit", "rounds": 2, "steps": 10,
+              "preset": "small", "dense_steps": 2,
+              "link_info": {"rate": "86.5mbit", "exchange_share": None}}
+             for layout, m, t in [("ddp", "ddp-bf16", 7000.0), ("ddp", "powersgd", 1400.0),
+                                  ("ddp", "powersgd-r16", 1800.0), ("flat", "fsdp-bf16", 9000.0)]]
+    (tmp_path / "timed.json").write_text(json.dumps(timed))
+    losses = [{"layout": "ddp", "method": m, "val_loss": v, "val_loss_steps": 600, "preset": "small"}
+              for m, v in [("ddp", 6.16), ("powersgd-r16", 6.20)]]
+    (tmp_path / "losses.json").write_text(json.dumps(losses))
+    out = tmp_path / "out"
+    args = ["--layout", "ddp", "--preset", "small", "--shares", "0.9", "--methods", "ddp-bf16,powersgd,powersgd-r16",
+            "--flat-methods", "fsdp-bf16", "--timed-from", str(tmp_path / "timed.json"),
+            "--loss-from", str(tmp_path / "losses.json"), "--out-dir", str(out), "--json", str(out / "rows.json")]
+    assert compare.main(args) == 0
+    text = (out / "layout-ddp.md").read_text()
+    assert "Fastest within 1% of ddp's val loss: **powersgd-r16**" in text and "3.89x over ddp-bf16" in text
+    assert "9.1000 (10 steps) | - |" in text  # powersgd: faster, but no quality loss, so not the winner
+    assert "timed runs of 10 steps, 2 round(s)" in text and "dense for the first 2 steps" in text
+    rows = {r["method"]: r for r in json.loads((out / "rows.json").read_text())}
+    assert rows["powersgd-r16"]["val_loss_delta"] == pytest.approx(6.20 / 6.16 - 1)
+    assert rows["powersgd"]["val_loss_delta"] is None
+    with pytest.raises(SystemExit):  # a method the timed rows do not have: a clear error
+        compare.main([*args[:6], "ddp-bf16,int4", *args[7:]])
