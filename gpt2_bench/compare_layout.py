@@ -46,7 +46,9 @@ from testbed.link import parse_rate
 
 SPEEDUP_TARGET = 3.0
 """Issue 38's target: the fastest method within 1% of the layout's plain val loss, this many times
-faster per step than torch's DDP + ``bf16_compress_hook`` at share 0.9."""
+faster per step than torch's DDP + ``bf16_compress_hook`` at share :data:`TARGET_SHARE`."""
+TARGET_SHARE = 0.9
+"""The share the target is set at (the verdict of another share names no target)."""
 
 
 def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_methods: Sequence[str], share: float,
@@ -161,9 +163,11 @@ def format_layout_verdict(rows: list[Row], layout: str) -> str:
         over = bf16.iter_ms / best.iter_ms if bf16 else None
         lines.append(f"- Fastest within {LOSS_TOLERANCE:.0%} of {plain}'s val loss: **{best.method}** "
                      f"({best.iter_ms:.0f} ms, val loss {100 * best.val_loss_delta:+.2f}%)"
-                     + (f": {over:.2f}x over {bf16_name} (target {SPEEDUP_TARGET:g}x: "
-                        f"{'met' if over >= SPEEDUP_TARGET else 'not met'})" if over else "") + ".")
-    for name in ("tagc", "tagc-lean"):
+                     + (f": {over:.2f}x over {bf16_name}" if over else "")
+                     + (f" (target {SPEEDUP_TARGET:g}x at share {TARGET_SHARE:g}: "
+                        f"{'met' if over >= SPEEDUP_TARGET else 'not met'})"
+                        if over and best.share in (None, TARGET_SHARE) else "") + ".")
+    for name in ("tagc", "tagc-ef21", "tagc-lean"):
         row = by_method.get(name)
         if row is None:
             continue

@@ -190,7 +190,10 @@ def test_layout_verdict_names_the_fastest_within_the_loss_target_and_says_when_l
     scored = [_layout_row("ddp", 900.0, 0.0), _layout_row("ddp-bf16", 600.0, 0.002),
               _layout_row("powersgd-lean", 150.0, 0.02), _layout_row("int4", 200.0, 0.008)]
     verdict = format_layout_verdict(scored, "ddp")
-    assert "**int4**" in verdict and "3.00x over ddp-bf16" in verdict and "target 3x: met" in verdict
+    assert "**int4**" in verdict and "3.00x over ddp-bf16" in verdict and "target 3x at share 0.9: met" in verdict
+    for row in scored:
+        row.share = 0.31
+    assert "target" not in format_layout_verdict(scored, "ddp")  # the target is set at share 0.9
 
 
 def test_flat_methods_choose_the_flat_rows_and_belong_to_a_layout():
