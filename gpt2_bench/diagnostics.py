@@ -17,7 +17,9 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   when its residual is exactly zero after it: the sparsifying codecs (``tagc``, ``topk`` on
   their default float32 wire) zero what they send. Codecs that feed back a rounding error
   (the lean wires, ``sign``, ``int4``) or a low-rank one (``powersgd``) leave no zeros, so
-  their ages only grow and say nothing.
+  their ages only grow and say nothing. Under EF21 (``feedback="ef21"``) the residual holds
+  ``-h_i``, the rank's shift, and an element counts as sent when its residual changed in the
+  step (its shift moved by what was sent).
 
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
 are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
@@ -90,10 +92,13 @@ def _local(tensor):
 
 
 class StaleAges:
-    """Steps since each element of the codec's residuals was last sent (residual exactly zero)."""
+    """Steps since each element of the codec's residuals was last sent: its residual exactly zero after the step
+    (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift)."""
 
-    def __init__(self) -> None:
+    def __init__(self, changed: bool = False) -> None:
         self.ages: dict[tuple[str, int], Any] = {}
+        self.changed = changed
+        self.previous: dict[tuple[str, int], Any] = {}  # changed=True: each residual as the last step left it
 
     def update(self, residuals: dict) -> Any:
         """Advance every age by one step, zero those sent, and return the counts per bin
@@ -109,13 +114,23 @@ class StaleAges:
                     age = self.ages[(key, index)] = torch.zeros(
                         residual.shape, dtype=torch.int32, device=residual.device
                     )
-                age.add_(1).masked_fill_(residual == 0, 0)
+                age.add_(1).masked_fill_(self._sent((key, index), residual), 0)
                 if edges is None:
                     edges = torch.tensor(AGE_EDGES, dtype=torch.int32, device=age.device)
                     counts = torch.zeros(len(AGE_LABELS), dtype=torch.float64, device=age.device)
                 bins = torch.bucketize(age.reshape(-1), edges, right=True)
                 counts += torch.bincount(bins, minlength=len(AGE_LABELS)).to(torch.float64)
         return counts if counts is not None else torch.zeros(len(AGE_LABELS), dtype=torch.float64)
+
+
+    def _sent(self, key: tuple[str, int], residual: Any) -> Any:
+        if not self.changed:
+            return residual == 0
+        before = self.previous.get(key)
+        self.previous[key] = residual.detach().clone()
+        if before is None or before.shape != residual.shape:
+            return residual != 0  # the first step: a shift that is not zero moved from h = 0
+        return residual != before
 
 
 def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, qs: Sequence[float]) -> list[float]:
@@ -160,7 +175,7 @@ class StepDiagnostics:
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("diagnostics found no trainable parameters")
-        self.ages = StaleAges()
+        self.ages = StaleAges(changed=getattr(getattr(hook, "codec", None), "feedback", "classic") == "ef21")
         self._before: list = []
         self.log = open(path, "a" if header is None else "w") if path else None  # noqa: SIM115 - closed by close()
         if self.log is not None and header is not None:

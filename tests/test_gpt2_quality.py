@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import tagc
 from gpt2_bench import compare, compare_paper, compare_runs, diagnostics, quality
 from gpt2_bench.config import TrainConfig, build_parser, config_from_args
 
@@ -149,6 +150,29 @@ def test_ages_count_steps_since_the_residual_was_last_zero():
     assert ages.ages[("unit", 0)].tolist() == [[0, 2, 4, 3]]  # element 2 never sent: one more each step
     # bins 0, 1, 2-3, 4-7, ...
     assert counts.tolist()[:4] == [1.0, 0.0, 2.0, 1.0] and sum(counts.tolist()) == 4
+
+
+def test_under_ef21_an_element_counts_as_sent_when_its_shift_moved():
+    """EF21's residual is ``-h_i``: zero only where the shift is, so an element is sent when its residual changed."""
+    ages = diagnostics.StaleAges(changed=True)
+    sequence = [
+        torch.tensor([[0.0, -1.0, 0.0, 0.0]]),  # from h = 0: element 1 sent
+        torch.tensor([[-2.0, -1.0, 0.0, 0.0]]),  # element 0 sent
+        torch.tensor([[-2.0, -1.5, 0.0, 0.0]]),  # element 1 sent again
+        torch.tensor([[-2.0, -1.5, 0.0, -3.0]]),  # element 3 sent
+    ]
+    for residual in sequence:
+        ages.update({"unit": [residual]})
+    assert ages.ages[("unit", 0)].tolist() == [[2, 1, 4, 0]]  # element 2 never sent; its residual stays 0
+    classic = diagnostics.StaleAges()
+    for residual in sequence:
+        classic.update({"unit": [residual]})
+    assert classic.ages[("unit", 0)].tolist() == [[3, 4, 0, 1]]  # zeros read as sent: wrong for EF21
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for feedback in ("ef21", "classic"):  # the trainer's diagnostics read the hook's feedback
+        step = diagnostics.StepDiagnostics(model, optimizer, tagc.hook(feedback=feedback), None, "all", 1.0)
+        assert step.ages.changed == (feedback == "ef21")
 
 
 def test_quantiles_from_a_histogram_match_the_values_to_a_bin():
