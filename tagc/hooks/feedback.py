@@ -62,8 +62,9 @@ Caveats:
 * DDP: TAGC under EF21 keeps DDP's all-reduce (``sketch``) form, where every rank keeps the whole
   part's ``H`` (:mod:`tagc.hooks.ddp`); the other codecs' buckets go ``rs+ag`` or ``gather`` (the
   engine's exchange), whose bytes differ from their classic all-reduce form's.
-* A staleness measure that reads the residual (steps since it was zero) does not apply: the
-  residual is ``-h_i``, zero only where the shift is.
+* A staleness measure that reads the residual cannot count a zero as "sent": the residual is
+  ``-h_i``, zero only where the shift is. An element was sent when its residual changed
+  (``gpt2_bench.diagnostics.StaleAges(changed=True)``, which the trainer's diagnostics pick under EF21).
 """
 
 from __future__ import annotations
