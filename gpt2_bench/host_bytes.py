@@ -98,6 +98,17 @@ bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``b
 HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10."""
 
 
+def _int8_gather_bytes() -> float:
+    from fsdp_integration.quantized_gather import DEFAULT_BLOCK
+
+    return 1 + 4 / DEFAULT_BLOCK  # the int8 code, and a float32 scale per block
+
+
+PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": _int8_gather_bytes()}
+"""Bytes per element of flat FSDP's parameter all-gathers, by their dtype (``int8``: SimpleFSDP's blockwise
+gather, :mod:`fsdp_integration.quantized_gather`)."""
+
+
 def _ring(nbytes: float, world: int) -> float:
     """A ring all-reduce's bytes per participant: ``2 (N-1)/N`` of them."""
     return 2 * (world - 1) * nbytes / world
@@ -181,11 +192,11 @@ def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_
 
 def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compression: dict, ranks_per_host: int = 8,
                    ratio: float = 10.0, rank: int = 4, backend: str = "nccl",
-                   param_bytes: int = 4) -> tuple[float, str]:
+                   param_bytes: float = 4) -> tuple[float, str]:
     """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts.
 
     * ``flat``: FSDP sharded over every rank (1 rank per host): two parameter all-gathers (forward and
-      backward, ``param_bytes`` per element) ``2 (H-1)/H n s``, and the compressed reduce-scatter:
+      backward, ``param_bytes`` per element, :data:`PARAM_BYTES`) ``2 (H-1)/H n s``, and the compressed reduce-scatter:
       ``(H-1)`` rank rows of each parameter's ``ceil(numel/H)``-element piece in its codec's wire
       (PowerSGD: its two all-reduces of ``P`` and ``Q`` as reduce-scatter + all-gather rounds);
     * ``ddp``: DDP, 1 rank per host, only the gradient crosses, in the fewest bytes of the forms
@@ -274,7 +285,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
 
 
 def arithmetic_rows(preset: str = "gpt2", hosts: Sequence[int] = HOST_COUNTS, layouts: Sequence[str] = LAYOUT_NAMES,
-                    ranks_per_host: int = 8, backend: str = "nccl", param_bytes: int = 4,
+                    ranks_per_host: int = 8, backend: str = "nccl", param_bytes: float = 4,
                     block_size: int | None = None, min_compress_numel: int = 65536) -> list[dict]:
     """One row per layout and method: bytes per host and step at each host count, and the form."""
     parts = {c: model_parts(preset, c, min_compress_numel, block_size) for c in ("none", "all", "non-attn")}
@@ -326,13 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks-per-host", type=int, default=8, help="HSDP: GPUs per host (default 8)")
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                         help="how TAGC's 1-bit index merges in DDP: nccl all-gathers it, gloo ORs it in an all-reduce")
-    parser.add_argument("--param-bytes", type=int, default=4, choices=(2, 4),
-                        help="flat FSDP's parameter all-gathers: 4 (fp32) or 2 (bf16)")
+    parser.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_BYTES),
+                        help="flat FSDP's parameter all-gathers: fp32 (default), bf16, or int8 (SimpleFSDP's blockwise "
+                             "int8 gather: a float32 scale per block)")
     args = parser.parse_args(argv)
     hosts = [int(h) for h in args.hosts.split(",")]
     layouts = LAYOUT_NAMES if args.layout == "all" else (args.layout,)
-    rows = arithmetic_rows(args.preset, hosts, layouts, args.ranks_per_host, args.backend, args.param_bytes)
-    print(f"Preset `{args.preset}`, index merge on {args.backend}, flat parameter gathers at {args.param_bytes} bytes, "
+    param_bytes = PARAM_BYTES[args.param_dtype]
+    rows = arithmetic_rows(args.preset, hosts, layouts, args.ranks_per_host, args.backend, param_bytes)
+    print(f"Preset `{args.preset}`, index merge on {args.backend}, flat parameter gathers in {args.param_dtype} "
+          f"({param_bytes:g} bytes per element), "
           f"HSDP with {args.ranks_per_host} ranks per host.\n")
     print(format_arithmetic(rows, hosts))
     return 0
