@@ -29,6 +29,7 @@ def test_hsdp_tagc_on_two_hosts_sends_what_the_hook_counts_and_matches_hierarchi
     assert hsdp["val_loss"] == pytest.approx(hierarchical["val_loss"], rel=1e-3)
 
 
+@pytest.mark.slow  # ~7 s: 4 ranks on 2 emulated hosts
 @needs_netns
 def test_a_short_hsdp_run_on_two_emulated_hosts_sends_what_the_hook_counts(tmp_path):
     """The CI case: 2 hosts x 1 rank, tiny preset, 3 steps, FSDP2 HSDP with TAGC across hosts. Only the

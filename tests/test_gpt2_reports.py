@@ -152,6 +152,7 @@ def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
     assert (tmp_path / "methods.md").read_text().count("| int4 |") == 1 and (tmp_path / "pareto.png").exists()
 
 
+@pytest.mark.slow  # ~6 s: two short training runs
 def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypatch):
     """A finished quality run is reused, not trained again; changed settings train again."""
     from tests.test_gpt2_train import bbc_ready

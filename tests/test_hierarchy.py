@@ -402,7 +402,7 @@ def _simple(rank, world, compiled):
     }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_simple_fsdp_hierarchical_equals_the_reference(compiled):
     for result in run_ranks(_simple, WORLD, compiled, timeout_s=300):
         eager, hooked = result["stats"]

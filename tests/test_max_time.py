@@ -37,6 +37,7 @@ def _stop_after_one_step(tmp_path, checkpoints):
     return run(_config(tmp_path, "stopped", max_time_s=1e-6, checkpoint_dir=str(checkpoints), checkpoint_every=100))
 
 
+@pytest.mark.slow  # ~6 s: a training launch
 @NEEDS_ASSETS
 def test_max_time_stops_cleanly_after_a_checkpoint(tmp_path):
     from gpt2_bench.checkpoint import latest

@@ -157,6 +157,7 @@ def _slow_link(rank, world, overlap):
     return backward_s, hook.stats()["units"], len(units(model))
 
 
+@pytest.mark.slow  # ~8 s; the compiled exchange against the overlapped eager one stays in the default suite
 def test_backward_computes_while_the_exchange_is_in_flight():
     (overlapped, units_on, n_units), _ = run_ranks(_slow_link, 2, True, timeout_s=120)
     (blocking, units_off, _), _ = run_ranks(_slow_link, 2, False, timeout_s=120)

@@ -167,6 +167,7 @@ def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard,
     assert result["backward_reduce_scatters"] == (0 if hooked else blocks + 1)
 
 
+@pytest.mark.slow  # ~6 s: the compiled traces; the eager exchange of these settings is checked in the default suite
 def test_data_dependent_settings_compile_to_one_opaque_exchange_per_block():
     result = run_ranks(_collectives, 2, True, True, {"fallback": "raw"}, timeout_s=300)[0]
     assert result["opaque"] == GPTConfig.preset("tiny").n_layer + 1
@@ -189,6 +190,7 @@ def _across_the_warmup(rank, world):
     return [(count(g, "tagc.reduce_scatter.default"), count(g, "tagc.encode.default")) for g in graphs["backward"]]
 
 
+@pytest.mark.slow  # ~10 s: two compiled graphs (the warm-up's and the traced one)
 def test_a_model_compiled_during_the_warmup_traces_the_exchange_after_it():
     units = GPTConfig.preset("tiny").n_layer + 1
     # the warm-up's graph: one opaque exchange per unit; then one recompile, with the traced halves
@@ -273,7 +275,7 @@ def _hooked_matches_fsdp2(rank, world, compiled):
     return errors, simple_hook.stats()["total"], fsdp2_hook.stats()["total"]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_tagc_gradients_equal_fsdp2_with_the_same_hook(compiled):
     errors, simple_stats, fsdp2_stats = run_ranks(_hooked_matches_fsdp2, 2, compiled, timeout_s=300)[0]
     assert max(errors) < 1e-6
