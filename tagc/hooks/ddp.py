@@ -87,7 +87,7 @@ from torch import nn
 
 from backward_drain import BackwardDrain, current_graph_task
 from tagc.hooks import nonfinite
-from tagc.hooks.codecs import TAGCCodec, finite
+from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
 from tagc.hooks.feedback import SUM, EF21Codec
 from tagc.hooks.powersgd import PowerSGDCodec, left_times, orthonormal, right_times
@@ -451,16 +451,16 @@ class DDPHookState:
         """TAGC's all-reduce form: compress every part whole, launch the tables' sum and the indexes' merge; the
         future decodes. Under EF21 (an :class:`EF21Codec` around TAGC) a part compresses ``g - h_i`` (its residual
         holds ``-h_i``; ``v_i - h_i`` with momentum), its residual becomes the next ``-h_i`` as
-        :meth:`EF21Codec.encode` leaves it, and the decoded sum is added to ``H`` (:meth:`_ef21_decoded`)."""
+        :meth:`EF21Codec.encode` leaves it, and the decoded sum is added to ``H`` (:func:`_ef21_decoded`)."""
         device = buffer.device
         stats = flight.stats
         indexes, tables, shifts = [], [], []
-        for part in parts:
+        codecs: list[TAGCCodec] = [_sketched(part.codec) for part in parts]
+        for part, codec in zip(parts, codecs):
             ef21 = part.codec if isinstance(part.codec, EF21Codec) else None
-            codec: TAGCCodec = _sketched(part.codec)
             grad = buffer[part.index(device)].view(1, part.numel)
-            if ef21 is not None and ef21.momentum:
-                grad = ef21._average(grad, part.key)
+            if ef21 is not None:
+                grad = ef21.feed(grad, part.key)
             residual = codec.residual(part.key, grad)
             before = residual.clone() if ef21 is not None else None
             ok, grad = nonfinite.zero_unless_finite(grad)
@@ -476,7 +476,7 @@ class DDPHookState:
         values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)
         self._release()
         launched = [self._all_reduce(values, stats)]
-        bits = _sketched(parts[0].codec).config.index_bits
+        bits = codecs[0].config.index_bits
         merge = self._merge_indexes(torch.cat(indexes), bits, stats, launched)
 
         def decode(_: torch.futures.Future) -> torch.Tensor:
@@ -489,8 +489,8 @@ class DDPHookState:
                 summed[part.index(device)] = values[at : at + part.numel]
                 at += part.numel
             index_at = 0
-            for part, shift in zip(parts, shifts):
-                layout = _sketched(part.codec).layout(part.numel)
+            for part, codec, shift in zip(parts, codecs, shifts):
+                layout = codec.layout(part.numel)
                 table = values[at : at + layout.table_numel]
                 index_bytes = -(-part.numel * bits // 8)
                 union = merged[index_at : index_at + index_bytes]
@@ -735,9 +735,7 @@ def _ef21_decoded(part: _Part, decoded: torch.Tensor, ef21: EF21Codec, residual:
     ranks' changes, returned. Where the summed table was not finite (``decoded`` all NaN), ``H`` stays and every
     rank takes its change back (its residual, ``-h_i``, as ``before`` the encode), so ``H`` stays the sum of the
     ``h_i``; the part comes out NaN, as the codecs' policy has it."""
-    ok = finite(decoded)
-    total = ef21._sum(part.key + SUM, part.numel, decoded.device)
-    total.add_(torch.where(ok, decoded, 0.0))
+    total, ok = ef21.add_decoded(part.key + SUM, part.numel, decoded)
     residual.copy_(torch.where(ok, residual, before))
     return torch.where(ok, total, torch.nan)
 

@@ -208,7 +208,7 @@ class EF21Codec(Codec):
 
     def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
         self._decodes[key] = 0
-        feed = self._average(grad, key) if self.momentum else grad
+        feed = self.feed(grad, key)
         wires = self.inner.encode(feed, key, group)
         if isinstance(self.inner, ResidualCodec):
             # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
@@ -218,6 +218,11 @@ class EF21Codec(Codec):
             if accumulated is not None:
                 accumulated.sub_(taken)
         return wires
+
+    def feed(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        """What part ``key`` compresses against its shift this step: the gradient, or with momentum the rank's
+        average ``v_i`` (:meth:`_average`). For an exchange that compresses the part itself (DDP's all-reduce form)."""
+        return self._average(grad, key) if self.momentum else grad
 
     def _average(self, grad: torch.Tensor, key: str) -> torch.Tensor:
         """EF21-SGDM: ``v = beta v + (1 - beta) g`` (the first: ``v = g``), kept where finite; returns what the
@@ -243,13 +248,18 @@ class EF21Codec(Codec):
         if isinstance(self.inner, PowerSGDCodec):
             return self._decode_powersgd(received, numel, key, group, stats, name)
         rows_ok, clean = _finite_rows(received)
-        summed = self.inner.decode(clean, numel, key, group, stats)
-        ok = finite(summed)
-        total = self._sum(name, numel, summed.device)
-        total.add_(torch.where(ok, summed, 0.0))  # the finite ranks' changes: what they added to their h_j
+        total, ok = self.add_decoded(name, numel, self.inner.decode(clean, numel, key, group, stats))
         ok = ok & rows_ok
         stats.count_nonfinite(ok)
         return torch.where(ok, total, torch.nan)
+
+    def add_decoded(self, name: str, numel: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``H`` (state entry ``name``) plus the decoded sum of the ranks' changes where it is finite (what the ranks
+        that sent finite values added to their ``h_j``); returns ``(H, ok)``, ``ok`` whether ``decoded`` is finite."""
+        ok = finite(decoded)
+        total = self._sum(name, numel, decoded.device)
+        total.add_(torch.where(ok, decoded, 0.0))
+        return total, ok
 
     def _sum(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         total = self.sums.get(name)
