@@ -186,6 +186,10 @@ def format_layout_verdict(rows: list[Row], layout: str) -> str:
     return "\n".join(lines)
 
 
+class MissingTimedRows(ValueError):
+    """``--timed-from``'s file lacks a row the command asks for (a usage error, reported as one)."""
+
+
 def timed_rows_from(path: str, layout: str, methods: Sequence[str], flat_methods: Sequence[str],
                     share: float) -> tuple[list[Row], dict]:
     """The rows of share ``share`` in an earlier layout compare's ``--json`` (the layout's ``methods`` and the flat
@@ -196,7 +200,7 @@ def timed_rows_from(path: str, layout: str, methods: Sequence[str], flat_methods
     missing = ([m for m in methods if m not in by_layout[layout]]
                + [f"flat {m}" for m in flat_methods if m not in by_layout["flat"]])
     if missing:
-        raise ValueError(f"--timed-from {path} has no rows for {', '.join(missing)} at share {share:g} "
+        raise MissingTimedRows(f"--timed-from {path} has no rows for {', '.join(missing)} at share {share:g} "
                          f"(it has {', '.join(by_layout[layout]) or 'none'} for {layout})")
     rows = ([Row.from_json(by_layout[layout][m]) for m in methods]
             + [Row.from_json(by_layout["flat"][m]) for m in flat_methods])
@@ -317,9 +321,7 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     try:
         rows, report = layout_report(base, layout, methods, flat_methods, shares, args.rounds, args.quality_steps,
                                      args.quality_dense_steps, args.loss_from, args.flat_from, args.timed_from)
-    except ValueError as error:
-        if not args.timed_from:
-            raise
+    except MissingTimedRows as error:
         parser.error(str(error))
     print(report)
     if args.json:
