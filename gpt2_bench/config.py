@@ -64,6 +64,9 @@ class TrainConfig:
     feedback_momentum: float = 0.0
     """``tagc.hook(feedback_momentum=...)``, with ``feedback="ef21"``: the beta of each rank's gradient average
     ``v = beta v + (1 - beta) g`` compressed instead of ``g`` (EF21-SGDM); 0: none."""
+    feedback_decay: float = 1.0
+    """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
+    (``h = gamma h + C(g - gamma h)``); 1: none."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -149,7 +152,7 @@ class TrainConfig:
             raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
         from tagc.hooks.feedback import check_feedback
 
-        check_feedback(self.feedback, self.feedback_momentum)
+        check_feedback(self.feedback, self.feedback_momentum, self.feedback_decay)
         if self.feedback != "classic":
             from tagc.hooks.codec_registry import error_feedback_codecs
 
@@ -263,6 +266,7 @@ class TrainConfig:
             algo += f"-ramp{self.ramp_steps}"
         if self.feedback != "classic":
             algo += f"-{self.feedback}" + (f"m{self.feedback_momentum:g}" if self.feedback_momentum else "")
+            algo += f"d{self.feedback_decay:g}" if self.feedback_decay != 1.0 else ""
         if self.embedding_ratio is not None:
             algo += f"-emb{self.embedding_ratio:g}"
         if self.torch_hook:
@@ -362,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
                         "(EF21-SGDM; 0, the default: none)")
+    p.add_argument("--feedback-decay", type=float, default=defaults.feedback_decay, metavar="GAMMA",
+                   help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
+                        "element that is not sent fades instead of holding its last value (1, the default: none)")
     p.add_argument(
         "--ramp-steps",
         type=int,

@@ -97,7 +97,7 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
     fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False,
-              "feedback": "classic", "feedback_momentum": 0.0, **settings}
+              "feedback": "classic", "feedback_momentum": 0.0, "feedback_decay": 1.0, **settings}
     from tagc.hooks.codec_registry import spec
 
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up

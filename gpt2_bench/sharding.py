@@ -55,6 +55,7 @@ def make_hook(cfg: TrainConfig):
         plain=cfg.plain,
         feedback=cfg.feedback,
         feedback_momentum=cfg.feedback_momentum,
+        feedback_decay=cfg.feedback_decay,
         **tagc_settings,
         **topology,
         **cfg.codec_options,

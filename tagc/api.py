@@ -36,6 +36,7 @@ def hook(
     side_stream: bool = True,
     feedback: str = "classic",
     feedback_momentum: float = 0.0,
+    feedback_decay: float = 1.0,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
@@ -102,6 +103,11 @@ def hook(
             Error-feedback codecs only, with ``residual_dtype=torch.float32``.
         feedback_momentum: with ``"ef21"``, the ``beta`` of each rank's running average of its gradient,
             compressed instead of the gradient (EF21-SGDM); 0 (default): none.
+        feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
+            by before each step's change is chosen against it: ``h = gamma h + C(g - gamma h)``. An element
+            that is not sent then fades toward zero instead of holding its last value, which AdamW would
+            otherwise turn into full-size steps in one direction for as long as it waits. 1 (default): EF21
+            as published.
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
@@ -113,7 +119,7 @@ def hook(
         ratio, index_bits, sparsity, codec=codec, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype,
         min_part=min_part, dense_steps=dense_steps, overlap=overlap, plain=plain, hierarchy=hierarchy,
         ranks_per_host=ranks_per_host, ramp_steps=ramp_steps, piece_bytes=piece_bytes, side_stream=side_stream,
-        feedback=feedback, feedback_momentum=feedback_momentum, **options)
+        feedback=feedback, feedback_momentum=feedback_momentum, feedback_decay=feedback_decay, **options)
     return TAGCHook(settings)
 
 

@@ -69,8 +69,8 @@ def _grad(rank: int, step: int, world: int, numel: int = CHUNK) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- bookkeeping
 
 
-def _bookkeeping(rank, world, codec, momentum, steps):
-    hook = _hook(codec, feedback_momentum=momentum)
+def _bookkeeping(rank, world, codec, momentum, steps, decay=1.0):
+    hook = _hook(codec, feedback_momentum=momentum, feedback_decay=decay)
     segments = [Segment("w", 0, CHUNK)]
     wires = _recording(hook)
     outs, grads, shifts = [], [], []
@@ -85,17 +85,20 @@ def _bookkeeping(rank, world, codec, momentum, steps):
     return outs, grads, shifts, sent, momenta
 
 
-@pytest.mark.parametrize("codec, momentum", [("topk", 0.0), ("tagc", 0.0), ("sign", 0.0),
-                                             pytest.param("topk", 0.5, marks=pytest.mark.slow)])
-def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec, momentum):
+@pytest.mark.parametrize("codec, momentum, decay", [("topk", 0.0, 1.0), ("tagc", 0.0, 1.0), ("sign", 0.0, 1.0),
+                                                    ("tagc", 0.0, 0.8), ("sign", 0.0, 0.8),
+                                                    pytest.param("topk", 0.5, 1.0, marks=pytest.mark.slow),
+                                                    pytest.param("topk", 0.5, 0.8, marks=pytest.mark.slow)])
+def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec, momentum, decay):
+    """With ``feedback_decay``, every shift and sum fades by ``decay`` before each step's change is added."""
     steps = 6
-    ranks = run_ranks(_bookkeeping, 2, codec, momentum, steps)
+    ranks = run_ranks(_bookkeeping, 2, codec, momentum, steps, decay)
     for rank, (_, grads, shifts, sent, momenta) in enumerate(ranks):
         total = torch.zeros_like(sent[0])
         averaged = None
         for step in range(steps):
-            total += sent[step]
-            # h_i is the sum of what rank i sent (to every owner), up to float32 rounding of (g - h) - g
+            total = total * decay + sent[step]
+            # h_i is the (faded) sum of what rank i sent (to every owner), up to float32 rounding of (g - h) - g
             assert torch.allclose(shifts[step], total, rtol=1e-5, atol=1e-5), (codec, rank, step)
             # what was sent is the codec's compression of (v or g) - h: where the shift moved, it is now v (or g)
             g = grads[step]
@@ -111,7 +114,7 @@ def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec
         expected = torch.zeros(CHUNK)
         for step in range(steps):
             decoded = sum(r[3][step][owner] for r in ranks)  # this step's decoded sum: what every rank sent the owner
-            expected += decoded
+            expected = expected * decay + decoded
             if step == 0:
                 assert torch.allclose(outs[0], decoded, rtol=1e-6, atol=1e-6)  # from h = 0: H is the decoded sum
             assert torch.allclose(outs[step], expected, rtol=1e-5, atol=1e-5), (codec, owner, step)
@@ -176,8 +179,8 @@ SHARD = ROWS * COLS // 2  # per rank, 2 ranks
 BIAS = 64  # per rank: a shapeless parameter powersgd sends plain
 
 
-def _powersgd(rank, world, steps, constant):
-    hook = _hook("powersgd", rank=RANK)
+def _powersgd(rank, world, steps, constant, decay=1.0):
+    hook = _hook("powersgd", rank=RANK, feedback_decay=decay)
     segments = [Segment("w", 0, SHARD, shape=(ROWS, COLS)), Segment("b", SHARD, BIAS, shape=(2 * BIAS,))]
     outs, grads, shifts = [], [], []
     for step in range(steps):
@@ -193,13 +196,14 @@ def _matrix(grad: torch.Tensor) -> torch.Tensor:
     return grad[:, :SHARD].reshape(-1).view(ROWS, COLS)
 
 
-def test_powersgd_shifts_move_by_the_rank_r_approximation_and_owners_return_their_sum():
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+def test_powersgd_shifts_move_by_the_rank_r_approximation_and_owners_return_their_sum(decay):
     steps = 5
-    ranks = run_ranks(_powersgd, 2, steps, False)
+    ranks = run_ranks(_powersgd, 2, steps, False, decay)
     previous = torch.zeros(ROWS, COLS)
     for step in range(steps):
         total = sum(r[2][step] for r in ranks)  # sum of the ranks' shifts, the whole matrix
-        change = total - previous
+        change = total - decay * previous  # feedback_decay: the shifts faded before this step's change
         singular = torch.linalg.svdvals(change.double())
         assert singular[RANK] <= 1e-5 * singular[0]  # what the owners received this step: a rank-r matrix
         assert singular[RANK - 1] > 1e-3 * singular[0]
@@ -367,9 +371,10 @@ def test_ddp_delivers_the_exact_average_of_a_constant_gradient():
 
 
 def test_settings_are_validated_with_clear_errors():
-    hook = tagc.hook(feedback="ef21", feedback_momentum=0.9)
+    hook = tagc.hook(feedback="ef21", feedback_momentum=0.9, feedback_decay=0.95)
     assert hook.codec.name == "tagc" and hook.codec.momentum == 0.9 and hook.dense_steps == 10
     assert hook.settings()["feedback"] == "ef21" and hook.settings()["feedback_momentum"] == 0.9
+    assert hook.codec.decay == 0.95 and hook.settings()["feedback_decay"] == 0.95
     assert tagc.hook().settings()["feedback"] == "classic"
     assert type(tagc.hook().codec).__name__ == "TAGCCodec"  # classic: the codec itself
     for bad, message in [
@@ -377,6 +382,10 @@ def test_settings_are_validated_with_clear_errors():
         (dict(feedback_momentum=0.5), "only with feedback='ef21'"),
         (dict(feedback="ef21", feedback_momentum=1.0), "[0, 1)"),
         (dict(feedback="ef21", feedback_momentum=True), "[0, 1)"),
+        (dict(feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
+        (dict(feedback="ef21", feedback_decay=0.0), "(0, 1]"),
+        (dict(feedback="ef21", feedback_decay=1.5), "(0, 1]"),
+        (dict(feedback="ef21", feedback_decay=True), "(0, 1]"),
         (dict(feedback="ef21", codec="int4"), "'tagc', 'powersgd', 'sign', 'topk'"),
         (dict(feedback="ef21", residual_dtype=torch.bfloat16), "residual_dtype=torch.float32"),
     ]:
@@ -390,18 +399,21 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
     cfg = config_from_args(parse(["--codec", "topk", "--feedback", "ef21", "--feedback-momentum", "0.9"]))
     assert (cfg.feedback, cfg.feedback_momentum) == ("ef21", 0.9)
     assert "-ef21m0.9" in cfg.run_name and "-ef21" in config_from_args(parse(["--feedback", "ef21"])).run_name
+    faded = config_from_args(parse(["--feedback", "ef21", "--feedback-decay", "0.9"]))
+    assert faded.feedback_decay == 0.9 and "-ef21d0.9" in faded.run_name
     assert "ef21" not in TrainConfig().run_name
     for bad in (dict(feedback="ef21", compression="none"), dict(feedback="ef21", codec="int4"),
-                dict(feedback_momentum=0.5), dict(feedback="nope")):
+                dict(feedback_momentum=0.5), dict(feedback="nope"), dict(feedback_decay=0.9),
+                dict(feedback="ef21", feedback_decay=0.0)):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
 
 
-def _ddp_sketch(rank, world, nan_step):
+def _ddp_sketch(rank, world, nan_step, decay):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
     state = tagc.ddp_hook(model, codec="tagc", ratio=4, select="all", dense_steps=0, min_compress_numel=1,
-                          feedback="ef21")
+                          feedback="ef21", feedback_decay=decay)
     model.register_comm_hook(*state)
     codec = state[0].hook.codec
     generator = torch.Generator().manual_seed(rank)
@@ -421,11 +433,11 @@ def _ddp_sketch(rank, world, nan_step):
 
 
 @pytest.mark.slow  # DDP on 2 gloo ranks: ~6 s
-@pytest.mark.parametrize("nan_step", [None, 3])
-def test_ddp_sketch_form_keeps_every_rank_sum_the_sum_of_the_shifts(nan_step):
+@pytest.mark.parametrize("nan_step, decay", [(None, 1.0), (3, 1.0), (3, 0.8)])
+def test_ddp_sketch_form_keeps_every_rank_sum_the_sum_of_the_shifts(nan_step, decay):
     """TAGC's all-reduce form under EF21: every rank's ``H`` (replicated) is the sum over ranks of their shifts ``h_i``
     at every step; a non-finite gradient on one rank leaves every shift and ``H`` as they were (that step NaN)."""
-    (steps0, forms0, nonfinite0), (steps1, forms1, _) = run_ranks(_ddp_sketch, 2, nan_step)
+    (steps0, forms0, nonfinite0), (steps1, forms1, _) = run_ranks(_ddp_sketch, 2, nan_step, decay)
     assert forms0 == forms1 == {"sketch"}
     assert sum(bool(s["shifts"]) for s in steps0) >= 5
     assert nonfinite0 == (0 if nan_step is None else len(steps0[-1]["sums"]))  # every part of the NaN step
@@ -437,7 +449,7 @@ def test_ddp_sketch_form_keeps_every_rank_sum_the_sum_of_the_shifts(nan_step):
             assert torch.allclose(total, shift + theirs["shifts"][key], rtol=1e-5, atol=1e-6), (step, key)
             previous = steps0[step - 1]["shifts"].get(key) if step else None  # DDP's first iteration is its own
             if previous is not None:
-                moved = (shift != previous).float().mean()
+                moved = (shift != decay * previous).float().mean()  # feedback_decay fades every shift first
                 assert (moved == 0) if step == nan_step else (0 < moved < 0.6)  # sparse changes, none when NaN
         for index, (a, b) in enumerate(zip(mine["grads"], theirs["grads"])):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -460,6 +460,7 @@ class DDPHookState:
             ef21 = part.codec if isinstance(part.codec, EF21Codec) else None
             grad = buffer[part.index(device)].view(1, part.numel)
             if ef21 is not None:
+                ef21.fade(part.key)
                 grad = ef21.feed(grad, part.key)
             residual = codec.residual(part.key, grad)
             before = residual.clone() if ef21 is not None else None

@@ -19,11 +19,21 @@ starts at the first gradient), and compresses ``v_i - h_i``: minibatch noise is 
 value is held for many steps. The paper's ``eta`` is ``1 - beta``; the optimizer then sees an
 average of the last ``~1 / (1 - beta)`` steps' gradients.
 
+**Fading shifts**, ``feedback_decay=gamma`` (``< 1``): every shift fades before each step's change is
+chosen against it, ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every owner fades ``H`` alike, so ``H`` stays
+the sum of the ``h_i``. With ``gamma = 1`` an element that is not sent holds the value it was last sent with,
+often one picked because it stood out; AdamW, which normalises each element by its own recent size, turns a
+value held for many steps into full-size steps in one direction. Faded, it shrinks toward zero by
+``gamma`` per step (a time constant of ``1 / (1 - gamma)`` steps) unless the gradient keeps it up, in which
+case ``g - gamma h`` grows and it is sent again. ``gamma`` near 0 would send ``C(g)`` and keep nothing.
+
 How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
 The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,
 sends ``C(x)`` and leaves ``r = x - C(x)``; subtracting this step's input ``g`` gives
 ``r = -h_i - C(x) = -(h_i + C(x))``, the next step's ``-h_i``. The part's decoded sum ``S`` (the sum
-over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is returned.
+over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is returned. With
+``feedback_decay``, the residual (each matrix's, for ``powersgd``) is multiplied by ``gamma`` before the encode
+(:meth:`EF21Codec.fade`) and ``H`` before the sum is added.
 
 * :class:`~tagc.hooks.codecs.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and any codec
   built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose ``decode``
@@ -94,8 +104,9 @@ MARK = "#ef21_"
 """What every EF21 state entry's name holds (:func:`tagc.hooks.checkpoint.check_feedback`)."""
 
 
-def check_feedback(feedback: str, momentum: float) -> None:
-    """Clear errors for ``feedback`` and ``feedback_momentum`` (the codec is checked by :func:`with_feedback`)."""
+def check_feedback(feedback: str, momentum: float, decay: float = 1.0) -> None:
+    """Clear errors for ``feedback``, ``feedback_momentum`` and ``feedback_decay`` (the codec is checked by
+    :func:`with_feedback`)."""
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
@@ -103,15 +114,21 @@ def check_feedback(feedback: str, momentum: float) -> None:
                          f"got {momentum!r}")
     if momentum and feedback != "ef21":
         raise ValueError(f"feedback_momentum applies only with feedback='ef21' (EF21-SGDM), got feedback={feedback!r}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"feedback_decay must be a number in (0, 1] (1: EF21's shifts hold; gamma of "
+                         f"h = gamma h + C(g - gamma h)), got {decay!r}")
+    if decay != 1.0 and feedback != "ef21":
+        raise ValueError(f"feedback_decay applies only with feedback='ef21' (it fades EF21's shifts), got "
+                         f"feedback={feedback!r}")
 
 
-def with_feedback(codec: Codec, feedback: str = "classic", momentum: float = 0.0) -> Codec:
+def with_feedback(codec: Codec, feedback: str = "classic", momentum: float = 0.0, decay: float = 1.0) -> Codec:
     """``codec`` itself (``"classic"``), or wrapped in :class:`EF21Codec` (``"ef21"``). A codec without error
     feedback (``plain``, ``bf16``, ``fp8``, ``int4``) is an error under ``"ef21"``: it keeps no residual to shift."""
-    check_feedback(feedback, momentum)
+    check_feedback(feedback, momentum, decay)
     if feedback == "classic":
         return codec
-    return EF21Codec(codec, momentum)
+    return EF21Codec(codec, momentum, decay)
 
 
 class EF21Codec(Codec):
@@ -124,7 +141,7 @@ class EF21Codec(Codec):
     feedback = "ef21"
     summed_rows = False  # the rows are needed apart: a NaN rank's are left out of H
 
-    def __init__(self, inner: Codec, momentum: float = 0.0) -> None:
+    def __init__(self, inner: Codec, momentum: float = 0.0, decay: float = 1.0) -> None:
         if not inner.error_feedback:
             raise ValueError(f"feedback='ef21' shifts an error-feedback codec's residual; codec {inner.name!r} keeps "
                              "none (it sends every element every step): use feedback='classic' with it")
@@ -135,9 +152,10 @@ class EF21Codec(Codec):
             raise ValueError("feedback='ef21' keeps its shift in the residual through a float32 rounding per step; "
                              f"residual_dtype={inner.residual_dtype} would drift from the owners' sum: use "
                              "residual_dtype=torch.float32")
-        check_feedback("ef21", momentum)
+        check_feedback("ef21", momentum, decay)
         self.inner = inner
         self.momentum = float(momentum)
+        self.decay = float(decay)
         self.sums: dict[str, torch.Tensor] = {}
         """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
         self.momenta: dict[str, torch.Tensor] = {}
@@ -208,6 +226,7 @@ class EF21Codec(Codec):
 
     def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
         self._decodes[key] = 0
+        self.fade(key)
         feed = self.feed(grad, key)
         wires = self.inner.encode(feed, key, group)
         if isinstance(self.inner, ResidualCodec):
@@ -218,6 +237,16 @@ class EF21Codec(Codec):
             if accumulated is not None:
                 accumulated.sub_(taken)
         return wires
+
+    def fade(self, key: str) -> None:
+        """``feedback_decay``: ``h_i *= decay`` on every residual of part ``key`` (each holds ``-h_i``), before this
+        step's change is chosen against it; the owners fade ``H`` alike in :meth:`add_decoded`. A no-op at 1."""
+        if self.decay == 1.0:
+            return
+        inner = self.inner.residuals
+        held = [inner[key]] if key in inner else [r for name, r in inner.items() if name.startswith(key + "/")]
+        for residual in held:  # the part's residual; for powersgd one per matrix (a handful)
+            residual.mul_(self.decay)
 
     def feed(self, grad: torch.Tensor, key: str) -> torch.Tensor:
         """What part ``key`` compresses against its shift this step: the gradient, or with momentum the rank's
@@ -258,6 +287,8 @@ class EF21Codec(Codec):
         that sent finite values added to their ``h_j``); returns ``(H, ok)``, ``ok`` whether ``decoded`` is finite."""
         ok = finite(decoded)
         total = self._sum(name, numel, decoded.device)
+        if self.decay != 1.0:
+            total.mul_(self.decay)  # as every rank faded its h_j in fade()
         total.add_(torch.where(ok, decoded, 0.0))
         return total, ok
 
@@ -284,6 +315,8 @@ class EF21Codec(Codec):
         matrix, on_matrix = self._matrix_columns(key, numel, dist.get_rank(group), values.device)
         ok_columns = torch.stack([*oks, torch.ones((), dtype=torch.bool, device=values.device)])[matrix] & on_matrix
         total = self._sum(name, numel, values.device)
+        if self.decay != 1.0:
+            total.mul_(self.decay)  # as every rank faded its matrices' h_j in fade()
         total.copy_(torch.where(ok_columns, total + values, total))
         return torch.where(ok_columns, total, values)  # the plain columns (and a non-finite matrix) as decoded
 

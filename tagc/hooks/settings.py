@@ -76,6 +76,8 @@ class HookSettings:
     """The error feedback of the codec: its own (``"classic"``) or EF21 (``"ef21"``, :mod:`tagc.hooks.feedback`)."""
     feedback_momentum: float = 0.0
     """``feedback="ef21"``: the beta of each rank's gradient average before compression (EF21-SGDM); 0: none."""
+    feedback_decay: float = 1.0
+    """``feedback="ef21"``: the factor every shift and sum fade by each step before its change is added; 1: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, TAGCConfig):
@@ -106,7 +108,7 @@ class HookSettings:
             raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")  # noqa: TRY004
         object.__setattr__(self, "select", resolve_policy(self.select))
         object.__setattr__(self, "codec_options", resolve_options(self.codec, self.codec_options))
-        check_feedback(self.feedback, self.feedback_momentum)
+        check_feedback(self.feedback, self.feedback_momentum, self.feedback_decay)
         if self.feedback != "classic":
             if self.codec not in error_feedback_codecs():
                 raise ValueError(f"feedback={self.feedback!r} changes a codec's error feedback; codec {self.codec!r} "
@@ -146,7 +148,7 @@ class HookSettings:
         """``(codec, plain)``: the codec of the selected columns, and the one of the columns left plain (and of a
         dense warm-up). Checks what only the codec knows (whether it has a ratio for ``ramp_steps``)."""
         codec = make_codec(self.codec, self.config, self.residual_dtype, self.codec_options)
-        codec = with_feedback(codec, self.feedback, self.feedback_momentum)
+        codec = with_feedback(codec, self.feedback, self.feedback_momentum, self.feedback_decay)
         if self.ramp_steps and not codec.uses_ratio:
             raise ValueError(f"ramp_steps ramps a compression ratio; codec {self.codec!r} has none (ramp_steps applies "
                              "to tagc and topk)")
@@ -168,4 +170,4 @@ class HookSettings:
                 "min_part": self.min_part, "piece_bytes": self.piece_bytes, "dense_steps": self.warmup_steps(codec),
                 "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite, "plain": self.plain,
                 "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host, "feedback": self.feedback,
-                "feedback_momentum": self.feedback_momentum}
+                "feedback_momentum": self.feedback_momentum, "feedback_decay": self.feedback_decay}
