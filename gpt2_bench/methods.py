@@ -14,6 +14,8 @@ integration and fair overlapped transport, so only the gradient codec differs:
   values sent as a list instead of a sketch (TAGC without its sketch);
 * ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
   ``tagc-ef21`` - ``tagc-non-attn`` with EF21 error feedback (``feedback="ef21"``) in place of the classic;
+  ``tagc-int4`` - TAGC as dense as ``int4``'s bytes allow (:data:`INT4_RATIO`, coded positions, scaled float16
+  cells, the other columns in ``int4``) with EF21 whose shifts fade (``feedback_decay=``:data:`FADE`);
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
   (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
   keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
@@ -44,6 +46,13 @@ codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries t
 
 ``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
 
+INT4_RATIO = 4.5
+"""``tagc-int4``'s ratio: the densest TAGC (coded positions, float16 cells, the rest in ``int4``) whose steady
+step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB under FSDP on 2 ranks)."""
+FADE = 0.9
+"""``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
+"Sixth screen")."""
+
 METHODS: dict[str, dict] = {
     "fsdp": {"compression": "none"},
     "fsdp-bf16": {"compression": "none", "reduce_dtype": "bf16"},
@@ -56,6 +65,9 @@ METHODS: dict[str, dict] = {
     "tagc-all": {"compression": "all", "codec": "tagc"},
     "tagc-non-attn": {"compression": "non-attn", "codec": "tagc"},
     "tagc-ef21": {"compression": "non-attn", "codec": "tagc", "feedback": "ef21"},
+    "tagc-int4": {"compression": "non-attn", "codec": "tagc", "plain": "int4", "ratio": INT4_RATIO,
+                  "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "ef21",
+                  "feedback_decay": FADE},
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
@@ -159,8 +171,8 @@ def _our_powersgd_ranks() -> dict[str, dict]:
             for rank in _powersgd_ranks() if rank != 4}
 
 
-OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-lean": "tagc-lean",
-                    "topk-lean": "topk-lean", "int4": "int4",
+OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-int4": "tagc-int4",
+                    "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
                     "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""
