@@ -19,7 +19,10 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   (the lean wires, ``sign``, ``int4``) or a low-rank one (``powersgd``) leave no zeros, so
   their ages only grow and say nothing. Under EF21 (``feedback="ef21"``) the residual holds
   ``-h_i``, the rank's shift, and an element counts as sent when its residual changed in the
-  step (its shift moved by what was sent).
+  step (its shift moved by what was sent), beyond the fading of ``feedback_decay`` (an unsent
+  shift becomes ``decay`` times itself). The shift goes through ``(g - h) - g`` in float32, which
+  can move an unsent one by a rounding of ``|g|``: such an element counts as sent, so under EF21
+  the ages are a lower bound.
 
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
 are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
@@ -93,11 +96,13 @@ def _local(tensor):
 
 class StaleAges:
     """Steps since each element of the codec's residuals was last sent: its residual exactly zero after the step
-    (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift)."""
+    (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift) other
+    than by fading (``decay``: EF21's ``feedback_decay``, an unsent shift becomes ``decay`` times itself)."""
 
-    def __init__(self, changed: bool = False) -> None:
+    def __init__(self, changed: bool = False, decay: float = 1.0) -> None:
         self.ages: dict[tuple[str, int], Any] = {}
         self.changed = changed
+        self.decay = decay
         self.previous: dict[tuple[str, int], Any] = {}  # changed=True: each residual as the last step left it
 
     def update(self, residuals: dict) -> Any:
@@ -130,7 +135,7 @@ class StaleAges:
         self.previous[key] = residual.detach().clone()
         if before is None or before.shape != residual.shape:
             return residual != 0  # the first step: a shift that is not zero moved from h = 0
-        return residual != before
+        return residual != (before if self.decay == 1.0 else before * self.decay)  # as EF21Codec.fade rounds it
 
 
 def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, qs: Sequence[float]) -> list[float]:
@@ -175,7 +180,9 @@ class StepDiagnostics:
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("diagnostics found no trainable parameters")
-        self.ages = StaleAges(changed=getattr(getattr(hook, "codec", None), "feedback", "classic") == "ef21")
+        codec = getattr(hook, "codec", None)
+        ef21 = getattr(codec, "feedback", "classic") == "ef21"
+        self.ages = StaleAges(changed=ef21, decay=getattr(codec, "decay", 1.0) if ef21 else 1.0)
         self._before: list = []
         self.log = open(path, "a" if header is None else "w") if path else None  # noqa: SIM115 - closed by close()
         if self.log is not None and header is not None:

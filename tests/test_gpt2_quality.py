@@ -172,7 +172,21 @@ def test_under_ef21_an_element_counts_as_sent_when_its_shift_moved():
     optimizer = torch.optim.AdamW(model.parameters())
     for feedback in ("ef21", "classic"):  # the trainer's diagnostics read the hook's feedback
         step = diagnostics.StepDiagnostics(model, optimizer, tagc.hook(feedback=feedback), None, "all", 1.0)
-        assert step.ages.changed == (feedback == "ef21")
+        assert step.ages.changed == (feedback == "ef21") and step.ages.decay == 1.0
+    faded = tagc.hook(feedback="ef21", feedback_decay=0.5)
+    assert diagnostics.StepDiagnostics(model, optimizer, faded, None, "all", 1.0).ages.decay == 0.5
+
+
+def test_with_fading_shifts_an_element_counts_as_sent_when_it_moved_beyond_its_fade():
+    ages = diagnostics.StaleAges(changed=True, decay=0.5)
+    sequence = [
+        torch.tensor([[0.0, -1.0, 0.0, -4.0]]),  # from h = 0: elements 1 and 3 sent
+        torch.tensor([[-2.0, -0.5, 0.0, -2.0]]),  # element 0 sent; 1 and 3 faded
+        torch.tensor([[-1.0, -3.0, 0.0, -1.0]]),  # element 1 sent; 0 and 3 faded
+    ]
+    for residual in sequence:
+        ages.update({"unit": [residual]})
+    assert ages.ages[("unit", 0)].tolist() == [[1, 0, 3, 2]]  # element 2 never sent
 
 
 def test_quantiles_from_a_histogram_match_the_values_to_a_bin():
