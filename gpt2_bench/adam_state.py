@@ -76,9 +76,10 @@ def pushes(moments: Mapping[str, torch.Tensor], betas: tuple[float, float] = (0.
         m_hat = exp_avg.double() / (1 - betas[0] ** step)
         v_hat = moments[f"{PREFIX}{param}.exp_avg_sq"].double() / (1 - betas[1] ** step)
         u = m_hat / (v_hat.sqrt() + eps)
-        squares[kind(param)] += float(u.square().sum())
-        large[kind(param)] += int((u.abs() > LARGE).sum())
-        counts[kind(param)] += u.numel()
+        group = kind(param)
+        squares[group] += float(u.square().sum())
+        large[group] += int((u.abs() > LARGE).sum())
+        counts[group] += u.numel()
     return {k: Push((squares[k] / counts[k]) ** 0.5, large[k] / counts[k], counts[k]) for k in sorted(counts)}
 
 

@@ -243,10 +243,11 @@ class EF21Codec(Codec):
         step's change is chosen against it; the owners fade ``H`` alike in :meth:`add_decoded`. A no-op at 1."""
         if self.decay == 1.0:
             return
-        inner = self.inner.residuals
-        held = [inner[key]] if key in inner else [r for name, r in inner.items() if name.startswith(key + "/")]
-        for residual in held:  # the part's residual; for powersgd one per matrix (a handful)
-            residual.mul_(self.decay)
+        names = self.inner.matrix_keys(key) if isinstance(self.inner, PowerSGDCodec) else [key]
+        for name in names:
+            residual = self.inner.residuals.get(name)  # none yet at the first step: h = 0
+            if residual is not None:
+                residual.mul_(self.decay)
 
     def feed(self, grad: torch.Tensor, key: str) -> torch.Tensor:
         """What part ``key`` compresses against its shift this step: the gradient, or with momentum the rank's
@@ -286,16 +287,18 @@ class EF21Codec(Codec):
         """``H`` (state entry ``name``) plus the decoded sum of the ranks' changes where it is finite (what the ranks
         that sent finite values added to their ``h_j``); returns ``(H, ok)``, ``ok`` whether ``decoded`` is finite."""
         ok = finite(decoded)
-        total = self._sum(name, numel, decoded.device)
-        if self.decay != 1.0:
-            total.mul_(self.decay)  # as every rank faded its h_j in fade()
+        total = self._faded_sum(name, numel, decoded.device)
         total.add_(torch.where(ok, decoded, 0.0))
         return total, ok
 
-    def _sum(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+    def _faded_sum(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """``H`` of state entry ``name`` (zeros the first time), faded by ``decay`` as every rank faded its ``h_j``
+        in :meth:`fade`, ready for this step's decoded sum."""
         total = self.sums.get(name)
         if total is None:
             total = self.sums[name] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif self.decay != 1.0:
+            total.mul_(self.decay)
         return total
 
     def _decode_powersgd(self, received, numel, key, group, stats, name) -> torch.Tensor:
@@ -303,7 +306,7 @@ class EF21Codec(Codec):
         the codec keeps it (unchanged where the summed ``Q`` is not finite); ``H`` on the matrices' columns."""
         inner: PowerSGDCodec = self.inner
         layout, step = inner._layouts[key], inner._steps[key]  # decode pops the step: read it first
-        names = [f"{key}/{mat.name}" for mat in layout.matrices]
+        names = inner.matrix_keys(key)
         before = [inner.residuals.get(n) for n in names]
         summed_q = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
         oks = [finite(q) for q in summed_q.split(layout.q_sizes)]  # the codec's own test, the same on every rank
@@ -314,9 +317,7 @@ class EF21Codec(Codec):
             inner.residuals[n] = torch.where(ok, shifted, kept)
         matrix, on_matrix = self._matrix_columns(key, numel, dist.get_rank(group), values.device)
         ok_columns = torch.stack([*oks, torch.ones((), dtype=torch.bool, device=values.device)])[matrix] & on_matrix
-        total = self._sum(name, numel, values.device)
-        if self.decay != 1.0:
-            total.mul_(self.decay)  # as every rank faded its matrices' h_j in fade()
+        total = self._faded_sum(name, numel, values.device)
         total.copy_(torch.where(ok_columns, total + values, total))
         return torch.where(ok_columns, total, values)  # the plain columns (and a non-finite matrix) as decoded
 

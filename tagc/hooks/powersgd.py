@@ -187,6 +187,10 @@ class PowerSGDCodec(Codec):
             matrices.append(_Matrix(s.name, s.start, s.numel, rows, cols, self.rank))
         self._layouts[key] = _Layout(world, tuple(matrices), tuple(plain))
 
+    def matrix_keys(self, key: str) -> list[str]:
+        """The residual (and ``Q``) entries of part ``key``'s matrices, as :meth:`encode` names them."""
+        return [f"{key}/{mat.name}" for mat in self._layouts[key].matrices]
+
     def wire(self, numel, world, dtype):
         raise NotImplementedError("powersgd's wire follows the parameters' shapes and takes 4 rounds: "
                                   "it is not traceable")
