@@ -32,7 +32,9 @@ axes 1 and 2), so any chunk below 2**31 elements launches. The per-block rows / 
 lane-xor tables are loaded from :meth:`SketchLayout.tables`, so the cells are exactly the
 reference's. The threshold ``tau`` comes from :mod:`tagc.kernels.radix_select` (or is given);
 :func:`tagc.kernels.ops.compress_triton` is the entry point that runs both. Index, residual
-and table match the reference :func:`tagc.sketch.compress_` bit for bit.
+and table match the reference :func:`tagc.sketch.compress_` on the CPU bit for bit (on CUDA the
+reference's ``scatter_add_`` adds a cell's values in the order its atomics land, so its own table
+may differ in the last bits from run to run).
 """
 
 from __future__ import annotations

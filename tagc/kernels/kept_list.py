@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from tagc.kernels.fp import round_to_dtype
-from tagc.sketch.kept_list import POSITION_BLOCK, position_blocks
+from tagc.sketch.kept_list import POSITION_BLOCK, position_blocks, zero_unless
 
 BLOCK = 1024
 """Entries per program of the list kernels (divides :data:`POSITION_BLOCK`)."""
@@ -140,7 +140,7 @@ def launch_list_kept(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tens
     per_block = listed.view(rows, -1, per_group).sum(dim=2)
     overflow = (kept.sum(dim=1, keepdim=True) - cap).clamp(min=0)
     out = torch.cat([per_block, overflow], dim=1).to(torch.int32)
-    return torch.where(ok, out, 0), torch.where(ok, offsets, 0), torch.where(ok, values, torch.nan)
+    return torch.where(ok, out, 0), zero_unless(ok, offsets), torch.where(ok, values, torch.nan)
 
 
 def launch_sum_lists(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int,

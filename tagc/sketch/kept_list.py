@@ -109,7 +109,13 @@ def list_kept_(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: 
     kept = keep_mask(accumulated, tau.reshape(-1, 1), keep_limit(numel, density))  # scratch: compact() consumes it
     counts, offsets, values, listed = compact(kept, accumulated, cap)
     residual.copy_(torch.where(ok, accumulated.masked_fill_(listed, 0), residual))
-    return torch.where(ok, counts, 0), torch.where(ok, offsets, 0), torch.where(ok, values, torch.nan)
+    return torch.where(ok, counts, 0), zero_unless(ok, offsets), torch.where(ok, values, torch.nan)
+
+
+def zero_unless(ok: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``offsets`` (uint16) where ``ok``, else 0: ``torch.where`` through an int16 view of the same bits
+    (CUDA's ``where`` has no uint16 kernel)."""
+    return torch.where(ok, offsets.view(torch.int16), 0).view(torch.uint16)
 
 
 def sum_lists(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
