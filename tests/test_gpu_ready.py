@@ -282,3 +282,18 @@ def test_gpu_check_self_tests_run_on_the_cpu_device():
     trip = gpu_check.codec_round_trip(torch.device("cpu"), ranks=3, numel=1 << 15)
     assert trip["ok"] and trip["host_reads_per_steady_step"] == [0, 0, 0], trip
     assert gpu_check.one_rank_group(torch.device("cpu"))["ok"]
+
+
+def test_gpu_check_gpt2_round_trip_runs_and_can_fail(monkeypatch):
+    """The GPT-2 check on a tiny GPT-2 on the CPU, and the same check failing when the decoded values are off."""
+    pytest.importorskip("transformers")
+    from tagc.bench import gpu_check
+    from tagc.hooks.codecs import TAGCCodec
+
+    tiny = dict(ranks=3, steps=2, width=64, layers=1, vocab=1024, tokens=(2, 32))
+    trip = gpu_check.gpt2_gradients_round_trip(torch.device("cpu"), **tiny)
+    assert trip["ok"] and trip["host_reads_per_steady_step"] == [0] * 4 and trip["worst_relative_error"] < 1e-6, trip
+    decode = TAGCCodec.decode
+    monkeypatch.setattr(TAGCCodec, "decode", lambda self, *a, **k: decode(self, *a, **k) * 1.001)
+    off = gpu_check.gpt2_gradients_round_trip(torch.device("cpu"), **tiny)
+    assert off["ok"] is False and any("relative error" in f for f in off["failed"]), off
