@@ -106,8 +106,10 @@ def hook(
         feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
             by before each step's change is chosen against it: ``h = gamma h + C(g - gamma h)``. An element
             that is not sent then fades toward zero instead of holding its last value, which AdamW would
-            otherwise turn into full-size steps in one direction for as long as it waits. 1 (default): EF21
-            as published.
+            otherwise turn into full-size steps in one direction for as long as it waits. Its time constant
+            ``1 / (1 - gamma)`` steps is meant to be near how long an element waits between sends (about one
+            over the kept fraction): fading much faster leaves the compressed weights moving less than plain
+            training's. 1 (default): EF21 as published.
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
