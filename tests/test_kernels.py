@@ -172,13 +172,21 @@ def test_threshold_edge_densities():
 # ---------------------------------------------------------------- fused compress
 
 
+def _cpu_reference(grad, residual, density, layout, bits, tau=None, **kwargs):
+    """The reference :func:`compress_` on CPU copies, whose ``scatter_add_`` adds a cell's values in index
+    order (on CUDA its atomics add them in whatever order they land): its outputs and the residual it
+    leaves, on :data:`DEVICE`; ``residual`` itself is untouched."""
+    res = residual.to("cpu", copy=True)
+    out = compress_(grad.cpu(), res, density, layout, bits, tau=None if tau is None else tau.cpu(), **kwargs)
+    return tuple(o.to(DEVICE) for o in out), res.to(DEVICE)
+
+
 def _compress_both(grad, residual, density, layout, bits, tau=None):
-    """The Triton kernels on :data:`DEVICE` and the reference on the CPU, whose ``scatter_add_`` adds a
-    cell's values in index order (on CUDA its atomics add them in whatever order they land)."""
-    res_k, res_r = residual.clone(), residual.to("cpu", copy=True)
+    """The Triton kernels on :data:`DEVICE` and the reference on the CPU (:func:`_cpu_reference`)."""
+    res_k = residual.clone()
     got = dispatch.compress_(grad, res_k, density, layout, bits, tau=tau, **TRITON)
-    want = compress_(grad.cpu(), res_r, density, layout, bits, tau=None if tau is None else tau.cpu())
-    return got, tuple(w.to(DEVICE) for w in want), res_k, res_r.to(DEVICE)
+    want, res_r = _cpu_reference(grad, residual, density, layout, bits, tau=tau)
+    return got, want, res_k, res_r
 
 
 @pytest.mark.parametrize("numel", SIZES)
@@ -710,11 +718,9 @@ def test_ops_under_torch_compile():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     grad = torch.randn(2, 1000, device=DEVICE)
     residual = torch.randn(2, 1000, device=DEVICE)
-    res_ref = residual.to("cpu", copy=True)
+    (index_r, table_r, held_r), res_ref = _cpu_reference(grad, residual, 0.05, layout, 1, return_held=True)
     index, table, held = compiled(grad, residual)
-    # the reference on the CPU: its scatter_add_ sums a cell in index order there (see _compress_both)
-    index_r, table_r, held_r = (r.to(DEVICE) for r in compress_(grad.cpu(), res_ref, 0.05, layout, 1, return_held=True))
-    assert torch.equal(index, index_r) and torch.equal(residual, res_ref.to(DEVICE)) and torch.equal(held, held_r)
+    assert torch.equal(index, index_r) and torch.equal(residual, res_ref) and torch.equal(held, held_r)
     assert torch.equal(table, table_r)
 
 

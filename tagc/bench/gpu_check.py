@@ -64,14 +64,38 @@ def run_kernel_tests(device: torch.device) -> dict:
     return {"ok": result.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
 
 
+def _exchange(codecs: list, rows: list[torch.Tensor], numel: int) -> tuple[list, list, list, int]:
+    """One emulated all-to-all of part ``"k"``: every rank's codec encodes its ``[ranks, numel]`` rows, owner ``o``
+    receives row ``o`` of every rank's wire tensors and decodes. Returns the residuals before the encode, the
+    decoded parts, their stats and the host reads counted over the exchange."""
+    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.strict import count_host_reads
+
+    ranks, device = len(codecs), rows[0].device
+    before = [c.residuals.get("k", torch.zeros(ranks, numel, device=device)).clone() for c in codecs]
+    with count_host_reads() as counted:
+        wires = [c.encode(x, "k", None) for c, x in zip(codecs, rows)]
+        decoded, stats = [], []
+        for owner in range(ranks):
+            received = [torch.stack([w[i][owner] for w in wires]) for i in range(len(wires[0]))]
+            stats.append(ExchangeStats())
+            decoded.append(codecs[owner].decode(received, numel, "k", None, stats[-1]))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return before, decoded, stats, counted.count
+
+
+def _sent(before: list[torch.Tensor], rows: list[torch.Tensor], codecs: list) -> list[torch.Tensor]:
+    """What each rank sent (float64): its residual + rows (rounded as compress adds them) less what it kept."""
+    return [((b + x) - c.residuals["k"]).double() for b, x, c in zip(before, rows, codecs)]
+
+
 def codec_round_trip(
     device: torch.device, ranks: int = 4, numel: int = 1 << 20, ratio: float = 10.0, steps: int = 3
 ) -> dict:
     """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
     from tagc.config import TAGCConfig
     from tagc.hooks.codecs import TAGCCodec
-    from tagc.hooks.stats import ExchangeStats
-    from tagc.hooks.strict import count_host_reads
 
     config = TAGCConfig(ratio=ratio)
     codecs = [TAGCCodec(config) for _ in range(ranks)]
@@ -82,20 +106,9 @@ def codec_round_trip(
         nan_step = step == steps
         if nan_step:
             grads[1][2, 5] = math.nan  # rank 1's row for owner 2
-        before = [c.residuals.get("k", torch.zeros(ranks, numel, device=device)).clone() for c in codecs]
-        with count_host_reads() as counted:
-            wires = [c.encode(g, "k", None) for c, g in zip(codecs, grads)]
-            # owner o receives row o of every rank's wire tensors
-            decoded, stats = [], []
-            for owner in range(ranks):
-                received = [torch.stack([w[i][owner] for w in wires]) for i in range(len(wires[0]))]
-                s = ExchangeStats()
-                decoded.append(codecs[owner].decode(received, numel, "k", None, s))
-                stats.append(s)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        before, decoded, stats, host_reads = _exchange(codecs, grads, numel)
         if step > 0:
-            reads.append(counted.count)
+            reads.append(host_reads)
         if nan_step:  # rank 1 sends NaN tables to every owner: every owner's part is NaN
             checks.append(
                 ("a NaN rank poisons the part at every owner", all(bool(torch.isnan(d).all()) for d in decoded))
@@ -103,8 +116,7 @@ def codec_round_trip(
             checks.append(("the NaN rank keeps its residual", bool(torch.equal(codecs[1].residuals["k"], before[1]))))
             checks.append(("nonfinite_parts counted", all(s.as_dict()["nonfinite_parts"] == 1 for s in stats)))
             continue
-        # what each rank sent: its residual + gradient (rounded as compress adds them) less what it kept
-        sent = [((b + g) - c.residuals["k"]).double() for b, g, c in zip(before, grads, codecs)]
+        sent = _sent(before, grads, codecs)
         for owner in range(ranks):
             exact = sum(s[owner] for s in sent)
             got = decoded[owner].double()
@@ -141,8 +153,6 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
         return {"ok": None, "note": "transformers is not installed: GPT-2 check skipped"}
     from tagc.config import TAGCConfig
     from tagc.hooks.codecs import TAGCCodec
-    from tagc.hooks.stats import ExchangeStats
-    from tagc.hooks.strict import count_host_reads
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=tokens[1], n_embd=width, n_layer=layers,
@@ -165,14 +175,10 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
         for step in range(steps):
             rows = [torch.nn.functional.pad(g * (1 + 0.1 * step), (0, ranks * part - numel)).view(ranks, part)
                     for g in per_rank]
-            before = [c.residuals.get("k", torch.zeros(ranks, part, device=device)).clone() for c in codecs]
-            with count_host_reads() as counted:
-                wires = [c.encode(x, "k", None) for c, x in zip(codecs, rows)]
-                decoded = [codecs[o].decode([torch.stack([w[i][o] for w in wires]) for i in range(len(wires[0]))],
-                                            part, "k", None, ExchangeStats()) for o in range(ranks)]
+            before, decoded, _, host_reads = _exchange(codecs, rows, part)
             if step > 0:
-                reads.append(counted.count)
-            sent = [((b + x) - c.residuals["k"]).double() for b, x, c in zip(before, rows, codecs)]
+                reads.append(host_reads)
+            sent = _sent(before, rows, codecs)
             for owner in range(ranks):
                 exact = sum(s[owner] for s in sent)
                 got = decoded[owner].double()
