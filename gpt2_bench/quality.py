@@ -218,8 +218,13 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
 def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD) -> dict[int, dict[str, dict]]:
     """``directory/seed-N/<method>.jsonl`` (the trainer's logs) -> ``{seed: {method: {"curve", "val_loss"}}}``,
     the shape :func:`seed_gaps` reads; ``plain`` names the run every method is compared against (it is
-    filed as :data:`PLAIN_METHOD`), ``methods`` keeps only those (default: every log found)."""
+    filed as :data:`PLAIN_METHOD`), ``methods`` keeps only those (default: every log found).
+
+    A run that followed another schedule than its seed's plain run (another learning rate or number of
+    tokens at a step both logged: a 600-step run beside a 2,000-step one, another batch) is left out with a
+    warning: its val loss at a shared step is not comparable."""
     import json
+    import warnings
     from pathlib import Path
 
     by_seed: dict[int, dict[str, dict]] = {}
@@ -234,10 +239,32 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
                      if "step" in r and r.get("val_loss") is not None]
             if curve:
                 key = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
-                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
+                schedule = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
+                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"],
+                                                     "schedule": schedule}
     if not by_seed:
         raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
+    for seed, runs in by_seed.items():
+        reference = runs.get(PLAIN_METHOD, {}).get("schedule", {})
+        for key in [k for k in runs if k != PLAIN_METHOD]:
+            step = _first_schedule_difference(reference, runs[key]["schedule"])
+            if step is not None:
+                warnings.warn(f"seed-{seed}/{key}.jsonl left out: at step {step} its (lr, tokens) "
+                              f"{runs[key]['schedule'][step]} differ from {plain}'s {reference[step]} (another "
+                              "schedule or batch; run it with the same --steps, --batch-size and --lr)", stacklevel=2)
+                del runs[key]
     return by_seed
+
+
+def _first_schedule_difference(plain: dict, run: dict) -> int | None:
+    """The first step both logged whose learning rate (relatively, beyond float rounding) or token count differs."""
+    for step in sorted(set(plain) & set(run)):
+        (lr_a, tokens_a), (lr_b, tokens_b) = plain[step], run[step]
+        if tokens_a is not None and tokens_b is not None and tokens_a != tokens_b:
+            return step
+        if lr_a is not None and lr_b is not None and not math.isclose(lr_a, lr_b, rel_tol=1e-6, abs_tol=1e-12):
+            return step
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -316,3 +316,27 @@ def test_the_seeds_report_reads_trainer_logs_laid_out_by_seed(tmp_path):
     against = (tmp_path / "vs-ctl.md").read_text()
     assert "+4.88%" in against and "against ctl's" in against  # (4.4/4.2 - 1 + 5.25/5 - 1) / 2
     assert (tmp_path / "vs-ctl.png").exists()
+
+
+def test_the_seeds_report_leaves_out_a_run_of_another_schedule(tmp_path):
+    import json
+
+    from gpt2_bench.quality import read_runs
+
+    folder = tmp_path / "seed-0"
+    folder.mkdir()
+
+    def log(name, lrs, tokens_per_step=1024):
+        lines = [{"step": i, "loss": 9.0, "lr": lr, "tokens": (i + 1) * tokens_per_step, "val_loss": 5.0 - i}
+                 for i, lr in enumerate(lrs)]
+        (folder / f"{name}.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+    log("fsdp", [1e-3, 9e-4, 8e-4])
+    log("same", [1e-3, 9e-4 * (1 + 1e-9), 8e-4])  # float rounding is the same schedule
+    log("shorter", [1e-3, 9e-4, 5e-4])  # a shorter cosine schedule decays sooner
+    log("bigger-batch", [1e-3, 9e-4, 8e-4], tokens_per_step=4096)
+    with pytest.warns(UserWarning) as caught:
+        by_seed = read_runs(tmp_path)
+    assert sorted(by_seed[0]) == ["fsdp", "same"]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "shorter.jsonl left out: at step 2" in messages and "bigger-batch.jsonl left out: at step 0" in messages
