@@ -16,6 +16,8 @@ integration and fair overlapped transport, so only the gradient codec differs:
   ``tagc-ef21`` - ``tagc-non-attn`` with EF21 error feedback (``feedback="ef21"``) in place of the classic;
   ``tagc-int4`` - TAGC as dense as ``int4``'s bytes allow (:data:`INT4_RATIO`, coded positions, scaled float16
   cells, the other columns in ``int4``) with EF21 whose shifts fade (``feedback_decay=``:data:`FADE`);
+  ``topk-int4`` - its fair peer: ``topk`` with every one of those settings (the same kept fraction, values in bf16),
+  which sends about half its bytes;
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
   (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
   keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
@@ -67,6 +69,9 @@ METHODS: dict[str, dict] = {
     "tagc-ef21": {"compression": "non-attn", "codec": "tagc", "feedback": "ef21"},
     "tagc-int4": {"compression": "non-attn", "codec": "tagc", "plain": "int4", "ratio": INT4_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "ef21",
+                  "feedback_decay": FADE},
+    "topk-int4": {"compression": "non-attn", "codec": "topk", "plain": "int4", "ratio": INT4_RATIO,
+                  "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}, "feedback": "ef21",
                   "feedback_decay": FADE},
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}},
@@ -172,7 +177,7 @@ def _our_powersgd_ranks() -> dict[str, dict]:
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-int4": "tagc-int4",
-                    "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
+                    "topk-int4": "topk-int4", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
                     "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""
