@@ -311,6 +311,7 @@ def _simple_fsdp(rank, world):
     return results
 
 
+@pytest.mark.slow  # the default suite keeps FSDP2's powersgd and SimpleFSDP's compiled tagc exchange
 def test_simple_fsdp_eager_overlapped_blocking_and_compiled_agree():
     for (overlapped, o_bytes, buckets), (blocking, b_bytes, _), (compiled, c_bytes, _) in run_ranks(
         _simple_fsdp, 2, timeout_s=300

@@ -150,7 +150,7 @@ def _collectives(rank, world, reshard, hooked, hook_options=None):
 
 
 @pytest.mark.parametrize("hooked, reshard", [
-    pytest.param(True, True, id="tagc-reshard"), pytest.param(False, False, id="plain-keep"),
+    pytest.param(True, True, id="tagc-reshard"), pytest.param(False, False, id="plain-keep", marks=pytest.mark.slow),
     pytest.param(True, False, id="tagc-keep", marks=pytest.mark.slow),
     pytest.param(False, True, id="plain-reshard", marks=pytest.mark.slow)])
 def test_compiled_graph_has_one_gather_and_one_reduce_scatter_per_block(reshard, hooked):
