@@ -21,6 +21,30 @@ def test_warmup_then_cosine_to_min_lr():
     assert all(a >= b for a, b in zip(mids, mids[1:]))
 
 
+def test_the_trainers_codec_defaults_are_the_librarys():
+    """``python -m gpt2_bench.train`` without codec flags runs what ``tagc.hook()`` would: every setting the two share
+    has one default (the training ``seed`` is the model's, not the sketch's, so it is not compared)."""
+    import dataclasses
+    import inspect
+
+    import tagc
+    from tagc.config import TAGCConfig
+
+    trainer = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    library = {name: p.default for name, p in inspect.signature(tagc.hook).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    sketch = {f.name: f.default for f in dataclasses.fields(TAGCConfig) if f.name != "seed"}
+
+    def default(name):  # tagc.hook() leaves the sketch's settings to TAGCConfig (None)
+        value = library.get(name)
+        return sketch[name] if value is None and name in sketch else value
+
+    shared = {name: default(name) for name in trainer if name in library or name in sketch}
+    assert {"ratio", "index_bits", "plain", "feedback", "feedback_decay", "dense_steps"} <= set(shared)
+    assert "min_compress_numel" in shared
+    assert {name: trainer[name] for name in shared} == shared
+
+
 def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():
     import platform
     import subprocess
