@@ -113,8 +113,9 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
-    fields = {"codec": "tagc", "reduce_dtype": None, "codec_options": {}, "plain": "fp32", "torch_hook": False,
-              "feedback": "classic", "feedback_momentum": 0.0, "feedback_decay": 1.0, **settings}
+    defaults = TrainConfig.__dataclass_fields__  # the trainer's, which are the library's (tests/test_gpt2_train.py)
+    reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_momentum", "feedback_decay")
+    fields = {"codec_options": {}, **{name: defaults[name].default for name in reset}, **settings}
     from tagc.hooks.codec_registry import spec
 
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up
