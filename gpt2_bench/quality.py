@@ -172,10 +172,12 @@ def format_seeds_report(
                          f"{since} on (largest {worst['gap']:+.2f}% at step {worst['step']}).")
         else:
             judgement = f"mean gap within {tolerance:.0%} at every evaluation from step {since} on."
+        unfinished = (f" Not finished: every seed's runs reach step {last['step']} of {steps}, so this judges "
+                      "that far." if last["step"] + 1 < steps else "")
         lines.append(
             f"- `{method}`: {last['gap']:+.2f}% at step {last['step']} "
             + (f"(noise {last['noise']:.2f}%: {last['verdict']}); " if last["verdict"] else "(one seed); ")
-            + judgement
+            + judgement + unfinished
         )
     return "\n".join(lines) + "\n"
 

@@ -340,3 +340,16 @@ def test_the_seeds_report_leaves_out_a_run_of_another_schedule(tmp_path):
     assert sorted(by_seed[0]) == ["fsdp", "same"]
     messages = " ".join(str(w.message) for w in caught)
     assert "shorter.jsonl left out: at step 2" in messages and "bigger-batch.jsonl left out: at step 0" in messages
+
+
+def test_the_verdict_says_when_the_runs_stop_short_of_the_schedule():
+    from gpt2_bench.quality import format_seeds_report
+
+    def run(*losses):
+        return {"curve": [{"step": 99 + 100 * i, "val_loss": v} for i, v in enumerate(losses)]}
+
+    by_seed = {0: {"fsdp": run(5.0, 4.0, 3.0), "ours": run(5.02, 4.02)}, 1: {"fsdp": run(5.1, 4.1, 3.1),
+                                                                              "ours": run(5.1, 4.1, 3.1)}}
+    report = format_seeds_report(by_seed, steps=300)
+    assert "Not finished: every seed's runs reach step 199 of 300" in report
+    assert "Not finished" not in format_seeds_report(by_seed, steps=200)
