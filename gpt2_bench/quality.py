@@ -168,10 +168,10 @@ def format_seeds_report(
         since = judged[0]["step"] if judged else "-"
         if outside:
             worst = max(outside, key=lambda row: row["gap"])
-            judgement = (f"mean gap outside {tolerance:.0%} at {len(outside)} of {len(judged)} evaluations from step "
-                         f"{since} on (largest {worst['gap']:+.2f}% at step {worst['step']}).")
+            judgement = (f"mean gap outside {100 * tolerance:g}% at {len(outside)} of {len(judged)} evaluations "
+                         f"from step {since} on (largest {worst['gap']:+.2f}% at step {worst['step']}).")
         else:
-            judgement = f"mean gap within {tolerance:.0%} at every evaluation from step {since} on."
+            judgement = f"mean gap within {100 * tolerance:g}% at every evaluation from step {since} on."
         unfinished = (f" Not finished: every seed's runs reach step {last['step']} of {steps}, so this judges "
                       "that far." if last["step"] + 1 < steps else "")
         lines.append(
@@ -282,11 +282,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", default="", help="comma-separated runs to report (default: every log)")
     parser.add_argument("--steps", type=int, default=None, help="the runs' length (default: the last evaluation + 1)")
     parser.add_argument("--out", default=None, help="the report's path (default DIR/quality.md)")
+    parser.add_argument("--tolerance", type=float, default=1.0,
+                        help="the verdicts' bound on the mean gap, in percent (default 1, e.g. 0.5)")
     args = parser.parse_args(argv)
+    if not 0 < args.tolerance < 100:
+        parser.error(f"--tolerance is a percentage in (0, 100), e.g. 1 or 0.5; got {args.tolerance}")
     by_seed = read_runs(args.directory, [m for m in args.methods.split(",") if m], args.plain)
     steps = args.steps or 1 + max(c["step"] for runs in by_seed.values() for run in runs.values() for c in run["curve"])
     out = Path(args.out or Path(args.directory) / "quality.md")
-    report = format_seeds_report(by_seed, steps, plain_label=args.plain)
+    report = format_seeds_report(by_seed, steps, tolerance=args.tolerance / 100, plain_label=args.plain)
     out.write_text(report)
     plot_seed_gaps(by_seed, out.with_suffix(".png"))
     print(report)

@@ -316,6 +316,12 @@ def test_the_seeds_report_reads_trainer_logs_laid_out_by_seed(tmp_path):
     against = (tmp_path / "vs-ctl.md").read_text()
     assert "+4.88%" in against and "against ctl's" in against  # (4.4/4.2 - 1 + 5.25/5 - 1) / 2
     assert (tmp_path / "vs-ctl.png").exists()
+    main([str(tmp_path), "--methods", "ours", "--tolerance", "10", "--out", str(tmp_path / "ten.md")])
+    assert "mean gap within 10% at every evaluation" in (tmp_path / "ten.md").read_text()  # +7.50% is within 10%
+    main([str(tmp_path), "--methods", "ours", "--tolerance", "0.5", "--out", str(tmp_path / "half.md")])
+    assert "mean gap outside 0.5% at 1 of 1 evaluations" in (tmp_path / "half.md").read_text()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--tolerance", "0"])
 
 
 def test_the_seeds_report_leaves_out_a_run_of_another_schedule(tmp_path):
