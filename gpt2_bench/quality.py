@@ -159,6 +159,11 @@ def format_seeds_report(
             )
         lines.append("")
     lines += ["## Verdicts", ""]
+    for method in dict.fromkeys(m for runs in by_seed.values() for m in runs):
+        missing = [str(seed) for seed in seeds if method not in by_seed[seed]]
+        if missing and method != PLAIN_METHOD:
+            lines.append(f"- `{method}`: not compared: no run for seed {', '.join(missing)} (every seed needs one; "
+                         "`--seeds` picks the seeds to report)")
     for method, rows in gaps.items():
         if method == PLAIN_METHOD or not rows:
             continue
@@ -211,7 +216,10 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
         title="mean gap over seeds, band: +- the seed-to-seed spread",
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no method has a run for every seed", transform=ax.transAxes, ha="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -284,10 +292,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="the report's path (default DIR/quality.md)")
     parser.add_argument("--tolerance", type=float, default=1.0,
                         help="the verdicts' bound on the mean gap, in percent (default 1, e.g. 0.5)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds to report (default: every seed-N found)")
     args = parser.parse_args(argv)
     if not 0 < args.tolerance < 100:
         parser.error(f"--tolerance is a percentage in (0, 100), e.g. 1 or 0.5; got {args.tolerance}")
     by_seed = read_runs(args.directory, [m for m in args.methods.split(",") if m], args.plain)
+    if args.seeds is not None:
+        wanted = parse_seeds(args.seeds)
+        if not set(wanted) <= set(by_seed):
+            parser.error(f"--seeds {args.seeds}: no logs for seed {sorted(set(wanted) - set(by_seed))} "
+                         f"(found {sorted(by_seed)})")
+        by_seed = {seed: by_seed[seed] for seed in wanted}
     steps = args.steps or 1 + max(c["step"] for runs in by_seed.values() for run in runs.values() for c in run["curve"])
     out = Path(args.out or Path(args.directory) / "quality.md")
     report = format_seeds_report(by_seed, steps, tolerance=args.tolerance / 100, plain_label=args.plain)

@@ -359,3 +359,21 @@ def test_the_verdict_says_when_the_runs_stop_short_of_the_schedule():
     report = format_seeds_report(by_seed, steps=300)
     assert "Not finished: every seed's runs reach step 199 of 300" in report
     assert "Not finished" not in format_seeds_report(by_seed, steps=200)
+
+
+def test_a_method_without_every_seed_is_named_and_seeds_can_be_picked(tmp_path):
+    import json
+
+    from gpt2_bench.quality import main
+
+    for seed, names in {0: ("fsdp", "ours"), 1: ("fsdp",)}.items():
+        folder = tmp_path / f"seed-{seed}"
+        folder.mkdir()
+        for name in names:
+            (folder / f"{name}.jsonl").write_text(json.dumps({"step": 9, "val_loss": 4.0 + seed}) + "\n")
+    main([str(tmp_path)])
+    assert "- `ours`: not compared: no run for seed 1" in (tmp_path / "quality.md").read_text()
+    main([str(tmp_path), "--seeds", "0"])
+    assert "- `ours`: +0.00% at step 9 (one seed)" in (tmp_path / "quality.md").read_text()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--seeds", "0,2"])
