@@ -113,9 +113,9 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
-    defaults = TrainConfig.__dataclass_fields__  # the trainer's, which are the library's (tests/test_gpt2_train.py)
     reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_momentum", "feedback_decay")
-    fields = {"codec_options": {}, **{name: defaults[name].default for name in reset}, **settings}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}  # = the library's
+    fields = {"codec_options": {}, **defaults, **settings}
     from tagc.hooks.codec_registry import spec
 
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up

@@ -238,6 +238,7 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
     from pathlib import Path
 
     by_seed: dict[int, dict[str, dict]] = {}
+    schedules: dict[tuple[int, str], dict] = {}  # (seed, run) -> {step: (lr, tokens)}, for the check below
     for folder in sorted(Path(directory).glob("seed-*")):
         seed = int(folder.name.removeprefix("seed-"))
         for log in sorted(folder.glob("*.jsonl")):
@@ -249,18 +250,17 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
                      if "step" in r and r.get("val_loss") is not None]
             if curve:
                 key = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
-                schedule = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
-                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"],
-                                                     "schedule": schedule}
+                schedules[seed, key] = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
+                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
     if not by_seed:
         raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
     for seed, runs in by_seed.items():
-        reference = runs.get(PLAIN_METHOD, {}).get("schedule", {})
+        reference = schedules.get((seed, PLAIN_METHOD), {})
         for key in [k for k in runs if k != PLAIN_METHOD]:
-            step = _first_schedule_difference(reference, runs[key]["schedule"])
+            step = _first_schedule_difference(reference, schedules[seed, key])
             if step is not None:
                 warnings.warn(f"seed-{seed}/{key}.jsonl left out: at step {step} its (lr, tokens) "
-                              f"{runs[key]['schedule'][step]} differ from {plain}'s {reference[step]} (another "
+                              f"{schedules[seed, key][step]} differ from {plain}'s {reference[step]} (another "
                               "schedule or batch; run it with the same --steps, --batch-size and --lr)", stacklevel=2)
                 del runs[key]
     return by_seed
