@@ -450,7 +450,9 @@ def launch_peel(
     per_column = torch.empty(programs, lanes, dtype=torch.int32, device=device)
     wrap(_setup_kernel)[(programs,)](index, state, counts, per_column, rows, lane_xor, numel, blocks,
                                      LANE_BITS=lane_bits, BITS=bits, BB=bb)
-    first = (per_column.cumsum(0, dtype=torch.int32) - per_column).contiguous()  # a column's, before a program's
+    # a column's count before a program's; scanned along the last dimension of the transpose, because CUDA's
+    # scan down the first dimension is several times slower on these (programs, lanes) shapes
+    first = (per_column.t().cumsum(1, dtype=torch.int32).t() - per_column).contiguous()
     support = per_column.sum(0, dtype=torch.int32)
     lists = torch.empty(2 * blocks * lanes, dtype=torch.int32, device=device)
     wrap(_list_kernel)[(programs,)](state, first, lists, lane_xor, numel, blocks, LANE_BITS=lane_bits, BB=bb)
