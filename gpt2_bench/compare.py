@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from gpt2_bench.compare_hosts import HOST_METHODS, HOSTS_DEFAULTS, hosts_main
 from gpt2_bench.config import TrainConfig
-from gpt2_bench.methods import METHODS, PAPER_METHODS, parse_methods
+from gpt2_bench.methods import METHODS, PAPER_METHODS, PAPER_RATIO, parse_methods
 
 
 def build_compare_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -52,7 +52,8 @@ def build_compare_parser(argv: Sequence[str] | None = None) -> argparse.Argument
     # 60 steps of 4x128 tokens per rank (~15 min on 2 CPU cores); the dense warm-up is the library's (tagc.hook():
     # 10 steps for TAGC; ``--dense-steps 0`` to see plain top-k from step 0: +11% val loss at 30 steps, the early
     # LM-head moves that error feedback spreads out).
-    parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20)
+    parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20,
+                        ratio=PAPER_RATIO)
     param_dtype = next(action for action in parser._actions if action.dest == "param_dtype")
     param_dtype.help = ("the parameter all-gather dtype of every method that gathers parameters, alike: every "
                         "flat-FSDP method (fsdp and fsdp-bf16 included) and, with --layout hsdp, every HSDP one; "

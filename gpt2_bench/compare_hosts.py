@@ -43,7 +43,8 @@ HOST_METHODS = {
 RUN_ATTEMPTS = 2
 """A host run is started again once if a rank dies (see :func:`gpt2_bench.launch.run`)."""
 
-HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "steps": 12, "eval_interval": 12, "compression": "all",
+HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "ratio": None, "steps": 12,
+                  "eval_interval": 12, "compression": "all",
                   "integration": "fsdp2", "dense_steps": 2, "block_size": 64, "out_dir": "bench_out/hosts"}
 """The compare's defaults with ``--hosts``: the tiny preset, all layers compressed, a 100 Mbit/s link per host."""
 

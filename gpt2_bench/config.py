@@ -33,9 +33,11 @@ class TrainConfig:
     """How the selected (``compression``) columns cross the wire: a name of
     :func:`tagc.hooks.codec_registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
     codec_options: dict = dataclasses.field(default_factory=dict)
-    """The codec's own options, e.g. ``{"block": 128}`` for ``int4``."""
-    plain: str = "fp32"
-    """The codec of the columns not compressed (``tagc.hook(plain=...)``): fp32, bf16, fp8 or int4."""
+    """The codec's own options, e.g. ``{"block": 128}`` for ``int4``; those not given are filled in as
+    ``tagc.hook()`` does (``tagc``: coded positions, float16 cells)."""
+    plain: Optional[str] = None
+    """The codec of the columns not compressed (``tagc.hook(plain=...)``): fp32, bf16, fp8 or int4; ``None``:
+    the library's default for the codec (``int4`` for ``tagc``, else ``fp32``)."""
     reduce_dtype: Optional[str] = None
     """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
@@ -47,7 +49,8 @@ class TrainConfig:
     quantized blockwise to int8 for the all-gather (``MixedPrecisionPolicy(param_gather="int8")``, ZeRO++'s
     qwZ) and dequantized to float32 for compute; the sharded master weights stay exact. ``None``: the
     parameters' (fp32)."""
-    ratio: float = 10.0
+    ratio: Optional[float] = None
+    """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 10 for ``topk``)."""
     index_bits: int = 1
     sparsity: Any = "auto"
     min_compress_numel: int = 65536
@@ -58,13 +61,14 @@ class TrainConfig:
     record the number."""
     ramp_steps: int = 0
     """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
-    feedback: str = "classic"
+    feedback: Optional[str] = None
     """``tagc.hook(feedback=...)``: the codec's own error feedback (``classic``) or EF21 (``ef21``,
-    :mod:`tagc.hooks.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd)."""
+    :mod:`tagc.hooks.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd); ``None``: the
+    library's default for the codec (``ef21`` for ``tagc``, else ``classic``)."""
     feedback_momentum: float = 0.0
     """``tagc.hook(feedback_momentum=...)``, with ``feedback="ef21"``: the beta of each rank's gradient average
     ``v = beta v + (1 - beta) g`` compressed instead of ``g`` (EF21-SGDM); 0: none."""
-    feedback_decay: float = 1.0
+    feedback_decay: Optional[float] = None
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
     (``h = gamma h + C(g - gamma h)``); 1: none."""
     embedding_ratio: Optional[float] = None
@@ -140,9 +144,16 @@ class TrainConfig:
     """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
+    def fill_library_defaults(self) -> None:
+        """Set the codec settings left unset to the library's (:func:`library_codec_settings`), so that the run's
+        settings record the values it ran with."""
+        for name, value in library_codec_settings(self).items():
+            setattr(self, name, value)
+
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
 
+        self.fill_library_defaults()
         if self.dense_steps is None:
             self.dense_steps = library_dense_steps(self.codec, self.compression)
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
@@ -285,6 +296,22 @@ def param_gather(cfg: TrainConfig) -> str | None:
     return None if cfg.integration == "ddp" else cfg.param_dtype or "fp32"
 
 
+def library_codec_settings(config: TrainConfig) -> dict[str, Any]:
+    """The ``ratio``, ``plain``, ``feedback``, ``feedback_decay`` and ``codec_options`` that ``tagc.hook()`` gives
+    ``config``'s codec for those it leaves unset (``None``, or an option not named): the codec's recommended
+    setting (:func:`tagc.hooks.settings.recommended_settings`); a run with ``compression="none"`` or
+    ``torch_hook`` runs no codec of ours and takes the neutral ones (fp32, classic, no fading)."""
+    from tagc.config import TAGCConfig
+    from tagc.hooks.settings import recommended_settings
+
+    ours = config.compression != "none" and not config.torch_hook
+    filled = recommended_settings(config.codec if ours else "plain", config.ratio, config.plain, config.feedback,
+                                  config.feedback_decay, config.codec_options if ours else None)
+    return {"ratio": filled["ratio"] if filled["ratio"] is not None else TAGCConfig().ratio, "plain": filled["plain"],
+            "feedback": filled["feedback"], "feedback_decay": filled["feedback_decay"],
+            "codec_options": filled["options"] if ours else dict(config.codec_options)}
+
+
 def library_dense_steps(codec: str, compression: str) -> int:
     """The dense warm-up ``tagc.hook(codec=codec)`` gives when ``dense_steps`` is not passed
     (:data:`tagc.hooks.engine.DENSE_STEPS` for a codec with error feedback, else 0); 0 for
@@ -324,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
     p.add_argument("--plain", default=defaults.plain, choices=tuple(PLAIN_CODECS),
-                   help="the codec of the columns not compressed (attention, biases, norms, embeddings by default)")
+                   help="the codec of the columns not compressed (attention, biases, norms, embeddings by "
+                        "default); default: the library's, int4 for --codec tagc, else fp32")
     p.add_argument("--param-dtype", default=None, choices=[d for d in PARAM_DTYPES if d],
                    help="FSDP's parameter all-gather dtype (bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                         "reduce_dtype=torch.float32); SimpleFSDP on the CPU computes in float32; int8, "
@@ -332,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "per 256 elements, for the all-gather, as ZeRO++'s qwZ; the master weights stay exact)")
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
-    p.add_argument("--ratio", type=float, default=defaults.ratio)
+    p.add_argument("--ratio", type=float, default=defaults.ratio,
+                   help="compression ratio of tagc and topk (default: the library's, 4.5 for tagc, 10 for topk)")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in (
@@ -362,13 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback", default=defaults.feedback, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
-                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback)")
+                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback); default: the "
+                        "library's, ef21 for tagc, else classic")
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
                         "(EF21-SGDM; 0, the default: none)")
     p.add_argument("--feedback-decay", type=float, default=defaults.feedback_decay, metavar="GAMMA",
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
-                        "element that is not sent fades instead of holding its last value (1, the default: none)")
+                        "element that is not sent fades instead of holding its last value (default: the "
+                        "library's, 0.9 for tagc's EF21, else 1: none)")
     p.add_argument(
         "--ramp-steps",
         type=int,

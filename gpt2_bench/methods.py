@@ -46,7 +46,10 @@ in the lean-wire quality sweep over ratios, a density ramp and a denser embeddin
 its caveats: ``docs/results.md``, "Defaults and how they were chosen"). One ratio for both sparse
 codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries travel.
 
-``--ratio`` sets the other TAGC and top-k methods' ratio (the paper's 10 by default)."""
+``--ratio`` sets the other TAGC and top-k methods' ratio (the compare's default: :data:`PAPER_RATIO`)."""
+
+PAPER_RATIO = 10.0
+"""The TAGC paper's ratio: the compare's ``--ratio`` default, for the paper's methods and ``topk``."""
 
 INT4_RATIO = 4.5
 """``tagc-int4``'s ratio: the densest TAGC (coded positions, float16 cells, the rest in ``int4``) whose steady
@@ -54,6 +57,11 @@ step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB un
 FADE = 0.9
 """``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
 "Sixth screen")."""
+
+PAPER_WIRE = {"plain": "fp32", "feedback": "classic",
+              "codec_options": {"positions": "bitmap", "value_dtype": "float32"}}
+"""The TAGC paper's wire, which ``tagc.hook()`` no longer defaults to: the other columns in fp32, the codec's own
+error feedback, full support bitmaps and float32 cells. The paper's methods and the older TAGC ones set it."""
 
 METHODS: dict[str, dict] = {
     "fsdp": {"compression": "none"},
@@ -64,9 +72,9 @@ METHODS: dict[str, dict] = {
     "topk": {"compression": "non-attn", "codec": "topk"},
     "sign": {"compression": "all", "codec": "sign"},
     "powersgd": {"compression": "all", "codec": "powersgd"},
-    "tagc-all": {"compression": "all", "codec": "tagc"},
-    "tagc-non-attn": {"compression": "non-attn", "codec": "tagc"},
-    "tagc-ef21": {"compression": "non-attn", "codec": "tagc", "feedback": "ef21"},
+    "tagc-all": {"compression": "all", "codec": "tagc", **PAPER_WIRE},
+    "tagc-non-attn": {"compression": "non-attn", "codec": "tagc", **PAPER_WIRE},
+    "tagc-ef21": {"compression": "non-attn", "codec": "tagc", **PAPER_WIRE, "feedback": "ef21", "feedback_decay": 1.0},
     "tagc-int4": {"compression": "non-attn", "codec": "tagc", "plain": "int4", "ratio": INT4_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "ef21",
                   "feedback_decay": FADE},
@@ -74,7 +82,7 @@ METHODS: dict[str, dict] = {
                   "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}, "feedback": "ef21",
                   "feedback_decay": FADE},
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
-                  "codec_options": {"positions": "coded", "value_dtype": "float16"}},
+                  "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "classic"},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}},
     "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",

@@ -28,21 +28,27 @@ def hook(
     residual_dtype: torch.dtype = torch.float32,
     min_part: int = MIN_PART,
     dense_steps: int | None = None,
-    plain: str = "fp32",
+    plain: str | None = None,
     hierarchy: str = "auto",
     ranks_per_host: int | None = None,
     ramp_steps: int = 0,
     piece_bytes: int | None = None,
     side_stream: bool = True,
-    feedback: str = "classic",
+    feedback: str | None = None,
     feedback_momentum: float = 0.0,
-    feedback_decay: float = 1.0,
+    feedback_decay: float | None = None,
     **options,
 ) -> TAGCHook:
     """A TAGC comm hook.
 
+    With no arguments, codec ``tagc`` runs the setting that stayed closest to plain training's loss at no more
+    bytes than ``int4``'s (:data:`~tagc.hooks.settings.RECOMMENDED`): ratio 4.5, the other columns in
+    ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every argument given overrides
+    its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic", positions="bitmap",
+    value_dtype="float32")`` is the TAGC paper's codec.
+
     Args:
-        ratio: count-sketch compression ratio (> 1; default 10). Like ``index_bits``,
+        ratio: count-sketch compression ratio (> 1; default 4.5 for ``tagc``, 10 for ``topk``). Like ``index_bits``,
             ``sparsity`` and the other :class:`~tagc.config.TAGCConfig` fields, it applies to the codecs
             that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
         index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
@@ -79,9 +85,10 @@ def hook(
             1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only; counted in the warm-up
             a compiled model runs as one opaque exchange per block.
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
-            and everything during ``dense_steps``): ``"fp32"`` (as they are, default),
+            and everything during ``dense_steps``): ``"fp32"`` (as they are),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32
-            at the owner). ``"bf16"`` halves them at bf16 rounding.
+            at the owner). ``"bf16"`` halves them at bf16 rounding. ``None`` (default): ``"int4"`` for ``tagc``,
+            ``"fp32"`` for the others.
         hierarchy: ``"auto"`` (default): when the group spans more than one host, reduce plainly
             inside each host first and compress only the exchange across hosts, planned for the
             number of hosts (:mod:`tagc.hooks.hierarchy`); ``"flat"``: one compressed exchange
@@ -96,11 +103,12 @@ def hook(
         side_stream: on CUDA, run the codec work on a side stream of the hook's, so the caller's
             stream (the rest of the backward pass) runs on while parts are encoded and sent
             (:mod:`tagc.hooks.eager`); ``False``: on the caller's stream. No effect on the CPU.
-        feedback: ``"classic"`` (default: the codec's own error feedback, the unsent rest waits as a
+        feedback: ``"classic"`` (the codec's own error feedback, the unsent rest waits as a
             residual) or ``"ef21"`` (each rank sends the compressed change of its gradient against the
             last estimate the owners know, and the owners hand the optimizer the running sum, dense, so
             an unsent element keeps its last known value instead of zero; :mod:`tagc.hooks.feedback`).
-            Error-feedback codecs only, with ``residual_dtype=torch.float32``.
+            Error-feedback codecs only, with ``residual_dtype=torch.float32``. ``None`` (default): ``"ef21"``
+            for ``tagc``, ``"classic"`` for the others.
         feedback_momentum: with ``"ef21"``, the ``beta`` of each rank's running average of its gradient,
             compressed instead of the gradient (EF21-SGDM); 0 (default): none.
         feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
@@ -109,13 +117,15 @@ def hook(
             otherwise turn into full-size steps in one direction for as long as it waits. Its time constant
             ``1 / (1 - gamma)`` steps is meant to be near how long an element waits between sends (about one
             over the kept fraction): fading much faster leaves the compressed weights moving less than plain
-            training's. 1 (default): EF21 as published.
+            training's. 1: EF21 as published. ``None`` (default): 0.9 when ``tagc`` runs EF21, else 1.
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
             wire of ``tagc`` and ``topk``: ``positions="coded"`` (each rank's support Elias-Fano
             coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
-            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16).
+            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16); ``tagc`` defaults to
+            ``positions="coded"`` and ``value_dtype="float16"``, ``positions="bitmap"`` and
+            ``value_dtype="float32"`` being the paper's wire.
     """
     settings = HookSettings.from_arguments(
         ratio, index_bits, sparsity, codec=codec, select=select, nonfinite=nonfinite, residual_dtype=residual_dtype,

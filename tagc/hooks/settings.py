@@ -38,6 +38,41 @@ PLAIN_CODECS = {"fp32": "plain", "bf16": "bf16", "fp8": "fp8", "int4": "int4"}
 warm-up): ``"fp32"`` sends them as they are (the reduce dtype); the others are the stateless
 low-precision peers of :mod:`tagc.hooks.quantized`, summed in float32 at the owner."""
 
+RECOMMENDED: dict[str, dict[str, Any]] = {
+    "tagc": {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9,
+             "positions": "coded", "value_dtype": "float16"},
+}
+"""What :func:`tagc.hook` fills in, per codec, for each of these settings the caller leaves out: for ``tagc``, the
+setting that stayed closest to plain training's loss while sending no more than ``int4`` does (a kept fraction of
+4.5x, the other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells; how
+it was chosen: ``docs/quality-diagnosis.md``). A codec not listed, and a setting not listed, keeps
+:data:`NEUTRAL`'s value or the codec's own default."""
+
+NEUTRAL: dict[str, Any] = {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0}
+"""The defaults of the codecs :data:`RECOMMENDED` does not list (and :class:`HookSettings`' own field defaults):
+the other columns as they are, the codec's own error feedback, no fading."""
+
+
+def recommended_settings(codec: str, ratio: float | None = None, plain: str | None = None,
+                         feedback: str | None = None, feedback_decay: float | None = None,
+                         options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``ratio``, ``plain``, ``feedback``, ``feedback_decay`` and ``options`` (the codec's own) with every one left
+    out (``None``, or an option not named) filled in as :func:`tagc.hook` does for ``codec``
+    (:data:`RECOMMENDED`, else :data:`NEUTRAL`; ``ratio`` stays ``None`` for a codec with no entry, which
+    leaves it to :class:`~tagc.config.TAGCConfig`). A fading factor is filled in only for EF21: the codec's
+    recommended one when its recommended feedback is EF21, else 1 (EF21 as published)."""
+    recommended = RECOMMENDED.get(codec, {})
+    plain = plain if plain is not None else recommended.get("plain", NEUTRAL["plain"])
+    feedback = feedback if feedback is not None else recommended.get("feedback", NEUTRAL["feedback"])
+    if feedback_decay is None:
+        fading = feedback == "ef21" and recommended.get("feedback") == "ef21"
+        feedback_decay = recommended["feedback_decay"] if fading else NEUTRAL["feedback_decay"]
+    own = spec(codec).options if codec in codec_names() else {}
+    options = {**{name: value for name, value in recommended.items() if name in own}, **(options or {})}
+    return {"ratio": ratio if ratio is not None else recommended.get("ratio"), "plain": plain, "feedback": feedback,
+            "feedback_decay": feedback_decay, "options": options}
+
+
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
 _SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
 
@@ -116,16 +151,24 @@ class HookSettings:
             if self.residual_dtype != torch.float32:
                 raise ValueError(f"feedback={self.feedback!r} keeps each rank's shift in the residual, which a "
                                  f"{self.residual_dtype} residual would round at every step: use "
-                                 "residual_dtype=torch.float32")
+                                 "residual_dtype=torch.float32, or feedback='classic' (tagc.hook's default "
+                                 "for codec 'tagc' is 'ef21')")
 
     @classmethod
     def from_arguments(cls, ratio: float | None = None, index_bits: int | None = None,
                        sparsity: float | str | None = None, codec: str = "tagc", **settings) -> HookSettings:
-        """:func:`tagc.hook`'s arguments: the :class:`TAGCConfig` fields (``ratio``, ``index_bits``,
+        """:func:`tagc.hook`'s arguments, with the settings left out (``None``) filled in by
+        :func:`recommended_settings`: the :class:`TAGCConfig` fields (``ratio``, ``index_bits``,
         ``sparsity`` and, among ``settings``, ``lane``, ``seed``, ``fallback``, ``min_compress_numel``)
         go to ``config``, the other names of this class to their fields, and what is left to
         ``codec_options``. A config field a codec does not use is an error that names its options."""
         codec_spec = spec(codec)
+        own_options = {name: settings.pop(name) for name in list(settings) if name in codec_spec.options}
+        filled = recommended_settings(codec, ratio, settings.pop("plain", None), settings.pop("feedback", None),
+                                      settings.pop("feedback_decay", None), own_options)
+        ratio = filled["ratio"]
+        settings.update(plain=filled["plain"], feedback=filled["feedback"],
+                        feedback_decay=filled["feedback_decay"], **filled["options"])
         given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
         config_args = {name: value for name, value in given.items() if value is not None}
         config_args.update({name: settings.pop(name) for name in list(settings) if name in _CONFIG_FIELDS})
