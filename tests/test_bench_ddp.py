@@ -17,6 +17,7 @@ from typing_extensions import Self
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.layout_ddp import powersgd_sizes, powersgd_start_iter
 from tests.distributed import run_ranks
+from tests.paper_wire import paper_train_config
 from tests.test_gpt2_train import bbc_ready
 
 needs_bbc = pytest.mark.skipif(not bbc_ready(),
@@ -30,7 +31,7 @@ RUNS = {  # name -> the TrainConfig fields that make it
     "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},
     "ddp-powersgd": {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": 2},
                      "dense_steps": 1},
-    "tagc": {"compression": "all", "codec": "tagc", "dense_steps": 1},
+    "tagc": {"compression": "all", "codec": "tagc", "dense_steps": 1, **paper_train_config()},  # the arithmetic's
 }
 
 

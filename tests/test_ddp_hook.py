@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tagc
 from tagc.hooks.ddp import DDPHookState, ring
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE, paper
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -111,7 +112,7 @@ def _every_codec(rank: int, world: int) -> dict:
     for label, settings in CODECS.items():
         model = _model()
         ddp = _ddp(copy.deepcopy(model))
-        state, hook_fn = tagc.ddp_hook(ddp, select="all", dense_steps=0, min_compress_numel=1, **settings)
+        state, hook_fn = tagc.ddp_hook(ddp, **paper(select="all", dense_steps=0, min_compress_numel=1, **settings))
         ddp.register_comm_hook(state, hook_fn)
         names = [name for name, _ in model.named_parameters()]
         steps = []
@@ -320,7 +321,7 @@ def _hooked(settings: dict) -> tuple[DDP, DDPHookState]:
 
 
 def _checkpoint(rank: int, world: int) -> list[bool]:
-    settings = {"ratio": 4, "select": "all", "dense_steps": 1, "min_compress_numel": 1}
+    settings = {"ratio": 4, "select": "all", "dense_steps": 1, "min_compress_numel": 1, **PAPER_WIRE}
     original, state = _hooked(settings)
     for step in range(4):  # DDP's first buckets, one dense step, two compressed
         _grads(original, rank, step)
@@ -390,7 +391,7 @@ COUNTERS = ("buckets", "compressed_buckets", "wire_bytes", "plain_equivalent_byt
 def _overlapped_vs_blocking(rank: int, world: int) -> dict:
     results = {}
     for label, settings in OVERLAP_CODECS.items():
-        settings = {"select": "all", "dense_steps": 0, "min_compress_numel": 1, **settings}
+        settings = paper(**{"select": "all", "dense_steps": 0, "min_compress_numel": 1, **settings})
         deep = settings.pop("deep", False)
         runs = []
         for overlap in (True, False):
@@ -460,8 +461,8 @@ def _launch_order(rank: int, world: int) -> dict:
         for label, settings in LAUNCH_ORDER_CODECS.items():
             for overlap in (True, False):
                 ddp = _deep_ddp()
-                state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, select="all", dense_steps=0, min_compress_numel=1,
-                                               **settings)
+                state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, **paper(select="all", dense_steps=0,
+                                                                             min_compress_numel=1, **settings))
 
                 def called(hook_state, bucket, _hook=hook_fn):
                     events.append(("call", tuple(tuple(p.shape) for p in bucket.parameters())))
@@ -565,7 +566,7 @@ def _slow_link(rank: int, world: int) -> dict:
                 layer.register_forward_hook(slow_backward)
             ddp = DDP(nn.Sequential(*layers), bucket_cap_mb=0.05)  # a bucket per layer's weight
             state, hook_fn = tagc.ddp_hook(ddp, ratio=4, select="all", dense_steps=0, min_compress_numel=1,
-                                           overlap=overlap)
+                                           overlap=overlap, **PAPER_WIRE)
             events = []
 
             def timed(hook_state, bucket, _events=events, _hook=hook_fn):
@@ -620,8 +621,9 @@ def _raising(rank: int, world: int) -> dict:
     for label, settings in {"tagc": {"ratio": 4}, "int4": {"codec": "int4"}}.items():
         for overlap in (True, False):
             ddp = _ddp(_model())
-            state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, select="all", dense_steps=0, min_compress_numel=1,
-                                           nonfinite="raise", **settings)
+            state, hook_fn = tagc.ddp_hook(ddp, overlap=overlap, **paper(select="all", dense_steps=0,
+                                                                         min_compress_numel=1, nonfinite="raise",
+                                                                         **settings))
             ddp.register_comm_hook(state, hook_fn)
             _grads(ddp, rank, 0)  # DDP's first buckets
             x, y = _batch(rank, 1)

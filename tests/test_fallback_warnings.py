@@ -12,6 +12,7 @@ import tagc
 from tagc.hooks import Segment
 from tagc.kernels import fallbacks
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,8 @@ def fsdp1_partly_selected_unit(rank, world):
 
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), device_id=torch.device("cpu"))  # one unit
-    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, select=lambda name, module: name.startswith("0."))
+    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, select=lambda name, module: name.startswith("0."),
+                     **PAPER_WIRE)  # plain: fp32, so that a unit gone plain counts as no compressed bucket
     tagc.register_comm_hook(model, hook)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

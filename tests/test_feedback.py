@@ -21,15 +21,18 @@ from tagc.hooks.checkpoint import check_feedback
 from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.stats import ExchangeStats
 from tests.distributed import run_ranks
+from tests.paper_wire import paper, paper_train_config
 
 CHUNK = 8192
 RATIOS = {"topk": 4.0, "tagc": 4.0}
 
 
 def _hook(codec: str, feedback: str = "ef21", **settings) -> tagc.hooks.TAGCHook:
+    """The codec under ``feedback``; ``tagc`` on the paper's wire (bitmaps, float32 cells, fp32 plain columns, no
+    fading unless asked), which :func:`_sent` reads back."""
     ratio = {"ratio": RATIOS[codec]} if codec in RATIOS and "ratio" not in settings else {}
-    return tagc.hook(codec=codec, select="all", dense_steps=0, min_compress_numel=1, feedback=feedback, **ratio,
-                     **settings)
+    return tagc.hook(**paper(codec=codec, select="all", dense_steps=0, min_compress_numel=1, feedback=feedback,
+                             **ratio, **settings))
 
 
 def _step(hook, grad: torch.Tensor, segments) -> torch.Tensor:
@@ -151,8 +154,8 @@ def test_a_constant_gradient_is_delivered_whole_every_step(codec):
 
 
 def _raw(rank, world):
-    hook = tagc.hook(codec="tagc", ratio=10, sparsity=0.0, fallback="raw", select="all", dense_steps=0,
-                     min_compress_numel=1, feedback="ef21")  # everything kept: far more than the sketch recovers
+    hook = tagc.hook(**paper(codec="tagc", ratio=10, sparsity=0.0, fallback="raw", select="all", dense_steps=0,
+                             min_compress_numel=1, feedback="ef21"))  # everything kept: far more than sketch recovers
     everyone = []
     outs = []
     for step in range(3):
@@ -376,19 +379,26 @@ def test_settings_are_validated_with_clear_errors():
     assert hook.codec.name == "tagc" and hook.codec.momentum == 0.9 and hook.dense_steps == 10
     assert hook.settings()["feedback"] == "ef21" and hook.settings()["feedback_momentum"] == 0.9
     assert hook.codec.decay == 0.95 and hook.settings()["feedback_decay"] == 0.95
-    assert tagc.hook().settings()["feedback"] == "classic"
-    assert type(tagc.hook().codec).__name__ == "TAGCCodec"  # classic: the codec itself
+    default = tagc.hook()  # codec tagc: EF21 fading by 0.9 (tagc.hooks.settings.RECOMMENDED)
+    assert (default.settings()["feedback"], default.settings()["feedback_decay"]) == ("ef21", 0.9)
+    assert type(default.codec).__name__ == "EF21Codec" and default.codec.decay == 0.9
+    assert type(default.codec.inner).__name__ == "TAGCCodec"
+    assert type(tagc.hook(feedback="classic").codec).__name__ == "TAGCCodec"  # classic: the codec itself
+    assert type(tagc.hook(codec="topk").codec).__name__ == "TopKCodec"  # other codecs: classic by default
     for bad, message in [
         (dict(feedback="ef22"), "feedback must be one of ('classic', 'ef21')"),
-        (dict(feedback_momentum=0.5), "only with feedback='ef21'"),
+        (dict(feedback="classic", feedback_momentum=0.5), "only with feedback='ef21'"),
+        (dict(codec="topk", feedback_momentum=0.5), "only with feedback='ef21'"),
         (dict(feedback="ef21", feedback_momentum=1.0), "[0, 1)"),
         (dict(feedback="ef21", feedback_momentum=True), "[0, 1)"),
-        (dict(feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
+        (dict(feedback="classic", feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
+        (dict(codec="topk", feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
         (dict(feedback="ef21", feedback_decay=0.0), "(0, 1]"),
         (dict(feedback="ef21", feedback_decay=1.5), "(0, 1]"),
         (dict(feedback="ef21", feedback_decay=True), "(0, 1]"),
         (dict(feedback="ef21", codec="int4"), "'tagc', 'powersgd', 'sign', 'topk'"),
         (dict(feedback="ef21", residual_dtype=torch.bfloat16), "residual_dtype=torch.float32"),
+        (dict(residual_dtype=torch.bfloat16), "feedback='classic'"),  # tagc's default EF21 says how to keep bf16
     ]:
         with pytest.raises(ValueError) as error:
             tagc.hook(**bad)
@@ -402,10 +412,13 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
     assert "-ef21m0.9" in cfg.run_name and "-ef21" in config_from_args(parse(["--feedback", "ef21"])).run_name
     faded = config_from_args(parse(["--feedback", "ef21", "--feedback-decay", "0.9"]))
     assert faded.feedback_decay == 0.9 and "-ef21d0.9" in faded.run_name
-    assert "ef21" not in TrainConfig().run_name
+    assert "-ef21d0.9" in TrainConfig().run_name  # codec tagc: the library's EF21, fading by 0.9
+    assert "ef21" not in TrainConfig(**paper_train_config()).run_name
+    assert "ef21" not in TrainConfig(codec="topk").run_name
     for bad in (dict(feedback="ef21", compression="none"), dict(feedback="ef21", codec="int4"),
-                dict(feedback_momentum=0.5), dict(feedback="nope"), dict(feedback_decay=0.9),
-                dict(feedback="ef21", feedback_decay=0.0)):
+                dict(feedback="classic", feedback_momentum=0.5), dict(codec="topk", feedback_momentum=0.5),
+                dict(feedback="nope"), dict(feedback="classic", feedback_decay=0.9),
+                dict(codec="topk", feedback_decay=0.9), dict(feedback="ef21", feedback_decay=0.0)):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
 
@@ -413,8 +426,8 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
 def _ddp_sketch(rank, world, nan_step, decay):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
-    state = tagc.ddp_hook(model, codec="tagc", ratio=4, select="all", dense_steps=0, min_compress_numel=1,
-                          feedback="ef21", feedback_decay=decay)
+    state = tagc.ddp_hook(model, **paper(codec="tagc", ratio=4, select="all", dense_steps=0, min_compress_numel=1,
+                                         feedback="ef21", feedback_decay=decay))
     model.register_comm_hook(*state)
     codec = state[0].hook.codec
     generator = torch.Generator().manual_seed(rank)

@@ -170,11 +170,12 @@ def test_under_ef21_an_element_counts_as_sent_when_its_shift_moved():
     assert classic.ages[("unit", 0)].tolist() == [[3, 4, 0, 1]]  # zeros read as sent: wrong for EF21
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
-    for feedback in ("ef21", "classic"):  # the trainer's diagnostics read the hook's feedback
-        step = diagnostics.StepDiagnostics(model, optimizer, tagc.hook(feedback=feedback), None, "all", 1.0)
-        assert step.ages.changed == (feedback == "ef21") and step.ages.decay == 1.0
-    faded = tagc.hook(feedback="ef21", feedback_decay=0.5)
-    assert diagnostics.StepDiagnostics(model, optimizer, faded, None, "all", 1.0).ages.decay == 0.5
+    # the trainer's diagnostics read the hook's feedback and its fading: codec tagc's EF21 fades by 0.9 unless told
+    for settings, changed, decay in [({"feedback": "ef21"}, True, 0.9), ({"feedback": "classic"}, False, 1.0),
+                                     ({"feedback": "ef21", "feedback_decay": 1.0}, True, 1.0),
+                                     ({"feedback": "ef21", "feedback_decay": 0.5}, True, 0.5)]:
+        step = diagnostics.StepDiagnostics(model, optimizer, tagc.hook(**settings), None, "all", 1.0)
+        assert (step.ages.changed, step.ages.decay) == (changed, decay), settings
 
 
 def test_with_fading_shifts_an_element_counts_as_sent_when_it_moved_beyond_its_fade():

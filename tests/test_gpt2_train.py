@@ -23,26 +23,49 @@ def test_warmup_then_cosine_to_min_lr():
 
 def test_the_trainers_codec_defaults_are_the_librarys():
     """``python -m gpt2_bench.train`` without codec flags runs what ``tagc.hook()`` would: every setting the two share
-    has one default (the training ``seed`` is the model's, not the sketch's, so it is not compared)."""
+    has one default (the training ``seed`` is the model's, not the sketch's, so it is not compared), and the ones the
+    library resolves per codec (ratio, plain, feedback, feedback_decay, codec options, dense warm-up) resolve in the
+    config to what ``tagc.hook(codec=...)`` resolves them to: codec tagc's recommended setting, topk's and int4's
+    neutral one. The hook the trainer builds from the config is that hook's settings, field for field."""
     import dataclasses
     import inspect
 
     import tagc
+    from gpt2_bench.sharding import make_hook
     from tagc.config import TAGCConfig
+    from tagc.hooks.codec_registry import resolve_options
 
     trainer = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
     library = {name: p.default for name, p in inspect.signature(tagc.hook).parameters.items()
                if p.default is not inspect.Parameter.empty}
     sketch = {f.name: f.default for f in dataclasses.fields(TAGCConfig) if f.name != "seed"}
+    per_codec = ("ratio", "plain", "feedback", "feedback_decay", "dense_steps")
+    assert all(trainer[name] is None and library[name] is None for name in per_codec)  # resolved per codec, below
 
     def default(name):  # tagc.hook() leaves the sketch's settings to TAGCConfig (None)
         value = library.get(name)
         return sketch[name] if value is None and name in sketch else value
 
-    shared = {name: default(name) for name in trainer if name in library or name in sketch}
-    assert {"ratio", "index_bits", "plain", "feedback", "feedback_decay", "dense_steps"} <= set(shared)
-    assert "min_compress_numel" in shared
+    shared = {name: default(name) for name in trainer
+              if (name in library or name in sketch) and name not in per_codec}
+    assert {"index_bits", "min_compress_numel", "sparsity", "feedback_momentum", "ramp_steps"} <= set(shared)
     assert {name: trainer[name] for name in shared} == shared
+
+    for config, arguments in [(TrainConfig(), {}),  # codec tagc on the non-attention layers
+                              (TrainConfig(codec="topk", compression="all"), {"codec": "topk", "select": "all"}),
+                              (TrainConfig(codec="int4", compression="all"), {"codec": "int4", "select": "all"})]:
+        hook = tagc.hook(**arguments)
+        settings = hook.hook_settings
+        resolved = {"ratio": config.ratio, "plain": config.plain, "feedback": config.feedback,
+                    "feedback_decay": config.feedback_decay, "dense_steps": config.dense_steps,
+                    "codec_options": resolve_options(config.codec, config.codec_options)}
+        assert resolved == {"ratio": settings.config.ratio, "plain": settings.plain, "feedback": settings.feedback,
+                            "feedback_decay": settings.feedback_decay, "dense_steps": settings.warmup_steps(hook.codec),
+                            "codec_options": settings.codec_options}, config.codec
+        if config.codec == "tagc":  # the config records the options tagc.hook() fills in, not only its codec's own
+            assert config.codec_options == dict(settings.codec_options)
+        built = make_hook(config).hook_settings  # what the trainer runs
+        assert built == settings.replace(dense_steps=settings.warmup_steps(hook.codec)), config.codec
 
 
 def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():

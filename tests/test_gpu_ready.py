@@ -19,6 +19,7 @@ import torch.distributed as dist
 import tagc
 from tagc.hooks import Segment
 from tests.distributed import run_ranks
+from tests.paper_wire import paper
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "tagc" / "hooks"
@@ -155,10 +156,12 @@ def collectives_seen(rank, world, settings_list):
             setattr(dist, name, fn)
 
 
-SMALL = dict(ratio=10, min_compress_numel=1000)
+SMALL = paper(ratio=10, min_compress_numel=1000)  # codec tagc on the paper's wire (the others override it)
 LEAN = dict(positions="coded", value_dtype="bfloat16", plain="bf16")
-SETTINGS = [dict(SMALL, min_part=1 << 14), dict(SMALL, fallback="raw", min_part=1 << 14), dict(SMALL, codec="topk"),
-            dict(codec="bf16", select="all"), dict(codec="plain", select="all"), dict(SMALL, min_part=1 << 14, **LEAN)]
+RECOMMENDED = dict(min_compress_numel=1000, min_part=1 << 14)  # tagc.hook()'s: EF21, coded, float16, int4 plain
+SETTINGS = [dict(SMALL, min_part=1 << 14), dict(SMALL, fallback="raw", min_part=1 << 14),
+            dict(ratio=10, min_compress_numel=1000, codec="topk"), dict(codec="bf16", select="all"),
+            dict(codec="plain", select="all"), dict(SMALL, min_part=1 << 14, **LEAN), RECOMMENDED]
 
 
 def test_every_collective_tensor_is_on_the_gradients_device():
@@ -194,9 +197,10 @@ def strict_steps(rank, world, settings, steps, nan_step):
 
 
 @pytest.mark.parametrize("settings", [dict(codec="plain", select="all"), dict(SMALL, min_part=1 << 14),
-                                      dict(SMALL, codec="topk"), dict(SMALL, min_part=1 << 14, **LEAN),
-                                      dict(SMALL, codec="topk", **LEAN)],
-                         ids=["plain", "tagc", "topk", "tagc-lean", "topk-lean"])
+                                      dict(ratio=10, min_compress_numel=1000, codec="topk"),
+                                      dict(SMALL, min_part=1 << 14, **LEAN),
+                                      dict(ratio=10, min_compress_numel=1000, codec="topk", **LEAN), RECOMMENDED],
+                         ids=["plain", "tagc", "topk", "tagc-lean", "topk-lean", "tagc-recommended"])
 def test_strict_sync_steady_exchange_reads_nothing_on_the_host(settings):
     steps, nan_step = 4, 3
     for per_step, sites in run_ranks(strict_steps, 2, settings, steps, nan_step):

@@ -15,6 +15,7 @@ import tagc
 from tagc.hooks import Segment
 from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE
 
 WORLD, PER_HOST = 4, 2
 HOSTS = WORLD // PER_HOST
@@ -57,7 +58,8 @@ def _engine(rank, world):
 
     # tagc: what the owner decodes is the exact sum of what the cross ranks kept (their residual + kept == block)
     hook = tagc.hook(
-        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024
+        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024,
+        **PAPER_WIRE,
     )
     host, local = divmod(rank, PER_HOST)
     density = hook.config.density(HOSTS)
@@ -102,7 +104,8 @@ def _engine(rank, world):
     stats, state = hook.stats()["total"], hook.state_dict()
     # a checkpoint of the H-row residuals resumes exactly
     resumed = tagc.hook(
-        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024
+        dense_steps=0, ratio=10, index_bits=1, ranks_per_host=PER_HOST, min_part=1 << 17, min_compress_numel=1024,
+        **PAPER_WIRE,
     )
     resumed.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     resumes = bool(torch.equal(_exchange(resumed, _grad(9, rank)), _exchange(hook, _grad(9, rank))))
@@ -142,7 +145,7 @@ def _bytes(rank, world):
         "one_host": {},
         "warmup": dict(ranks_per_host=PER_HOST, dense_steps=1),
     }.items():
-        hook = tagc.hook(ratio=10, select="all", **{"dense_steps": 0, **options})
+        hook = tagc.hook(ratio=10, select="all", **PAPER_WIRE, **{"dense_steps": 0, **options})
         out = _exchange(hook, grad, segments)
         result[name] = {"stats": hook.stats()["total"], "out": out,
                         "row_flat": hook.wire_row_bytes(segments, CHUNK, world, torch.float32),

@@ -12,6 +12,7 @@ import tagc
 from tagc.hooks import Segment
 from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_RATIO, PAPER_WIRE, paper
 
 CHUNK = 300_000
 
@@ -34,7 +35,7 @@ def exchange(rank, world, hook, grad, op=dist.ReduceOp.AVG, segs=None):
 
 
 def lossless_transport(rank, world, bits):
-    hook = tagc.hook(dense_steps=0, ratio=10, index_bits=bits, min_part=1 << 17)
+    hook = tagc.hook(dense_steps=0, ratio=10, index_bits=bits, min_part=1 << 17, **PAPER_WIRE)
     torch.manual_seed(rank)
     grad = torch.randn(world, CHUNK)
     out = exchange(rank, world, hook, grad)
@@ -82,7 +83,7 @@ def test_decoded_shard_is_the_exact_sum_of_what_ranks_kept(world, bits):
 
 
 def wire_bytes(rank, world, bits, ratio):
-    hook = tagc.hook(dense_steps=0, ratio=ratio, index_bits=bits, select="all")
+    hook = tagc.hook(dense_steps=0, ratio=ratio, index_bits=bits, select="all", **PAPER_WIRE)
     grad = torch.randn(world, 1 << 20)
     exchange(rank, world, hook, grad, segs=[Segment("w", 0, 1 << 20)])
     return hook.stats()["total"]
@@ -102,7 +103,7 @@ def error_feedback_training(rank, world, use_tagc):
     torch.manual_seed(0)
     w_true = torch.randn(64, 512)
     model = torch.nn.Linear(512, 64, bias=False)
-    hook = tagc.hook(dense_steps=0, ratio=10, select="all", min_compress_numel=1024, min_part=1 << 14)
+    hook = tagc.hook(dense_steps=0, ratio=10, select="all", min_compress_numel=1024, min_part=1 << 14, **PAPER_WIRE)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses = []
@@ -180,15 +181,16 @@ def mismatched(rank, world):
     the setting and both values, and the group still usable after it (no hang, no abort)."""
     messages = []
     for _, mine, theirs in MISMATCHES:
-        hook = tagc.hook(**{"dense_steps": 0, **(mine if rank == 0 else theirs)})
+        hook = tagc.hook(**paper(**{"dense_steps": 0, **(mine if rank == 0 else theirs)}))
         with pytest.raises(ValueError, match="settings differ") as error:
             exchange(rank, world, hook, torch.randn(world, CHUNK))
         messages.append(str(error.value))
-    piece = tagc.hook(dense_steps=0)
+    piece = tagc.hook(dense_steps=0, ratio=PAPER_RATIO, **PAPER_WIRE)
     piece.piece_bytes = 1 << 20 if rank == 0 else 1 << 19
     with pytest.raises(ValueError, match="piece_bytes"):
         exchange(rank, world, piece, torch.randn(world, CHUNK))
-    agreed = exchange(rank, world, tagc.hook(dense_steps=0), torch.randn(world, CHUNK))  # the group still works
+    agreed = exchange(rank, world, tagc.hook(dense_steps=0, ratio=PAPER_RATIO, **PAPER_WIRE),
+                      torch.randn(world, CHUNK))  # the group still works
     return messages, bool(torch.isfinite(agreed).all())
 
 
@@ -240,7 +242,7 @@ def run_ranks_allow_missing(fn, world):
 
 
 def nonfinite(rank, world, policy):
-    hook = tagc.hook(dense_steps=0, ratio=10, nonfinite=policy)
+    hook = tagc.hook(dense_steps=0, ratio=10, nonfinite=policy, **PAPER_WIRE)
     grad = torch.randn(world, CHUNK)
     exchange(rank, world, hook, grad)  # a normal step leaves a residual
     (before,) = [[p.clone() for p in parts] for parts in hook.residuals.values()]
@@ -283,7 +285,7 @@ def test_nonfinite_gradient_reaches_every_owner_or_raises():
 
 
 def world_one_and_tiny(rank, world):
-    hook = tagc.hook(dense_steps=0, ratio=10)
+    hook = tagc.hook(dense_steps=0, ratio=10, **PAPER_WIRE)
     if world == 1:
         grad = torch.randn(1, 1000)
         return torch.equal(
@@ -319,7 +321,7 @@ def test_bad_hook_arguments():
 def triton_backend_exchange(rank, world):
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
     os.environ["TAGC_BACKEND"] = "triton"
-    hook = tagc.hook(dense_steps=0, ratio=4, select="all", min_compress_numel=1024)
+    hook = tagc.hook(dense_steps=0, ratio=4, select="all", min_compress_numel=1024, **PAPER_WIRE)
     torch.manual_seed(rank)
     grad = torch.randn(world, 6000)
     out = exchange(rank, world, hook, grad, segs=[Segment("w", 0, 6000)])
@@ -358,7 +360,7 @@ def test_raw_fallback_resends_what_decode_cannot_recover():
 
 
 def dense_warmup(rank, world):
-    hook = tagc.hook(ratio=10, dense_steps=2)
+    hook = tagc.hook(ratio=10, dense_steps=2, **PAPER_WIRE)
     torch.manual_seed(rank)
     results = []
     for _ in range(3):
@@ -439,9 +441,11 @@ def test_a_tensor_premul_sum_factor_is_applied_without_a_host_read():
         assert scale is factor and torch.equal(out, expected)
 
 
-def test_a_steady_premul_sum_exchange_reads_nothing_on_the_host():
-    """One process (world 1): the exchange's own work, PREMUL_SUM with a tensor factor, strict sync mode."""
-    hook = tagc.hook(dense_steps=0)
+@pytest.mark.parametrize("wire", [PAPER_WIRE, {}], ids=["paper", "recommended"])
+def test_a_steady_premul_sum_exchange_reads_nothing_on_the_host(wire):
+    """One process (world 1): the exchange's own work, PREMUL_SUM with a tensor factor, strict sync mode; on the
+    paper's wire and on ``tagc.hook()``'s recommended one (EF21, coded positions, int4 plain columns)."""
+    hook = tagc.hook(dense_steps=0, **wire)
     hook.strict_sync = True
     op = dist._make_nccl_premul_sum(torch.tensor(0.25))
     reads, outs = [], []

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 import tagc
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE
 
 
 def train_fsdp1(rank, world, use_tagc, unit_ratio=None):
@@ -21,7 +22,8 @@ def train_fsdp1(rank, world, use_tagc, unit_ratio=None):
         select = (
             "all" if unit_ratio is None else ratio_for("", unit_ratio, "all")
         )  # built here: a closure does not pickle
-        hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select=select, min_compress_numel=1024)
+        hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select=select, min_compress_numel=1024,
+                         **PAPER_WIRE)
         tagc.register_comm_hook(model, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     torch.manual_seed(100 + rank)

@@ -8,6 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tagc
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE
 
 
 def sparse_embedding_model() -> nn.Module:
@@ -28,7 +29,7 @@ def train_embedding(rank, world, use_tagc, reduce_dtype, op_case, steps=3):
         elif op_case == "sum":
             module.set_force_sum_reduction_for_comms(True)
     if use_tagc:
-        hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select="all", min_compress_numel=1024)
+        hook = tagc.hook(dense_steps=0, ratio=10, sparsity=0.0, select="all", min_compress_numel=1024, **PAPER_WIRE)
         tagc.register_comm_hook(model, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     torch.manual_seed(100 + rank)

@@ -17,6 +17,7 @@ from tagc.hooks.segment import Segment
 from tagc.hooks.settings import HookSettings
 from tagc.hooks.state import ExchangeState, UnitTiming
 from tagc.hooks.stats import ExchangeStats
+from tests.paper_wire import paper
 
 
 def test_piece_bytes_and_side_stream_reach_the_hook_from_tagc_hook():
@@ -63,12 +64,26 @@ def test_settings_are_frozen_and_a_writable_one_is_validated_again():
 
 
 def test_a_hook_from_settings_is_the_hook_from_arguments():
+    """``HookSettings.from_arguments`` is ``tagc.hook``'s resolution: the same hook, the settings left out filled from
+    codec tagc's recommended ones (EF21 fading by 0.9, float16 cells here). ``TAGCHook(TAGCConfig(...), **kw)`` and
+    ``HookSettings(...)`` fill nothing: their defaults stay the neutral ones (classic feedback, float32 cells, fp32
+    plain columns, ratio 10), the TAGC paper's codec."""
     given = dict(ratio=4, codec="tagc", select="all", plain="bf16", dense_steps=2, ramp_steps=4, positions="coded")
     from_settings = TAGCHook(HookSettings.from_arguments(**given))
     assert from_settings.settings() == tagc.hook(**given).settings()
+    filled = from_settings.settings()
+    assert (filled["feedback"], filled["feedback_decay"], dict(filled["codec_options"])) == (
+        "ef21", 0.9, {"positions": "coded", "value_dtype": "float16"})
     old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2, ramp_steps=4,
                          codec_options={"positions": "coded"})
-    assert old_style.settings() == from_settings.settings()
+    assert old_style.settings() == TAGCHook(HookSettings.from_arguments(
+        **given, feedback="classic", value_dtype="float32")).settings()  # neutral: nothing filled
+    assert old_style.settings() != from_settings.settings()
+    recommended_old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2,
+                                     ramp_steps=4, codec_options={"positions": "coded", "value_dtype": "float16"},
+                                     feedback="ef21", feedback_decay=0.9)
+    assert recommended_old_style.settings() == from_settings.settings()
+    assert HookSettings() == HookSettings.from_arguments(**paper())  # the field defaults: the paper's codec
     with pytest.raises(TypeError, match="settings are given once"):
         TAGCHook(HookSettings(), min_part=3)
 

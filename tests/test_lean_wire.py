@@ -15,6 +15,7 @@ from tagc.hooks.engine import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import eager_and_traced_step, run_ranks
+from tests.paper_wire import paper
 
 KEY = "bucket/part"
 LEAN = {"positions": "coded", "value_dtype": torch.bfloat16}
@@ -252,7 +253,8 @@ PLAIN_BOUND = {"fp32": 0.0, "bf16": 2**-8, "fp8": 2**-3, "int4": 0.3}
 
 def lean_hook(name: str, plain: str):
     options = LEAN if name != "plain" else {}
-    return tagc.hook(codec=name, plain=plain, min_compress_numel=1000, **{"dense_steps": 0, **options})
+    # tagc: the lean wire over the paper's ratio and classic feedback (the byte count below is that codec's)
+    return tagc.hook(**paper(codec=name, plain=plain, min_compress_numel=1000, **{"dense_steps": 0, **options}))
 
 
 def eager_and_traced(rank, world, name, plain):

@@ -11,6 +11,7 @@ import torch.nn as nn
 import tagc
 from tests.distributed import run_ranks
 from tests.nccl_rules import NcclRules
+from tests.paper_wire import paper
 
 STEPS = 3
 
@@ -114,13 +115,14 @@ def _wrap(model: nn.Module, wrapper: str, world: int) -> nn.Module:
     return FSDP(model, device_id=torch.device("cpu"))
 
 
-def steps_under_the_rules(rank, world, wrapper, codec):
+def steps_under_the_rules(rank, world, wrapper, codec, recommended=False):
     torch.manual_seed(0)
     rules = NcclRules()
     with rules:
         model = _wrap(Net(), wrapper, world)  # the wrapper's own checks and collectives, under the rules
         select = "all" if wrapper == "fsdp1" else "non_attention_linear"  # FSDP1: whole units
-        hook = tagc.hook(dense_steps=0, min_compress_numel=1024, codec=codec, select=select)
+        settings = dict(dense_steps=0, min_compress_numel=1024, codec=codec, select=select)
+        hook = tagc.hook(**(settings if recommended else paper(**settings)))  # tagc: the paper's wire, or tagc.hook()'s
         tagc.register_comm_hook(model, hook)
         hook.strict_sync = True
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -140,8 +142,8 @@ def steps_under_the_rules(rank, world, wrapper, codec):
     return rules.violations, dict(rules.collectives), reads, compressed, dict(hook.host_read_sites)
 
 
-def _check_adapter(wrapper, codec="tagc"):
-    results = run_ranks(steps_under_the_rules, 2, wrapper, codec, timeout_s=180)
+def _check_adapter(wrapper, codec="tagc", recommended=False):
+    results = run_ranks(steps_under_the_rules, 2, wrapper, codec, recommended, timeout_s=180)
     for violations, collectives, reads, compressed, sites in results:
         assert violations == [], "\n".join(violations)
         assert collectives.get("all_to_all_single", 0) > 0, collectives  # the exchange went through the rules
@@ -163,3 +165,10 @@ def test_fsdp2_exchange_keeps_nccls_rules():
 
 def test_fsdp1_exchange_keeps_nccls_rules():
     list(_check_adapter("fsdp1"))
+
+
+def test_fsdp2_exchange_on_the_recommended_setting_keeps_nccls_rules():
+    """``tagc.hook()``'s own setting for codec tagc (EF21, coded positions, float16 cells, int4 plain columns, which
+    go by the all-to-all instead of NCCL's reduce-scatter) keeps the rules too."""
+    for collectives in _check_adapter("fsdp2", recommended=True):
+        assert collectives.get("reduce_scatter_single", 0) == 0  # int4 plain columns: no fp32 reduce-scatter

@@ -11,6 +11,7 @@ import torch
 import tagc
 from fsdp_integration import simple_fsdp, units
 from tests.distributed import run_ranks
+from tests.paper_wire import paper
 from tests.test_simple_fsdp import _batch, _mine, _models
 
 
@@ -179,7 +180,7 @@ def _failed_backward(rank, world):
     those residuals."""
     _, model = _models(0)
     model = simple_fsdp(model)
-    hook = tagc.hook(dense_steps=0, min_compress_numel=1024, nonfinite="raise")
+    hook = tagc.hook(**paper(dense_steps=0, min_compress_numel=1024, nonfinite="raise"))  # classic residuals
     tagc.register_comm_hook(model, hook)
     idx, tgt = _batch(0, world)
     loss = model(_mine(idx, rank), _mine(tgt, rank))[1]
@@ -194,7 +195,7 @@ def _failed_backward(rank, world):
     clean = _train(model, rank, world, 1)
     _, fresh = _models(0)
     fresh = simple_fsdp(fresh)
-    fresh_hook = tagc.hook(dense_steps=0, min_compress_numel=1024, nonfinite="raise")
+    fresh_hook = tagc.hook(**paper(dense_steps=0, min_compress_numel=1024, nonfinite="raise"))
     tagc.register_comm_hook(fresh, fresh_hook)
     fresh_hook.load_state_dict(state)
     return raised, clean, _train(fresh, rank, world, 1), residuals

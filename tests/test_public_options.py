@@ -12,6 +12,7 @@ import tagc
 from tagc.config import TAGCConfig
 from tagc.hooks import Segment
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE, paper
 
 N = 200_000
 SEGMENTS = [Segment("w", 0, N)]
@@ -35,7 +36,7 @@ def _gathered(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
 def _bf16_residuals(rank, world):
     """Two steps of a bf16-residual hook; then its checkpoint resumed into a new hook."""
     options = {"dense_steps": 0, "ratio": 10, "select": "all", "residual_dtype": torch.bfloat16,
-               "min_compress_numel": 1024}
+               "min_compress_numel": 1024, **PAPER_WIRE}  # classic error feedback: a bf16 residual is its own
     hook = tagc.hook(**options)
     gen = torch.Generator().manual_seed(rank)
     held = torch.zeros(world, N, dtype=torch.bfloat16)
@@ -83,7 +84,7 @@ def test_residual_dtype_other_than_float32_or_bfloat16_is_refused():
 
 def _checkpoint(**options) -> dict:
     """A one-process hook's state after one step (no process group: world 1 sends plain, so set a residual)."""
-    hook = tagc.hook(dense_steps=0, **options)
+    hook = tagc.hook(**paper(dense_steps=0, **options))  # the paper's codec: its residuals are classic ones
     state = hook.state_dict()
     state["residual.rank0.w#8/part0"] = torch.ones(1, 8)
     return state
@@ -94,12 +95,12 @@ def _checkpoint(**options) -> dict:
 def test_load_state_dict_refuses_a_checkpoint_of_other_settings(field, other):
     assert getattr(TAGCConfig(), field) != other
     state = _checkpoint()
-    hook = tagc.hook(dense_steps=0, **{field: other})
+    hook = tagc.hook(**paper(dense_steps=0, **{field: other}))
     with pytest.raises(ValueError, match="checkpoint was written with TAGC settings") as error:
         hook.load_state_dict(state)
     assert f"{field}={other!r}" in str(error.value)  # the message shows this hook's settings
     assert hook.codec.residuals == {} and hook.step_count == 0  # nothing was loaded
-    same = tagc.hook(dense_steps=0)  # the settings it was written with: loads
+    same = tagc.hook(**paper(dense_steps=0))  # the settings it was written with: loads
     same.load_state_dict(state)
     assert torch.equal(same.codec.residuals["w#8/part0"], torch.ones(1, 8))
 

@@ -12,6 +12,7 @@ from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio, ramp_stage
 from tagc.hooks.selection import ratio_for
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE, paper
 
 EMB, MLP = 120_000, 180_000
 CHUNK = EMB + MLP + 1000
@@ -37,7 +38,8 @@ def _owned_sum(rows: torch.Tensor, rank: int) -> torch.Tensor:
 def ramp_and_ratios(rank, world, codec):
     """7 steps: 1 dense, 4 ramp stages, 2 steady. Error feedback conserves the gradient: what the
     owners decoded plus what every rank holds back equals everything every rank produced."""
-    hook = tagc.hook(ratio=10, codec=codec, select=SELECT, dense_steps=1, ramp_steps=RAMP_STAGES, min_part=1 << 16)
+    hook = tagc.hook(**paper(ratio=10, codec=codec, select=SELECT, dense_steps=1, ramp_steps=RAMP_STAGES,
+                             min_part=1 << 16))  # tagc: classic error feedback, whose residual holds what waits
     torch.manual_seed(rank)
     decoded, produced, wire = torch.zeros(CHUNK), torch.zeros(world, CHUNK), []
     for _ in range(1 + RAMP_STAGES + 2):
@@ -100,7 +102,7 @@ def test_a_ratio_policy_and_a_ramp_are_checked():
 
 
 def test_loaded_residuals_reach_every_ratio_of_the_codec():
-    hook = tagc.hook(dense_steps=0, ratio=10, select=SELECT)
+    hook = tagc.hook(dense_steps=0, ratio=10, select=SELECT, **PAPER_WIRE)  # the codec itself holds the residuals
     at4 = hook._codec_at(4.0)
     assert at4 is not hook.codec and at4.config.ratio == 4.0 and at4.layout(1 << 16).ratio == 4.0
     assert hook.codec.layout(1 << 16).ratio == 10.0

@@ -32,6 +32,7 @@ import tagc
 from tagc.hooks.describe import describe_plan, warn_if_weak_selection
 from tagc.hooks.segment import Segment
 from tests.distributed import run_ranks
+from tests.paper_wire import PAPER_WIRE
 
 WORLD = 2
 VOCAB = 1024
@@ -43,7 +44,8 @@ PER_RANK = 2
 STEPS = 3
 ONE_LINE = dict(ratio=10, index_bits=1)
 """``tagc.hook(ratio=10, index_bits=1)``; the tests add ``dense_steps=0`` so that every step is compressed
-(the default dense warm-up sends the first 10 steps plain)."""
+(the default dense warm-up sends the first 10 steps plain). The rest is ``tagc.hook()``'s recommended setting: the
+columns not selected go in ``int4`` (:data:`tagc.hooks.settings.RECOMMENDED`)."""
 
 
 def _transformers():
@@ -235,7 +237,8 @@ def _train(name: str, wrapper: str, hook_kwargs, keep_tensors: bool) -> dict:
 
 
 TAGC = {**ONE_LINE, "dense_steps": 0}
-PLAIN = (("native", None), ("plain", {"codec": "plain"}), ("none", {**ONE_LINE, "select": "none"}))
+PLAIN = (("native", None), ("plain", {"codec": "plain"}),
+         ("none", {**ONE_LINE, **PAPER_WIRE, "select": "none"}))  # nothing selected, the rest fp32 as it is
 PLAIN_JOBS = {f"{name}/{kind}": (name, "fsdp2", kwargs, True)
               for name in ("hf-gpt2", "hf-llama") for kind, kwargs in PLAIN}
 TAGC_JOBS = {f"{name}/{wrapper}": (name, wrapper, TAGC, False) for name in ("hf-gpt2", "hf-llama", "nanogpt", "ours")
@@ -314,8 +317,8 @@ def test_the_one_line_compresses_the_blocks_and_trains(runs, key):
     names = [row.name for row in plan.parameters]
     assert sorted(plan.compressed) == sorted(EXPECTED[key.split("/")[0]])
     assert sorted(names) == sorted(run["names"])  # every parameter once (a tied one once)
-    for row in plan.parameters:
-        assert (row.codec, row.ratio) == (("tagc", 10.0) if row.compressed else ("plain", None)), row
+    for row in plan.parameters:  # the columns not selected: int4, tagc.hook()'s recommended plain codec
+        assert (row.codec, row.ratio) == (("tagc", 10.0) if row.compressed else ("int4", None)), row
     assert run["plan_after"] == plan  # the same plan before the first step and after (FSDP2 names its parameters late)
     assert sorted(b.bucket for b in plan.buckets) == ["<root>"] + [f"{_prefix(key)}.{i}" for i in range(LAYERS)]
     assert all(b.compressed_numel > 0 for b in plan.buckets)  # every block, and the root's embedding / head

@@ -15,6 +15,7 @@ from fsdp_integration import MixedPrecisionPolicy, simple_fsdp, units
 from fsdp_integration.bucket import Bucket, bucket_layout
 from gpt2_bench.model import GPT, GPTConfig
 from tests.distributed import run_ranks
+from tests.paper_wire import paper
 
 VOCAB = 101  # dim 0 of the embedding does not divide the world size: padded shards
 CONFIG = dict(vocab_size=VOCAB, n_embd=64)
@@ -205,7 +206,7 @@ def _traced_halves(rank, world, poison):
     for path in ("engine", "traced"):
         _, model = _models(0)
         model = simple_fsdp(model)
-        hook = tagc.hook(dense_steps=0, min_compress_numel=1024)
+        hook = tagc.hook(**paper(dense_steps=0, min_compress_numel=1024))  # plain columns: fp32, the exact mean
         tagc.register_comm_hook(model, hook)
         bucket = units(model)[0].bucket
         handle = bucket.reduce_scatter.handle

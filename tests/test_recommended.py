@@ -1,0 +1,182 @@
+"""What ``tagc.hook()`` fills in for the settings a caller leaves out (:data:`tagc.hooks.settings.RECOMMENDED`):
+codec ``tagc``'s recommended setting, every argument given overriding only its part, the other codecs' neutral
+defaults; and the compare, whose paper methods still run the TAGC paper's codec."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tagc
+from tagc.config import TAGCConfig
+from tagc.hooks.codec_registry import resolve_options
+from tagc.hooks.settings import NEUTRAL, RECOMMENDED, HookSettings
+from tests.paper_wire import PAPER_RATIO, PAPER_WIRE
+
+TAGC_RECOMMENDED = {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9, "positions": "coded",
+                    "value_dtype": "float16"}
+"""Codec tagc's recommended setting as documented (``tagc.hook``'s docstring, docs/quality-diagnosis.md)."""
+
+PAPER = {"ratio": PAPER_RATIO, "plain": "fp32", "feedback": "classic", "feedback_decay": 1.0, "positions": "bitmap",
+         "value_dtype": "float32"}
+"""The TAGC paper's codec: ``tagc.hook()`` before the recommended setting."""
+
+
+def _resolved(settings: HookSettings) -> dict:
+    """The six settings the recommendation covers, as a hook resolved them (the codec options flattened in)."""
+    return {"ratio": settings.config.ratio, "plain": settings.plain, "feedback": settings.feedback,
+            "feedback_decay": settings.feedback_decay, **settings.codec_options}
+
+
+def test_recommended_holds_the_documented_setting_and_neutral_the_old_defaults():
+    assert RECOMMENDED == {"tagc": TAGC_RECOMMENDED}
+    assert NEUTRAL == {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0}
+    fields = {field.name: field.default for field in dataclasses.fields(HookSettings) if field.name in NEUTRAL}
+    assert fields == NEUTRAL  # HookSettings' own field defaults stay the neutral ones
+
+
+def test_tagc_hook_with_no_arguments_is_codec_tagcs_recommended_setting():
+    hook = tagc.hook()
+    assert _resolved(hook.hook_settings) == TAGC_RECOMMENDED
+    assert hook.dense_steps == 10 and hook.codec.name == "tagc"
+    assert type(hook.codec).__name__ == "EF21Codec" and hook.codec.decay == 0.9  # EF21 wraps the codec
+    assert hook.codec.inner.positions == "coded" and hook.codec.inner.value_dtype == torch.float16
+    assert hook.plain.name == "int4" and hook.config.ratio == 4.5
+    # nothing else moved: the same settings as the neutral ones with the recommended six set
+    assert hook.hook_settings == HookSettings(
+        config=TAGCConfig(ratio=4.5), plain="int4", feedback="ef21", feedback_decay=0.9,
+        codec_options={"positions": "coded", "value_dtype": "float16"})
+    assert tagc.hook(codec="tagc").hook_settings == hook.hook_settings
+
+
+@pytest.mark.parametrize("given, changed", [
+    ({"ratio": 10}, {"ratio": 10.0}),
+    ({"plain": "fp32"}, {"plain": "fp32"}),
+    ({"plain": "bf16"}, {"plain": "bf16"}),
+    ({"feedback": "classic"}, {"feedback": "classic", "feedback_decay": 1.0}),  # no fading without EF21
+    ({"feedback": "ef21"}, {}),  # EF21 named: still tagc's fading
+    ({"feedback_decay": 0.5}, {"feedback_decay": 0.5}),
+    ({"feedback": "ef21", "feedback_decay": 1.0}, {"feedback_decay": 1.0}),  # EF21 as published
+    ({"positions": "bitmap"}, {"positions": "bitmap"}),  # the cells stay float16
+    ({"value_dtype": "float32"}, {"value_dtype": "float32"}),  # the positions stay coded
+    ({"value_dtype": torch.bfloat16}, {"value_dtype": torch.bfloat16}),  # kept as given
+    ({"ratio": 10, "positions": "bitmap", "value_dtype": "float32"},
+     {"ratio": 10.0, "positions": "bitmap", "value_dtype": "float32"}),
+    (PAPER_WIRE, {name: PAPER[name] for name in PAPER_WIRE}),
+    ({"ratio": PAPER_RATIO, **PAPER_WIRE}, PAPER),
+], ids=["ratio", "plain-fp32", "plain-bf16", "classic", "ef21", "decay", "ef21-published", "bitmap", "cells-fp32",
+        "cells-bf16", "ratio-bitmap-fp32", "paper-wire", "paper"])
+def test_each_argument_given_overrides_only_its_part(given, changed):
+    assert _resolved(tagc.hook(**given).hook_settings) == {**TAGC_RECOMMENDED, **changed}
+
+
+def test_the_papers_codec_is_the_neutral_settings():
+    """``tagc.hook(ratio=10, **PAPER_WIRE)`` is ``HookSettings()`` field for field: the codec tagc.hook() was."""
+    assert tagc.hook(ratio=PAPER_RATIO, **PAPER_WIRE).hook_settings == HookSettings()
+    assert _resolved(HookSettings()) == PAPER
+
+
+@pytest.mark.parametrize("codec", ["topk", "int4", "powersgd", "sign", "bf16", "plain"])
+def test_other_codecs_keep_the_neutral_defaults_and_no_tagc_options(codec):
+    settings = tagc.hook(codec=codec).hook_settings
+    assert (settings.plain, settings.feedback, settings.feedback_decay) == ("fp32", "classic", 1.0)
+    assert settings.config.ratio == TAGCConfig().ratio == 10.0  # topk's ratio: the config's default
+    assert dict(settings.codec_options) == resolve_options(codec, {})  # the codec's own option defaults only
+    assert "coded" not in settings.codec_options.values() and "float16" not in settings.codec_options.values()
+    assert settings == HookSettings(codec=codec)  # nothing filled in
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd", "sign"])
+def test_ef21_on_another_codec_is_ef21_as_published(codec):
+    settings = tagc.hook(codec=codec, feedback="ef21").hook_settings
+    assert (settings.feedback, settings.feedback_decay, settings.plain) == ("ef21", 1.0, "fp32")
+
+
+def test_a_bf16_residual_under_tagcs_default_feedback_says_to_use_classic():
+    with pytest.raises(ValueError) as raised:
+        tagc.hook(residual_dtype=torch.bfloat16)
+    assert "feedback='classic'" in str(raised.value) and "residual_dtype=torch.float32" in str(raised.value)
+    hook = tagc.hook(residual_dtype=torch.bfloat16, feedback="classic")  # what the message says works
+    assert hook.hook_settings.residual_dtype == torch.bfloat16 and hook.hook_settings.feedback == "classic"
+    assert tagc.hook(codec="topk", residual_dtype=torch.bfloat16).hook_settings.feedback == "classic"
+
+
+# ----------------------------------------------------------------------------- the compare
+
+
+def _compare_base():
+    from gpt2_bench.compare import build_compare_parser
+    from gpt2_bench.config import config_from_args
+
+    return config_from_args(build_compare_parser([]).parse_args([]))
+
+
+def _method(name: str):
+    from gpt2_bench.methods import METHODS, _with_method
+
+    return _with_method(_compare_base(), name, METHODS[name])
+
+
+def _trained(config) -> dict:
+    """The six settings a run of ``config`` trains with, as the hook the trainer builds resolves them."""
+    from gpt2_bench.sharding import make_hook
+
+    hook = make_hook(config)
+    assert hook.hook_settings.codec_options == resolve_options(config.codec, config.codec_options)
+    return _resolved(hook.hook_settings)
+
+
+@pytest.mark.parametrize("method, compression", [("tagc-all", "all"), ("tagc-non-attn", "non-attn")])
+def test_the_compares_paper_methods_still_run_the_papers_codec(method, compression):
+    config = _method(method)
+    assert (config.codec, config.compression, config.dense_steps) == ("tagc", compression, 10)
+    assert (config.ratio, config.plain, config.feedback, config.feedback_decay) == (PAPER_RATIO, "fp32", "classic", 1.0)
+    assert config.codec_options == {"positions": "bitmap", "value_dtype": "float32"}
+    assert _trained(config) == PAPER
+
+
+def test_the_compares_other_tagc_methods_keep_their_settings():
+    assert _trained(_method("tagc-ef21")) == {**PAPER, "feedback": "ef21"}  # EF21 as published, on the paper's wire
+    lean = _method("tagc-lean")
+    assert (lean.feedback, lean.feedback_decay, lean.plain) == ("classic", 1.0, "bf16")
+    assert _trained(_method("topk"))["ratio"] == PAPER_RATIO  # the compare's --ratio: the paper's
+
+
+def test_the_compares_tagc_int4_is_tagc_hooks_recommended_setting():
+    config = _method("tagc-int4")
+    hook = tagc.hook()
+    assert _trained(config) == _resolved(hook.hook_settings) == TAGC_RECOMMENDED
+    assert config.dense_steps == hook.dense_steps
+
+
+def test_the_main_job_runs_the_papers_codec(tmp_path, monkeypatch):
+    """``python -m gpt2_bench.compare`` with no mode flag (:func:`gpt2_bench.compare_paper.compare`): its plain runs
+    are plain, and its TAGC runs on all and on the non-attention layers run the paper's codec, as before
+    ``tagc.hook()`` took the recommended setting."""
+    import gpt2_bench.launch as launch
+    from gpt2_bench import compare_paper
+
+    ran = []
+
+    def fake_run(cfg, data_dir, link=None, attempts=1):  # the calibration's runs (launch.scaled_link) and the job's
+        ran.append(cfg)
+        return {"algorithm": "fsdp" if cfg.compression == "none" else cfg.codec, "compressed": cfg.compression,
+                "iter_ms": 1000.0, "steady_iter_ms": [1000.0], "train_s": 10.0, "exchange_ms_per_mb": 50.0,
+                "wire_bytes_per_rank": 1e6, "wire_bytes_per_step": 1e6, "val_loss": 6.0, "n_params": 10**6,
+                "grad_mb": 4.0, "peel_success": None, "units": None, "timeline": None, "curve": [],
+                "integration": cfg.integration}
+
+    monkeypatch.setattr(compare_paper, "run", fake_run)
+    monkeypatch.setattr(launch, "run", fake_run)
+    monkeypatch.setattr("gpt2_bench.data.prepare", lambda *a, **k: tmp_path)
+    base = dataclasses.replace(_compare_base(), preset="tiny", out_dir=str(tmp_path))
+    assert base.link == "scaled"
+    compare_paper.compare(base)
+    assert sum(cfg.compression == "none" for cfg in ran) >= 4  # two calibration runs, plain, plain without overlap
+    compressed = {cfg.compression: cfg for cfg in ran if cfg.compression != "none"}
+    assert sorted(compressed) == ["all", "non-attn"]
+    for cfg in compressed.values():
+        assert cfg.codec == "tagc" and _trained(cfg) == PAPER, cfg.compression
+    assert all(cfg.feedback == "classic" and cfg.plain == "fp32" for cfg in ran if cfg.compression == "none")
