@@ -1,5 +1,6 @@
 """The compare's main job: plain FSDP against TAGC on all layers and on the non-attention layers,
-beside the TAGC paper's table (``python -m gpt2_bench.compare`` with no mode flag).
+beside the TAGC paper's table (``python -m gpt2_bench.compare`` with no mode flag). TAGC runs on the paper's
+wire (:data:`gpt2_bench.methods.PAPER_WIRE`) except where a flag says otherwise.
 
 It trains the same model on the same tokens with the same seed three times over the same
 emulated link, times the plain run again without overlap (to show what overlap buys and to keep
@@ -18,6 +19,7 @@ from gpt2_bench.compare_rows import Row, write_rows
 from gpt2_bench.compare_runs import RUN_ATTEMPTS
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link
+from gpt2_bench.methods import on_the_papers_wire
 from testbed.link import parse_rate
 from testbed.paper import TABLE as PAPER
 
@@ -32,7 +34,8 @@ def compare(base: TrainConfig) -> tuple[list[Row], dict]:
         link_info = scaled_link(base, data_dir)
     runs = {}
     for compression in ("none", "all", "non-attn"):
-        cfg = dataclasses.replace(base, compression=compression, name=None)
+        paper = on_the_papers_wire(base) if compression != "none" else {}
+        cfg = dataclasses.replace(base, compression=compression, name=None, **paper)
         summary = run(cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS)
         runs[compression] = Row.from_summary(summary, method="fsdp" if compression == "none" else f"tagc-{compression}")
     plain = runs["none"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 from typing import Any, Optional, Sequence
@@ -140,14 +141,25 @@ class TrainConfig:
     """The optimizer: ``decoded`` is ``torch.optim.AdamW``; ``local`` is ``tagc.optim.AdamW``, whose
     second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts);
     ``local-all``, a control: every parameter's, compressed or not (a plain run too)."""
+    library_filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """Name -> ``(given, filled)`` for each codec setting the library filled in (:meth:`fill_library_defaults`), so
+    that a copy (``dataclasses.replace``) that does not change it leaves it to the library again, for the copy's
+    codec. Not part of the run's settings (:meth:`to_json` leaves it out)."""
     device: str = "auto"
     """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
     def fill_library_defaults(self) -> None:
         """Set the codec settings left unset to the library's (:func:`library_codec_settings`), so that the run's
-        settings record the values it ran with."""
-        for name, value in library_codec_settings(self).items():
+        settings record the values it ran with. A setting filled in before (a copy's) that still holds the filled
+        value is unset again first: ``dataclasses.replace(cfg, codec="topk")`` gets topk's defaults, not tagc's."""
+        for name, (given, filled) in self.library_filled.items():
+            if getattr(self, name) == filled:
+                setattr(self, name, copy.deepcopy(given))
+        resolved = library_codec_settings(self)
+        self.library_filled = {name: (copy.deepcopy(getattr(self, name)), value) for name, value in resolved.items()
+                               if getattr(self, name) != value}
+        for name, value in resolved.items():
             setattr(self, name, value)
 
     def __post_init__(self) -> None:
@@ -287,7 +299,9 @@ class TrainConfig:
         return f"{self.integration}{'-compiled' if self.compile else ''}-{algo}{'' if self.overlap else '-no-overlap'}"
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        settings = dataclasses.asdict(self)
+        del settings["library_filled"]
+        return json.dumps(settings)
 
 
 def param_gather(cfg: TrainConfig) -> str | None:
@@ -306,7 +320,7 @@ def library_codec_settings(config: TrainConfig) -> dict[str, Any]:
 
     ours = config.compression != "none" and not config.torch_hook
     filled = recommended_settings(config.codec if ours else "plain", config.ratio, config.plain, config.feedback,
-                                  config.feedback_decay, config.codec_options if ours else None)
+                                  config.feedback_decay, config.codec_options if ours else None, config.index_bits)
     return {"ratio": filled["ratio"] if filled["ratio"] is not None else TAGCConfig().ratio, "plain": filled["plain"],
             "feedback": filled["feedback"], "feedback_decay": filled["feedback_decay"],
             "codec_options": filled["options"] if ours else dict(config.codec_options)}
@@ -333,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tagc.hooks.codec_registry import codec_names
     from tagc.hooks.settings import PLAIN_CODECS
 
-    defaults = TrainConfig()
+    defaults = TrainConfig()  # the codec settings the library fills in (ratio, plain, feedback...) default to None
     p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
     p.add_argument("--integration", default=defaults.integration, choices=INTEGRATIONS)
     p.add_argument("--compression", default=defaults.compression, choices=COMPRESSIONS,
@@ -350,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how the --compression columns cross the wire: {', '.join(codec_names())} (default tagc)")
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
-    p.add_argument("--plain", default=defaults.plain, choices=tuple(PLAIN_CODECS),
+    p.add_argument("--plain", default=None, choices=tuple(PLAIN_CODECS),
                    help="the codec of the columns not compressed (attention, biases, norms, embeddings by "
                         "default); default: the library's, int4 for --codec tagc, else fp32")
     p.add_argument("--param-dtype", default=None, choices=[d for d in PARAM_DTYPES if d],
@@ -360,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "per 256 elements, for the all-gather, as ZeRO++'s qwZ; the master weights stay exact)")
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
-    p.add_argument("--ratio", type=float, default=defaults.ratio,
+    p.add_argument("--ratio", type=float, default=None,
                    help="compression ratio of tagc and topk (default: the library's, 4.5 for tagc, 10 for topk)")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
@@ -388,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
                         "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
                         "every parameter's (plain runs too)")
-    p.add_argument("--feedback", default=defaults.feedback, choices=("classic", "ef21"),
+    p.add_argument("--feedback", default=None, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
                         "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback); default: the "
@@ -396,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
                         "(EF21-SGDM; 0, the default: none)")
-    p.add_argument("--feedback-decay", type=float, default=defaults.feedback_decay, metavar="GAMMA",
+    p.add_argument("--feedback-decay", type=float, default=None, metavar="GAMMA",
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
                         "element that is not sent fades instead of holding its last value (default: the "
                         "library's, 0.9 for tagc's EF21, else 1: none)")

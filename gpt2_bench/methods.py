@@ -63,6 +63,15 @@ PAPER_WIRE = {"plain": "fp32", "feedback": "classic",
 """The TAGC paper's wire, which ``tagc.hook()`` no longer defaults to: the other columns in fp32, the codec's own
 error feedback, full support bitmaps and float32 cells. The paper's methods and the older TAGC ones set it."""
 
+def on_the_papers_wire(base: TrainConfig) -> dict:
+    """The fields that put ``base``'s TAGC on the paper's wire (:data:`PAPER_WIRE`) wherever the library filled a
+    setting in; a setting the caller gave (a flag) stays as given."""
+    fields = {name: value for name, value in PAPER_WIRE.items() if name in base.library_filled}
+    if "codec_options" in base.library_filled:
+        fields["codec_options"] = {**PAPER_WIRE["codec_options"], **base.library_filled["codec_options"][0]}
+    return fields
+
+
 METHODS: dict[str, dict] = {
     "fsdp": {"compression": "none"},
     "fsdp-bf16": {"compression": "none", "reduce_dtype": "bf16"},

@@ -187,8 +187,9 @@ def format_seeds_report(
     return "\n".join(lines) + "\n"
 
 
-def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
-    """Each method's mean gap to plain against step, with a band of +- the larger spread (the noise)."""
+def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path, plain_label: str = PLAIN_METHOD) -> None:
+    """Each method's mean gap to plain (named ``plain_label`` on the axis) against step, with a band of +- the
+    larger spread (the noise)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +213,7 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path) -> None:
     ax.axhline(0, color="black", lw=0.8)
     ax.set(
         xlabel="step",
-        ylabel=f"val loss vs {PLAIN_METHOD} of the same seed (%)",
+        ylabel=f"val loss vs {plain_label} of the same seed (%)",
         title="mean gap over seeds, band: +- the seed-to-seed spread",
     )
     ax.grid(alpha=0.3)
@@ -307,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or Path(args.directory) / "quality.md")
     report = format_seeds_report(by_seed, steps, tolerance=args.tolerance / 100, plain_label=args.plain)
     out.write_text(report)
-    plot_seed_gaps(by_seed, out.with_suffix(".png"))
+    plot_seed_gaps(by_seed, out.with_suffix(".png"), plain_label=args.plain)
     print(report)
     return 0
 

@@ -60,6 +60,8 @@ REQUIRED_KEYS = ("method", "link", "ms_per_mb", "wire_bytes_per_rank", "bits_per
 WIRES = ("bitmap", "lean")
 LEAN_OPTIONS = {"positions": "coded", "value_dtype": "bfloat16"}
 """The lean wire of the sparse codecs (``tagc``, ``topk``): Elias-Fano positions, bf16 values."""
+BITMAP_OPTIONS = {"positions": "bitmap", "value_dtype": "float32"}
+"""The TAGC paper's wire, which ``tagc.hook()`` does not default to: full support bitmaps, float32 cells."""
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -148,14 +150,16 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
     ):
         if wire == "lean" and bits != 1:
             continue  # coded positions code a set: 1-bit index only
-        lean = LEAN_OPTIONS if wire == "lean" else {}
+        lean = wire == "lean"
         hook = tagc.hook(
+            plain="fp32",
+            feedback="classic",
             dense_steps=0,
             ratio=ratio,
             index_bits=bits,
             select="all",
             min_part=MIN_PART if overlap else max(chunk, 1),
-            **lean,
+            **(LEAN_OPTIONS if lean else BITMAP_OPTIONS),
         )
         inp = torch.empty_like(grad)
 

@@ -180,3 +180,47 @@ def test_the_main_job_runs_the_papers_codec(tmp_path, monkeypatch):
     for cfg in compressed.values():
         assert cfg.codec == "tagc" and _trained(cfg) == PAPER, cfg.compression
     assert all(cfg.feedback == "classic" and cfg.plain == "fp32" for cfg in ran if cfg.compression == "none")
+
+
+def _codec_fields(cfg) -> dict:
+    return {"ratio": cfg.ratio, "plain": cfg.plain, "feedback": cfg.feedback, "feedback_decay": cfg.feedback_decay,
+            **cfg.codec_options}
+
+
+def test_a_trainer_config_copy_leaves_what_the_library_filled_in_to_the_library_again():
+    """``dataclasses.replace`` on a :class:`TrainConfig` whose codec settings the library filled in re-fills them for
+    the copy's codec (a plain calibration run of a tagc config is a valid plain run; topk gets topk's defaults),
+    while a setting the caller gave, or changes in the copy, stays; the bookkeeping is not part of the settings."""
+    import json
+
+    from gpt2_bench.config import TrainConfig
+
+    tagc_cfg = TrainConfig()
+    assert _codec_fields(tagc_cfg) == TAGC_RECOMMENDED
+    plain_run = dataclasses.replace(tagc_cfg, compression="none")  # raised before: EF21 with compression none
+    assert (plain_run.ratio, plain_run.plain, plain_run.feedback, plain_run.feedback_decay, plain_run.codec_options) \
+        == (10.0, "fp32", "classic", 1.0, {})
+    assert _codec_fields(dataclasses.replace(plain_run, compression="non-attn")) == TAGC_RECOMMENDED
+    topk = dataclasses.replace(tagc_cfg, codec="topk")
+    assert (topk.ratio, topk.plain, topk.feedback, topk.feedback_decay) == (10.0, "fp32", "classic", 1.0)
+    assert topk.codec_options == {}
+    changed = dataclasses.replace(tagc_cfg, plain="bf16")  # changed in the copy: kept, the rest still filled
+    assert _codec_fields(changed) == {**TAGC_RECOMMENDED, "plain": "bf16"}
+    given = TrainConfig(ratio=7.0, feedback="classic")
+    copy = dataclasses.replace(given, steps=3)
+    assert (copy.ratio, copy.feedback, copy.feedback_decay, copy.plain) == (7.0, "classic", 1.0, "int4")
+    assert "library_filled" not in json.loads(tagc_cfg.to_json())
+    assert TrainConfig(**json.loads(tagc_cfg.to_json())) == tagc_cfg  # a worker's copy runs the same settings
+
+
+def test_a_4_bit_index_takes_bitmap_positions_by_default():
+    """Coded positions code a set, which 4-bit rank counts are not: with ``index_bits=4`` the recommended setting
+    keeps the bitmap (and everything else); asking for coded positions with it is still the codec's clear error."""
+    from gpt2_bench.config import TrainConfig
+
+    settings = tagc.hook(index_bits=4).hook_settings
+    assert settings.config.index_bits == 4
+    assert _resolved(settings) == {**TAGC_RECOMMENDED, "positions": "bitmap"}
+    assert TrainConfig(index_bits=4).codec_options == {"positions": "bitmap", "value_dtype": "float16"}
+    with pytest.raises(ValueError, match="index_bits=1"):
+        tagc.hook(index_bits=4, positions="coded")

@@ -55,12 +55,13 @@ the other columns as they are, the codec's own error feedback, no fading."""
 
 def recommended_settings(codec: str, ratio: float | None = None, plain: str | None = None,
                          feedback: str | None = None, feedback_decay: float | None = None,
-                         options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                         options: Mapping[str, Any] | None = None, index_bits: int | None = None) -> dict[str, Any]:
     """``ratio``, ``plain``, ``feedback``, ``feedback_decay`` and ``options`` (the codec's own) with every one left
     out (``None``, or an option not named) filled in as :func:`tagc.hook` does for ``codec``
     (:data:`RECOMMENDED`, else :data:`NEUTRAL`; ``ratio`` stays ``None`` for a codec with no entry, which
     leaves it to :class:`~tagc.config.TAGCConfig`). A fading factor is filled in only for EF21: the codec's
-    recommended one when its recommended feedback is EF21, else 1 (EF21 as published)."""
+    recommended one when its recommended feedback is EF21, else 1 (EF21 as published). With ``index_bits=4`` the
+    positions default to the bitmap: coded positions code a set, which 4-bit rank counts are not."""
     recommended = RECOMMENDED.get(codec, {})
     plain = plain if plain is not None else recommended.get("plain", NEUTRAL["plain"])
     feedback = feedback if feedback is not None else recommended.get("feedback", NEUTRAL["feedback"])
@@ -68,7 +69,10 @@ def recommended_settings(codec: str, ratio: float | None = None, plain: str | No
         fading = feedback == "ef21" and recommended.get("feedback") == "ef21"
         feedback_decay = recommended["feedback_decay"] if fading else NEUTRAL["feedback_decay"]
     own = spec(codec).options if codec in codec_names() else {}
-    options = {**{name: value for name, value in recommended.items() if name in own}, **(options or {})}
+    filled = {name: value for name, value in recommended.items() if name in own}
+    if index_bits == 4 and "positions" in filled:
+        filled["positions"] = "bitmap"
+    options = {**filled, **(options or {})}
     return {"ratio": ratio if ratio is not None else recommended.get("ratio"), "plain": plain, "feedback": feedback,
             "feedback_decay": feedback_decay, "options": options}
 
@@ -165,7 +169,7 @@ class HookSettings:
         codec_spec = spec(codec)
         own_options = {name: settings.pop(name) for name in list(settings) if name in codec_spec.options}
         filled = recommended_settings(codec, ratio, settings.pop("plain", None), settings.pop("feedback", None),
-                                      settings.pop("feedback_decay", None), own_options)
+                                      settings.pop("feedback_decay", None), own_options, index_bits)
         ratio = filled["ratio"]
         settings.update(plain=filled["plain"], feedback=filled["feedback"],
                         feedback_decay=filled["feedback_decay"], **filled["options"])
