@@ -37,9 +37,13 @@ def same_math(recorded: dict, wanted: dict) -> bool:
     """Whether two runs' settings give the same losses (they may differ in :data:`HOW_NOT_WHAT`).
 
     A setting the recorded run does not list was added to :class:`TrainConfig` after it ran:
-    it ran with what is now that setting's default (a new setting's default keeps the old behaviour).
+    it ran with what is now that setting's default (a new setting's default keeps the old behaviour), except the
+    codec settings ``tagc.hook()`` now fills in (``plain``, ``feedback``, ``feedback_decay``): a run from before them
+    ran their neutral values (:data:`tagc.hooks.settings.NEUTRAL`).
     """
-    defaults = json.loads(TrainConfig().to_json())
+    from tagc.hooks.settings import NEUTRAL
+
+    defaults = {**json.loads(TrainConfig().to_json()), **NEUTRAL}
     recorded = {**{k: defaults[k] for k in wanted if k not in recorded and k in defaults}, **recorded}
 
     def strip(settings: dict) -> dict:

@@ -202,11 +202,13 @@ def test_an_interrupted_quality_run_resumes_from_its_checkpoints(tmp_path, monke
 
 
 def test_a_setting_added_after_a_run_counts_as_its_default():
-    """A quality run recorded before a TrainConfig field existed matches runs at that field's default only."""
-    wanted = json.loads(TrainConfig().to_json())
-    recorded = {k: v for k, v in wanted.items() if k != "plain"}
+    """A quality run recorded before a TrainConfig field existed matches runs at that field's default only; for the
+    codec settings ``tagc.hook()`` now fills in, the default they had then (fp32 plain columns, classic feedback)."""
+    wanted = json.loads(TrainConfig(plain="fp32", feedback="classic").to_json())
+    recorded = {k: v for k, v in wanted.items() if k not in ("plain", "feedback", "feedback_decay")}
     assert compare_runs.same_math(recorded, wanted)
     assert not compare_runs.same_math(recorded, {**wanted, "plain": "bf16"})
+    assert not compare_runs.same_math(recorded, json.loads(TrainConfig().to_json()))  # int4, EF21: not what it ran
     assert not compare_runs.same_math({**recorded, "lr": 1.0}, wanted)
     assert compare_runs.same_math({**recorded, "resume": True}, wanted)  # how, not what
 
