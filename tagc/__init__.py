@@ -1,9 +1,9 @@
 """TAGC: compressed gradient reduce-scatter for sharded training over slow networks.
 
-``tagc.register_comm_hook(model, tagc.hook(ratio=10, index_bits=1))`` on a SimpleFSDP, FSDP2
-or FSDP1 model, or a DDP model (every codec as a DDP comm hook; ``tagc.ddp_hook`` gives DDP's
-``(state, hook)`` pair). ``tagc.optim.AdamW(params, hook=hook)`` keeps AdamW's second moment
-free of error feedback's bursts. The design: ``docs/design.md``.
+``tagc.register_comm_hook(model, tagc.hook())`` on a SimpleFSDP, FSDP2 or FSDP1 model (the defaults: TAGC at
+``int4``'s bytes, :data:`tagc.hooks.settings.RECOMMENDED`), or a DDP model (every codec as a DDP comm hook;
+``tagc.ddp_hook`` gives DDP's ``(state, hook)`` pair). ``tagc.optim.AdamW(params, hook=hook)`` keeps AdamW's
+second moment free of error feedback's bursts. The design: ``docs/design.md``.
 """
 
 from tagc import optim
