@@ -28,7 +28,7 @@ from pathlib import Path
 
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run
-from gpt2_bench.methods import round_order
+from gpt2_bench.methods import on_the_papers_wire, round_order
 
 HOST_METHODS = {
     "fsdp-flat": {"compression": "none", "hierarchy": "flat"},
@@ -38,13 +38,13 @@ HOST_METHODS = {
     "fsdp-hsdp": {"compression": "none", "hierarchy": "auto", "hsdp": True, "integration": "fsdp2"},
     "tagc-hsdp": {"compression": "all", "codec": "tagc", "hierarchy": "auto", "hsdp": True, "integration": "fsdp2"},
 }
-"""Method name -> the :class:`TrainConfig` fields it sets (the rest: the command line's)."""
+"""Method name -> the :class:`TrainConfig` fields it sets (the rest: the command line's; TAGC's on the paper's wire,
+:func:`gpt2_bench.methods.on_the_papers_wire`, where no flag says otherwise)."""
 
 RUN_ATTEMPTS = 2
 """A host run is started again once if a rank dies (see :func:`gpt2_bench.launch.run`)."""
 
-HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "ratio": None, "steps": 12,
-                  "eval_interval": 12, "compression": "all",
+HOSTS_DEFAULTS = {"preset": "tiny", "link": "100mbit", "steps": 12, "eval_interval": 12, "compression": "all",
                   "integration": "fsdp2", "dense_steps": 2, "block_size": 64, "out_dir": "bench_out/hosts"}
 """The compare's defaults with ``--hosts``: the tiny preset, all layers compressed, a 100 Mbit/s link per host."""
 
@@ -64,7 +64,9 @@ def host_runs(base: TrainConfig, methods: Sequence[str], rounds: int) -> dict[st
     for round_index in range(rounds):
         for method in round_order(methods, round_index):
             out = Path(base.out_dir) / f"round-{round_index + 1}"
-            cfg = dataclasses.replace(base, **HOST_METHODS[method], out_dir=str(out))
+            fields = HOST_METHODS[method]
+            paper = on_the_papers_wire(base) if fields["compression"] != "none" else {}  # TAGC: the paper's wire
+            cfg = dataclasses.replace(base, **{**base.as_given(), **paper, **fields, "out_dir": str(out)})
             runs[method].append(run(cfg, attempts=RUN_ATTEMPTS))
     return runs
 

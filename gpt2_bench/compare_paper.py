@@ -35,7 +35,7 @@ def compare(base: TrainConfig) -> tuple[list[Row], dict]:
     runs = {}
     for compression in ("none", "all", "non-attn"):
         paper = on_the_papers_wire(base) if compression != "none" else {}
-        cfg = dataclasses.replace(base, compression=compression, name=None, **paper)
+        cfg = dataclasses.replace(base, **{**base.as_given(), "compression": compression, "name": None, **paper})
         summary = run(cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS)
         runs[compression] = Row.from_summary(summary, method="fsdp" if compression == "none" else f"tagc-{compression}")
     plain = runs["none"]

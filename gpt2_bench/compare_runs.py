@@ -41,13 +41,20 @@ def same_math(recorded: dict, wanted: dict) -> bool:
     codec settings ``tagc.hook()`` now fills in (``plain``, ``feedback``, ``feedback_decay``): a run from before them
     ran their neutral values (:data:`tagc.hooks.settings.NEUTRAL`).
     """
+    from tagc.hooks.codec_registry import resolve_options
     from tagc.hooks.settings import NEUTRAL
 
     defaults = {**json.loads(TrainConfig().to_json()), **NEUTRAL}
     recorded = {**{k: defaults[k] for k in wanted if k not in recorded and k in defaults}, **recorded}
 
     def strip(settings: dict) -> dict:
-        return {k: v for k, v in settings.items() if k not in HOW_NOT_WHAT}
+        kept = {k: v for k, v in settings.items() if k not in HOW_NOT_WHAT}
+        if kept.get("compression") != "none" and "codec" in kept:  # the options as the codec resolves them:
+            try:  # an empty dict meant the codec's defaults, which are now named
+                kept["codec_options"] = resolve_options(kept["codec"], kept.get("codec_options") or {})
+            except ValueError:  # a codec or option this version does not know: compared as recorded
+                pass
+        return kept
 
     return strip(recorded) == strip(wanted)
 

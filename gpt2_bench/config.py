@@ -71,7 +71,7 @@ class TrainConfig:
     ``v = beta v + (1 - beta) g`` compressed instead of ``g`` (EF21-SGDM); 0: none."""
     feedback_decay: Optional[float] = None
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
-    (``h = gamma h + C(g - gamma h)``); 1: none."""
+    (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -150,17 +150,27 @@ class TrainConfig:
     for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
     def fill_library_defaults(self) -> None:
-        """Set the codec settings left unset to the library's (:func:`library_codec_settings`), so that the run's
+        """Set the codec settings left unset to the library's (:func:`library_codec_settings`, and the dense
+        warm-up, :func:`library_dense_steps`), so that the run's
         settings record the values it ran with. A setting filled in before (a copy's) that still holds the filled
         value is unset again first: ``dataclasses.replace(cfg, codec="topk")`` gets topk's defaults, not tagc's."""
         for name, (given, filled) in self.library_filled.items():
             if getattr(self, name) == filled:
                 setattr(self, name, copy.deepcopy(given))
         resolved = library_codec_settings(self)
+        if self.dense_steps is None:
+            resolved["dense_steps"] = library_dense_steps(self.codec, self.compression)
         self.library_filled = {name: (copy.deepcopy(getattr(self, name)), value) for name, value in resolved.items()
                                if getattr(self, name) != value}
         for name, value in resolved.items():
             setattr(self, name, value)
+
+    def as_given(self) -> dict[str, Any]:
+        """The codec settings the library filled in, back to what was given (``None``), and no record of them: pass
+        these first to ``dataclasses.replace`` (``replace(cfg, **{**cfg.as_given(), **changes})``), so that the copy
+        fills in afresh for its own codec and no value in ``changes`` is taken for a copied filled one."""
+        return {**{name: copy.deepcopy(given) for name, (given, _) in self.library_filled.items()},
+                "library_filled": {}}
 
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS

@@ -66,9 +66,9 @@ error feedback, full support bitmaps and float32 cells. The paper's methods and 
 def on_the_papers_wire(base: TrainConfig) -> dict:
     """The fields that put ``base``'s TAGC on the paper's wire (:data:`PAPER_WIRE`) wherever the library filled a
     setting in; a setting the caller gave (a flag) stays as given."""
-    fields = {name: value for name, value in PAPER_WIRE.items() if name in base.library_filled}
-    if "codec_options" in base.library_filled:
-        fields["codec_options"] = {**PAPER_WIRE["codec_options"], **base.library_filled["codec_options"][0]}
+    given = {**{name: getattr(base, name) for name in PAPER_WIRE}, **base.as_given()}
+    fields = {name: value for name, value in PAPER_WIRE.items() if name != "codec_options" and given[name] is None}
+    fields["codec_options"] = {**PAPER_WIRE["codec_options"], **(given["codec_options"] or {})}
     return fields
 
 
@@ -139,7 +139,7 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
         fields["dense_steps"] = 0
     if fields["compression"] == "none" or not spec(fields["codec"]).uses_config:  # the ratio's own settings
         fields.update(ramp_steps=0, embedding_ratio=None)
-    return dataclasses.replace(base, name=method + param_suffix(base.param_dtype), **fields)
+    return dataclasses.replace(base, **{**base.as_given(), "name": method + param_suffix(base.param_dtype), **fields})
 
 
 def param_suffix(param_dtype: str | None) -> str:

@@ -140,7 +140,7 @@ def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.Proc
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: every codec of
     :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.ddp`)::
 
-        ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model, ratio=10))
+        ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model))
 
     ``model``: the DDP model, so that ``select`` sees parameter names, error feedback is keyed by
     them, and the hook knows when DDP's buckets are final (its first iteration is reduced as DDP

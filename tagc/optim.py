@@ -26,7 +26,7 @@ the second moment for as long as ``beta2`` remembers it.
 
 Use it in place of ``torch.optim.AdamW``, after the hook is installed::
 
-    hook = tagc.hook()
+    hook = tagc.hook(feedback="classic")  # the bursts are classic error feedback's; EF21 (tagc's default) sends none
     model.register_comm_hook(hook)
     opt = tagc.optim.AdamW(model.parameters(), hook=hook, lr=3e-4, weight_decay=0.1)
     ...

@@ -224,3 +224,62 @@ def test_a_4_bit_index_takes_bitmap_positions_by_default():
     assert TrainConfig(index_bits=4).codec_options == {"positions": "bitmap", "value_dtype": "float16"}
     with pytest.raises(ValueError, match="index_bits=1"):
         tagc.hook(index_bits=4, positions="coded")
+
+
+@pytest.mark.parametrize("base_fields", [{"compression": "none"}, {"codec": "int4", "compression": "all"},
+                                         {"codec": "topk"}, {}])
+def test_the_papers_methods_run_the_papers_wire_whatever_the_base_filled_in(base_fields):
+    """A compare whose command line names another codec, or no compression, still runs its paper methods on the
+    paper's wire with the library's warm-up; an explicit setting of a copy made through ``as_given`` stays."""
+    from gpt2_bench.config import TrainConfig
+    from gpt2_bench.methods import method_config, on_the_papers_wire
+
+    base = TrainConfig(ratio=PAPER_RATIO, **base_fields)
+    for method in ("tagc-non-attn", "tagc-all"):
+        cfg = method_config(base, method)
+        assert _codec_fields(cfg) == PAPER and cfg.dense_steps == 10, (method, base_fields)
+    assert _codec_fields(method_config(base, "tagc-int4")) == TAGC_RECOMMENDED
+    paper = dataclasses.replace(base, **{**base.as_given(), "compression": "non-attn", "codec": "tagc",
+                                         **on_the_papers_wire(base)})
+    assert _codec_fields(paper) == PAPER
+    explicit = dataclasses.replace(base, **{**base.as_given(), "compression": "non-attn", "codec": "tagc",
+                                            "plain": "fp32", "feedback": "classic"})
+    assert (explicit.plain, explicit.feedback, explicit.feedback_decay) == ("fp32", "classic", 1.0)
+
+
+def test_the_hosts_compare_runs_tagc_on_the_papers_wire(tmp_path, monkeypatch):
+    """``compare --hosts 2``'s TAGC runs keep the paper's wire at the compare's ratio 10, as before the defaults
+    changed; its plain runs are plain."""
+    from gpt2_bench import compare_hosts
+    from gpt2_bench.compare import build_compare_parser
+    from gpt2_bench.config import config_from_args
+
+    argv = ["--hosts", "2", "--nproc-per-host", "1"]
+    base = config_from_args(build_compare_parser(argv).parse_args(argv))
+    ran = []
+
+    def fake_run(cfg, *args, **kwargs):
+        ran.append(cfg)
+        raise RuntimeError("stop")  # only the settings matter here
+
+    monkeypatch.setattr(compare_hosts, "run", fake_run)
+    for method in ("tagc", "tagc-flat", "fsdp"):
+        with pytest.raises(RuntimeError, match="stop"):
+            compare_hosts.host_runs(dataclasses.replace(base, out_dir=str(tmp_path)), [method], 1)
+    tagc_runs = [cfg for cfg in ran if cfg.compression != "none"]
+    assert len(tagc_runs) == 2 and all(_codec_fields(cfg) == PAPER for cfg in tagc_runs)
+    assert [(cfg.plain, cfg.feedback) for cfg in ran if cfg.compression == "none"] == [("fp32", "classic")]
+
+
+def test_a_recorded_run_whose_options_were_the_codecs_defaults_is_reused():
+    """Quality runs recorded when the paper's wire was the codec's default (``codec_options`` empty) are the same
+    math as the paper methods that now name it, and not as a run on another wire."""
+    import json
+
+    from gpt2_bench.compare_runs import same_math
+    from gpt2_bench.config import TrainConfig
+    from gpt2_bench.methods import method_config
+
+    wanted = json.loads(method_config(TrainConfig(ratio=PAPER_RATIO), "tagc-non-attn").to_json())
+    assert same_math({**wanted, "codec_options": {}}, wanted)
+    assert not same_math({**wanted, "codec_options": {"positions": "coded"}}, wanted)

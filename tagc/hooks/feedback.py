@@ -357,7 +357,9 @@ class EF21Codec(Codec):
         if missing:
             raise ValueError(f"this checkpoint holds residuals without EF21's sums for parts {missing[:4]}: it was "
                              "written with feedback='classic', whose residuals are not EF21's shifts. Build the hook "
-                             "with feedback='classic' to resume it")
+                             "with feedback='classic' to resume it (and, for a checkpoint of tagc.hook() before "
+                             "2026-11-26, the paper's wire it ran: ratio=10, plain='fp32', positions='bitmap', "
+                             "value_dtype='float32')")
         with_momentum = {part_key(key) for key in momenta}
         if self.momentum and parts - with_momentum or not self.momentum and with_momentum:
             raise ValueError(f"this checkpoint was written with{'out' if self.momentum else ''} EF21's momentum "

@@ -43,8 +43,8 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
              "positions": "coded", "value_dtype": "float16"},
 }
 """What :func:`tagc.hook` fills in, per codec, for each of these settings the caller leaves out: for ``tagc``, the
-setting that stayed closest to plain training's loss while sending no more than ``int4`` does (a kept fraction of
-4.5x, the other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells; how
+setting that stayed closest to plain training's loss while sending no more than ``int4`` does (ratio 4.5, the
+other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells; how
 it was chosen: ``docs/quality-diagnosis.md``). A codec not listed, and a setting not listed, keeps
 :data:`NEUTRAL`'s value or the codec's own default."""
 
