@@ -1040,6 +1040,7 @@ def test_sketch_and_decode_kernels_have_no_float_atomics():
 # ---------------------------------------------------------------- benchmark smoke test
 
 
+@pytest.mark.slow  # the benchmark script's smoke run; the kernels' parity is the default suite's
 def test_bench_kernels_runs(tmp_path, capsys):
     import json
 
