@@ -19,7 +19,6 @@ hook's own count), and the val loss.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -66,7 +65,7 @@ def host_runs(base: TrainConfig, methods: Sequence[str], rounds: int) -> dict[st
             out = Path(base.out_dir) / f"round-{round_index + 1}"
             fields = HOST_METHODS[method]
             paper = on_the_papers_wire(base) if fields["compression"] != "none" else {}  # TAGC: the paper's wire
-            cfg = dataclasses.replace(base, **{**base.as_given(), **paper, **fields, "out_dir": str(out)})
+            cfg = base.copy_with(**paper, **fields, out_dir=str(out))
             runs[method].append(run(cfg, attempts=RUN_ATTEMPTS))
     return runs
 

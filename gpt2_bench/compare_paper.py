@@ -35,13 +35,13 @@ def compare(base: TrainConfig) -> tuple[list[Row], dict]:
     runs = {}
     for compression in ("none", "all", "non-attn"):
         paper = on_the_papers_wire(base) if compression != "none" else {}
-        cfg = dataclasses.replace(base, **{**base.as_given(), "compression": compression, "name": None, **paper})
+        cfg = base.copy_with(compression=compression, name=None, **paper)
         summary = run(cfg, data_dir, link=link_info["rate"], attempts=RUN_ATTEMPTS)
         runs[compression] = Row.from_summary(summary, method="fsdp" if compression == "none" else f"tagc-{compression}")
     plain = runs["none"]
     serial = plain
     if base.overlap:
-        summary = run(dataclasses.replace(base, compression="none", name=None, overlap=False), data_dir,
+        summary = run(base.copy_with(compression="none", name=None, overlap=False), data_dir,
                       link=link_info["rate"], attempts=RUN_ATTEMPTS)
         serial = Row.from_summary(summary, method="fsdp-no-overlap")
     if serial.exchange_ms_per_mb is not None:  # the calibration's definition: share of a non-overlapped step

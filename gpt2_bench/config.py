@@ -166,18 +166,20 @@ class TrainConfig:
             setattr(self, name, value)
 
     def as_given(self) -> dict[str, Any]:
-        """The codec settings the library filled in, back to what was given (``None``), and no record of them: pass
-        these first to ``dataclasses.replace`` (``replace(cfg, **{**cfg.as_given(), **changes})``), so that the copy
-        fills in afresh for its own codec and no value in ``changes`` is taken for a copied filled one."""
+        """The codec settings the library filled in, back to what was given (``None``), and no record of them."""
         return {**{name: copy.deepcopy(given) for name, (given, _) in self.library_filled.items()},
                 "library_filled": {}}
+
+    def copy_with(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes``, whose codec settings the library fills in afresh for the copy's codec, where
+        neither this config's caller nor ``changes`` gave them: unlike ``dataclasses.replace``, no value in
+        ``changes`` is taken for a copied filled one."""
+        return dataclasses.replace(self, **{**self.as_given(), **changes})
 
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
 
         self.fill_library_defaults()
-        if self.dense_steps is None:
-            self.dense_steps = library_dense_steps(self.codec, self.compression)
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")

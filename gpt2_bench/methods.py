@@ -139,7 +139,7 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
         fields["dense_steps"] = 0
     if fields["compression"] == "none" or not spec(fields["codec"]).uses_config:  # the ratio's own settings
         fields.update(ramp_steps=0, embedding_ratio=None)
-    return dataclasses.replace(base, **{**base.as_given(), "name": method + param_suffix(base.param_dtype), **fields})
+    return base.copy_with(**{"name": method + param_suffix(base.param_dtype), **fields})
 
 
 def param_suffix(param_dtype: str | None) -> str:

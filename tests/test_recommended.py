@@ -230,7 +230,7 @@ def test_a_4_bit_index_takes_bitmap_positions_by_default():
                                          {"codec": "topk"}, {}])
 def test_the_papers_methods_run_the_papers_wire_whatever_the_base_filled_in(base_fields):
     """A compare whose command line names another codec, or no compression, still runs its paper methods on the
-    paper's wire with the library's warm-up; an explicit setting of a copy made through ``as_given`` stays."""
+    paper's wire with the library's warm-up; an explicit setting of a copy made by ``copy_with`` stays."""
     from gpt2_bench.config import TrainConfig
     from gpt2_bench.methods import method_config, on_the_papers_wire
 
@@ -239,11 +239,9 @@ def test_the_papers_methods_run_the_papers_wire_whatever_the_base_filled_in(base
         cfg = method_config(base, method)
         assert _codec_fields(cfg) == PAPER and cfg.dense_steps == 10, (method, base_fields)
     assert _codec_fields(method_config(base, "tagc-int4")) == TAGC_RECOMMENDED
-    paper = dataclasses.replace(base, **{**base.as_given(), "compression": "non-attn", "codec": "tagc",
-                                         **on_the_papers_wire(base)})
+    paper = base.copy_with(compression="non-attn", codec="tagc", **on_the_papers_wire(base))
     assert _codec_fields(paper) == PAPER
-    explicit = dataclasses.replace(base, **{**base.as_given(), "compression": "non-attn", "codec": "tagc",
-                                            "plain": "fp32", "feedback": "classic"})
+    explicit = base.copy_with(compression="non-attn", codec="tagc", plain="fp32", feedback="classic")
     assert (explicit.plain, explicit.feedback, explicit.feedback_decay) == ("fp32", "classic", 1.0)
 
 
