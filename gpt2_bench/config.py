@@ -15,7 +15,7 @@ HSDP_INTEGRATIONS = ("fsdp2", "simple")
 """The integrations with an HSDP layout (``hsdp``: a 2-D mesh, sharded within a host, replicated across hosts)."""
 COMPRESSIONS = ("none", "all", "non-attn", "blocks")
 TRANSPORTS = ("fair", "gloo")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "cuda-shared")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 PARAM_DTYPES = {**REDUCE_DTYPES, "int8": "int8"}
 """``--param-dtype``: the parameter all-gather's (``int8``: SimpleFSDP's blockwise int8 gather, ZeRO++'s qwZ)."""
@@ -204,6 +204,11 @@ class TrainConfig:
                                ("device", DEVICES)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        if self.device == "cuda-shared" and (self.integration != "ddp" or self.hosts != 1):
+            raise ValueError("device='cuda-shared' (every rank on one GPU, gloo carrying the CUDA tensors) runs "
+                             "integration='ddp' on one host only: gloo moves CUDA tensors for all-reduce, all-gather "
+                             "and broadcast, which is all DDP and its hooks use; "
+                             f"got integration={self.integration!r}, hosts={self.hosts!r}")
         if self.transport == "gloo" and self.compression != "none":
             raise ValueError("transport='gloo' (FSDP's own reduce-scatter) only applies to compression='none'")
         for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_batches"):
@@ -438,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default=defaults.device,
         choices=DEVICES,
-        help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cpu: gloo; "
+        help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cuda-shared: every rank on GPU 0 over "
+        "gloo, bf16 autocast (DDP only: quality runs of several ranks on one GPU, not timings); cpu: gloo; "
         "auto (default): cuda when a GPU is visible",
     )
     p.add_argument("--hosts", type=int, default=defaults.hosts,
@@ -517,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s, the paper's; 0.9 for an H100-class GPU over 10 GbE)")
     p.add_argument("--dataset", "--corpus", dest="dataset", default=defaults.dataset,
                    help="bbc (offline default), mix (offline, 9.0M tokens: a 2,000-step run reads no token twice), "
-                        "openwebtext, or a local file")
+                        "openwebtext, a local file, or a prepared folder (holding meta.json: used as it is)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--name", default=None)

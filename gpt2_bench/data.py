@@ -36,15 +36,17 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
-import tiktoken
 import torch
 
 from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError
 from gpt2_bench.corpora import OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
 from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
+
+if TYPE_CHECKING:
+    import tiktoken
 
 __all__ = [
     "prepare",
@@ -82,7 +84,11 @@ def prepare(
 
     Reuses an existing preparation made with the same settings unless ``force``. Document ``i``
     goes to validation when ``i % val_every == val_every - 1`` (default 20, i.e. 5%; 2000 for OWT).
+    ``dataset`` may also be a prepared folder (one holding ``meta.json``, e.g. copied to a machine that
+    lacks the corpus' packages): it is returned as it is, its splits checked when read.
     """
+    if isinstance(dataset, (str, Path)) and (Path(dataset).expanduser() / "meta.json").is_file():
+        return Path(dataset).expanduser()
     corpus = resolve_corpus(dataset, **corpus_kwargs)
     val_every = val_every or _DEFAULT_VAL_EVERY.get(corpus.name, 20)
     if val_every < 2:

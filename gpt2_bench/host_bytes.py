@@ -98,13 +98,13 @@ bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``b
 HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10."""
 
 
-def _int8_gather_bytes() -> float:
-    from fsdp_integration.quantized_gather import DEFAULT_BLOCK
+INT8_GATHER_BLOCK = 256
+"""Elements per float32 scale of SimpleFSDP's int8 gather (``fsdp_integration.quantized_gather.DEFAULT_BLOCK``,
+held equal by a test): written here so that the DDP runs, which gather nothing, never import SimpleFSDP, which
+needs torch internals that other torch versions lack."""
 
-    return 1 + 4 / DEFAULT_BLOCK  # the int8 code, and a float32 scale per block
 
-
-PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": _int8_gather_bytes()}
+PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_GATHER_BLOCK}  # the int8 code, a float32 scale per block
 """Bytes per element of flat FSDP's parameter all-gathers, by their dtype (``int8``: SimpleFSDP's blockwise
 gather, :mod:`fsdp_integration.quantized_gather`)."""
 

@@ -9,8 +9,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
-import tiktoken
-import tiktoken.load
+try:
+    import tiktoken
+    import tiktoken.load
+except ImportError:  # reading prepared token files needs no tokenizer: the error waits for the first encoding
+    tiktoken = None
 
 from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError, _offline_env, ensure_offline_assets, whisper_bpe_path
 
@@ -65,6 +68,8 @@ def load_whisper_bpe(path: Optional[Path] = None) -> tiktoken.Encoding:
 
 @lru_cache(maxsize=None)
 def _tokenizer(allow_download: bool, timeout: float) -> tuple[tiktoken.Encoding, str]:
+    if tiktoken is None:
+        raise DataError("tokenising needs tiktoken, which is not installed: pip install tiktoken")
     if allow_download:
         enc = _tiktoken_gpt2(timeout)
         if enc is not None:

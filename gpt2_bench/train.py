@@ -30,7 +30,9 @@ from testbed.rank_exit import exit_without_teardown
 
 def resolve_device(choice: str) -> tuple[str, str]:
     """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")``
-    (NCCL for CUDA tensors, gloo for CPU ones such as ``all_gather_object``'s) or ``("cpu", "gloo")``.
+    (NCCL for CUDA tensors, gloo for CPU ones such as ``all_gather_object``'s), ``("cuda", "gloo")`` for
+    ``cuda-shared`` (every rank on one GPU: NCCL refuses two ranks on one device, gloo stages CUDA tensors through
+    the host) or ``("cpu", "gloo")``.
     Raises ``RuntimeError`` for ``cuda`` without a visible CUDA device (before any process group)."""
     import torch
 
@@ -43,16 +45,23 @@ def resolve_device(choice: str) -> tuple[str, str]:
     if not torch.cuda.is_available():
         built = f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None else (
             f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")
-        raise RuntimeError(f"--device cuda: no CUDA device is available: {built}. Use --device cpu (or auto).")
+        raise RuntimeError(f"--device {choice}: no CUDA device is available: {built}. Use --device cpu (or auto).")
+    if choice == "cuda-shared":
+        return "cuda", "gloo"
     if not torch.distributed.is_nccl_available():
         raise RuntimeError("--device cuda: this torch has no NCCL; the GPU ranks need it")
     return "cuda", "cpu:gloo,cuda:nccl"
 
 
 def local_rank(rank: int) -> int:
-    """This rank's GPU on its node: ``LOCAL_RANK`` under torchrun (several nodes too), else the rank
+    """This rank's index on its node: ``LOCAL_RANK`` under torchrun (several nodes too), else the rank
     (:func:`run` starts every rank on this machine)."""
     return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def gpu_index(device_choice: str, rank: int) -> int:
+    """The GPU this rank computes on: its local rank, or GPU 0 for every rank under ``cuda-shared``."""
+    return 0 if device_choice == "cuda-shared" else local_rank(rank)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -163,7 +172,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if cfg.keep_freed_memory:
         keep_freed_memory()
     device_type, _ = resolve_device(cfg.device)
-    device = torch.device(device_type, local_rank(rank)) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device_type, gpu_index(cfg.device, rank)) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
@@ -401,7 +410,7 @@ def _worker_main(args) -> None:
     if device_type == "cuda":
         import torch
 
-        torch.cuda.set_device(local_rank(rank))  # before the group: NCCL binds each rank to its GPU
+        torch.cuda.set_device(gpu_index(cfg.device, rank))  # before the group: NCCL binds each rank to its GPU
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.group_timeout_s))
     try:
         worker(cfg, rank, world, args.data_dir, args.log)

@@ -337,3 +337,19 @@ def test_a_missing_mix_part_names_both_install_commands(enc, fake_mix, tmp_path,
 def test_email_bodies_drop_headers_and_quoted_lines():
     assert corpora.email_body("From: a\nSubject: b\n\nHello\n> earlier\nBye\n\nPS") == "Hello\nBye\n\nPS"
     assert corpora.email_body("From: only headers") == ""
+
+
+def test_a_prepared_folder_is_used_as_it_is(prepared, monkeypatch):
+    """A folder holding meta.json (copied to a machine without the corpus' packages) needs no corpus and no
+    tokenizer: prepare() returns it, and its splits read as they were written."""
+    from gpt2_bench import data
+
+    def no_corpus(*args, **kwargs):
+        raise AssertionError("a prepared folder must not resolve its corpus")
+
+    monkeypatch.setattr(data, "resolve_corpus", no_corpus)
+    monkeypatch.setattr(data, "get_tokenizer", no_corpus)
+    assert prepare(prepared) == prepared
+    assert prepare(str(prepared)) == prepared
+    before = np.fromfile(prepared / "train.bin", dtype=np.uint16)
+    assert np.array_equal(np.asarray(data.TokenData(prepared).tokens("train")), before)

@@ -102,7 +102,7 @@ from tagc.hooks.replicas import (
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats
 from tagc.hooks.torch_ddp import has_rebuilt_buckets
-from tagc.hooks.transport import backend_of
+from tagc.hooks.transport import all_gather_single, backend_of
 from tagc.sketch.index import merge_index
 
 FORMS = ("allreduce", "sketch", "rs+ag", "gather")
@@ -525,7 +525,7 @@ class DDPHookState:
             return lambda: index
         world = dist.get_world_size(self.group)
         gathered = index.new_empty(world * index.numel())
-        launched.append(dist.all_gather_into_tensor(gathered, index, group=self.group, async_op=True).get_future())
+        launched.append(all_gather_single(gathered, index, group=self.group, async_op=True).get_future())
         stats.wire_bytes += (world - 1) * index.numel()
 
         def merge() -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn as nn
 from tagc.hooks.eager import PendingBucket
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.transport import all_gather_single
 from tagc.kernels import dispatch
 from tagc.kernels.fallbacks import warn_fallback
 
@@ -83,7 +84,7 @@ class PendingAllReduce:
         chunk = self.pending.wait().to(self.dtype)
         begin = time.perf_counter()
         gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
-        dist.all_gather_single(gathered, chunk, group=self.group)
+        all_gather_single(gathered, chunk, group=self.group)
         self._write(gathered)
         self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
         return self.output
@@ -94,7 +95,7 @@ class PendingAllReduce:
         The caller records the time it waits for the future."""
         chunk = self.pending.wait().to(self.dtype)
         gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
-        work = dist.all_gather_single(gathered, chunk, group=self.group, async_op=True)
+        work = all_gather_single(gathered, chunk, group=self.group, async_op=True)
 
         def write(future: torch.futures.Future) -> torch.Tensor:
             future.wait()  # on CUDA: the callback's stream waits for the all-gather's
@@ -152,7 +153,7 @@ class GatheredWires:
         # uint8 [H, B]: piece h's row for replica h (records its encode time)
         wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
-        self.work = dist.all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
+        self.work = all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats
         self.done = False
 

@@ -204,6 +204,14 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[d
     return collective(output, input, group=group, async_op=async_op)
 
 
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],
+                      async_op: bool = False):
+    """``dist.all_gather_single`` where torch has it (``all_gather_into_tensor`` is its older, deprecated name,
+    the only one before torch 2.13)."""
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, input, group=group, async_op=async_op)
+
+
 def plain_reduce_scatter(
     chunks: torch.Tensor, group: Optional[dist.ProcessGroup], piece_bytes: Optional[int] = None
 ) -> tuple[torch.Tensor, int]:
