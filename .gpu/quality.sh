@@ -4,7 +4,7 @@
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
 # Then, with the device tool:  MAXT=420 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60.
 # DEVICE=cpu STEPS=3 OUT=/tmp/q bash .gpu/quality.sh smoke-tests it here. RUNS picks the runs (default: every one below); GPU_CHECK=1 also runs `python -m tagc.bench gpu-check`.
-# The screens: RUNS="ddp tagc-d1 tagc-d0.97 tagc-m0.9 tagc-localv" (names below).
+# The screens: RUNS="ddp tagc-d1 tagc-d0.97 tagc-dlr tagc-m0.9 tagc-localv" (names below).
 # Report: python -m gpt2_bench.quality DIR --plain ddp --methods tagc45-int4-ef21d0.9,int4,... --steps 2000
 # Everything comes back as one file, $OUT/quality.tgz (the tool returns at most 8 files).
 # Plain DDP ran 2,000 steps in 4 minutes this way, three runs at once on one H100 (torch 2.11).
@@ -41,10 +41,11 @@ for s in $SEEDS; do
       tagc-b16) [ "$s" = 0 ] && go 0 16 tagc45-int4-ef21d0.9-b16 $TAGC ;;
       int4-b16) [ "$s" = 0 ] && go 0 16 int4-b16 $INT4 ;;
       # screens for the 0.5% target (each against ddp of the same seed): no fading, slower fading,
-      # EF21-SGDM, and AdamW's second moment fed each rank's own gradient (tagc.optim.AdamW)
+      # fading that follows the learning rate (0.9 at the peak, 0.99 at the floor), EF21-SGDM, and AdamW's second moment fed each rank's own gradient (tagc.optim.AdamW)
       tagc-d1) go "$s" 4 tagc45-int4-ef21d1.0 $TAGC --feedback-decay 1.0 ;;
       tagc-d0.97) go "$s" 4 tagc45-int4-ef21d0.97 $TAGC --feedback-decay 0.97 ;;
       tagc-m0.9) go "$s" 4 tagc45-int4-ef21d0.9m0.9 $TAGC --feedback-momentum 0.9 ;;
+      tagc-dlr) go "$s" 4 tagc45-int4-ef21d0.9-lr $TAGC --feedback-decay-follows-lr ;;
       tagc-localv) go "$s" 4 tagc45-int4-ef21d0.9-localv $TAGC --second-moment local ;;
     esac
   done

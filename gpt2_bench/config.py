@@ -72,6 +72,9 @@ class TrainConfig:
     feedback_decay: Optional[float] = None
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
     (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
+    feedback_decay_follows_lr: bool = False
+    """With ``feedback_decay`` below 1: fade by ``1 - (1 - feedback_decay) * lr / peak lr`` at each step
+    (``hook.set_feedback_decay``), so that the shifts hold more as the learning rate decays."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -194,6 +197,12 @@ class TrainConfig:
             if self.compression == "none" or self.codec not in error_feedback_codecs() or self.torch_hook:
                 raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs "
                                  f"{error_feedback_codecs()} with compression != 'none' (not to --torch-hook)")
+        if self.feedback_decay_follows_lr and not (self.feedback == "ef21" and self.feedback_decay < 1.0
+                                                   and self.compression != "none" and not self.torch_hook):
+            raise ValueError("feedback_decay_follows_lr scales EF21's fading with the learning rate: it needs our hook "
+                             "with feedback='ef21' and feedback_decay < 1, compression != 'none', got "
+                             f"feedback={self.feedback!r}, feedback_decay={self.feedback_decay!r}, "
+                             f"compression={self.compression!r}")
         if self.diagnostics and self.integration == "fsdp1":
             raise ValueError("diagnostics read each parameter by name: use integration 'simple' or 'fsdp2' "
                              "(FSDP1 flattens the parameters)")
@@ -307,6 +316,7 @@ class TrainConfig:
         if self.feedback != "classic":
             algo += f"-{self.feedback}" + (f"m{self.feedback_momentum:g}" if self.feedback_momentum else "")
             algo += f"d{self.feedback_decay:g}" if self.feedback_decay != 1.0 else ""
+            algo += "-lr" if self.feedback_decay_follows_lr else ""
         if self.embedding_ratio is not None:
             algo += f"-emb{self.embedding_ratio:g}"
         if self.torch_hook:
@@ -431,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
                         "element that is not sent fades instead of holding its last value (default: the "
                         "library's, 0.9 for tagc's EF21, else 1: none)")
+    p.add_argument("--feedback-decay-follows-lr", action="store_true", default=defaults.feedback_decay_follows_lr,
+                   help="--feedback-decay GAMMA < 1: fade by 1 - (1 - GAMMA) * lr / peak lr at each step, so that the "
+                        "shifts hold more as the learning rate decays (hook.set_feedback_decay)")
     p.add_argument(
         "--ramp-steps",
         type=int,

@@ -179,6 +179,9 @@ class OurHook(_Counter):
     def residuals(self) -> dict:
         return self.state.hook.residuals
 
+    def set_feedback_decay(self, decay: float) -> None:
+        self.state.hook.set_feedback_decay(decay)
+
     def end_step(self) -> None:
         self.state.end_step()
 

@@ -72,6 +72,12 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
 
 
+def decay_at(cfg: TrainConfig, step: int) -> float:
+    """EF21's fading at ``step`` with ``feedback_decay_follows_lr``: ``1 - (1 - feedback_decay) * lr / peak lr``
+    (``feedback_decay`` at the peak, holding more as the rate decays)."""
+    return 1.0 - (1.0 - cfg.feedback_decay) * learning_rate(cfg, step) / cfg.lr
+
+
 # ----------------------------------------------------------------------------- one rank
 
 
@@ -220,6 +226,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     for step in range(first_step, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
+        if cfg.feedback_decay_follows_lr:
+            hook.set_feedback_decay(decay_at(cfg, step))
         _sync(device)
         if host_counter is not None:
             host_counter.start()

@@ -72,12 +72,15 @@ def _grad(rank: int, step: int, world: int, numel: int = CHUNK) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- bookkeeping
 
 
-def _bookkeeping(rank, world, codec, momentum, steps, decay=1.0):
+def _bookkeeping(rank, world, codec, momentum, steps, decay=1.0, schedule=None):
+    """``schedule``: a decay per step, set through ``hook.set_feedback_decay`` before each step."""
     hook = _hook(codec, feedback_momentum=momentum, feedback_decay=decay)
     segments = [Segment("w", 0, CHUNK)]
     wires = _recording(hook)
     outs, grads, shifts = [], [], []
     for step in range(steps):
+        if schedule is not None:
+            hook.set_feedback_decay(schedule[step])
         grad = _grad(rank, step, world)
         outs.append(_step(hook, grad, segments))
         grads.append(grad)
@@ -124,6 +127,39 @@ def test_each_shift_is_what_its_rank_sent_and_each_owner_returns_their_sum(codec
             assert torch.allclose(outs[step], expected, rtol=1e-5, atol=1e-5), (codec, owner, step)
             # H is the sum over ranks of their shifts, on the owner's columns
             assert torch.allclose(outs[step], sum(r[2][step][owner] for r in ranks), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decay_set_each_step_fades_the_shifts_and_the_owners_sums_alike():
+    """``hook.set_feedback_decay`` between steps (e.g. following the learning rate): each step's shifts and sums
+    fade by that step's value, on every rank and owner alike."""
+    schedule = [0.8, 0.9, 0.97, 1.0, 0.85, 0.99]
+    ranks = run_ranks(_bookkeeping, 2, "tagc", 0.0, len(schedule), 0.9, schedule)
+    for rank, (_, _, shifts, sent, _) in enumerate(ranks):
+        total = torch.zeros_like(sent[0])
+        for step, decay in enumerate(schedule):
+            total = total * decay + sent[step]
+            assert torch.allclose(shifts[step], total, rtol=1e-5, atol=1e-5), (rank, step)
+    for owner, (outs, *_rest) in enumerate(ranks):
+        expected = torch.zeros(CHUNK)
+        for step, decay in enumerate(schedule):
+            expected = expected * decay + sum(r[3][step][owner] for r in ranks)
+            assert torch.allclose(outs[step], expected, rtol=1e-5, atol=1e-5), (owner, step)
+            assert torch.allclose(outs[step], sum(r[2][step][owner] for r in ranks), rtol=1e-5, atol=1e-5)
+
+
+def test_set_feedback_decay_reaches_every_ratio_and_is_validated():
+    hook = tagc.hook(feedback_decay=0.9)
+    copy = hook.codec.at_ratio(7.0)  # the density ramp's and per-parameter ratios' copies
+    assert copy is not hook.codec and copy.decay == 0.9
+    hook.set_feedback_decay(0.97)
+    assert (hook.codec.decay, copy.decay) == (0.97, 0.97)
+    assert hook.settings()["feedback_decay"] == 0.9  # the settings the ranks agreed on stay as made
+    for bad in (0.0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="feedback_decay must be a number in"):
+            hook.set_feedback_decay(bad)
+    assert hook.codec.decay == 0.97
+    with pytest.raises(ValueError, match="feedback='ef21'"):
+        tagc.hook(codec="topk").set_feedback_decay(0.9)
 
 
 # ---------------------------------------------------------------------------------------------- a constant gradient
@@ -421,6 +457,24 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
                 dict(codec="topk", feedback_decay=0.9), dict(feedback="ef21", feedback_decay=0.0)):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
+    follows = config_from_args(parse(["--feedback-decay-follows-lr", "--lr", "1e-3", "--steps", "100"]))
+    assert follows.feedback_decay_follows_lr and "-ef21d0.9-lr" in follows.run_name
+    for bad in (dict(feedback_decay=1.0), dict(feedback="classic"), dict(codec="int4", compression="all"),
+                dict(compression="none")):
+        with pytest.raises(ValueError, match="feedback_decay_follows_lr"):
+            TrainConfig(feedback_decay_follows_lr=True, **bad)
+
+
+def test_the_fading_follows_the_learning_rate_from_its_peak_to_its_floor():
+    from gpt2_bench.train import decay_at, learning_rate
+
+    cfg = TrainConfig(feedback_decay_follows_lr=True, steps=200, lr=1e-3, min_lr=1e-4, warmup_steps=5)
+    decays = [decay_at(cfg, step) for step in range(cfg.steps)]
+    assert decays[cfg.warmup_steps] == pytest.approx(0.9)  # the peak rate: the decay asked for
+    assert decays[-1] == pytest.approx(1 - 0.1 * learning_rate(cfg, cfg.steps - 1) / 1e-3)
+    assert decays[-1] == pytest.approx(0.99, abs=1e-4)  # the floor, a tenth of the peak: a tenth of the fading
+    after_peak = decays[cfg.warmup_steps:]
+    assert all(a <= b for a, b in zip(after_peak, after_peak[1:]))  # holds more and more as the rate decays
 
 
 def _ddp_sketch(rank, world, nan_step, decay):

@@ -36,6 +36,7 @@ from tagc.hooks import checkpoint, eager, strict, traced
 from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.eager import PendingBucket, SideStreams
 from tagc.hooks.exchange import PartCoder, nonfinite_error, op_scale, raises_nonfinite, scale_into
+from tagc.hooks.feedback import EF21Codec
 from tagc.hooks.fingerprint import SelectionRecord
 from tagc.hooks.hierarchy import Topology, group_ranks, topology
 from tagc.hooks.local_grads import LocalGradients
@@ -173,6 +174,15 @@ class TAGCHook:
     def dense_steps(self) -> int:
         """Steps sent plain first: ``None`` gives :data:`DENSE_STEPS` to error-feedback codecs, 0 to the others."""
         return self.state.dense_steps
+
+    def set_feedback_decay(self, decay: float) -> None:
+        """Fade EF21's shifts by ``decay`` from the next step on (``feedback="ef21"`` only; the settings keep the
+        value the hook was made with). Call it between steps, with the same value on every rank, e.g. to fade
+        less as the learning rate decays: ``hook.set_feedback_decay(1 - (1 - 0.9) * lr / peak_lr)``."""
+        if not isinstance(self.codec, EF21Codec):
+            raise ValueError(f"set_feedback_decay fades EF21's shifts: this hook's feedback is "
+                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
+        self.codec.set_decay(decay)
 
     @property
     def last_step(self) -> ExchangeStats:

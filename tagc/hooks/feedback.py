@@ -155,13 +155,25 @@ class EF21Codec(Codec):
         check_feedback("ef21", momentum, decay)
         self.inner = inner
         self.momentum = float(momentum)
-        self.decay = float(decay)
+        self._fading = {"decay": float(decay)}  # one dict for every ratio's copy: set_decay reaches them all
         self.sums: dict[str, torch.Tensor] = {}
         """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
         self.momenta: dict[str, torch.Tensor] = {}
         """``v_i`` per part, keyed by its state entry name."""
         self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
         self._columns: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # powersgd: matrix per column
+
+    @property
+    def decay(self) -> float:
+        """``gamma``: the factor every shift and ``H`` fade by at each step (1: they hold)."""
+        return self._fading["decay"]
+
+    def set_decay(self, decay: float) -> None:
+        """Fade by ``decay`` from the next step on (in ``(0, 1]``), in this codec and its copies at other ratios.
+        Every rank must set the same value before the same step (e.g. from the learning-rate schedule):
+        the owners fade ``H`` by the value their ranks faded their shifts by."""
+        check_feedback("ef21", self.momentum, decay)
+        self._fading["decay"] = float(decay)
 
     # ------------------------------------------------------------------ what the inner codec is
 
