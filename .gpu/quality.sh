@@ -33,11 +33,11 @@ go() { # seed batch name flags...
 for s in $SEEDS; do
   for r in $RUNS; do
     case $r in
-      ddp) go "$s" 4 ddp --compression none ;;
+      ddp) go "$s" 4 ddp --compression none --transport gloo ;;
       tagc) go "$s" 4 tagc45-int4-ef21d0.9 $TAGC ;;
       int4) go "$s" 4 int4 $INT4 ;;
       topk) go "$s" 4 topk45-int4-ef21d0.9 $TOPK ;;
-      ddp-b16) [ "$s" = 0 ] && go 0 16 ddp-b16 --compression none ;;
+      ddp-b16) [ "$s" = 0 ] && go 0 16 ddp-b16 --compression none --transport gloo ;;
       tagc-b16) [ "$s" = 0 ] && go 0 16 tagc45-int4-ef21d0.9-b16 $TAGC ;;
       int4-b16) [ "$s" = 0 ] && go 0 16 int4-b16 $INT4 ;;
       # screens for the 0.5% target (each against ddp of the same seed): no fading, slower fading,
