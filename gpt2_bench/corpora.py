@@ -296,6 +296,10 @@ def openwebtext_corpus(hub_id: str = OPENWEBTEXT_HUB_ID, num_proc: Optional[int]
     return Corpus("openwebtext", {"source": f"hf:{hub_id}"}, load)
 
 
+CORPUS_NAMES = ("bbc", "mix", "openwebtext", "owt")
+"""The corpora :func:`resolve_corpus` knows by name (anything else is a path)."""
+
+
 def resolve_corpus(dataset: Union[str, Path, Sequence[Union[str, Path]]], **kwargs: Any) -> Corpus:
     """``"bbc"``, ``"mix"``, ``"openwebtext"``, or local file path(s); ``kwargs`` go to the matching constructor."""
     if dataset == "bbc":

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError
-from gpt2_bench.corpora import OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
+from gpt2_bench.corpora import CORPUS_NAMES, OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
 from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
 
 if TYPE_CHECKING:
@@ -87,7 +87,10 @@ def prepare(
     ``dataset`` may also be a prepared folder (one holding ``meta.json``, e.g. copied to a machine that
     lacks the corpus' packages): it is returned as it is, its splits checked when read.
     """
-    if isinstance(dataset, (str, Path)) and (Path(dataset).expanduser() / "meta.json").is_file():
+    if _is_prepared_folder(dataset):
+        if force:
+            raise ValueError(f"{dataset} is a prepared folder: it cannot be prepared again (force=True); "
+                             "prepare its corpus by name instead")
         return Path(dataset).expanduser()
     corpus = resolve_corpus(dataset, **corpus_kwargs)
     val_every = val_every or _DEFAULT_VAL_EVERY.get(corpus.name, 20)
@@ -128,6 +131,13 @@ def prepare(
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         tmp.replace(out / "meta.json")
     return out
+
+
+def _is_prepared_folder(dataset: Any) -> bool:
+    """Whether ``dataset`` names a prepared folder (holding ``meta.json``), not a corpus: a corpus name such as
+    ``mix`` is always the corpus, whatever folder of that name the working directory holds."""
+    return (isinstance(dataset, (str, Path)) and str(dataset) not in CORPUS_NAMES
+            and (Path(dataset).expanduser() / "meta.json").is_file())
 
 
 def _prepared_with(out: Path, config: dict[str, Any]) -> bool:
@@ -341,7 +351,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"tokens       {m['train_tokens'] + m['val_tokens']:,}  (train {m['train_tokens']:,}, val {m['val_tokens']:,})"
     )
     sample = data.tokens("val")[:32].tolist()
-    print(f"val starts   {get_tokenizer().decode(sample)!r}")
+    try:
+        print(f"val starts   {get_tokenizer().decode(sample)!r}")
+    except DataError as err:  # a prepared folder read where no tokenizer is installed
+        print(f"val starts   (not decoded: {err})")
     return 0
 
 

@@ -42,7 +42,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 GROUPS = ("embedding", "linear", "attention", "other")
 """Parameter groups, by role: the tied token embedding / LM head; the other linears TAGC's
@@ -97,13 +97,19 @@ def _local(tensor):
 class StaleAges:
     """Steps since each element of the codec's residuals was last sent: its residual exactly zero after the step
     (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift) other
-    than by fading (``decay``: EF21's ``feedback_decay``, an unsent shift becomes ``decay`` times itself)."""
+    than by fading (``decay``: EF21's ``feedback_decay``, an unsent shift becomes ``decay`` times itself; a callable
+    gives the value each step used, e.g. when ``hook.set_feedback_decay`` changes it between steps)."""
 
-    def __init__(self, changed: bool = False, decay: float = 1.0) -> None:
+    def __init__(self, changed: bool = False, decay: Union[float, Callable[[], float]] = 1.0) -> None:
         self.ages: dict[tuple[str, int], Any] = {}
         self.changed = changed
-        self.decay = decay
+        self._decay = decay
         self.previous: dict[tuple[str, int], Any] = {}  # changed=True: each residual as the last step left it
+
+    @property
+    def decay(self) -> float:
+        """The fading of the step just made."""
+        return self._decay() if callable(self._decay) else self._decay
 
     def update(self, residuals: dict) -> Any:
         """Advance every age by one step, zero those sent, and return the counts per bin
@@ -135,7 +141,8 @@ class StaleAges:
         self.previous[key] = residual.detach().clone()
         if before is None or before.shape != residual.shape:
             return residual != 0  # the first step: a shift that is not zero moved from h = 0
-        return residual != (before if self.decay == 1.0 else before * self.decay)  # as EF21Codec.fade rounds it
+        decay = self.decay
+        return residual != (before if decay == 1.0 else before * decay)  # as EF21Codec.fade rounds it
 
 
 def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, qs: Sequence[float]) -> list[float]:
@@ -182,7 +189,7 @@ class StepDiagnostics:
             raise ValueError("diagnostics found no trainable parameters")
         codec = getattr(hook, "codec", None)
         ef21 = getattr(codec, "feedback", "classic") == "ef21"
-        self.ages = StaleAges(changed=ef21, decay=getattr(codec, "decay", 1.0) if ef21 else 1.0)
+        self.ages = StaleAges(changed=ef21, decay=(lambda: codec.decay) if ef21 else 1.0)  # set_feedback_decay moves it
         self._before: list = []
         self.log = open(path, "a" if header is None else "w") if path else None  # noqa: SIM115 - closed by close()
         if self.log is not None and header is not None:

@@ -172,6 +172,11 @@ class OurHook(_Counter):
         return self.state.hook
 
     @property
+    def codec(self):
+        """The hook's codec (the diagnostics read its error feedback kind and fading)."""
+        return self.state.hook.codec
+
+    @property
     def dense_steps(self) -> int:
         return self.state.hook.dense_steps
 

@@ -130,7 +130,8 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
-    reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_momentum", "feedback_decay")
+    reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_momentum", "feedback_decay",
+             "feedback_decay_follows_lr")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}  # = the library's
     fields = {"codec_options": {}, **defaults, **settings}
     from tagc.hooks.codec_registry import spec

@@ -353,3 +353,15 @@ def test_a_prepared_folder_is_used_as_it_is(prepared, monkeypatch):
     assert prepare(str(prepared)) == prepared
     before = np.fromfile(prepared / "train.bin", dtype=np.uint16)
     assert np.array_equal(np.asarray(data.TokenData(prepared).tokens("train")), before)
+
+
+def test_a_corpus_name_is_never_read_as_a_folder_and_a_prepared_folder_is_not_rebuilt(prepared, tmp_path, monkeypatch):
+    from gpt2_bench import data
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mix").mkdir()
+    (tmp_path / "mix" / "meta.json").write_text((prepared / "meta.json").read_text())
+    assert not data._is_prepared_folder("mix")  # the corpus, whatever ./mix holds
+    assert data._is_prepared_folder("./mix") and data._is_prepared_folder(prepared)
+    with pytest.raises(ValueError, match="prepared folder"):
+        prepare(prepared, force=True)

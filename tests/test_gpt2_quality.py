@@ -190,6 +190,22 @@ def test_with_fading_shifts_an_element_counts_as_sent_when_it_moved_beyond_its_f
     assert ages.ages[("unit", 0)].tolist() == [[1, 0, 3, 2]]  # element 2 never sent
 
 
+def test_a_fading_set_between_steps_is_read_at_each_step():
+    """``hook.set_feedback_decay`` (the trainer's ``--feedback-decay-follows-lr``): each step's fade is the codec's
+    value then, so an element only faded by the new value is not counted as sent."""
+    hook = tagc.hook(feedback="ef21", feedback_decay=0.5)
+    step = diagnostics.StepDiagnostics(torch.nn.Linear(4, 4), torch.optim.AdamW(torch.nn.Linear(4, 4).parameters()),
+                                       hook, None, "all", 1.0)
+    ages = step.ages
+    ages.update({"unit": [torch.tensor([[0.0, -1.0, 0.0, -4.0]])]})  # elements 1 and 3 sent
+    hook.set_feedback_decay(0.25)
+    ages.update({"unit": [torch.tensor([[-2.0, -0.25, 0.0, -1.0]])]})  # element 0 sent; 1 and 3 faded by 0.25
+    assert ages.ages[("unit", 0)].tolist() == [[0, 1, 2, 1]]
+    hook.set_feedback_decay(1.0)
+    ages.update({"unit": [torch.tensor([[-2.0, -0.25, 0.0, -3.0]])]})  # element 3 sent; 0 and 1 held
+    assert ages.ages[("unit", 0)].tolist() == [[1, 2, 3, 0]]
+
+
 def test_quantiles_from_a_histogram_match_the_values_to_a_bin():
     values = torch.logspace(-8, -2, 10001, dtype=torch.float64).log10()
     low, width = diagnostics.V_RANGE[0], diagnostics.V_BIN
