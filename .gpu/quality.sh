@@ -37,9 +37,9 @@ for s in $SEEDS; do
       tagc) go "$s" 4 tagc45-int4-ef21d0.9 $TAGC ;;
       int4) go "$s" 4 int4 $INT4 ;;
       topk) go "$s" 4 topk45-int4-ef21d0.9 $TOPK ;;
-      ddp-b16) [ "$s" = 0 ] && go 0 16 ddp-b16 --compression none --transport gloo ;;
-      tagc-b16) [ "$s" = 0 ] && go 0 16 tagc45-int4-ef21d0.9-b16 $TAGC ;;
-      int4-b16) [ "$s" = 0 ] && go 0 16 int4-b16 $INT4 ;;
+      ddp-b16) go "$s" 16 ddp-b16 --compression none --transport gloo ;;
+      tagc-b16) go "$s" 16 tagc45-int4-ef21d0.9-b16 $TAGC ;;
+      int4-b16) go "$s" 16 int4-b16 $INT4 ;;
       # screens for the 0.5% target (each against ddp of the same seed): no fading, slower fading,
       # fading that follows the learning rate (0.9 at the peak, 0.99 at the floor), EF21-SGDM, and AdamW's second moment fed each rank's own gradient (tagc.optim.AdamW)
       tagc-d1) go "$s" 4 tagc45-int4-ef21d1.0 $TAGC --feedback-decay 1.0 ;;
