@@ -1024,6 +1024,7 @@ def test_kernels_compile_for_sm90():
     _build_for_sm90("plain")
 
 
+@pytest.mark.slow  # about 11 s: a second full build; the default suite keeps the plain one
 def test_kernels_compile_for_sm90_with_integer_arguments_equal_to_one():
     """Compiled Triton specialises an integer argument equal to 1 into a constexpr (the interpreter never
     does): ``blocks.to(...)`` on one fails to compile. Every kernel, every integer argument 1."""
