@@ -122,6 +122,9 @@ class TrainConfig:
     not a limit on the run)."""
     max_time_s: Optional[float] = None
     """Stop cleanly (checkpointing first, when checkpoints are on) once a run has trained this long; None: no limit."""
+    stop_at: Optional[int] = None
+    """Stop cleanly (checkpointing first, when checkpoints are on) after this many steps of the ``steps``-step schedule,
+    so that a screen can run the first part of a long run and ``resume`` the rest later; None: run every step."""
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     """Write a sharded checkpoint (:mod:`gpt2_bench.checkpoint`) every this many steps (0: never)."""
@@ -269,6 +272,8 @@ class TrainConfig:
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 0 < self.stop_at <= self.steps):
+            raise ValueError(f"stop_at must be a step count in 1..steps ({self.steps}), got {self.stop_at!r}")
         if not isinstance(self.hosts, int) or self.hosts < 1 or self.world % self.hosts:
             raise ValueError(f"hosts must be a positive integer dividing world ({self.world}), got {self.hosts!r}")
         from tagc.hooks.hierarchy import check_hierarchy
@@ -501,6 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
         "default: no limit",
+    )
+    p.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="stop cleanly after this many steps of the --steps schedule (checkpointing first with "
+        "--checkpoint-every), to be resumed later with --resume; default: run every step",
     )
     p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
     p.add_argument(

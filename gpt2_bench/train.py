@@ -312,6 +312,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['iter_ms']:.0f}")
         out_of_time = cfg.max_time_s is not None and _any_rank(time.perf_counter() - start > cfg.max_time_s, device)
+        out_of_time = out_of_time or (cfg.stop_at is not None and step + 1 == cfg.stop_at < cfg.steps)
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or out_of_time):
             from gpt2_bench import checkpoint
 

@@ -62,3 +62,32 @@ def test_resume_after_max_time_repeats_the_uninterrupted_losses(tmp_path):
     losses = {name: [(r["step"], r["loss"]) for r in _records(tmp_path, name) if "step" in r]
               for name in ("whole", "stopped")}
     assert losses["stopped"] == losses["whole"]  # TAGC residuals, Adam, data and RNG all restored
+
+
+def test_the_stop_at_flag_reaches_the_config():
+    args = build_parser().parse_args(["--steps", "300", "--stop-at", "150"])
+    assert config_from_args(args).stop_at == 150
+
+
+@pytest.mark.parametrize("stop_at", [0, -1, 5, 2.5])
+def test_stop_at_outside_the_schedule_is_refused(stop_at):
+    with pytest.raises(ValueError, match=r"stop_at must be a step count in 1\.\.steps \(4\)"):
+        TrainConfig(steps=4, stop_at=stop_at)
+
+
+@pytest.mark.slow  # two short training runs
+@NEEDS_ASSETS
+def test_stop_at_checkpoints_and_resumes_to_the_uninterrupted_losses(tmp_path):
+    from gpt2_bench.checkpoint import latest
+
+    assert run(_config(tmp_path, "whole"))["stopped_at"] is None
+    checkpoints = tmp_path / "checkpoints"
+    stopped = run(_config(tmp_path, "stopped", stop_at=2, checkpoint_dir=str(checkpoints), checkpoint_every=100))
+    assert stopped["stopped_at"] == 2 and latest(checkpoints).name == "step-2"
+    resumed = run(_config(tmp_path, "stopped", stop_at=2, checkpoint_dir=str(checkpoints), checkpoint_every=100,
+                          resume=True))  # the same command again goes on past the stop, to the end of the schedule
+    assert resumed["resumed_from_step"] == 2 and resumed["stopped_at"] is None
+    losses = {name: [(r["step"], r["loss"]) for r in _records(tmp_path, name) if "step" in r]
+              for name in ("whole", "stopped")}
+    assert [s for s, _ in losses["stopped"]] == [0, 1, 2, 3]
+    assert losses["stopped"] == losses["whole"]  # the schedule is the 4-step one throughout
