@@ -4,7 +4,7 @@
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
 # Then, with the device tool:  MAXT=420 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60.
 # DEVICE=cpu STEPS=3 OUT=/tmp/q bash .gpu/quality.sh smoke-tests it here. RUNS picks the runs (default: every one below); GPU_CHECK=1 also runs `python -m tagc.bench gpu-check`.
-# The screens: RUNS="ddp tagc-d1 tagc-d0.97 tagc-dlr tagc-m0.9 tagc-localv" (names below).
+# The screens: RUNS="ddp tagc-d1 tagc-d0.97 tagc-dlr tagc-localv ddp-b16 tagc-d0.97-b16" (names below; tagc-m0.9 diverged without fading on the CPU).
 # Report: python -m gpt2_bench.quality DIR --plain ddp --methods tagc45-int4-ef21d0.9,int4,... --steps 2000
 # Everything comes back as one file, $OUT/quality.tgz (the tool returns at most 8 files).
 # Plain DDP ran 2,000 steps in 4 minutes this way, three runs at once on one H100 (torch 2.11).
@@ -47,6 +47,8 @@ for s in $SEEDS; do
       tagc-m0.9) go "$s" 4 tagc45-int4-ef21d0.9m0.9 $TAGC --feedback-momentum 0.9 ;;
       tagc-dlr) go "$s" 4 tagc45-int4-ef21d0.9-lr $TAGC --feedback-decay-follows-lr ;;
       tagc-localv) go "$s" 4 tagc45-int4-ef21d0.9-localv $TAGC --second-moment local ;;
+      # the 4x-batch point's screen: slower fading at batch 16 (against ddp-b16)
+      tagc-d0.97-b16) go "$s" 16 tagc45-int4-ef21d0.97-b16 $TAGC --feedback-decay 0.97 ;;
     esac
   done
 done
