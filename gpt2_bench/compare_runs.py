@@ -23,8 +23,7 @@ QUALITY_KEPT_CHECKPOINTS = 2
 """A quality run keeps its newest checkpoints only (a long run's full set fills a disk)."""
 
 HOW_NOT_WHAT = ("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "max_time_s", "stop_at",
-                "group_timeout_s",
-                "fault_step", "diagnostics")
+                "group_timeout_s", "fault_step", "diagnostics")
 """Settings that change how a run is carried out, not its losses."""
 
 

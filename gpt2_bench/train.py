@@ -312,12 +312,12 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", ms=f"{record['iter_ms']:.0f}")
         out_of_time = cfg.max_time_s is not None and _any_rank(time.perf_counter() - start > cfg.max_time_s, device)
-        out_of_time = out_of_time or (cfg.stop_at is not None and step + 1 == cfg.stop_at < cfg.steps)
-        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or out_of_time):
+        stop_here = out_of_time or (cfg.stop_at is not None and step + 1 == cfg.stop_at < cfg.steps)
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or stop_here):
             from gpt2_bench import checkpoint
 
             checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, gen, keep=cfg.keep_checkpoints)
-        if out_of_time:
+        if stop_here:
             stopped_at = step + 1
             break
     if host_counter is not None:
