@@ -428,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "10 for the error-feedback codecs tagc, topk, sign, powersgd; 0 for the others)")
     p.add_argument("--diagnostics", action="store_true",
                    help="log per step the grad norm and clipping, the AdamW update's RMS and exp_avg_sq per parameter "
-                        "group, and the staleness of compressed elements, to <run>.diagnostics.jsonl (compare two runs "
-                        "with python -m gpt2_bench.diagnostics PLAIN RUN)")
+                        "group, and the staleness of compressed elements (under DDP also the decoded gradient's error "
+                        "against the exact mean of the ranks' gradients, and that mean's minibatch noise), to "
+                        "<run>.diagnostics.jsonl (compare two runs with python -m gpt2_bench.diagnostics PLAIN RUN)")
     p.add_argument("--second-moment", default=defaults.second_moment, choices=SECOND_MOMENTS,
                    help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
                         "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "

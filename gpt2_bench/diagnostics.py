@@ -24,6 +24,21 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   can move an unsent one by a rounding of ``|g|``: such an element counts as sent, so under EF21
   the ages are a lower bound.
 
+- ``estimate`` (DDP only, where every rank holds the whole averaged gradient): on the compressed
+  parameters, per group, how far the gradient the optimizer receives is from the exact mean of
+  the ranks' own gradients, against how far that mean is from the true gradient. ``error_sq`` is
+  ``|d - m|^2`` (``d`` the decoded gradient, ``m`` the exact mean of the ranks' gradients);
+  ``noise_sq`` is the minibatch noise of ``m``, estimated from the ranks' spread,
+  ``sum_i |g_i - m|^2 / (N (N - 1))`` (unbiased for independent batches); ``signal_sq`` is
+  ``|m|^2``; ``gain`` is ``<d, m> / |m|^2`` (the share of the mean that gets through: below 1 where
+  the codec shrinks it, as fading does) and ``cosine`` the cosine of ``d`` and ``m``. A codec
+  whose ``error_sq`` is ``r`` times ``noise_sq`` hands the optimizer a gradient as noisy as plain
+  training's at a batch ``1 + r`` times smaller, if its error is as unbiased as noise; since the
+  noise falls with the batch and a codec's error need not, the same codec can cost little at a
+  small batch and much at a large one. It needs each rank's own gradient: the hook keeps it
+  (:mod:`tagc.hooks.local_grads`) and the diagnostics add one all-reduce of the compressed
+  gradients per step.
+
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
 are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
 step: a diagnostic run is for diagnosis, not for timing.
@@ -59,6 +74,9 @@ V_BIN = 0.01
 """Width of an ``exp_avg_sq`` histogram bin in log10: quantiles are exact to 2.3%."""
 V_BINS = round((V_RANGE[1] - V_RANGE[0]) / V_BIN)
 QUANTILES = (0.1, 0.5, 0.9)
+
+ESTIMATE_FIELDS = ("n", "error_sq", "own_sq", "signal_sq", "dot", "decoded_sq")
+"""Per group, the sums :meth:`StepDiagnostics.after_backward` takes (``own_sq``: ``|g_i - m|^2`` of this rank)."""
 
 AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
@@ -167,8 +185,13 @@ def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, 
 class StepDiagnostics:
     """The per-step diagnostics of one rank; rank 0 writes them (see the module's docstring).
 
-    Call :meth:`before_step` before ``optimizer.step()`` and :meth:`after_step` after it, on every
-    rank (it is a collective). Parameters are read by name, so FSDP1's flat parameters are out.
+    Call :meth:`after_backward` after the backward pass (before clipping), :meth:`before_step`
+    before ``optimizer.step()`` and :meth:`after_step` after it, on every rank (they are
+    collectives). Parameters are read by name, so FSDP1's flat parameters are out.
+
+    ``replicated``: every rank's parameters hold the whole averaged gradient after the backward pass
+    (DDP), which the ``estimate`` needs; it is measured only then, and only with a hook that can keep
+    each rank's own gradient.
     """
 
     def __init__(
@@ -180,9 +203,17 @@ class StepDiagnostics:
         compression: str,
         grad_clip: float,
         header: Optional[dict] = None,
+        replicated: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.hook = hook
+        engine = getattr(hook, "hook", hook)  # the trainer's DDP counter holds the tagc.hook(...) it installed
+        self._store = getattr(engine, "local_gradients", None)
+        self._estimating = replicated and self._store is not None
+        self._takes_kept = self._estimating and not engine.keep_local_gradients  # else the optimizer takes them
+        if self._takes_kept:
+            engine.keep_local_gradients = True
+        self._estimate = None
         self.grad_clip = grad_clip
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.params:
@@ -212,6 +243,38 @@ class StepDiagnostics:
                 + "\n"
             )
             self.log.flush()
+
+    def after_backward(self) -> None:
+        """Measure the ``estimate`` (module docstring) of this step's gradients, before clipping scales them: the
+        decoded gradient in each parameter's ``.grad`` against the exact mean of the gradients the ranks kept. A
+        no-op where nothing was kept (not replicated, or a dense step)."""
+        import torch
+        import torch.distributed as dist
+
+        self._estimate = None
+        if not self._estimating:
+            return
+        kept = self._store.take() if self._takes_kept else self._store.peek()
+        chosen = [(group, p, kept[id(p)]) for group, p in self.params if id(p) in kept and p.grad is not None]
+        if not chosen:
+            return
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        own = torch.cat([gradient.reshape(-1)[: p.numel()].double() for _, p, gradient in chosen])
+        mean = own.clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        sums = torch.zeros(len(GROUPS), len(ESTIMATE_FIELDS), dtype=torch.float64, device=own.device)
+        at = 0
+        for group, p, _ in chosen:
+            m, g = mean[at : at + p.numel()], own[at : at + p.numel()]
+            d = _local(p.grad).detach().reshape(-1).double()
+            at += p.numel()
+            sums[GROUPS.index(group)] += torch.stack([
+                torch.tensor(float(p.numel()), dtype=torch.float64, device=own.device),
+                (d - m).square().sum(), (g - m).square().sum(), m.square().sum(), (d * m).sum(), d.square().sum(),
+            ])
+        self._estimate = sums
 
     def before_step(self) -> None:
         """Keep this rank's parameter shards as they are before the optimizer moves them."""
@@ -243,13 +306,18 @@ class StepDiagnostics:
         self._before = []
         ages = self.ages.update(self.hook.residuals) if self.hook is not None and not dense else None
         ages = torch.zeros(len(AGE_LABELS), dtype=torch.float64) if ages is None else ages
-        vector = torch.cat([stats.reshape(-1), ages.to(device)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        estimate = self._estimate if self._estimate is not None else torch.zeros(
+            len(GROUPS), len(ESTIMATE_FIELDS), dtype=torch.float64, device=device)
+        self._estimate = None
+        vector = torch.cat([stats.reshape(-1), ages.to(device), estimate.to(device).reshape(-1)])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
             dist.all_reduce(vector)
         if self.log is None:
             return None
         stats = vector[: stats.numel()].reshape(len(GROUPS), width).cpu()
-        age_counts = vector[stats.numel() :].cpu().tolist()
+        age_counts = vector[stats.numel() : stats.numel() + len(AGE_LABELS)].cpu().tolist()
+        estimate = vector[stats.numel() + len(AGE_LABELS) :].reshape(len(GROUPS), len(ESTIMATE_FIELDS)).cpu()
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         norm = float(norm) if norm is not None else math.nan
         record: dict[str, Any] = {
@@ -277,6 +345,10 @@ class StepDiagnostics:
                 "v_p50": p50,
                 "v_p90": p90,
             }
+        estimates = {group: summary for index, group in enumerate(GROUPS)
+                     if (summary := estimate_summary(estimate[index].tolist(), world)) is not None}
+        if estimates:
+            record["estimate"] = estimates
         total = sum(age_counts)
         if total:
             mean_age_floor = (
@@ -295,6 +367,39 @@ class StepDiagnostics:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+
+
+def estimate_summary(sums: Sequence[float], world: int) -> Optional[dict]:
+    """One group's ``estimate`` from :data:`ESTIMATE_FIELDS` summed over ``world`` ranks (every field but ``own_sq``
+    is the same on every rank, so counted ``world`` times); ``None`` where the group was not measured. The noise
+    needs two ranks or more."""
+    n, error_sq, own_sq, signal_sq, dot, decoded_sq = sums
+    if not n:
+        return None
+    error_sq, signal_sq, dot, decoded_sq = (value / world for value in (error_sq, signal_sq, dot, decoded_sq))
+    noise_sq = own_sq / (world * (world - 1)) if world > 1 else math.nan
+    return {
+        "n": int(n / world),
+        "error_sq": error_sq,
+        "noise_sq": noise_sq,
+        "signal_sq": signal_sq,
+        "error_to_noise": error_sq / noise_sq if noise_sq else math.nan,
+        "gain": dot / signal_sq if signal_sq else math.nan,
+        "cosine": dot / math.sqrt(signal_sq * decoded_sq) if signal_sq and decoded_sq else math.nan,
+    }
+
+
+def pooled_estimate(record: dict, groups: Sequence[str]) -> Optional[dict]:
+    """A record's ``estimate`` over ``groups`` pooled (sums of squares added): ``error_to_noise`` and ``gain``."""
+    chosen = [record["estimate"][g] for g in groups if g in record.get("estimate", {})]
+    if not chosen:
+        return None
+    error = sum(e["error_sq"] for e in chosen)
+    noise = sum(e["noise_sq"] for e in chosen)
+    signal = sum(e["signal_sq"] for e in chosen)
+    through = sum(e["gain"] * e["signal_sq"] for e in chosen)
+    return {"error_to_noise": error / noise if noise else math.nan, "gain": through / signal if signal else math.nan,
+            "noise_to_signal": noise / signal if signal else math.nan}
 
 
 # ----------------------------------------------------------------------------- two runs side by side
@@ -385,6 +490,7 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
                 if g in a.get("groups", {}) and g in b.get("groups", {})
             },
             "staleness": b.get("staleness"),
+            **{f"run_{key}": value for key, value in (pooled_estimate(b, groups) or {}).items()},
         }
         per_step.append(row)
     size = max(1, math.ceil(len(per_step) / windows))
@@ -401,7 +507,8 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
                 "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
                 **{
                     key: _mean([r[key] for r in chunk])
-                    for key in ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio")
+                    for key in ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio",
+                                "run_error_to_noise", "run_gain")
                 },
                 "sent": _mean([s["sent"] for s in stale]),
                 "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale]),
@@ -433,16 +540,20 @@ def format_comparison(result: dict) -> str:
         f"({', '.join(result['groups'])}; pooled over their elements), averaged over each span's steps. "
         f"`update RMS`: RMS of the parameter change over the learning rate (AdamW's update); `v`: Adam's "
         f"exp_avg_sq. `sent`: share of the residual's elements sent in a step; `age 8+`: share last sent 8 or "
-        f"more steps before.",
+        f"more steps before. `error/noise` and `gain` (DDP runs only): the run's decoded gradient against the exact "
+        f"mean of the ranks' gradients, its squared error over the mean's minibatch noise and the share of the mean "
+        f"that gets through.",
         "",
-        "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ "
+        "| error/noise | gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for span in result["windows"]:
         lines.append(
             f"| {span['first']}-{span['last']} | {span['plain_clip_fraction']:.0%} | {span['run_clip_fraction']:.0%} | "
             f"{fmt(span['grad_norm_ratio'])} | {fmt(span['update_rms_ratio'])} | {fmt(span['v_mean_ratio'])} | "
-            f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} |"
+            f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} | "
+            f"{fmt(span['run_error_to_noise'])} | {fmt(span['run_gain'])} |"
         )
     lines += [
         "",

@@ -210,7 +210,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         codec = cfg.codec if cfg.compression != "none" else "none"
         header = {"run": cfg.run_name, "codec": codec, "seed": cfg.seed} if first_step == 0 else None
         diagnostics = StepDiagnostics(model, opt, hook, _open_diagnostics(log_path, first_step) if rank == 0 else None,
-                                      cfg.compression, cfg.grad_clip, header=header)
+                                      cfg.compression, cfg.grad_clip, header=header,
+                                      replicated=cfg.integration == "ddp")
     host_counter = HostCounter.for_rank(log_path)
     progress = None
     if rank == 0:
@@ -247,6 +248,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         _sync(device)
         backward_s = time.perf_counter() - tick - forward_s
         grad_norm = None
+        if diagnostics is not None:
+            diagnostics.after_backward()
         if cfg.grad_clip or diagnostics is not None:  # without clipping, max_norm inf scales by 1.0: a no-op
             clip = getattr(opt, "clip_grad_norm_", None)  # tagc.optim.AdamW: its kept gradients are clipped alike
             grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None

@@ -250,7 +250,91 @@ def test_step_diagnostics_measure_the_adamw_update_and_its_second_moment(tmp_pat
     assert lines[0]["header"] and lines[0]["compressed_groups"] == ["embedding", "linear"] and len(lines) == 4
 
 
-def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn"):
+def test_an_estimate_summary_divides_out_the_ranks_and_estimates_the_noise_of_the_mean():
+    """Two ranks' sums: every field but own_sq was counted once per rank; the noise of the mean of N gradients is
+    the ranks' spread over N (N - 1)."""
+    world = 2
+    # d = (1, 1), m = (1, 0), g_0 = (2, 0), g_1 = (0, 0): |d - m|^2 = 1, sum_i |g_i - m|^2 = 2
+    summary = diagnostics.estimate_summary([2 * 2, 2 * 1.0, 2.0, 2 * 1.0, 2 * 1.0, 2 * 2.0], world)
+    assert summary["n"] == 2 and summary["error_sq"] == 1.0 and summary["noise_sq"] == 1.0
+    assert summary["error_to_noise"] == 1.0 and summary["gain"] == 1.0
+    assert summary["cosine"] == pytest.approx(1 / math.sqrt(2))
+    assert diagnostics.estimate_summary([0.0] * 6, world) is None
+    assert math.isnan(diagnostics.estimate_summary([1.0, 1.0, 0.0, 1.0, 1.0, 1.0], 1)["noise_sq"])
+
+
+def _estimate_on_ddp(rank: int, world: int, path: str) -> list:
+    """The diagnostics' estimate on DDP with TAGC's defaults, and the same numbers from the ranks' own gradients."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.ModuleDict({"c_fc": nn.Linear(64, 192), "c_proj": nn.Linear(192, 48)})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp["c_proj"](torch.relu(self.mlp["c_fc"](x)))
+
+    torch.manual_seed(0)
+    module = Block()
+    ddp = DistributedDataParallel(module, bucket_cap_mb=0.03)
+    hook = tagc.hook(select="all", dense_steps=0, min_compress_numel=1)
+    tagc.register_comm_hook(ddp, hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    diag = diagnostics.StepDiagnostics(ddp.module, opt, hook, path if rank == 0 else None, "all", 1.0,
+                                       header={"run": "x"} if rank == 0 else None, replicated=True)
+    results = []
+    for step in range(4):
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(16, 64, generator=generator), torch.randn(16, 48, generator=generator)
+        local = copy.deepcopy(module)
+        nn.functional.mse_loss(local(x), y).backward()
+        own = torch.cat([p.grad.reshape(-1).double() for p in local.mlp.parameters() if p.dim() == 2])
+        gathered = [torch.empty_like(own) for _ in range(world)]
+        dist.all_gather(gathered, own)
+        mean = torch.stack(gathered).mean(0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        decoded = torch.cat([p.grad.reshape(-1).double() for p in module.mlp.parameters() if p.dim() == 2])
+        diag.after_backward()
+        diag.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record = diag.after_step(step, 1e-2, torch.tensor(1.0), dense=False)
+        expected = {
+            "error_sq": (decoded - mean).square().sum().item(),
+            "noise_sq": sum((g - mean).square().sum().item() for g in gathered) / (world * (world - 1)),
+            "signal_sq": mean.square().sum().item(),
+            "gain": ((decoded * mean).sum() / mean.square().sum()).item(),
+        }
+        results.append((record and record.get("estimate", {}).get("linear"), expected, len(hook.local_gradients)))
+    diag.close()
+    return results
+
+
+def test_the_estimate_sets_the_decoded_gradient_against_the_exact_mean_and_its_minibatch_noise(tmp_path):
+    """On 2 DDP ranks with ``tagc.hook()``'s defaults: the logged estimate of the linears equals the one computed from
+    each rank's own gradient (a copy of the model, no hook), a compressed step has an error (the codec is lossy), and
+    the store of kept gradients is emptied every step."""
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_estimate_on_ddp, 2, str(tmp_path / "d.jsonl"))[0]
+    measured = [(record, expected) for record, expected, _ in results if record]
+    assert len(measured) >= 2  # DDP's first step reduces as DDP does (its buckets are rebuilt): none kept then
+    for record, expected in measured:
+        for field in ("error_sq", "noise_sq", "signal_sq", "gain"):
+            assert record[field] == pytest.approx(expected[field], rel=1e-9), field
+        assert record["error_sq"] > 0 and record["error_to_noise"] == pytest.approx(
+            expected["error_sq"] / expected["noise_sq"], rel=1e-9)
+    assert all(kept == 0 for _, _, kept in results)
+    lines = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert sum("estimate" in line for line in lines) == len(measured)
+
+
+def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn", estimate=None):
     header = {
         "header": True,
         "run": name,
@@ -274,6 +358,9 @@ def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn"):
         record = {"step": step, "lr": 1e-3, "grad_norm": norm, "clipped": norm > 1.0, "groups": groups}
         if stale:
             record["staleness"] = {"counts": stale, "elements": sum(stale), "sent": stale[0] / sum(stale)}
+        if estimate:  # {group: (error_sq, noise_sq, signal_sq, gain)}
+            record["estimate"] = {g: dict(zip(("error_sq", "noise_sq", "signal_sq", "gain"), values))
+                                  for g, values in estimate.items()}
         lines.append(record)
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -281,7 +368,10 @@ def _diag_log(path, name, norms, update, v, stale=None, compression="non-attn"):
 def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
     stale = [1, 1, 2, 0, 4, 0, 0, 0, 0, 0]
     _diag_log(tmp_path / "plain.diagnostics.jsonl", "plain", [2.0, 0.5, 0.5, 0.5], 0.5, 1e-8, compression="none")
-    _diag_log(tmp_path / "tagc.diagnostics.jsonl", "tagc", [2.0, 1.5, 0.5, 0.6], 0.4, 3e-8, stale=stale)
+    # pooled over the compressed groups (attention's left out): error 1 + 3 over noise 2 + 2, gain (0.5 + 3) / (1 + 3)
+    estimate = {"embedding": (1.0, 2.0, 1.0, 0.5), "linear": (3.0, 2.0, 3.0, 1.0), "attention": (9.0, 1.0, 1.0, 0.0)}
+    _diag_log(tmp_path / "tagc.diagnostics.jsonl", "tagc", [2.0, 1.5, 0.5, 0.6], 0.4, 3e-8, stale=stale,
+              estimate=estimate)
     (tmp_path / "tagc.jsonl").write_text("")
     result = diagnostics.compare_runs(tmp_path / "plain.diagnostics.jsonl", tmp_path / "tagc.jsonl", windows=2)
     assert result["groups"] == ["embedding", "linear"]
@@ -293,6 +383,7 @@ def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
     assert (first["plain_clip_fraction"], first["run_clip_fraction"], second["run_clip_fraction"]) == (0.5, 1.0, 0.0)
     assert first["grad_norm_ratio"] == pytest.approx((1 + 3) / 2) and first["stale_8_plus"] == pytest.approx(0.5)
     assert result["staleness_histogram"] == [4 * c for c in stale]
+    assert (first["run_error_to_noise"], first["run_gain"]) == pytest.approx((1.0, 3.5 / 4))
     assert (
         diagnostics.main(
             [
@@ -307,7 +398,7 @@ def test_the_comparison_sets_a_run_against_plain_at_the_same_steps(tmp_path):
         == 0
     )
     report = (tmp_path / "out" / "diagnostics-tagc-vs-plain.md").read_text()
-    assert "| 0-1 | 50% | 100% | 2.000 | 0.800 | 3.000 | 3.000 | 12.5% | 50.0% |" in report
+    assert "| 0-1 | 50% | 100% | 2.000 | 0.800 | 3.000 | 3.000 | 12.5% | 50.0% | 1.000 | 0.875 |" in report
     assert (tmp_path / "out" / "diagnostics-tagc-vs-plain.png").stat().st_size > 0
     assert diagnostics.main([str(tmp_path / "none.jsonl"), str(tmp_path / "tagc.jsonl")]) == 1
 

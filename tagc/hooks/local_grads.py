@@ -61,12 +61,17 @@ class LocalGradients:
     def take(self) -> dict[int, torch.Tensor]:
         """``{id(parameter): kept gradient}`` (flat, the parameter's padded shard), emptying the
         store; segments whose parameter cannot be found are left out."""
+        kept = self.peek()
+        self._kept.clear()
+        return kept
+
+    def peek(self) -> dict[int, torch.Tensor]:
+        """What :meth:`take` would return, leaving the store as it is (for a reader beside the optimizer)."""
         kept = {}
         for segment, gradient in self._kept.values():
             parameter = owned_parameter(segment)
             if parameter is not None:
                 kept[id(parameter)] = gradient
-        self._kept.clear()
         return kept
 
     def __len__(self) -> int:
