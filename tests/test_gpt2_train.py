@@ -109,10 +109,10 @@ def bbc_ready():
 # test_simple_fsdp); the other pairs under -m slow
 RUNS = [
     ("simple", "non-attn", "fair"),
-    ("fsdp2", "all", "fair"),
     *(
         pytest.param(*run, marks=pytest.mark.slow)
         for run in [
+            ("fsdp2", "all", "fair"),
             ("simple", "none", "gloo"),
             ("fsdp1", "non-attn", "fair"),
             ("simple", "all", "fair"),

@@ -64,7 +64,7 @@ def lossless_transport(rank, world, bits):
     return out, expected, hook.stats(), density, rows, compressed_union
 
 
-@pytest.mark.parametrize("world, bits", [(2, 1), (3, 4), (4, 1)])
+@pytest.mark.parametrize("world, bits", [(2, 1), (3, 4), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_decoded_shard_is_the_exact_sum_of_what_ranks_kept(world, bits):
     for out, expected, stats, density, rows, union in run_ranks(lossless_transport, world, bits):
         # what each rank sent is its largest magnitudes (none held back is larger), about as many as planned:

@@ -341,6 +341,7 @@ def test_device_decode_solves_stopping_sets_like_the_cpu(fallback):
     assert int(determined.sum()) > 0
 
 
+@pytest.mark.slow  # 8 s under the interpreter; gpu-check runs it on the device
 def test_device_decode_is_the_same_bits_at_any_tile_and_launch_size():
     """The tile of a column's rounds and the setup programs' size change the order the device works in,
     never the bits: tiles of 16 and 32 carry the rounds over many tiles (dozens of pending positions in the
@@ -397,9 +398,16 @@ def test_device_decode_raises_what_the_reference_raises():
 # ---------------------------------------------------------------- round trip over ranks
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("bits", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+_DEFAULT_ROUND_TRIPS = {(torch.float32, 1, 2), (torch.bfloat16, 4, 4)}
+"""The round trips the default suite runs on the CPU; ``-m slow`` and ``gpu-check`` on a device run all eight."""
+_ROUND_TRIPS = [
+    pytest.param(dtype, bits, ranks, marks=() if (dtype, bits, ranks) in _DEFAULT_ROUND_TRIPS else pytest.mark.slow,
+                 id=f"{str(dtype).removeprefix('torch.')}-{bits}-{ranks}")
+    for dtype in (torch.float32, torch.bfloat16) for bits in (1, 4) for ranks in (2, 4)
+]
+
+
+@pytest.mark.parametrize("dtype, bits, ranks", _ROUND_TRIPS)
 def test_round_trip_over_ranks(ranks, bits, dtype):
     """compress on every rank -> sum tables, merge indexes -> decode: exact wherever peeling
     settles, the same as the reference everywhere.

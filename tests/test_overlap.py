@@ -40,9 +40,10 @@ def _simple(rank, world, overlap, codec, micro_batches):
     return _train(model, rank, world, micro_batches, hook=hook)
 
 
-# two of the six in the default suite (the other four: -m slow)
+# one of the six in the default suite (the other five: -m slow)
 @pytest.mark.parametrize("codec, micro_batches", [
-    pytest.param("tagc", 2, id="tagc-accumulate"), pytest.param(None, 1, id="funcol-one-backward"),
+    pytest.param("tagc", 2, id="tagc-accumulate"),
+    pytest.param(None, 1, id="funcol-one-backward", marks=pytest.mark.slow),
     pytest.param("tagc", 1, id="tagc-one-backward", marks=pytest.mark.slow),
     pytest.param("plain", 1, id="plain-one-backward", marks=pytest.mark.slow),
     pytest.param("plain", 2, id="plain-accumulate", marks=pytest.mark.slow),
@@ -99,7 +100,7 @@ def _compiled(rank, world, micro_batches):
 
 
 @pytest.mark.parametrize("micro_batches", [pytest.param(1, id="one-backward", marks=pytest.mark.slow),
-                                           pytest.param(2, id="accumulate")])
+                                           pytest.param(2, id="accumulate", marks=pytest.mark.slow)])
 def test_compiled_exchange_equals_the_overlapped_eager_one(micro_batches):
     for eager, compiled in run_ranks(_compiled, 2, micro_batches, timeout_s=300):
         for a_step, b_step in zip(eager, compiled):

@@ -259,7 +259,7 @@ def test_tie_parity_across_backends(kind, bits):
     assert (kept.sum(1) <= keep_limit(numel, 0.05)).all()
 
 
-@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("bits", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_a_misjudged_threshold_keeps_at_most_the_capacity(bits):
     """A threshold far below the planned count's (a sample that misjudged the row) keeps the
     first ``capacity`` entries above it in index order, ties none, the rest stay in the

@@ -2,7 +2,7 @@
 
 For a user with a GPU (one is enough). Without one it says so and exits 0. With one:
 
-1. **kernel tests on the device**: ``pytest tests/test_kernels.py`` with real Triton kernels
+1. **kernel tests on the device**: ``pytest -m "" tests/test_kernels.py`` (every case) with real Triton kernels
    (``TRITON_INTERPRET=0``) on CUDA tensors, in a source checkout (skipped when the tests are
    not there). They assert the device contract of :mod:`tests.test_kernels`: exact index,
    support, residual, thresholds, tables and statistics; decoded values the same bits from run
@@ -49,7 +49,8 @@ def _no_gpu_reason() -> str:
 
 
 def run_kernel_tests(device: torch.device) -> dict:
-    """``pytest tests/test_kernels.py`` on the device (real Triton kernels)."""
+    """``pytest tests/test_kernels.py`` on the device (real Triton kernels), every case: the ``slow`` ones too, which
+    the CPU's default suite leaves out because the interpreter is slow."""
     tests = Path(__file__).resolve().parents[2] / "tests" / "test_kernels.py"
     if not tests.exists():
         return {"ok": None, "note": f"{tests} not found (not a source checkout): kernel tests skipped"}
@@ -58,7 +59,7 @@ def run_kernel_tests(device: torch.device) -> dict:
         "TRITON_INTERPRET": "0",
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0)),
     }
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", str(tests)],
                             capture_output=True, text=True, env=env, cwd=tests.parents[1])
     tail = (result.stdout + result.stderr).strip().splitlines()[-15:]
     return {"ok": result.returncode == 0, "summary": tail[-1] if tail else "", "tail": tail}
