@@ -36,7 +36,8 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   training's at a batch ``1 + r`` times smaller, if its error is as unbiased as noise; since the
   noise falls with the batch and a codec's error need not, the same codec can cost little at a
   small batch and much at a large one. It needs each rank's own gradient: the hook keeps it
-  (:mod:`tagc.hooks.local_grads`) and the diagnostics add one all-reduce of the compressed
+  (:mod:`tagc.hooks.local_grads`; embeddings included, unless ``tagc.optim.AdamW`` reads the kept
+  gradients and so leaves them out) and the diagnostics add one all-reduce of the compressed
   gradients per step.
 
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
@@ -211,8 +212,9 @@ class StepDiagnostics:
         self._store = getattr(engine, "local_gradients", None)
         self._estimating = replicated and self._store is not None
         self._takes_kept = self._estimating and not engine.keep_local_gradients  # else the optimizer takes them
-        if self._takes_kept:
+        if self._takes_kept:  # the store is the diagnostics' alone: the embedding's gradient can be kept too
             engine.keep_local_gradients = True
+            self._store.embeddings = True
         self._estimate = None
         self.grad_clip = grad_clip
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]

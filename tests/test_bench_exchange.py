@@ -122,6 +122,7 @@ def check_rows(rows, links):
     assert all(r["ratio_to_fair_baseline"] == 1.0 for r in fair)
 
 
+@pytest.mark.slow  # 9 s: a whole benchmark run; the rows' arithmetic is checked by the tests above
 def test_quick_unshaped_run_writes_json_rows(tmp_path):
     path = tmp_path / "rows.json"
     _quick_run(path, "none", "128K")

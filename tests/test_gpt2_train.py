@@ -339,6 +339,7 @@ def test_ddp_diagnostics_estimate_the_codec_error_without_changing_the_losses(tm
     # DDP reduces its first step itself (its buckets are rebuilt after it), then the hook sends 2 dense steps
     assert [("estimate" in r) for r in records] == [False, False, False, True, True]
     for record in records[3:]:
+        assert set(record["estimate"]) == {"embedding", "linear"}  # the compressed groups, the tied embedding too
         linear = record["estimate"]["linear"]
         assert linear["error_sq"] > 0 and linear["noise_sq"] > 0 and 0 < linear["cosine"] <= 1
         assert 0 < linear["n"] <= record["groups"]["linear"]["n"]  # the compressed ones (min_compress_numel)

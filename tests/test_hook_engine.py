@@ -127,6 +127,7 @@ def error_feedback_training(rank, world, use_tagc):
     return sum(losses[-20:]) / 20
 
 
+@pytest.mark.slow  # 7 s of training; error feedback's mass is conserved exactly in the default suite
 def test_error_feedback_reaches_the_uncompressed_loss():
     plain = run_ranks(error_feedback_training, 2, False)[0]
     compressed = run_ranks(error_feedback_training, 2, True)[0]

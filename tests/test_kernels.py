@@ -314,7 +314,7 @@ def _assert_close_to_cpu(got, want):
     assert torch.equal(got != 0, want != 0)
 
 
-@pytest.mark.parametrize("fallback", ["estimate", "raw"])
+@pytest.mark.parametrize("fallback", ["estimate", pytest.param("raw", marks=pytest.mark.slow)])
 def test_device_decode_solves_stopping_sets_like_the_cpu(fallback):
     """The device decode solves stopping sets exactly, as the CPU back ends do: the same statistics
     (``solved`` included) and values within float32 rounding, for the full and the sync-free decode.
@@ -362,7 +362,7 @@ def test_device_decode_is_the_same_bits_at_any_tile_and_launch_size():
     _assert_close_to_cpu(base[0], want)
 
 
-@pytest.mark.parametrize("fallback", ["estimate", "raw"])
+@pytest.mark.parametrize("fallback", [pytest.param("estimate", marks=pytest.mark.slow), "raw"])
 def test_device_decode_reads_the_host_once(fallback):
     """Strict-sync counting (``tagc.hooks.strict``): one host read per full decode (its statistics), with
     stopping sets solved and a fallback; none for the sync-free decode."""

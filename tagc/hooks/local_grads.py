@@ -43,13 +43,16 @@ class LocalGradients:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[str, int], tuple[Segment, torch.Tensor]] = {}
+        self.embeddings = False
+        """Keep embedding weights too: for a reader that does not feed a second moment with them (the trainer's
+        diagnostics), never for :class:`tagc.optim.AdamW` (module docstring)."""
 
     def keep(self, segments: Sequence[Segment], row: torch.Tensor, factor: Union[float, torch.Tensor]) -> None:
         """Keep ``row[segment]`` (this rank's chunk of the packed gradient) times ``factor`` for
         each of ``segments``: ``factor`` puts one rank's gradient on the scale of the reduced one
         (``world`` times the reduce op's scale: 1 for an average)."""
         for segment in segments:
-            if isinstance(segment.module, nn.Embedding):
+            if isinstance(segment.module, nn.Embedding) and not self.embeddings:
                 continue
             piece = row[segment.start : segment.start + segment.numel] * factor
             key = (segment.name, segment.start)
