@@ -31,7 +31,8 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   ``noise_sq`` is the minibatch noise of ``m``, estimated from the ranks' spread,
   ``sum_i |g_i - m|^2 / (N (N - 1))`` (unbiased for independent batches); ``signal_sq`` is
   ``|m|^2``; ``gain`` is ``<d, m> / |m|^2`` (the share of the mean that gets through: below 1 where
-  the codec shrinks it, as EF21's lagging shifts and their fading do) and ``cosine`` the cosine of ``d`` and ``m``. A codec
+  the codec shrinks it, as EF21's lagging shifts and their fading do) and ``cosine`` the cosine of
+  ``d`` and ``m``. A codec
   whose ``error_sq`` is ``r`` times ``noise_sq`` hands the optimizer a gradient as noisy as plain
   training's at a batch ``1 + r`` times smaller, if its error is as unbiased as noise; since the
   noise falls with the batch and a codec's error need not, the same codec can cost little at a
