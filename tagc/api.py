@@ -123,7 +123,8 @@ def hook(
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
             wire of ``tagc`` and ``topk``: ``positions="coded"`` (each rank's support Elias-Fano
             coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
-            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16); ``tagc`` defaults
+            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16; ``"float16"`` and
+            ``"float8"`` are scaled per block, and float8 suits ``topk`` only: a warning says why); ``tagc`` defaults
             to ``positions="coded"`` (``"bitmap"`` with ``index_bits=4``) and ``value_dtype="float16"``;
             ``positions="bitmap"`` and ``value_dtype="float32"`` are the paper's wire.
     """

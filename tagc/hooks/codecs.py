@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -60,13 +61,19 @@ from tagc.sketch.sparsify import capacity
 if TYPE_CHECKING:
     from tagc.hooks.segment import Segment
 
-VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8": torch.float8_e4m3fn}
 """What ``value_dtype`` may be for the sparse codecs (their values or sketch cells on the wire):
 a name, or the torch dtype. ``float16`` travels with a power-of-two float32 scale per
 :data:`SCALE_BLOCK` values (:func:`pack_values`): 11 significant bits instead of bf16's 8, at
-16 bits per value and 0.03 bits of scale."""
+16 bits per value and 0.03 bits of scale. ``float8`` (e4m3, 4 significant bits) travels the same
+way at 8 bits per value: half the cells' bytes, so a sparse codec can keep about twice the entries
+at the same bytes, each rounded by up to 2**-4 of itself."""
 SCALE_BLOCK = 1024
-"""Values sharing one float16 scale."""
+"""Values sharing one scale (``float16``, ``float8``)."""
+_SCALED_TOP = {torch.float16: 15, torch.float8_e4m3fn: 8}
+"""Scaled dtypes -> ``t``: a block whose absmax is below ``2**e`` is divided by ``2**(e - t)``, so its
+values stay below ``2**t``, within the dtype's finite range (float16: 65,504; e4m3: 448)."""
 POSITIONS = ("bitmap", "coded")
 """How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded
 (:mod:`tagc.sketch.positions`)."""
@@ -81,35 +88,44 @@ def resolve_value_dtype(value_dtype) -> torch.dtype:
 
 
 def value_wires(columns: int, dtype: torch.dtype) -> tuple["Wire", ...]:
-    """The wire tensors of ``columns`` values per rank row in ``dtype`` (float16: and their scales)."""
-    if dtype == torch.float16:
-        return Wire(columns, torch.float16), Wire(-(-columns // SCALE_BLOCK), torch.float32)
+    """The wire tensors of ``columns`` values per rank row in ``dtype`` (float16, float8: and their
+    scales; float8 travels as its bytes, uint8, which every backend carries)."""
+    if dtype in _SCALED_TOP:
+        stored = torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+        return Wire(columns, stored), Wire(-(-columns // SCALE_BLOCK), torch.float32)
     return (Wire(columns, dtype),)
 
 
 def pack_values(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """float32 ``[R, C]`` -> the wire tensors of :func:`value_wires`. float16: each block of
-    :data:`SCALE_BLOCK` divided by a power of two ``2**(e - 15)`` with ``absmax < 2**e`` (exact), so
-    every value fits float16 with its 11 significant bits; NaN/Inf stay NaN/Inf."""
-    if dtype != torch.float16:
+    """float32 ``[R, C]`` -> the wire tensors of :func:`value_wires`. float16, float8: each block of
+    :data:`SCALE_BLOCK` divided by a power of two (:data:`_SCALED_TOP`; exact), then rounded to the
+    nearest value of the dtype (11 significant bits, or 4). A block holding a NaN/Inf gets a NaN
+    scale (float8 has no Inf), so it unpacks as NaN."""
+    if dtype not in _SCALED_TOP:
         return (values.to(dtype),)
     rows, columns = values.shape
     blocks = -(-columns // SCALE_BLOCK)
     padded = torch.nn.functional.pad(values, (0, blocks * SCALE_BLOCK - columns)).view(rows, blocks, SCALE_BLOCK)
-    _, exponent = torch.frexp(padded.abs().amax(dim=2))
-    scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 15)
-    halves = (padded / scale[..., None]).to(torch.float16).view(rows, -1)[:, :columns]
-    return halves, scale
+    absmax = padded.abs().amax(dim=2)
+    _, exponent = torch.frexp(absmax)
+    scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - _SCALED_TOP[dtype])
+    if dtype == torch.float16:
+        return (padded / scale[..., None]).to(torch.float16).view(rows, -1)[:, :columns], scale
+    scale = torch.where(torch.isfinite(absmax), scale, torch.nan)
+    codes = (padded / scale[..., None]).to(dtype).view(torch.uint8).view(rows, -1)[:, :columns]
+    return codes, scale
 
 
 def unpack_values(wires: Sequence[torch.Tensor]) -> torch.Tensor:
     """The inverse of :func:`pack_values` (float32 ``[R, C]``)."""
     if len(wires) == 1:
         return wires[0].float()
-    halves, scale = wires
-    rows, columns = halves.shape
+    scaled, scale = wires
+    if scaled.dtype == torch.uint8:
+        scaled = scaled.contiguous().view(torch.float8_e4m3fn)
+    rows, columns = scaled.shape
     blocks = scale.shape[1]
-    padded = torch.nn.functional.pad(halves.float(), (0, blocks * SCALE_BLOCK - columns))
+    padded = torch.nn.functional.pad(scaled.float(), (0, blocks * SCALE_BLOCK - columns))
     padded = padded.view(rows, blocks, SCALE_BLOCK)
     return (padded * scale[..., None]).view(rows, -1)[:, :columns]
 
@@ -279,6 +295,12 @@ class TAGCCodec(ResidualCodec):
         value_dtype = check_wire_options(positions, value_dtype, POSITIONS)
         if positions == "coded" and config.index_bits != 1:
             raise ValueError("positions='coded' codes each rank's support (a set): use index_bits=1")
+        if value_dtype == torch.float8_e4m3fn:
+            warnings.warn("value_dtype='float8' for codec 'tagc': a sketch cell sums values of very different sizes, "
+                          "and peeling passes each cell's 4-bit rounding on to every value recovered through it, "
+                          "where error feedback cannot return it (it is in no rank's residual). Prefer "
+                          "value_dtype='float16'; float8 suits 'topk', whose rounding goes back into the residual "
+                          "(docs/quality-diagnosis.md, tenth screen)", stacklevel=3)
         super().__init__(residual_dtype)
         self.config = config
         self.positions = positions

@@ -49,8 +49,9 @@ class TopKCodec(ResidualCodec):
     * ``positions="coded"``: Elias-Fano per block of 4,096 (:mod:`tagc.sketch.positions`),
       about ``density * (log2(1 / density) + 2)`` bits per element (7 per entry at 3.56%).
     * ``value_dtype="bfloat16"`` (or ``"float16"``, scaled per 1,024 values): values sent in 16
-      bits and summed in float32 at the owner; each value's rounding (at most 2**-9 of it in
-      bf16) goes back into the residual, so error feedback sends it later and
+      bits and summed in float32 at the owner; ``"float8"`` (e4m3, scaled per 1,024) in 8 bits, so a
+      wire of the same bytes lists about 1.5 times the entries. Each value's rounding (at most 2**-9 of
+      it in bf16, 2**-4 in float8) goes back into the residual, so error feedback sends it later and
       ``sent + residual == residual_before + grad`` stays exact.
 
     Bound: exact on what was sent (the owner's float32 sum of the sent values, in rank order).
