@@ -16,8 +16,9 @@ integration and fair overlapped transport, so only the gradient codec differs:
   ``tagc-ef21`` - ``tagc-non-attn`` with EF21 error feedback (``feedback="ef21"``) in place of the classic;
   ``tagc-int4`` - TAGC as dense as ``int4``'s bytes allow (:data:`INT4_RATIO`, coded positions, scaled float16
   cells, the other columns in ``int4``) with EF21 whose shifts fade (``feedback_decay=``:data:`FADE`);
-  ``topk-int4`` - its fair peer: ``topk`` with every one of those settings (the same kept fraction, values in bf16),
-  which sends about half its bytes;
+  ``topk-int4`` - its peer with every one of those settings (the same kept fraction, values in bf16), which sends
+  about half its bytes; ``topk-f8`` - its peer at the same bytes: ``topk`` with those settings, float8 values (their
+  rounding fed back) and a kept fraction as large as ``tagc-int4``'s bytes allow (:data:`F8_TOPK_RATIO`);
 * ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
   (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
   keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
@@ -54,6 +55,10 @@ PAPER_RATIO = 10.0
 INT4_RATIO = 4.5
 """``tagc-int4``'s ratio: the densest TAGC (coded positions, float16 cells, the rest in ``int4``) whose steady
 step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB under FSDP on 2 ranks)."""
+F8_TOPK_RATIO = 1.2
+"""``topk-f8``'s ratio: the densest ``topk`` list (coded positions, float8 values, the rest in ``int4``) whose steady
+step sends no more than ``tagc-int4``'s (14.8 against 15.2 MB per DDP step on the small preset, 2 ranks): 35% of
+each rank's entries against ``tagc-int4``'s 8%."""
 FADE = 0.9
 """``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
 "Sixth screen")."""
@@ -90,6 +95,9 @@ METHODS: dict[str, dict] = {
     "topk-int4": {"compression": "non-attn", "codec": "topk", "plain": "int4", "ratio": INT4_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}, "feedback": "ef21",
                   "feedback_decay": FADE},
+    "topk-f8": {"compression": "non-attn", "codec": "topk", "plain": "int4", "ratio": F8_TOPK_RATIO,
+                "codec_options": {"positions": "coded", "value_dtype": "float8"}, "feedback": "ef21",
+                "feedback_decay": FADE},
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "classic"},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
@@ -196,7 +204,7 @@ def _our_powersgd_ranks() -> dict[str, dict]:
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-int4": "tagc-int4",
-                    "topk-int4": "topk-int4", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
+                    "topk-int4": "topk-int4", "topk-f8": "topk-f8", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
                     "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""
