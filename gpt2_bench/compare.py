@@ -56,7 +56,8 @@ def build_compare_parser(argv: Sequence[str] | None = None) -> argparse.Argument
                         ratio=PAPER_RATIO)
     ratio = next(action for action in parser._actions if action.dest == "ratio")
     ratio.help = ("ratio of the paper's TAGC methods (tagc-all, tagc-non-attn, tagc-ef21), of the main job's TAGC runs "
-                  "and of topk; default 10, the paper's (tagc-int4 and topk-int4 run 4.5, topk-f8 1.2, the lean methods 7)")
+                  "and of topk; default 10, the paper's (tagc-int4 and topk-int4 run 4.5, topk-f8 1.2, the lean "
+                  "methods 7)")
     param_dtype = next(action for action in parser._actions if action.dest == "param_dtype")
     param_dtype.help = ("the parameter all-gather dtype of every method that gathers parameters, alike: every "
                         "flat-FSDP method (fsdp and fsdp-bf16 included) and, with --layout hsdp, every HSDP one; "

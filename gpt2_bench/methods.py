@@ -204,7 +204,8 @@ def _our_powersgd_ranks() -> dict[str, dict]:
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-int4": "tagc-int4",
-                    "topk-int4": "topk-int4", "topk-f8": "topk-f8", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean", "int4": "int4",
+                    "topk-int4": "topk-int4", "topk-f8": "topk-f8", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean",
+                    "int4": "int4",
                     "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""

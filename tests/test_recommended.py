@@ -281,3 +281,28 @@ def test_a_recorded_run_whose_options_were_the_codecs_defaults_is_reused():
     wanted = json.loads(method_config(TrainConfig(ratio=PAPER_RATIO), "tagc-non-attn").to_json())
     assert same_math({**wanted, "codec_options": {}}, wanted)
     assert not same_math({**wanted, "codec_options": {"positions": "coded"}}, wanted)
+
+
+def test_the_compares_topk_f8_is_the_defaults_settings_at_their_bytes_with_the_densest_float8_list():
+    """``topk-f8`` trains with every setting of ``tagc.hook()``'s defaults but the codec, its ratio and float8
+    values; its FSDP step sends no more than ``tagc-int4``'s, and a step of 0.05 denser would (the arithmetic of
+    :mod:`gpt2_bench.host_bytes`, 2 ranks, the small preset)."""
+    from gpt2_bench import host_bytes
+    from gpt2_bench.methods import F8_TOPK_RATIO, METHODS
+
+    trained = _trained(_method("topk-f8"))
+    assert _method("topk-f8").codec == "topk"
+    assert trained == {**TAGC_RECOMMENDED, "ratio": F8_TOPK_RATIO, "value_dtype": "float8"}
+    parts = {compression: host_bytes.model_parts("small", compression, block_size=128)
+             for compression in ("none", "non-attn", "all")}
+
+    def fsdp_bytes(name: str, ratio: float) -> float:
+        fields = METHODS[name]
+        method = {"compression": fields["compression"], "codec": fields["codec"], "plain": fields["plain"],
+                  "ratio": ratio, "options": fields["codec_options"]}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(host_bytes.ARITHMETIC_METHODS, name, method)
+            return host_bytes.per_host_bytes("flat", name, 2, parts, ranks_per_host=1, param_bytes=0)[0]
+
+    budget = fsdp_bytes("tagc-int4", METHODS["tagc-int4"]["ratio"])
+    assert fsdp_bytes("topk-f8", F8_TOPK_RATIO) <= budget < fsdp_bytes("topk-f8", F8_TOPK_RATIO - 0.05)
