@@ -11,7 +11,7 @@
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 MAXT=${MAXT:-420}
 STEPS=${STEPS:-2000}
-RUNS=${RUNS:-"ddp tagc int4 topk ddp-b16 tagc-b16 int4-b16"}
+RUNS=${RUNS:-"ddp tagc int4 topk topk-f8 ddp-b16 tagc-b16 int4-b16 topk-f8-b16"}
 SEEDS=${SEEDS:-"0 1"}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1
@@ -24,6 +24,9 @@ TAGC="--compression non-attn --codec tagc"
 INT4="--compression all --codec int4"
 TOPK="--compression non-attn --codec topk --ratio 4.5 --plain int4 --codec-option positions=coded
  --codec-option value_dtype=bfloat16 --feedback ef21 --feedback-decay 0.9"
+# topk at the defaults' bytes (the compare's topk-f8): float8 values, ratio 1.2
+TOPKF8="--compression non-attn --codec topk --ratio 1.2 --plain int4 --codec-option positions=coded
+ --codec-option value_dtype=float8 --feedback ef21 --feedback-decay 0.9"
 go() { # seed batch name flags...
   local seed=$1 batch=$2 name=$3; shift 3
   # shellcheck disable=SC2086
@@ -37,9 +40,11 @@ for s in $SEEDS; do
       tagc) go "$s" 4 tagc45-int4-ef21d0.9 $TAGC ;;
       int4) go "$s" 4 int4 $INT4 ;;
       topk) go "$s" 4 topk45-int4-ef21d0.9 $TOPK ;;
+      topk-f8) go "$s" 4 topk-f8 $TOPKF8 ;;
       ddp-b16) go "$s" 16 ddp-b16 --compression none --transport gloo ;;
       tagc-b16) go "$s" 16 tagc45-int4-ef21d0.9-b16 $TAGC ;;
       int4-b16) go "$s" 16 int4-b16 $INT4 ;;
+      topk-f8-b16) go "$s" 16 topk-f8-b16 $TOPKF8 ;;
       # screens for the 0.5% target (each against ddp of the same seed): no fading, slower fading,
       # fading that follows the learning rate (0.9 at the peak, 0.99 at the floor), EF21-SGDM, and AdamW's second moment fed each rank's own gradient (tagc.optim.AdamW)
       tagc-d1) go "$s" 4 tagc45-int4-ef21d1.0 $TAGC --feedback-decay 1.0 ;;

@@ -57,8 +57,8 @@ INT4_RATIO = 4.5
 step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB under FSDP on 2 ranks)."""
 F8_TOPK_RATIO = 1.2
 """``topk-f8``'s ratio: the densest ``topk`` list (coded positions, float8 values, the rest in ``int4``) whose steady
-step sends no more than ``tagc-int4``'s (14.8 against 15.2 MB per DDP step on the small preset, 2 ranks): 35% of
-each rank's entries against ``tagc-int4``'s 8%."""
+step sends no more than ``tagc-int4``'s on the small preset at 2 ranks, so the two differ in how the bytes are spent,
+not in how many (the arithmetic: ``docs/results.md``, "F8_TOPK_RATIO")."""
 FADE = 0.9
 """``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
 "Sixth screen")."""
