@@ -184,6 +184,22 @@ def test_scaled_float16_round_trip_within_its_rounding(columns):
     poisoned = values.clone()
     poisoned[0, 0] = float("nan")
     assert unpack_values(pack_values(poisoned, torch.float16))[0, 0].isnan()
+    assert_denormal_blocks_come_back(torch.float16, columns)
+
+
+def assert_denormal_blocks_come_back(dtype: torch.dtype, columns: int) -> None:
+    """A block of float32 denormals (down to the smallest, 2**-149) comes back finite, within half a step of the
+    dtype's smallest denormal times the scale (float8: 2**-10 * 2**-126) of itself: its scale stops at float32's
+    smallest normal instead of underflowing to 0."""
+    from tagc.hooks.codecs import pack_values, unpack_values
+
+    tiny = torch.zeros(2, columns)
+    tiny[0, 0] = 2.0**-149
+    tiny[1, -1] = -3e-42
+    back = unpack_values(pack_values(tiny, dtype))
+    assert back.isfinite().all() and ((back - tiny).abs() <= 2.0**-136).all()
+    if dtype == torch.float16:  # float16's denormals reach 2**-24 * 2**-126: -3e-42 keeps its sign and 3 digits
+        assert back[1, -1].item() == pytest.approx(-3e-42, rel=1e-3)
 
 
 @pytest.mark.parametrize("columns", [1, 1023, 1024, 5000])
@@ -216,6 +232,7 @@ def test_scaled_float8_round_trip_within_its_rounding(columns):
         last_block = (columns - 1) // SCALE_BLOCK * SCALE_BLOCK
         assert out[0, last_block:].isnan().all() and torch.equal(out[0, :last_block], back[0, :last_block])
         assert torch.equal(out[1:], back[1:])
+    assert_denormal_blocks_come_back(torch.float8_e4m3fn, columns)
 
 
 @pytest.mark.parametrize("positions", ["coded", "bitmap"])

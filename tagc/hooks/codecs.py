@@ -74,6 +74,8 @@ SCALE_BLOCK = 1024
 _SCALED_TOP = {torch.float16: 15, torch.float8_e4m3fn: 8}
 """Scaled dtypes -> ``t``: a block whose absmax is below ``2**e`` is divided by ``2**(e - t)``, so its
 values stay below ``2**t``, within the dtype's finite range (float16: 65,504; e4m3: 448)."""
+_SMALLEST_NORMAL_EXPONENT = -126
+"""float32's smallest normal is ``2**-126``: no scale goes below it."""
 POSITIONS = ("bitmap", "coded")
 """How TAGC sends each rank's support: the 1-bit (or 4-bit) index, or Elias-Fano coded
 (:mod:`tagc.sketch.positions`)."""
@@ -99,8 +101,9 @@ def value_wires(columns: int, dtype: torch.dtype) -> tuple["Wire", ...]:
 def pack_values(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """float32 ``[R, C]`` -> the wire tensors of :func:`value_wires`. float16, float8: each block of
     :data:`SCALE_BLOCK` divided by a power of two (:data:`_SCALED_TOP`; exact), then rounded to the
-    nearest value of the dtype (11 significant bits, or 4). A block holding a NaN/Inf gets a NaN
-    scale (float8 has no Inf), so it unpacks as NaN."""
+    nearest value of the dtype (11 significant bits, or 4); a block of float32 denormals gets the
+    scale ``2**-126`` and comes back within a denormal's step of itself. A block holding a NaN/Inf
+    gets a NaN scale (float8 has no Inf), so it unpacks as NaN."""
     if dtype not in _SCALED_TOP:
         return (values.to(dtype),)
     rows, columns = values.shape
@@ -108,7 +111,9 @@ def pack_values(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     padded = torch.nn.functional.pad(values, (0, blocks * SCALE_BLOCK - columns)).view(rows, blocks, SCALE_BLOCK)
     absmax = padded.abs().amax(dim=2)
     _, exponent = torch.frexp(absmax)
-    scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - _SCALED_TOP[dtype])
+    # at least float32's smallest normal: a block of denormals would otherwise get a scale of 0 (and come back NaN)
+    shift = (exponent - _SCALED_TOP[dtype]).clamp_(min=_SMALLEST_NORMAL_EXPONENT)
+    scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), shift)
     if dtype == torch.float16:
         return (padded / scale[..., None]).to(torch.float16).view(rows, -1)[:, :columns], scale
     scale = torch.where(torch.isfinite(absmax), scale, torch.nan)
