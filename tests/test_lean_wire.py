@@ -162,29 +162,50 @@ def test_tagc_scaled_float16_cells_are_far_closer_than_bf16():
     assert errors["bfloat16"] * 4 < errors["float8"] < 0.15, errors
 
 
+SCALED_ROUNDING = {torch.float16: (11, 24), torch.float8_e4m3fn: (4, 17)}
+"""Scaled value dtype -> ``(s, f)``: a value comes back within ``2**-s`` of itself (half an ulp of its
+significant bits), or ``2**-f`` of its block's absmax where it falls below the dtype's normal range."""
+
+
+@pytest.mark.parametrize("dtype", list(SCALED_ROUNDING), ids=["float16", "float8"])
 @pytest.mark.parametrize("columns", [1, 1023, 1024, 5000])
-def test_scaled_float16_round_trip_within_its_rounding(columns):
+def test_scaled_values_round_trip_within_their_rounding(columns, dtype):
+    """float16 or e4m3 after a power-of-two scale per block, on mixed magnitudes, an all-zero row, 1e30 (beyond
+    float16's range before scaling) and 3e-30 beside -7.5 in one block. float8 travels as uint8, and NaN and Inf
+    (which e4m3 lacks) both come back as NaN, for their whole block only; float16 keeps a NaN in place."""
     from tagc.hooks.codecs import SCALE_BLOCK, pack_values, unpack_values, value_wires
 
+    significant, floor_bits = SCALED_ROUNDING[dtype]
     gen = torch.Generator().manual_seed(columns)
     values = torch.randn(3, columns, generator=gen) * torch.exp(8 * torch.randn(3, columns, generator=gen))
     values[1] = 0.0  # an all-zero row
     values[2, 0] = 1e30  # beyond float16's range before scaling
     if columns > 3:
         values[2, 1], values[2, 2] = 3e-30, -7.5  # tiny next to huge in one block
-    wires = pack_values(values, torch.float16)
-    assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype) for w in value_wires(columns, torch.float16)]
+    wires = pack_values(values, dtype)
+    assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype) for w in value_wires(columns, dtype)]
+    assert wires[0].element_size() == dtype.itemsize
     back = unpack_values(wires)
     blocks = torch.nn.functional.pad(values.abs(), (0, -columns % SCALE_BLOCK)).view(3, -1, SCALE_BLOCK).amax(dim=2)
-    bound = (
-        torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2**-11
-    )  # half an ulp of 11 bits, at the block's top
-    assert ((back - values).abs() <= torch.maximum(values.abs() * 2**-11, bound * 2**-13)).all()
-    assert torch.equal(back[1], torch.zeros(columns)) and back[2, 0].item() == pytest.approx(1e30, rel=2**-11)
-    poisoned = values.clone()
-    poisoned[0, 0] = float("nan")
-    assert unpack_values(pack_values(poisoned, torch.float16))[0, 0].isnan()
-    assert_denormal_blocks_come_back(torch.float16, columns)
+    floor = torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2.0**-floor_bits
+    assert ((back - values).abs() <= torch.maximum(values.abs() * 2.0**-significant, floor)).all()
+    assert torch.equal(back[1], torch.zeros(columns))
+    assert back[2, 0].item() == pytest.approx(1e30, rel=2.0**-significant)
+    if dtype == torch.float16:
+        poisoned = values.clone()
+        poisoned[0, 0] = float("nan")
+        assert unpack_values(pack_values(poisoned, dtype))[0, 0].isnan()
+    else:
+        assert wires[0].dtype == torch.uint8
+        assert ((back - values).abs() > values.abs() * 2**-6).any()  # it does round: 4 bits, not float16's 11
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            poisoned = values.clone()
+            poisoned[0, -1] = bad
+            out = unpack_values(pack_values(poisoned, dtype))
+            last_block = (columns - 1) // SCALE_BLOCK * SCALE_BLOCK
+            assert out[0, last_block:].isnan().all() and torch.equal(out[0, :last_block], back[0, :last_block])
+            assert torch.equal(out[1:], back[1:])
+    assert_denormal_blocks_come_back(dtype, columns)
 
 
 def assert_denormal_blocks_come_back(dtype: torch.dtype, columns: int) -> None:
@@ -200,39 +221,6 @@ def assert_denormal_blocks_come_back(dtype: torch.dtype, columns: int) -> None:
     assert back.isfinite().all() and ((back - tiny).abs() <= 2.0**-136).all()
     if dtype == torch.float16:  # float16's denormals reach 2**-24 * 2**-126: -3e-42 keeps its sign and 3 digits
         assert back[1, -1].item() == pytest.approx(-3e-42, rel=1e-3)
-
-
-@pytest.mark.parametrize("columns", [1, 1023, 1024, 5000])
-def test_scaled_float8_round_trip_within_its_rounding(columns):
-    """e4m3 after a power-of-two scale per block: within 2**-4 of each value (half an ulp of 4 significant
-    bits), or 2**-17 of its block's absmax where the value falls below e4m3's normal range; NaN and Inf
-    (which e4m3 lacks) both come back as NaN, for their whole block only."""
-    from tagc.hooks.codecs import SCALE_BLOCK, pack_values, unpack_values, value_wires
-
-    gen = torch.Generator().manual_seed(columns)
-    values = torch.randn(3, columns, generator=gen) * torch.exp(8 * torch.randn(3, columns, generator=gen))
-    values[1] = 0.0
-    values[2, 0] = 1e30
-    if columns > 3:
-        values[2, 1], values[2, 2] = 3e-30, -7.5
-    wires = pack_values(values, torch.float8_e4m3fn)
-    assert [(w.shape[1], w.dtype) for w in wires] == [(w.columns, w.dtype)
-                                                     for w in value_wires(columns, torch.float8_e4m3fn)]
-    assert wires[0].dtype == torch.uint8 and wires[0].element_size() == 1
-    back = unpack_values(wires)
-    blocks = torch.nn.functional.pad(values.abs(), (0, -columns % SCALE_BLOCK)).view(3, -1, SCALE_BLOCK).amax(dim=2)
-    floor = torch.repeat_interleave(blocks, SCALE_BLOCK, dim=1)[:, :columns] * 2**-17
-    assert ((back - values).abs() <= torch.maximum(values.abs() * 2**-4, floor)).all()
-    assert ((back - values).abs() > values.abs() * 2**-6).any()  # it does round: 4 bits, not float16's 11
-    assert torch.equal(back[1], torch.zeros(columns)) and back[2, 0].item() == pytest.approx(1e30, rel=2**-4)
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        poisoned = values.clone()
-        poisoned[0, -1] = bad
-        out = unpack_values(pack_values(poisoned, torch.float8_e4m3fn))
-        last_block = (columns - 1) // SCALE_BLOCK * SCALE_BLOCK
-        assert out[0, last_block:].isnan().all() and torch.equal(out[0, :last_block], back[0, :last_block])
-        assert torch.equal(out[1:], back[1:])
-    assert_denormal_blocks_come_back(torch.float8_e4m3fn, columns)
 
 
 @pytest.mark.parametrize("positions", ["coded", "bitmap"])
