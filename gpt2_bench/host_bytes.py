@@ -80,6 +80,16 @@ def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> float | N
 LAYOUT_NAMES = ("flat", "ddp", "hsdp")
 HOST_COUNTS = (2, 8, 64)
 
+def _compare_method(name: str) -> dict:
+    """The compare's method ``name`` (:data:`gpt2_bench.methods.METHODS`) in this module's terms: its selection,
+    codec, plain columns, ratio and codec options."""
+    from gpt2_bench.methods import METHODS
+
+    fields = METHODS[name]
+    return {"compression": fields["compression"], "codec": fields["codec"], "plain": fields["plain"],
+            "ratio": fields["ratio"], "options": fields["codec_options"]}
+
+
 ARITHMETIC_METHODS: dict[str, dict] = {
     "fp32": {"compression": "none"},
     "bf16": {"compression": "none", "bf16": True},
@@ -88,6 +98,8 @@ ARITHMETIC_METHODS: dict[str, dict] = {
                   "options": {"positions": "coded", "value_dtype": "float16"}},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": 7.0,
                   "options": {"positions": "coded", "value_dtype": "bfloat16"}},
+    "tagc-int4": _compare_method("tagc-int4"),
+    "topk-f8": _compare_method("topk-f8"),
     "int4": {"compression": "all", "codec": "int4"},
     "powersgd": {"compression": "all", "codec": "powersgd"},
     "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",
@@ -95,7 +107,8 @@ ARITHMETIC_METHODS: dict[str, dict] = {
 }
 """The compare's methods as the arithmetic sees them (:data:`gpt2_bench.methods.METHODS`): ``bf16`` is the
 bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``bf16_compress_hook``;
-HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10."""
+HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10; ``tagc-int4`` (``tagc.hook()``'s
+defaults) and ``topk-f8`` (the list at their bytes) taken from the compare's own settings."""
 
 
 INT8_GATHER_BLOCK = 256

@@ -297,9 +297,7 @@ def test_the_compares_topk_f8_is_the_defaults_settings_at_their_bytes_with_the_d
              for compression in ("none", "non-attn", "all")}
 
     def fsdp_bytes(name: str, ratio: float) -> float:
-        fields = METHODS[name]
-        method = {"compression": fields["compression"], "codec": fields["codec"], "plain": fields["plain"],
-                  "ratio": ratio, "options": fields["codec_options"]}
+        method = {**host_bytes.ARITHMETIC_METHODS[name], "ratio": ratio}
         with pytest.MonkeyPatch.context() as patch:
             patch.setitem(host_bytes.ARITHMETIC_METHODS, name, method)
             return host_bytes.per_host_bytes("flat", name, 2, parts, ranks_per_host=1, param_bytes=0)[0]
