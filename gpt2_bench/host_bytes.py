@@ -82,33 +82,27 @@ HOST_COUNTS = (2, 8, 64)
 
 def _compare_method(name: str) -> dict:
     """The compare's method ``name`` (:data:`gpt2_bench.methods.METHODS`) in this module's terms: its selection,
-    codec, plain columns, ratio and codec options."""
+    codec, and the plain columns, ratio and codec options it sets (``options``); what it leaves out stays out, so the
+    arithmetic's own defaults apply."""
     from gpt2_bench.methods import METHODS
 
-    fields = METHODS[name]
-    return {"compression": fields["compression"], "codec": fields["codec"], "plain": fields["plain"],
-            "ratio": fields["ratio"], "options": fields["codec_options"]}
+    renamed = {"compression": "compression", "codec": "codec", "plain": "plain", "ratio": "ratio",
+               "codec_options": "options"}
+    return {ours: METHODS[name][theirs] for theirs, ours in renamed.items() if theirs in METHODS[name]}
 
 
 ARITHMETIC_METHODS: dict[str, dict] = {
     "fp32": {"compression": "none"},
     "bf16": {"compression": "none", "bf16": True},
     "tagc": {"compression": "non-attn", "codec": "tagc"},
-    "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": 7.0,
-                  "options": {"positions": "coded", "value_dtype": "float16"}},
-    "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": 7.0,
-                  "options": {"positions": "coded", "value_dtype": "bfloat16"}},
-    "tagc-int4": _compare_method("tagc-int4"),
-    "topk-f8": _compare_method("topk-f8"),
-    "int4": {"compression": "all", "codec": "int4"},
-    "powersgd": {"compression": "all", "codec": "powersgd"},
-    "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",
-                      "options": {"value_dtype": "bfloat16"}},
+    **{name: _compare_method(name)
+       for name in ("tagc-lean", "topk-lean", "tagc-int4", "topk-f8", "int4", "powersgd", "powersgd-lean")},
 }
 """The compare's methods as the arithmetic sees them (:data:`gpt2_bench.methods.METHODS`): ``bf16`` is the
 bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``bf16_compress_hook``;
 HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10; ``tagc-int4`` (``tagc.hook()``'s
-defaults) and ``topk-f8`` (the list at their bytes) taken from the compare's own settings."""
+defaults) and ``topk-f8`` (the list at their bytes); every method but the first three is taken from the compare's
+own settings."""
 
 
 INT8_GATHER_BLOCK = 256
