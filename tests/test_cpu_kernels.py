@@ -327,6 +327,27 @@ def test_summed_lists_equal_reference_bit_for_bit(numel):
     assert torch.equal(cpu.sum_lists_cpu(corrupt, offsets, values, numel), sum_lists(corrupt, offsets, values, numel))
 
 
+@pytest.mark.parametrize("numel", [1, 1000, 65_536 * 3 + 17])
+@pytest.mark.parametrize("density", [0.001, 0.35, 1.0])
+def test_listed_positions_equal_reference(numel, density):
+    """The encode's positions from the lists (the walk against the reference's search), full, overflowing, empty
+    and past-the-end lists included."""
+    from tagc.sketch.kept_list import capacity, list_positions
+
+    cap = capacity(numel, density)
+    lists = [cpu.list_kept_cpu(*_gradients(1, numel)[::-1], density, size) for size in (cap, max(1, cap // 3))]
+    for counts, offsets, _ in lists:
+        got, want = cpu.list_positions_cpu(counts, offsets, numel), list_positions(counts, offsets, numel)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    counts, offsets, _ = lists[0]
+    empty = torch.zeros_like(counts)
+    assert not cpu.list_positions_cpu(empty, offsets, numel)[1].any()
+    beyond = counts.clone()
+    beyond[:, -2] += cap  # the last block claims more than the list holds, its offsets past numel: both stop at cap
+    got, want = cpu.list_positions_cpu(beyond, offsets, numel), list_positions(beyond, offsets, numel)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba", None])
 def test_dispatch_row_thresholds_on_the_cpu_is_the_references(backend):
     """The CPU entry of dispatch.row_thresholds (it once resolved the re-exported function, not the module)."""

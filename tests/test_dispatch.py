@@ -39,6 +39,7 @@ def _calls() -> dict[str, tuple]:
                       ((grad, residual, 0.25, LAYOUT, 1), held)),
         "list_kept_": (dispatch.list_kept_, (grad, residual, 0.25, 5), {"tau": tau},
                        ((grad, residual, 0.25, 5), {"tau": tau})),
+        "list_positions": (dispatch.list_positions, (counts, offsets, 64), {}, ((counts, offsets, 64), {})),
         "sum_lists": (dispatch.sum_lists, (counts, offsets, values, 64), {}, ((counts, offsets, values, 64), {})),
         "encode_positions": (dispatch.encode_positions, (positions, count, 64, 5, 2), {},
                              ((positions, count, 64, 5, 2), {})),

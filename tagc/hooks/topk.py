@@ -26,8 +26,8 @@ from tagc.hooks.codecs import (
     value_wires,
     with_ratio,
 )
-from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, sum_lists
-from tagc.sketch.kept_list import POSITION_BLOCK, list_positions, position_blocks
+from tagc.kernels.dispatch import decode_positions, encode_positions, list_kept_, list_positions, sum_lists
+from tagc.sketch.kept_list import POSITION_BLOCK, position_blocks
 from tagc.sketch.positions import coded_row_bytes, low_bits
 from tagc.sketch.sparsify import capacity
 

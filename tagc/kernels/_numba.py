@@ -4,6 +4,8 @@ Module-level functions, so numba's on-disk cache (``cache=True``) finds them aga
 process: compiled once per machine, loaded in milliseconds after that.
 """
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -252,6 +254,25 @@ def sum_lists(counts, offsets, values, block_bits, out):
                 k += 1
 
 
+@njit(cache=True, nogil=True)
+def list_positions(counts, offsets, block_bits, numel, positions, listed):
+    """Every row's listed positions (``numel`` for padding) and which are listed, walking the per-block counts
+    (non-negative, as :func:`list_rows` writes them) instead of searching them."""
+    n_rows, cap = offsets.shape
+    for n in range(n_rows):
+        k = 0
+        for b in range(counts.shape[1] - 1):
+            base = b << block_bits
+            for _ in range(min(counts[n, b], cap - k)):
+                p = base + offsets[n, k]
+                listed[n, k] = p < numel
+                positions[n, k] = p if p < numel else numel
+                k += 1
+        for i in range(k, cap):
+            listed[n, i] = False
+            positions[n, i] = numel
+
+
 # ---------------------------------------------------------------- coded positions (tagc.sketch.positions)
 
 
@@ -338,25 +359,42 @@ def code_bitmap(index, numel, cap, blocks, low, block_bits, out):
     for r in range(index.shape[0]):
         n = 0
         for byte in range(index.shape[1]):
-            v = np.int64(index[r, byte])
+            v = np.uint64(index[r, byte])
             while v and n < cap:
-                bit = 0
-                while not (v >> bit) & 1:
-                    bit += 1
-                if byte * 8 + bit >= numel:
+                p = byte * 8 + _lowest_set(v)
+                if p >= numel:
                     break
-                positions[n] = byte * 8 + bit
+                positions[n] = p
                 n += 1
-                v &= v - 1
+                v &= v - np.uint64(1)
         _code_row(out, r, positions, n, blocks, low, block_bits, counts, local)
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _read_bits(body, bit, n):
+    """``n`` (at most 56) bits of ``body`` from bit ``bit`` on, the first in the lowest place; 0 past its end."""
+    first = bit >> 3
+    word = np.uint64(0)
+    for i in range(((bit & 7) + n + 7) >> 3):
+        if first + i < body.size:
+            word |= np.uint64(body[first + i]) << np.uint64(8 * i)
+    return (word >> np.uint64(bit & 7)) & ((np.uint64(1) << np.uint64(n)) - np.uint64(1))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lowest_set(word):
+    """Where the lowest set bit of a nonzero ``word`` sits (a power of two is exact in float64)."""
+    return math.frexp(np.float64(word & (~word + np.uint64(1))))[1] - 1
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _decode_row(code, r, blocks, low, block_bits, numel, out):
-    """Row ``r``'s positions into ``out`` (at most its size); returns the header's count."""
+    """Row ``r``'s positions into ``out`` (at most its size); returns the header's count. The body is read 56
+    bits at a time, each set bit found from the lowest up."""
     block = 1 << block_bits
     cap = out.size
-    body_bits = (code.shape[1] - 2 * blocks) * 8
+    body = code[r, 2 * blocks:]
+    body_bits = body.size * 8
     total = 0
     at = 0
     for b in range(blocks):
@@ -367,25 +405,29 @@ def _decode_row(code, r, blocks, low, block_bits, numel, out):
             found = 0
             k = 0
             while found < m and k < block and at + k < body_bits:
-                if (code[r, 2 * blocks + ((at + k) >> 3)] >> ((at + k) & 7)) & 1:
+                n = min(56, block - k, body_bits - (at + k))
+                word = _read_bits(body, at + k, n)
+                while word and found < m:
                     if total + found < cap:
-                        out[total + found] = base + k
+                        out[total + found] = base + k + _lowest_set(word)
                     found += 1
-                k += 1
+                    word &= word - np.uint64(1)
+                k += n
         else:
             high = at + m * low
             j = 0
             k = high
             while j < m and k < body_bits:
-                if (code[r, 2 * blocks + (k >> 3)] >> (k & 7)) & 1:
-                    p = 0
-                    for t in range(low):
-                        q = at + j * low + t
-                        p |= ((code[r, 2 * blocks + (q >> 3)] >> (q & 7)) & 1) << t
+                n = min(56, body_bits - k)
+                word = _read_bits(body, k, n)
+                while word and j < m:
+                    unary = k + _lowest_set(word)
                     if total + j < cap:
-                        out[total + j] = base + (((k - high - j) << low) | p)
+                        p = np.int64(_read_bits(body, at + j * low, low)) if low else 0
+                        out[total + j] = base + (((unary - high - j) << low) | p)
                     j += 1
-                k += 1
+                    word &= word - np.uint64(1)
+                k += n
         total += m
         at += size
     return total

@@ -178,6 +178,16 @@ def list_kept_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, ca
     return counts, offsets, values
 
 
+def list_positions_cpu(counts: torch.Tensor, offsets: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.kept_list.list_positions` in one walk per row (same results for the counts
+    :func:`list_kept_cpu` writes)."""
+    positions = torch.empty(offsets.shape, dtype=torch.int64)
+    listed = torch.empty(offsets.shape, dtype=torch.bool)
+    _kernels().list_positions(counts.contiguous().numpy(), offsets.contiguous().numpy(),
+                              POSITION_BLOCK.bit_length() - 1, numel, positions.numpy(), listed.numpy())
+    return positions, listed
+
+
 def sum_lists_cpu(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
     """:func:`tagc.sketch.kept_list.sum_lists` in one walk (same arguments, same results)."""
     out = torch.zeros(numel, dtype=torch.float32)

@@ -106,6 +106,8 @@ _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "compress_": {"triton": _triton("compress_triton"), "numba": _cpu.compress_cpu, "torch": _ref_compress.compress_},
     "list_kept_": {"triton": _triton("list_kept_triton"), "numba": _cpu.list_kept_cpu,
                    "torch": _ref_kept_list.list_kept_},
+    "list_positions": {"triton": _triton("list_positions_triton"), "numba": _cpu.list_positions_cpu,
+                       "torch": _ref_kept_list.list_positions},
     "sum_lists": {"triton": _triton("sum_lists_triton"), "numba": _cpu.sum_lists_cpu,
                   "torch": _ref_kept_list.sum_lists},
     "encode_positions": {"triton": _triton("encode_positions_triton"), "numba": _cpu.code_positions_cpu,
@@ -183,6 +185,14 @@ def list_kept_(
     and updates ``residual`` in place. Every back end gives the same results bit for bit.
     """
     return _run("list_kept_", (grad, residual), backend, grad, residual, density, cap, tau=tau)
+
+
+def list_positions(
+    counts: torch.Tensor, offsets: torch.Tensor, numel: int, *, backend: Optional[str] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The listed entries' positions ``[N, cap]`` (``numel`` for padding) and which are listed; see
+    :func:`tagc.sketch.kept_list.list_positions`."""
+    return _run("list_positions", (counts, offsets), backend, counts, offsets, numel)
 
 
 def sum_lists(

@@ -48,7 +48,7 @@ from tagc.sketch.codec import (
 )
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
-from tagc.sketch.kept_list import check_list_args, position_blocks
+from tagc.sketch.kept_list import check_list_args, list_positions, position_blocks
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import MAX_LOW_BITS, check_coded, coded_row_bytes
 from tagc.sketch.sparsify import capacity, check_density, keep_limit, positive_threshold
@@ -400,6 +400,12 @@ def list_kept_triton(grad: torch.Tensor, residual: torch.Tensor, density: float,
     tau = positive_threshold(tau.expand(residual.shape[0]) if tau.numel() == 1 else tau, residual.dtype)
     return torch.ops.tagc.list_kept(g, residual, tau.to(torch.float32).contiguous(), cap,
                                     keep_limit(residual.shape[1], float(density)))
+
+
+def list_positions_triton(counts: torch.Tensor, offsets: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.kept_list.list_positions` as it is: on the device it is a cumsum, a searchsorted and
+    two selects, each one launch with no host read, so it needs no kernel of its own."""
+    return list_positions(counts, offsets, numel)
 
 
 def sum_lists_triton(counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
