@@ -32,7 +32,6 @@ from tagc.hooks.stats import ExchangeStats
 from tagc.kernels import dispatch
 from tagc.sketch import SketchLayout
 from tagc.sketch.kept_list import finite
-from tagc.sketch.sparsify import row_thresholds
 
 DEVICE_STATS = ("support", "peeled", "unpeeled", "estimated")
 """The decode statistics the hook keeps (of :data:`tagc.kernels.dispatch.STAT_FIELDS`)."""
@@ -52,9 +51,7 @@ def thresholds(residual: torch.Tensor, grad: torch.Tensor, density: float, numel
     if residual.dtype != torch.float32 and torch.promote_types(residual.dtype, grad.dtype) != residual.dtype:
         # compress adds in place, rounding the sum to the residual's dtype before sampling it
         rows, grads = (rows + grads).to(residual.dtype), None
-    if dispatch.resolve_backend(rows) == "triton":
-        return dispatch.row_thresholds(rows, density, grad=grads, backend="triton")
-    return row_thresholds(rows, density, grad=grads)  # what the CPU back ends compute (equal values)
+    return dispatch.row_thresholds(rows, density, grad=grads)
 
 
 def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout,

@@ -40,6 +40,7 @@ from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import BLOCK_BITS, check_coded, code_blocks, coded_row_bytes
 from tagc.sketch.sparsify import (
     capacity,
+    check_density,
     check_finite,
     keep_limit,
     positive_threshold,
@@ -90,6 +91,17 @@ def _row_thresholds(rows: torch.Tensor, grads: torch.Tensor, density: float) -> 
     return torch.from_numpy(
         _kernels().sampled_kth(grads.numpy(), rows.numpy(), sample_stride(n), size, size - keep + 1)
     )
+
+
+def row_thresholds_cpu(rows: torch.Tensor, density: float, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`tagc.kernels.dispatch.row_thresholds` on the CPU: for float32 rows and gradient, the one-pass sample
+    the fused kernels take (:func:`_row_thresholds`, the reference's values); anything else takes the reference."""
+    check_density(density)
+    x = rows.reshape(-1, rows.shape[-1])
+    g = None if grad is None else grad.reshape(x.shape)
+    if g is None or x.dtype != torch.float32 or g.dtype != torch.float32:
+        return row_thresholds(x, density, grad=g)
+    return _row_thresholds(x.contiguous(), g.contiguous(), density)
 
 
 def compress_cpu(

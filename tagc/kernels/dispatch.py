@@ -81,8 +81,7 @@ def _triton(name: str) -> Implementation:
 def _row_thresholds_reference(
     rows: torch.Tensor, density: float, grad: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """The reference's thresholds of ``rows`` viewed as ``[N, n]``: also the CPU back end's (the
-    fused CPU compress samples the same values itself)."""
+    """The reference's thresholds of ``rows`` viewed as ``[N, n]``."""
     _ref_sparsify.check_density(density)
     x = rows.reshape(-1, rows.shape[-1])
     return _ref_sparsify.row_thresholds(x, density, grad=None if grad is None else grad.reshape(x.shape))
@@ -101,7 +100,7 @@ def _stats_packed(decode_rows: Callable[..., tuple[torch.Tensor, DecodeStats]]) 
 
 _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     # operation -> {back end -> implementation}; an operation's implementations take the same arguments
-    "row_thresholds": {"triton": _triton("row_thresholds_triton"), "numba": _row_thresholds_reference,
+    "row_thresholds": {"triton": _triton("row_thresholds_triton"), "numba": _cpu.row_thresholds_cpu,
                        "torch": _row_thresholds_reference},
     "compress_": {"triton": _triton("compress_triton"), "numba": _cpu.compress_cpu, "torch": _ref_compress.compress_},
     "list_kept_": {"triton": _triton("list_kept_triton"), "numba": _cpu.list_kept_cpu,
@@ -135,7 +134,7 @@ def row_thresholds(
 ) -> torch.Tensor:
     """Per-row magnitude thresholds ``[N]`` of ``rows`` (``+ grad`` if given), on the device.
 
-    Both back ends give the same values (the kernel is a radix select of the reference's
+    Every back end gives the same values (the kernels are radix selects of the reference's
     sample); see :func:`tagc.sketch.row_thresholds`.
     """
     return _run("row_thresholds", (rows,), backend, rows, density, grad=grad)
