@@ -8,6 +8,9 @@
 # Report: python -m gpt2_bench.quality DIR --plain ddp --methods tagc45-int4-ef21d0.9,int4,... --steps 2000
 # Everything comes back as one file, $OUT/quality.tgz (the tool returns at most 8 files).
 # Plain DDP ran 2,000 steps in 4 minutes this way, three runs at once on one H100 (torch 2.11).
+# Fourth loan: eight runs at once plus GPU_CHECK filled the 80 GB: the compressed runs' processes held 13-14 GiB each
+# (torch allocated 1.6 GB at peak; the decode callbacks ran on torch's pool streams, each caching its own blocks; they
+# now run on one stream of the hook's). The summaries now give peak_gpu_reserved_mb beside peak_gpu_mb.
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 MAXT=${MAXT:-420}
 STEPS=${STEPS:-2000}

@@ -344,7 +344,8 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
                     "stopped_at": stopped_at,
                     "device": str(device),
                     **(
-                        {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+                        {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                         "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
                         if device.type == "cuda"
                         else {}
                     ),

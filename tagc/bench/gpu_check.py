@@ -17,6 +17,8 @@ For a user with a GPU (one is enough). Without one it says so and exits 0. With 
    * a one-rank NCCL group (``cpu:gloo,cuda:nccl``): the hook's start/wait (side stream), the
      transport's all-to-all and the ``fallback="raw"`` gathers on CUDA buffers (NCCL rejects CPU
      ones), with strict counting.
+   * the memory the caching allocator reserves for the DDP hook's future callbacks, on torch's pool streams and
+     on the hook's own stream (must stay within four buckets there).
    * HF GPT-2's own gradients (124M shapes, one micro-batch per emulated rank) through the codec:
      the decoded support within what was sent, values within float32 rounding of the exact sum.
 3. **times**: the fused compress and the sync-free decode of one part against a device memcpy
@@ -269,6 +271,41 @@ def kernel_times(device: torch.device, sizes: list[int], ratio: float = 10.0, ra
     return rows
 
 
+def callback_memory(device: torch.device, calls: int = 48, numel: int = 16 << 20) -> dict:
+    """What the caching allocator reserves for ``calls`` future callbacks that each allocate two temporaries of a
+    ``numel``-element bucket, as the DDP hook's decode does: run where torch runs them (the next stream of its
+    pool, call after call) and on the hook's own stream (:func:`tagc.hooks.callback_stream.on_own_stream`).
+    ``ok``: on its own stream the reserve stays within four buckets, whatever ``calls`` is."""
+    from tagc.hooks.callback_stream import on_own_stream
+
+    bucket = torch.randn(numel, device=device)
+
+    def decode(future: torch.futures.Future) -> torch.Tensor:
+        value = future.wait()
+        return ((value * 2) + 1).sum()
+
+    reserved = {}
+    for where, callback in (("pool", decode), ("own", on_own_stream(decode, device))):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
+        for _ in range(calls):
+            future = torch.futures.Future(devices=[device])
+            chained = future.then(callback)
+            future.set_result(bucket)
+            chained.wait()
+        torch.cuda.synchronize(device)
+        reserved[where] = torch.cuda.memory_reserved(device) - before
+    bucket_bytes = bucket.numel() * bucket.element_size()
+    return {
+        "ok": reserved["own"] <= 4 * bucket_bytes,
+        "calls": calls,
+        "bucket_mb": bucket_bytes / 2**20,
+        "reserved_mb_pool_streams": reserved["pool"] / 2**20,
+        "reserved_mb_own_stream": reserved["own"] / 2**20,
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tagc.bench gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, the current one)")
@@ -308,6 +345,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{trip.get('note') or ('ok' if trip['ok'] else 'FAILED')} {trip}")
     results["one_rank_group"] = one_rank_group(device)
     print(f"one-rank NCCL group: {results['one_rank_group']}")
+    results["callback_memory"] = callback_memory(device)
+    print(f"memory reserved by the hook's future callbacks: {results['callback_memory']}")
     sizes = [
         int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s)
         for s in args.sizes.split(",")
@@ -324,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     failed = [
         name
-        for name in ("kernel_tests", "codec_round_trip", "gpt2_round_trip", "one_rank_group")
+        for name in ("kernel_tests", "codec_round_trip", "gpt2_round_trip", "one_rank_group", "callback_memory")
         if results.get(name, {}).get("ok") is False
     ]
     print("gpu-check: " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))

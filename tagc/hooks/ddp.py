@@ -87,6 +87,7 @@ from torch import nn
 
 from backward_drain import BackwardDrain, current_graph_task
 from tagc.hooks import nonfinite
+from tagc.hooks.callback_stream import own_stream
 from tagc.hooks.codecs import TAGCCodec
 from tagc.hooks.engine import TAGCHook, _BucketPlan, _Part, op_scale, scale_into
 from tagc.hooks.feedback import SUM, EF21Codec
@@ -150,12 +151,14 @@ class _Flight:
     early: bool = True
     errors: list = dataclasses.field(default_factory=list)
 
-    def callback(self, body: Callable[[torch.futures.Future], torch.Tensor]) -> Callable:
-        """``body`` for ``Future.then``, keeping what it raises in :attr:`errors`."""
+    def callback(self, body: Callable[[torch.futures.Future], torch.Tensor], device: torch.device) -> Callable:
+        """``body`` for ``Future.then`` on the bucket's ``device``, keeping what it raises in :attr:`errors`; on CUDA
+        run on the hook's own stream, not torch's pool (:mod:`tagc.hooks.callback_stream`)."""
 
         def run(future: torch.futures.Future) -> torch.Tensor:
             try:
-                return body(future)
+                with own_stream(device):
+                    return body(future)
             except Exception as error:
                 self.errors.append(error)
                 raise
@@ -502,7 +505,7 @@ class DDPHookState:
             scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
             return buffer
 
-        flight.future = self._after_all(launched, device).then(flight.callback(decode))
+        flight.future = self._after_all(launched, device).then(flight.callback(decode, device))
 
     def _after_all(self, launched: list[torch.futures.Future], device: torch.device) -> torch.futures.Future:
         """A future done once every one of ``launched`` is. On NCCL the last one (done at launch, CUDA semantics):
@@ -617,7 +620,7 @@ class DDPHookState:
                         buffer[columns] = scaled
                 return buffer
 
-            _complete(flight.future, self._after_all(launched, device).then(flight.callback(decode)))
+            _complete(flight.future, self._after_all(launched, device).then(flight.callback(decode, device)))
 
         flight.launch = launch
 
@@ -674,7 +677,7 @@ class DDPHookState:
                 flight.launch = lambda: (wires.work.wait(), flight.future.set_result(wires.decode()))
             else:
                 flight.future = wires.work.get_future().then(
-                    flight.callback(lambda gathered: (gathered.wait(), wires.decode())[1]))
+                    flight.callback(lambda gathered: (gathered.wait(), wires.decode())[1], buffer.device))
             return flight
         replicas = PendingAllReduce.start(hook, chunk, rows, buffer, pieces, self.group, op, gather_dtype)
         flight = _Flight(ExchangeStats(), _future_of(buffer))  # the engine records the reduce-scatter's statistics

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tagc.hooks.callback_stream import on_own_stream
 from tagc.hooks.eager import PendingBucket
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
@@ -101,7 +102,7 @@ class PendingAllReduce:
             future.wait()  # on CUDA: the callback's stream waits for the all-gather's
             return self._write(gathered)
 
-        return work.get_future().then(write)
+        return work.get_future().then(on_own_stream(write, gathered.device))
 
     def _write(self, gathered: torch.Tensor) -> torch.Tensor:
         self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
