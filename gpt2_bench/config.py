@@ -51,7 +51,7 @@ class TrainConfig:
     qwZ) and dequantized to float32 for compute; the sharded master weights stay exact. ``None``: the
     parameters' (fp32)."""
     ratio: Optional[float] = None
-    """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 10 for ``topk``)."""
+    """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 1.2 for ``topk``)."""
     index_bits: int = 1
     sparsity: Any = "auto"
     min_compress_numel: int = 65536
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=None,
-                   help="compression ratio of tagc and topk (default: the library's, 4.5 for tagc, 10 for topk)")
+                   help="compression ratio of tagc and topk (default: the library's, 4.5 for tagc, 1.2 for topk)")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in (

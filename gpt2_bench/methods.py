@@ -83,7 +83,8 @@ METHODS: dict[str, dict] = {
     "bf16": {"compression": "all", "codec": "bf16"},
     "fp8": {"compression": "all", "codec": "fp8"},
     "int4": {"compression": "all", "codec": "int4"},
-    "topk": {"compression": "non-attn", "codec": "topk"},
+    "topk": {"compression": "non-attn", "codec": "topk", "plain": "fp32", "feedback": "classic",
+             "codec_options": {"positions": "offsets", "value_dtype": "float32"}},
     "sign": {"compression": "all", "codec": "sign"},
     "powersgd": {"compression": "all", "codec": "powersgd"},
     "tagc-all": {"compression": "all", "codec": "tagc", **PAPER_WIRE},
@@ -101,7 +102,7 @@ METHODS: dict[str, dict] = {
     "tagc-lean": {"compression": "non-attn", "codec": "tagc", "plain": "bf16", "ratio": LEAN_RATIO,
                   "codec_options": {"positions": "coded", "value_dtype": "float16"}, "feedback": "classic"},
     "topk-lean": {"compression": "non-attn", "codec": "topk", "plain": "bf16", "ratio": LEAN_RATIO,
-                  "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}},
+                  "codec_options": {"positions": "coded", "value_dtype": "bfloat16"}, "feedback": "classic"},
     "powersgd-lean": {"compression": "all", "codec": "powersgd", "plain": "bf16",
                       "codec_options": {"value_dtype": "bfloat16"}},
 }

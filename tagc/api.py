@@ -45,10 +45,11 @@ def hook(
     bytes than ``int4``'s (:data:`~tagc.hooks.settings.RECOMMENDED`): ratio 4.5, the other columns in
     ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every argument given overrides
     its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic", positions="bitmap",
-    value_dtype="float32")`` is the TAGC paper's codec.
+    value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list at the same bytes
+    that held plain's loss (ratio 1.2, float8 values, the rest as for ``tagc``).
 
     Args:
-        ratio: count-sketch compression ratio (> 1; default 4.5 for ``tagc``, 10 for ``topk``). Like ``index_bits``,
+        ratio: count-sketch compression ratio (> 1; default 4.5 for ``tagc``, 1.2 for ``topk``). Like ``index_bits``,
             ``sparsity`` and the other :class:`~tagc.config.TAGCConfig` fields, it applies to the codecs
             that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
         index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).

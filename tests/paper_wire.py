@@ -22,10 +22,20 @@ def paper_train_config() -> dict:
             "codec_options": {"positions": "bitmap", "value_dtype": "float32"}}
 
 
+PAPER_STYLE_TOPK = {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0, "positions": "offsets",
+                    "value_dtype": "float32"}
+"""``tagc.hook(codec="topk", ratio=PAPER_RATIO, **PAPER_STYLE_TOPK)``: the list as ``tagc.hook(codec="topk")`` was
+before it took its recommended setting (ratio 1.2, float8 values, the rest as ``tagc``'s): the paper's selection sent
+as an offset list of float32 values, the other columns as they are, classic error feedback."""
+
+
 def paper(**settings) -> dict:
     """``settings`` for :func:`tagc.hook`, on the paper's ratio and wire (:data:`PAPER_WIRE`) where the codec is
-    ``tagc`` (the default) and ``settings`` leave them out; other codecs' settings as they are (their defaults did not
-    change)."""
-    if settings.get("codec", "tagc") != "tagc":
+    ``tagc`` (the default), or the paper-style list (:data:`PAPER_STYLE_TOPK`) where it is ``topk``, and ``settings``
+    leave them out; other codecs' settings as they are (their defaults did not change)."""
+    codec = settings.get("codec", "tagc")
+    if codec == "topk":
+        return {"ratio": PAPER_RATIO, **PAPER_STYLE_TOPK, **settings}
+    if codec != "tagc":
         return settings
     return {"ratio": PAPER_RATIO, **PAPER_WIRE, **settings}

@@ -160,7 +160,9 @@ def test_set_feedback_decay_reaches_every_ratio_and_is_validated():
             hook.set_feedback_decay(bad)
     assert hook.codec.decay == 0.97
     with pytest.raises(ValueError, match="feedback='ef21'"):
-        tagc.hook(codec="topk").set_feedback_decay(0.9)
+        tagc.hook(codec="topk", feedback="classic").set_feedback_decay(0.9)
+    with pytest.raises(ValueError, match="feedback='ef21'"):
+        tagc.hook(codec="sign").set_feedback_decay(0.9)
 
 
 # ---------------------------------------------------------------------------------------------- a constant gradient
@@ -421,15 +423,20 @@ def test_settings_are_validated_with_clear_errors():
     assert type(default.codec).__name__ == "EF21Codec" and default.codec.decay == 0.9
     assert type(default.codec.inner).__name__ == "TAGCCodec"
     assert type(tagc.hook(feedback="classic").codec).__name__ == "TAGCCodec"  # classic: the codec itself
-    assert type(tagc.hook(codec="topk").codec).__name__ == "TopKCodec"  # other codecs: classic by default
+    assert type(tagc.hook(codec="topk").codec).__name__ == "EF21Codec"  # topk: EF21 fading by 0.9 too
+    assert type(tagc.hook(codec="topk", feedback="classic").codec).__name__ == "TopKCodec"
+    assert type(tagc.hook(codec="sign").codec).__name__ == "SignCodec"  # other codecs: classic by default
     for bad, message in [
         (dict(feedback="ef22"), "feedback must be one of ('classic', 'ef21')"),
         (dict(feedback="classic", feedback_momentum=0.5), "only with feedback='ef21'"),
-        (dict(codec="topk", feedback_momentum=0.5), "only with feedback='ef21'"),
+        (dict(codec="topk", feedback="classic", feedback_momentum=0.5), "only with feedback='ef21'"),
+        (dict(codec="sign", feedback_momentum=0.5), "only with feedback='ef21'"),
         (dict(feedback="ef21", feedback_momentum=1.0), "[0, 1)"),
         (dict(feedback="ef21", feedback_momentum=True), "[0, 1)"),
         (dict(feedback="classic", feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
-        (dict(codec="topk", feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
+        (dict(codec="topk", feedback="classic", feedback_decay=0.9),
+         "feedback_decay applies only with feedback='ef21'"),
+        (dict(codec="sign", feedback_decay=0.9), "feedback_decay applies only with feedback='ef21'"),
         (dict(feedback="ef21", feedback_decay=0.0), "(0, 1]"),
         (dict(feedback="ef21", feedback_decay=1.5), "(0, 1]"),
         (dict(feedback="ef21", feedback_decay=True), "(0, 1]"),
@@ -451,11 +458,15 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
     assert faded.feedback_decay == 0.9 and "-ef21d0.9" in faded.run_name
     assert "-ef21d0.9" in TrainConfig().run_name  # codec tagc: the library's EF21, fading by 0.9
     assert "ef21" not in TrainConfig(**paper_train_config()).run_name
-    assert "ef21" not in TrainConfig(codec="topk").run_name
+    assert "-ef21d0.9" in TrainConfig(codec="topk").run_name  # codec topk: the library's too
+    assert "ef21" not in TrainConfig(codec="sign", compression="all").run_name
     for bad in (dict(feedback="ef21", compression="none"), dict(feedback="ef21", codec="int4"),
-                dict(feedback="classic", feedback_momentum=0.5), dict(codec="topk", feedback_momentum=0.5),
+                dict(feedback="classic", feedback_momentum=0.5),
+                dict(codec="topk", feedback="classic", feedback_momentum=0.5),
+                dict(codec="sign", compression="all", feedback_momentum=0.5),
                 dict(feedback="nope"), dict(feedback="classic", feedback_decay=0.9),
-                dict(codec="topk", feedback_decay=0.9), dict(feedback="ef21", feedback_decay=0.0)):
+                dict(codec="topk", feedback="classic", feedback_decay=0.9),
+                dict(codec="sign", compression="all", feedback_decay=0.9), dict(feedback="ef21", feedback_decay=0.0)):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
     follows = config_from_args(parse(["--feedback-decay-follows-lr", "--lr", "1e-3", "--steps", "100"]))

@@ -32,7 +32,7 @@ def test_settings_split_the_arguments_into_config_fields_and_codec_options():
     settings = HookSettings.from_arguments(ratio=5, codec="topk", seed=3, min_compress_numel=7, positions="offsets",
                                            min_part=1 << 10)
     assert settings.config == tagc.TAGCConfig(ratio=5.0, seed=3, min_compress_numel=7)
-    assert dict(settings.codec_options) == {"positions": "offsets", "value_dtype": "float32"}  # the default filled in
+    assert dict(settings.codec_options) == {"positions": "offsets", "value_dtype": "float8"}  # topk's recommended
     assert settings.min_part == 1 << 10 and settings.codec == "topk"
     with pytest.raises(ValueError, match=r"codec 'topk' takes options \('positions', 'value_dtype'\); got 'block'"):
         HookSettings.from_arguments(codec="topk", block=3)

@@ -17,6 +17,7 @@ from tagc.hooks.codec_registry import make_codec
 from tagc.hooks.stats import ExchangeStats
 from tagc.sketch.sparsify import keep_limit, keep_mask, row_thresholds
 from tests.distributed import eager_and_traced_step, run_ranks
+from tests.paper_wire import paper
 
 KEY = "w#1/part0"
 QUANTIZERS = ("bf16", "fp8", "int4", "int4-stochastic")
@@ -360,8 +361,8 @@ def hook_for(name, **settings):
         return tagc.hook(
             codec="int4", stochastic=True, select="all", min_compress_numel=1000, **{"dense_steps": 0, **settings}
         )
-    config = {"sparsity": 0.9} if name == "topk" else {}
-    return tagc.hook(codec=name, select="all", min_compress_numel=1000, **config, **{"dense_steps": 0, **settings})
+    config = paper(codec="topk", sparsity=0.9) if name == "topk" else {"codec": name}  # the list's formula bytes
+    return tagc.hook(select="all", min_compress_numel=1000, **config, **{"dense_steps": 0, **settings})
 
 
 def eager_and_traced(rank, world, name):

@@ -371,7 +371,7 @@ def test_describe_plans_fsdp1_units_whole(runs):
 
 
 @pytest.mark.parametrize("key, codec, plain", [
-    ("nanogpt/fsdp2-bf16-plain", "tagc", "bf16"), ("nanogpt/simple-topk", "topk", "plain"),
+    ("nanogpt/fsdp2-bf16-plain", "tagc", "bf16"), ("nanogpt/simple-topk", "topk", "int4"),  # topk's recommended plain
     ("nanogpt/fsdp2-int4", "int4", "plain")])
 def test_describe_counts_every_codecs_wire(runs, key, codec, plain):
     run = runs[key]

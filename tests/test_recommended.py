@@ -1,6 +1,7 @@
 """What ``tagc.hook()`` fills in for the settings a caller leaves out (:data:`tagc.hooks.settings.RECOMMENDED`):
-codec ``tagc``'s recommended setting, every argument given overriding only its part, the other codecs' neutral
-defaults; and the compare, whose paper methods still run the TAGC paper's codec."""
+codecs ``tagc``'s and ``topk``'s recommended settings, every argument given overriding only its part, the other
+codecs' neutral defaults; and the compare, whose paper methods still run the TAGC paper's codec and whose ``topk``
+method is still the paper-style list."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ import tagc
 from tagc.config import TAGCConfig
 from tagc.hooks.codec_registry import resolve_options
 from tagc.hooks.settings import NEUTRAL, RECOMMENDED, HookSettings
-from tests.paper_wire import PAPER_RATIO, PAPER_WIRE
+from tests.paper_wire import PAPER_RATIO, PAPER_STYLE_TOPK, PAPER_WIRE
 
 TAGC_RECOMMENDED = {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9, "positions": "coded",
                     "value_dtype": "float16"}
 """Codec tagc's recommended setting as documented (``tagc.hook``'s docstring, docs/quality-diagnosis.md)."""
+
+TOPK_RECOMMENDED = {**TAGC_RECOMMENDED, "ratio": 1.2, "value_dtype": "float8"}
+"""Codec topk's: the compare's ``topk-f8`` (docs/quality-diagnosis.md, tenth screen)."""
+
+PAPER_TOPK = {"ratio": PAPER_RATIO, **PAPER_STYLE_TOPK}
+"""topk with the neutral settings and its own option defaults: ``tagc.hook(codec="topk")`` before the recommendation,
+and the compare's ``topk`` method."""
 
 PAPER = {"ratio": PAPER_RATIO, "plain": "fp32", "feedback": "classic", "feedback_decay": 1.0, "positions": "bitmap",
          "value_dtype": "float32"}
@@ -31,7 +39,7 @@ def _resolved(settings: HookSettings) -> dict:
 
 
 def test_recommended_holds_the_documented_setting_and_neutral_the_old_defaults():
-    assert RECOMMENDED == {"tagc": TAGC_RECOMMENDED}
+    assert RECOMMENDED == {"tagc": TAGC_RECOMMENDED, "topk": TOPK_RECOMMENDED}
     assert NEUTRAL == {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0}
     fields = {field.name: field.default for field in dataclasses.fields(HookSettings) if field.name in NEUTRAL}
     assert fields == NEUTRAL  # HookSettings' own field defaults stay the neutral ones
@@ -78,17 +86,38 @@ def test_the_papers_codec_is_the_neutral_settings():
     assert _resolved(HookSettings()) == PAPER
 
 
-@pytest.mark.parametrize("codec", ["topk", "int4", "powersgd", "sign", "bf16", "plain"])
+def test_topk_hook_with_no_arguments_is_topk_f8():
+    hook = tagc.hook(codec="topk")
+    assert _resolved(hook.hook_settings) == TOPK_RECOMMENDED
+    assert hook.dense_steps == 10 and hook.codec.name == "topk"
+    assert type(hook.codec).__name__ == "EF21Codec" and hook.codec.decay == 0.9
+    assert hook.codec.inner.positions == "coded" and hook.codec.inner.value_dtype == torch.float8_e4m3fn
+    assert hook.plain.name == "int4" and hook.config.ratio == 1.2
+
+
+@pytest.mark.parametrize("given, changed", [
+    ({"ratio": 10}, {"ratio": 10.0}),
+    ({"feedback": "classic"}, {"feedback": "classic", "feedback_decay": 1.0}),
+    ({"feedback": "ef21"}, {}),  # EF21 named: still topk's fading
+    ({"value_dtype": "float32"}, {"value_dtype": "float32"}),
+    ({"ratio": 10, "plain": "fp32", "feedback": "classic", "positions": "offsets", "value_dtype": "float32"},
+     PAPER_TOPK),
+], ids=["ratio", "classic", "ef21", "values-fp32", "paper-style"])
+def test_each_argument_given_to_topk_overrides_only_its_part(given, changed):
+    assert _resolved(tagc.hook(codec="topk", **given).hook_settings) == {**TOPK_RECOMMENDED, **changed}
+
+
+@pytest.mark.parametrize("codec", ["int4", "powersgd", "sign", "bf16", "plain"])
 def test_other_codecs_keep_the_neutral_defaults_and_no_tagc_options(codec):
     settings = tagc.hook(codec=codec).hook_settings
     assert (settings.plain, settings.feedback, settings.feedback_decay) == ("fp32", "classic", 1.0)
-    assert settings.config.ratio == TAGCConfig().ratio == 10.0  # topk's ratio: the config's default
+    assert settings.config.ratio == TAGCConfig().ratio == 10.0  # the config's default
     assert dict(settings.codec_options) == resolve_options(codec, {})  # the codec's own option defaults only
     assert "coded" not in settings.codec_options.values() and "float16" not in settings.codec_options.values()
     assert settings == HookSettings(codec=codec)  # nothing filled in
 
 
-@pytest.mark.parametrize("codec", ["topk", "powersgd", "sign"])
+@pytest.mark.parametrize("codec", ["powersgd", "sign"])
 def test_ef21_on_another_codec_is_ef21_as_published(codec):
     settings = tagc.hook(codec=codec, feedback="ef21").hook_settings
     assert (settings.feedback, settings.feedback_decay, settings.plain) == ("ef21", 1.0, "fp32")
@@ -100,7 +129,11 @@ def test_a_bf16_residual_under_tagcs_default_feedback_says_to_use_classic():
     assert "feedback='classic'" in str(raised.value) and "residual_dtype=torch.float32" in str(raised.value)
     hook = tagc.hook(residual_dtype=torch.bfloat16, feedback="classic")  # what the message says works
     assert hook.hook_settings.residual_dtype == torch.bfloat16 and hook.hook_settings.feedback == "classic"
-    assert tagc.hook(codec="topk", residual_dtype=torch.bfloat16).hook_settings.feedback == "classic"
+    with pytest.raises(ValueError, match="'topk' is 'ef21'"):
+        tagc.hook(codec="topk", residual_dtype=torch.bfloat16)
+    classic_topk = tagc.hook(codec="topk", residual_dtype=torch.bfloat16, feedback="classic")
+    assert classic_topk.hook_settings.feedback == "classic"
+    assert tagc.hook(codec="sign", residual_dtype=torch.bfloat16).hook_settings.feedback == "classic"
 
 
 # ----------------------------------------------------------------------------- the compare
@@ -141,7 +174,8 @@ def test_the_compares_other_tagc_methods_keep_their_settings():
     assert _trained(_method("tagc-ef21")) == {**PAPER, "feedback": "ef21"}  # EF21 as published, on the paper's wire
     lean = _method("tagc-lean")
     assert (lean.feedback, lean.feedback_decay, lean.plain) == ("classic", 1.0, "bf16")
-    assert _trained(_method("topk"))["ratio"] == PAPER_RATIO  # the compare's --ratio: the paper's
+    assert _trained(_method("topk")) == PAPER_TOPK  # the compare's --ratio (the paper's), the neutral rest
+    assert _trained(_method("topk-lean"))["feedback"] == "classic"
 
 
 def test_the_compares_tagc_int4_is_tagc_hooks_recommended_setting():
@@ -202,8 +236,10 @@ def test_a_trainer_config_copy_leaves_what_the_library_filled_in_to_the_library_
         == (10.0, "fp32", "classic", 1.0, {})
     assert _codec_fields(dataclasses.replace(plain_run, compression="non-attn")) == TAGC_RECOMMENDED
     topk = dataclasses.replace(tagc_cfg, codec="topk")
-    assert (topk.ratio, topk.plain, topk.feedback, topk.feedback_decay) == (10.0, "fp32", "classic", 1.0)
-    assert topk.codec_options == {}
+    assert _codec_fields(topk) == TOPK_RECOMMENDED
+    int4 = dataclasses.replace(tagc_cfg, codec="int4", compression="all")
+    assert (int4.ratio, int4.plain, int4.feedback, int4.feedback_decay) == (10.0, "fp32", "classic", 1.0)
+    assert int4.codec_options == {}
     changed = dataclasses.replace(tagc_cfg, plain="bf16")  # changed in the copy: kept, the rest still filled
     assert _codec_fields(changed) == {**TAGC_RECOMMENDED, "plain": "bf16"}
     given = TrainConfig(ratio=7.0, feedback="classic")
@@ -293,6 +329,7 @@ def test_the_compares_topk_f8_is_the_defaults_settings_at_their_bytes_with_the_d
     trained = _trained(_method("topk-f8"))
     assert _method("topk-f8").codec == "topk"
     assert trained == {**TAGC_RECOMMENDED, "ratio": F8_TOPK_RATIO, "value_dtype": "float8"}
+    assert trained == TOPK_RECOMMENDED == _resolved(tagc.hook(codec="topk").hook_settings)  # topk's defaults
     parts = {compression: host_bytes.model_parts("small", compression, block_size=128)
              for compression in ("none", "non-attn", "all")}
 

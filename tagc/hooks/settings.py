@@ -41,12 +41,15 @@ low-precision peers of :mod:`tagc.hooks.quantized`, summed in float32 at the own
 RECOMMENDED: dict[str, dict[str, Any]] = {
     "tagc": {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9,
              "positions": "coded", "value_dtype": "float16"},
+    "topk": {"ratio": 1.2, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9,
+             "positions": "coded", "value_dtype": "float8"},
 }
 """What :func:`tagc.hook` fills in, per codec, for each of these settings the caller leaves out: for ``tagc``, the
 setting that stayed closest to plain training's loss while sending no more than ``int4`` does (ratio 4.5, the
-other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells; how
-it was chosen: ``docs/quality-diagnosis.md``). A codec not listed, and a setting not listed, keeps
-:data:`NEUTRAL`'s value or the codec's own default."""
+other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells); for ``topk``,
+the list at the same bytes that held plain's loss within 0.5% (ratio 1.2, float8 values, which the list's error
+feedback keeps and a sketch's cannot, the rest as for ``tagc``). How they were chosen: ``docs/quality-diagnosis.md``.
+A codec not listed, and a setting not listed, keeps :data:`NEUTRAL`'s value or the codec's own default."""
 
 NEUTRAL: dict[str, Any] = {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0}
 """The defaults of the codecs :data:`RECOMMENDED` does not list (and :class:`HookSettings`' own field defaults):
@@ -156,7 +159,7 @@ class HookSettings:
                 raise ValueError(f"feedback={self.feedback!r} keeps each rank's shift in the residual, which a "
                                  f"{self.residual_dtype} residual would round at every step: use "
                                  "residual_dtype=torch.float32, or feedback='classic' (tagc.hook's default "
-                                 "for codec 'tagc' is 'ef21')")
+                                 "for codecs 'tagc' and 'topk' is 'ef21')")
 
     @classmethod
     def from_arguments(cls, ratio: float | None = None, index_bits: int | None = None,
