@@ -301,3 +301,35 @@ def test_gpu_check_gpt2_round_trip_runs_and_can_fail(monkeypatch):
     monkeypatch.setattr(TAGCCodec, "decode", lambda self, *a, **k: decode(self, *a, **k) * 1.001)
     off = gpu_check.gpt2_gradients_round_trip(torch.device("cpu"), **{**tiny, "steps": 1})
     assert off["ok"] is False and any("relative error" in f for f in off["failed"]), off
+
+
+def test_gpu_check_reports_a_check_that_raises_and_runs_the_rest(monkeypatch, capsys):
+    """One check raising (an out-of-memory beside other jobs) is that check's failure: the checks after it still run,
+    the results say what was raised, and the exit status is 1. The device calls are stubbed: no GPU is needed."""
+    from tagc.bench import gpu_check
+
+    for name, value in [("is_available", lambda: True), ("current_device", lambda: 0), ("set_device", lambda d: None),
+                        ("get_device_name", lambda d: "stub GPU"), ("get_device_capability", lambda d: (9, 0)),
+                        ("empty_cache", lambda: None)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    ran = []
+
+    def passes(name):
+        def check(*args):
+            ran.append(name)
+            return {"ok": True}
+        return check
+
+    def out_of_memory(*args):
+        ran.append("codec_round_trip")
+        raise RuntimeError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(gpu_check, "codec_round_trip", out_of_memory)
+    for name in ("gpt2_gradients_round_trip", "one_rank_group", "callback_memory"):
+        monkeypatch.setattr(gpu_check, name, passes(name))
+    monkeypatch.setattr(gpu_check, "kernel_times", lambda device, sizes: ran.append("kernel_times") or [])
+    assert gpu_check.main(["--skip-tests"]) == 1
+    assert ran == ["codec_round_trip", "gpt2_gradients_round_trip", "one_rank_group", "callback_memory", "kernel_times"]
+    out = capsys.readouterr().out
+    assert "RuntimeError: CUDA out of memory" in out and "FAILED: codec_round_trip" in out
+    assert gpu_check._guarded(lambda: {"ok": True}) == {"ok": True}
