@@ -325,11 +325,12 @@ def test_gpu_check_reports_a_check_that_raises_and_runs_the_rest(monkeypatch, ca
         raise RuntimeError("CUDA out of memory. Tried to allocate 64.00 MiB")
 
     monkeypatch.setattr(gpu_check, "codec_round_trip", out_of_memory)
-    for name in ("gpt2_gradients_round_trip", "one_rank_group", "callback_memory"):
+    for name in ("gpt2_gradients_round_trip", "one_rank_group", "callback_memory", "counters_across_streams"):
         monkeypatch.setattr(gpu_check, name, passes(name))
     monkeypatch.setattr(gpu_check, "kernel_times", lambda device, sizes: ran.append("kernel_times") or [])
     assert gpu_check.main(["--skip-tests"]) == 1
-    assert ran == ["codec_round_trip", "gpt2_gradients_round_trip", "one_rank_group", "callback_memory", "kernel_times"]
+    assert ran == ["codec_round_trip", "gpt2_gradients_round_trip", "one_rank_group", "callback_memory",
+                   "counters_across_streams", "kernel_times"]
     out = capsys.readouterr().out
     assert "RuntimeError: CUDA out of memory" in out and "FAILED: codec_round_trip" in out
     assert gpu_check._guarded(lambda: {"ok": True}) == {"ok": True}

@@ -18,7 +18,9 @@ For a user with a GPU (one is enough). Without one it says so and exits 0. With 
      transport's all-to-all and the ``fallback="raw"`` gathers on CUDA buffers (NCCL rejects CPU
      ones), with strict counting.
    * the memory the caching allocator reserves for the DDP hook's future callbacks, on torch's pool streams and
-     on the hook's own stream (must stay within four buckets there).
+     on the hook's own stream (must stay within four buckets there);
+   * device counters made on one stream and summed on another, as the callbacks and the backward's thread do
+     (the sum must be exact).
    * HF GPT-2's own gradients (124M shapes, one micro-batch per emulated rank) through the codec:
      the decoded support within what was sent, values within float32 rounding of the exact sum.
 3. **times**: the fused compress and the sync-free decode of one part against a device memcpy
@@ -307,6 +309,40 @@ def callback_memory(device: torch.device, calls: int = 48, numel: int = 16 << 20
     }
 
 
+def counters_across_streams(device: torch.device, rounds: int = 64) -> dict:
+    """Counters made on one stream and summed on another, as the DDP hook's future callbacks count on the hook's
+    stream and the backward's thread sums on its own (:meth:`tagc.hooks.stats.ExchangeStats.count`, ``add``). The
+    summing stream is held back (``torch.cuda._sleep``) while the counting stream writes fresh tensors, which is
+    when a freed counter's block is handed out again. ``ok``: the :class:`ExchangeStats` sum is exact;
+    ``unprotected``: the same sum of bare tensors, whose blocks nothing protects (it may or may not come out wrong:
+    the race depends on timing), for comparison."""
+    from tagc.hooks.stats import ExchangeStats
+
+    counting, summing = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def run(protected: bool) -> int:
+        total, bare = ExchangeStats(), torch.zeros((), dtype=torch.int64, device=device)
+        for _ in range(rounds):
+            with torch.cuda.stream(counting):
+                part = ExchangeStats()
+                part.count("overflow", torch.ones((), dtype=torch.int64, device=device))
+            summing.wait_stream(counting)
+            torch.cuda._sleep(2_000_000)
+            if protected:
+                total.add(part)
+            else:
+                bare = bare + part.overflow
+            del part
+            with torch.cuda.stream(counting):
+                for _ in range(8):
+                    torch.full((), 1 << 40, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
+        return int(total.overflow if protected else bare)
+
+    counted, unprotected = run(True), run(False)
+    return {"ok": counted == rounds, "rounds": rounds, "counted": counted, "unprotected": unprotected}
+
+
 def _guarded(check, *args):
     """``check(*args)``, or ``{"ok": False, "error": ...}`` when it raises: one check's failure (an out-of-memory
     beside other jobs, a missing package) is reported, and the checks after it still run. The caching
@@ -361,6 +397,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"one-rank NCCL group: {results['one_rank_group']}")
     results["callback_memory"] = _guarded(callback_memory, device)
     print(f"memory reserved by the hook's future callbacks: {results['callback_memory']}")
+    results["counters_across_streams"] = _guarded(counters_across_streams, device)
+    print(f"counters made on one stream, summed on another: {results['counters_across_streams']}")
     sizes = [
         int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s)
         for s in args.sizes.split(",")
@@ -380,7 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     failed = [
         name
-        for name in ("kernel_tests", "codec_round_trip", "gpt2_round_trip", "one_rank_group", "callback_memory")
+        for name in ("kernel_tests", "codec_round_trip", "gpt2_round_trip", "one_rank_group", "callback_memory",
+                     "counters_across_streams")
         if results.get(name, {}).get("ok") is False
     ] + ([] if isinstance(times, list) else ["times"])
     print("gpu-check: " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))

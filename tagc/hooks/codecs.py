@@ -355,10 +355,10 @@ class TAGCCodec(ResidualCodec):
 
     def _union(self, indexes: torch.Tensor, numel: int, key: str, stats: ExchangeStats) -> torch.Tensor:
         """Every rank's support merged: the union of the coded rows, or the bitmaps' OR / sum."""
-        stats.overflow = stats.overflow + self._overflow.pop(key, 0)  # counted by the rank that held them back
+        stats.count("overflow", self._overflow.pop(key, 0))  # counted by the rank that held them back
         if self.positions == "coded":
             cap, low = self._capacity(numel, indexes.shape[0])
-            stats.bitmap_blocks = stats.bitmap_blocks + bitmap_blocks(indexes, numel, low)
+            stats.count("bitmap_blocks", bitmap_blocks(indexes, numel, low))
             return union_index(indexes.contiguous(), numel, cap, low)
         bits = self.config.index_bits
         return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))

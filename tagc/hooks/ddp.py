@@ -474,7 +474,7 @@ class DDPHookState:
             if ef21 is not None:
                 residual.sub_(grad)  # -(h_i + sent): zero where the part is not finite, as EF21Codec.encode
             shifts.append(None if ef21 is None else (ef21, residual, before))
-            stats.overflow = stats.overflow + held
+            stats.count("overflow", held)
             indexes.append(index.reshape(-1))
             tables.append(table.reshape(-1).float())
         values = torch.cat([buffer[p.index(device)].float() for p in plain] + tables)

@@ -69,11 +69,22 @@ class ExchangeStats:
     def count_nonfinite(self, ok: torch.Tensor) -> None:
         """``nonfinite_parts += 1`` where ``ok`` (0-d bool: the part was finite) is false, on ``ok``'s
         device: the one place a codec counts a NaN/Inf part, with no host read."""
-        self.nonfinite_parts = self.nonfinite_parts + (~ok).to(torch.int64)
+        self.count("nonfinite_parts", (~ok).to(torch.int64))
+
+    def count(self, name: str, amount: Count) -> None:
+        """``self.<name> += amount`` for a :data:`Count` field, where either may be a device tensor made on another
+        stream (a DDP future's callback counts on the hook's stream what the backward's stream began)."""
+        total = getattr(self, name)
+        _used_on_current_stream(total)
+        _used_on_current_stream(amount)
+        setattr(self, name, total + amount)
 
     def add(self, other: "ExchangeStats") -> None:
         for field in dataclasses.fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            _used_on_current_stream(mine)
+            _used_on_current_stream(theirs)
+            setattr(self, field.name, mine + theirs)
 
     def as_dict(self) -> dict:
         # a codec counts on the device (0-d tensors: no host sync in the exchange): read here, once
@@ -81,6 +92,16 @@ class ExchangeStats:
         out["peel_success"] = out["peeled"] / out["support"] if out["support"] else 1.0
         out["wire_ratio"] = out["wire_bytes"] / out["plain_equivalent_bytes"] if out["plain_equivalent_bytes"] else 1.0
         return out
+
+
+def _used_on_current_stream(value: object) -> None:
+    """Tell the caching allocator that the current stream reads ``value`` (a CUDA tensor; anything else is left
+    alone). A counter made on one stream and read on another would otherwise go back to its own stream's cache when
+    the next count replaces it, and a kernel there could overwrite it before the reading stream got to it: the
+    counts of a DDP run on a GPU read as garbage that way. No host synchronisation; nothing under compilation,
+    where the compiled graph orders its own buffers."""
+    if isinstance(value, torch.Tensor) and value.is_cuda and not torch.compiler.is_compiling():
+        value.record_stream(torch.cuda.current_stream(value.device))
 
 
 def _number(value: Union[Count, float]) -> Union[int, float]:

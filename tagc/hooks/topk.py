@@ -114,7 +114,7 @@ class TopKCodec(ResidualCodec):
         world, cap = values.shape
         ok = finite(values)  # padding is 0, so any NaN/Inf is a rank's poisoned part
         stats.count_nonfinite(ok)
-        stats.overflow = stats.overflow + counts[:, -1].sum(dtype=torch.int64)
+        stats.count("overflow", counts[:, -1].sum(dtype=torch.int64))
         if self.positions == "coded":
             positions, _ = decode_positions(where.contiguous(), numel, cap, self._low(world))
             offsets = (positions & (POSITION_BLOCK - 1)).to(torch.uint16)
