@@ -140,7 +140,11 @@ class _Flight:
     backward's thread for every round left; they go at the end of the backward pass).
     ``stats``: recorded on the backward's thread once ``future`` is done; ``key``: the bucket then
     checked for NaN/Inf under ``nonfinite="raise"`` (``None``: the form raises where it decodes).
-    ``errors``: what the callbacks raised, re-raised as it was (a future's ``wait`` would wrap it)."""
+    ``errors``: what the callbacks raised, re-raised as it was (a future's ``wait`` would wrap it).
+    ``bodies``: the callbacks, and with them every tensor they captured from the backward's stream (a part's
+    ``M``, an EF21 shift's copy), held until the flight is finished, when that stream has waited for the future:
+    freed at the callback's end, such a tensor's block could go to the backward's stream's next allocation while
+    the hook's stream still reads it (a future's own values torch protects itself)."""
 
     stats: ExchangeStats
     future: torch.futures.Future | None = None
@@ -150,10 +154,13 @@ class _Flight:
     waited_s: float = 0.0
     early: bool = True
     errors: list = dataclasses.field(default_factory=list)
+    bodies: list = dataclasses.field(default_factory=list)
 
     def callback(self, body: Callable[[torch.futures.Future], torch.Tensor], device: torch.device) -> Callable:
         """``body`` for ``Future.then`` on the bucket's ``device``, keeping what it raises in :attr:`errors`; on CUDA
-        run on the hook's own stream, not torch's pool (:mod:`tagc.hooks.callback_stream`)."""
+        run on the hook's own stream, not torch's pool (:mod:`tagc.hooks.callback_stream`), ``body`` held in
+        :attr:`bodies`."""
+        self.bodies.append(body)
 
         def run(future: torch.futures.Future) -> torch.Tensor:
             try:
