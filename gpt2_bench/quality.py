@@ -267,6 +267,36 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
     return by_seed
 
 
+def read_rows(paths: Sequence, methods: Sequence[str] = (), plain: str = PLAIN_METHOD) -> dict[int, dict[str, dict]]:
+    """Curves kept in the repository (``docs/rows/gpu-quality-*.json``: ``{"runs": {"seed-N/<method>": {"val_loss":
+    [[step, loss], ...]}}}``) -> what :func:`read_runs` gives for trainer logs, so a report of runs whose logs stayed
+    on the machine that made them can be made again. A run in a later file replaces the same run of an earlier one.
+    The files hold no learning rates, so the schedule check of :func:`read_runs` is not made: keep only runs of one
+    protocol in the files you combine."""
+    import json
+    from pathlib import Path
+
+    by_seed: dict[int, dict[str, dict]] = {}
+    for path in paths:
+        runs = json.loads(Path(path).read_text()).get("runs")
+        if not isinstance(runs, dict):
+            raise ValueError(f"{path} has no \"runs\" object of \"seed-N/<method>\" curves")
+        for key, run in runs.items():
+            folder, _, name = key.partition("/")
+            if not folder.startswith("seed-") or not name:
+                raise ValueError(f"{path}: run {key!r} is not named seed-N/<method>")
+            if methods and name not in methods and name != plain:
+                continue
+            curve = [{"step": int(step), "val_loss": float(loss)} for step, loss in run.get("val_loss", [])]
+            if curve:
+                label = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
+                by_seed.setdefault(int(folder.removeprefix("seed-")), {})[label] = {
+                    "curve": curve, "val_loss": curve[-1]["val_loss"]}
+    if not by_seed:
+        raise FileNotFoundError(f"no seed-N/<method> curves in {', '.join(map(str, paths))}")
+    return by_seed
+
+
 def _first_schedule_difference(plain: dict, run: dict) -> int | None:
     """The first step both logged whose learning rate (relatively, beyond float rounding) or token count differs."""
     for step in sorted(set(plain) & set(run)):
@@ -286,7 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m gpt2_bench.quality", description=main.__doc__)
-    parser.add_argument("directory")
+    parser.add_argument("directory", nargs="?", default=None,
+                        help="the logs, DIR/seed-N/<method>.jsonl (or give --rows)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated curve files kept in the repository instead of logs, e.g. "
+                             "docs/rows/gpu-quality-2026-11-27.json,docs/rows/gpu-quality-2026-11-27-fifth.json "
+                             "(a run in a later file replaces the same run of an earlier one)")
     parser.add_argument("--plain", default=PLAIN_METHOD, help="the run every method is compared against (default fsdp)")
     parser.add_argument("--methods", default="", help="comma-separated runs to report (default: every log)")
     parser.add_argument("--steps", type=int, default=None, help="the runs' length (default: the last evaluation + 1)")
@@ -297,7 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.tolerance < 100:
         parser.error(f"--tolerance is a percentage in (0, 100), e.g. 1 or 0.5; got {args.tolerance}")
-    by_seed = read_runs(args.directory, [m for m in args.methods.split(",") if m], args.plain)
+    if (args.directory is None) == (args.rows is None):
+        parser.error("give the logs' directory or --rows (one of them)")
+    if args.rows is not None and args.out is None:
+        parser.error("--rows: give --out, the report's path (a PNG plot goes beside it)")
+    methods = [m for m in args.methods.split(",") if m]
+    if args.rows is not None:
+        by_seed = read_rows([path for path in args.rows.split(",") if path], methods, args.plain)
+    else:
+        by_seed = read_runs(args.directory, methods, args.plain)
     if args.seeds is not None:
         wanted = parse_seeds(args.seeds)
         if not set(wanted) <= set(by_seed):

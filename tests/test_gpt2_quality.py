@@ -432,6 +432,36 @@ def test_the_seeds_report_reads_trainer_logs_laid_out_by_seed(tmp_path):
         main([str(tmp_path), "--tolerance", "0"])
 
 
+def test_the_seeds_report_reads_curves_kept_in_the_repository(tmp_path):
+    """``--rows``: the curve files of docs/rows (``{"runs": {"seed-N/<method>": {"val_loss": [[step, loss]]}}}``) give
+    the same report as the logs they came from; a run in a later file replaces the same run of an earlier one."""
+    import json
+
+    from gpt2_bench.quality import main, read_rows
+
+    first = {"runs": {"seed-0/ddp": {"val_loss": [[1, 4.0]]}, "seed-1/ddp": {"val_loss": [[1, 5.0]]},
+                      "seed-0/ours": {"val_loss": [[1, 9.9]]}}}
+    second = {"machine": "another card", "runs": {"seed-0/ours": {"val_loss": [[1, 4.4]], "peak_gpu_mb": 1.0},
+                                                  "seed-1/ours": {"val_loss": [[1, 5.25]]}}}
+    paths = []
+    for name, rows in (("first.json", first), ("second.json", second)):
+        (tmp_path / name).write_text(json.dumps(rows))
+        paths.append(str(tmp_path / name))
+    by_seed = read_rows(paths, ["ours"], plain="ddp")
+    assert by_seed[0]["ours"]["val_loss"] == 4.4 and by_seed[1]["fsdp"]["curve"] == [{"step": 1, "val_loss": 5.0}]
+    out = tmp_path / "report.md"
+    assert main(["--rows", ",".join(paths), "--plain", "ddp", "--methods", "ours", "--out", str(out)]) == 0
+    assert "| 1 | 4.5000 | 4.8250 | +7.50% | +10.00, +5.00 |" in out.read_text() and out.with_suffix(".png").exists()
+    for argv in (["--rows", paths[0]],  # no --out
+                 [str(tmp_path), "--rows", paths[0], "--out", str(out)],  # logs and rows both
+                 []):  # neither
+        with pytest.raises(SystemExit):
+            main(argv)
+    (tmp_path / "bad.json").write_text(json.dumps({"runs": {"ours": {"val_loss": [[1, 4.0]]}}}))
+    with pytest.raises(ValueError, match="seed-N/<method>"):
+        read_rows([tmp_path / "bad.json"])
+
+
 def test_the_seeds_report_leaves_out_a_run_of_another_schedule(tmp_path):
     import json
 
