@@ -6,6 +6,9 @@
 # DEVICE=cpu STEPS=3 OUT=/tmp/q bash .gpu/quality.sh smoke-tests it here. RUNS picks the runs (default: every one below); GPU_CHECK=1 or full also runs `python -m tagc.bench gpu-check` (below).
 # The screens: RUNS="ddp tagc-d1 tagc-d0.97 tagc-dlr tagc-localv ddp-b16 tagc-d0.97-b16" (names below; tagc-m0.9 diverged without fading on the CPU).
 # Report: python -m gpt2_bench.quality DIR --plain ddp --methods tagc45-int4-ef21d0.9,int4,... --steps 2000
+# Plain DDP repeats to the bit across loans and cards (fifth loan), so a screen need not run it again: e.g.
+# RUNS="tagc-dlr tagc-d0.97" (four runs, about 10 minutes), then
+# python -m gpt2_bench.quality DIR --rows docs/rows/gpu-quality-2026-11-27.json --plain ddp --steps 2000 --tolerance 0.5
 # Everything comes back as one file, $OUT/quality.tgz (the tool returns at most 8 files).
 # Plain DDP ran 2,000 steps in 4 minutes this way, three runs at once on one H100 (torch 2.11).
 # Fourth loan: eight runs at once plus GPU_CHECK filled the 80 GB: the compressed runs' processes held 13-14 GiB each

@@ -317,11 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m gpt2_bench.quality", description=main.__doc__)
     parser.add_argument("directory", nargs="?", default=None,
-                        help="the logs, DIR/seed-N/<method>.jsonl (or give --rows)")
+                        help="the logs, DIR/seed-N/<method>.jsonl (or give --rows, or both)")
     parser.add_argument("--rows", default=None,
-                        help="comma-separated curve files kept in the repository instead of logs, e.g. "
+                        help="comma-separated curve files kept in the repository, e.g. "
                              "docs/rows/gpu-quality-2026-11-27.json,docs/rows/gpu-quality-2026-11-27-fifth.json "
-                             "(a run in a later file replaces the same run of an earlier one)")
+                             "(a run in a later file replaces the same run of an earlier one, and a run logged in "
+                             "the directory replaces both: new runs beside the plain runs kept there)")
     parser.add_argument("--plain", default=PLAIN_METHOD, help="the run every method is compared against (default fsdp)")
     parser.add_argument("--methods", default="", help="comma-separated runs to report (default: every log)")
     parser.add_argument("--steps", type=int, default=None, help="the runs' length (default: the last evaluation + 1)")
@@ -332,15 +333,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.tolerance < 100:
         parser.error(f"--tolerance is a percentage in (0, 100), e.g. 1 or 0.5; got {args.tolerance}")
-    if (args.directory is None) == (args.rows is None):
-        parser.error("give the logs' directory or --rows (one of them)")
-    if args.rows is not None and args.out is None:
-        parser.error("--rows: give --out, the report's path (a PNG plot goes beside it)")
+    if args.directory is None and args.rows is None:
+        parser.error("give the logs' directory, --rows, or both")
+    if args.directory is None and args.out is None:
+        parser.error("--rows without a directory: give --out, the report's path (a PNG plot goes beside it)")
     methods = [m for m in args.methods.split(",") if m]
-    if args.rows is not None:
-        by_seed = read_rows([path for path in args.rows.split(",") if path], methods, args.plain)
-    else:
-        by_seed = read_runs(args.directory, methods, args.plain)
+    by_seed = read_rows([p for p in args.rows.split(",") if p], methods, args.plain) if args.rows is not None else {}
+    if args.directory is not None:  # a run logged there replaces the same run of the rows
+        for seed, runs in read_runs(args.directory, methods, args.plain).items():
+            by_seed.setdefault(seed, {}).update(runs)
     if args.seeds is not None:
         wanted = parse_seeds(args.seeds)
         if not set(wanted) <= set(by_seed):

@@ -452,9 +452,13 @@ def test_the_seeds_report_reads_curves_kept_in_the_repository(tmp_path):
     out = tmp_path / "report.md"
     assert main(["--rows", ",".join(paths), "--plain", "ddp", "--methods", "ours", "--out", str(out)]) == 0
     assert "| 1 | 4.5000 | 4.8250 | +7.50% | +10.00, +5.00 |" in out.read_text() and out.with_suffix(".png").exists()
+    logged = tmp_path / "logs" / "seed-1"  # a new run's log beside the rows' plain runs: it replaces the rows' run
+    logged.mkdir(parents=True)
+    (logged / "ours.jsonl").write_text(json.dumps({"step": 1, "val_loss": 5.5}) + "\n")
+    assert main([str(tmp_path / "logs"), "--rows", ",".join(paths), "--plain", "ddp", "--methods", "ours"]) == 0
+    assert "| 1 | 4.5000 | 4.9500 | +10.00% | +10.00, +10.00 |" in (tmp_path / "logs" / "quality.md").read_text()
     for argv in (["--rows", paths[0]],  # no --out
-                 [str(tmp_path), "--rows", paths[0], "--out", str(out)],  # logs and rows both
-                 []):  # neither
+                 []):  # neither logs nor rows
         with pytest.raises(SystemExit):
             main(argv)
     (tmp_path / "bad.json").write_text(json.dumps({"runs": {"ours": {"val_loss": [[1, 4.0]]}}}))
