@@ -74,5 +74,5 @@ def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bit
     counts = counts * ok
     stats.count_nonfinite(ok)
     for name in DEVICE_STATS:
-        setattr(stats, name, getattr(stats, name) + counts[dispatch.STAT_FIELDS.index(name)])
+        stats.count(name, counts[dispatch.STAT_FIELDS.index(name)])
     return torch.where(ok, values, math.nan)
