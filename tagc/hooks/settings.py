@@ -63,8 +63,9 @@ def recommended_settings(codec: str, ratio: float | None = None, plain: str | No
     out (``None``, or an option not named) filled in as :func:`tagc.hook` does for ``codec``
     (:data:`RECOMMENDED`, else :data:`NEUTRAL`; ``ratio`` stays ``None`` for a codec with no entry, which
     leaves it to :class:`~tagc.config.TAGCConfig`). A fading factor is filled in only for EF21: the codec's
-    recommended one when its recommended feedback is EF21, else 1 (EF21 as published). With ``index_bits=4`` the
-    positions default to the bitmap: coded positions code a set, which 4-bit rank counts are not."""
+    recommended one when its recommended feedback is EF21, else 1 (EF21 as published). With ``index_bits=4``
+    codec ``tagc``'s positions default to the bitmap: coded positions code a set, which 4-bit rank counts are not
+    (``topk``'s positions list each rank's own entries, which the index width does not change)."""
     recommended = RECOMMENDED.get(codec, {})
     plain = plain if plain is not None else recommended.get("plain", NEUTRAL["plain"])
     feedback = feedback if feedback is not None else recommended.get("feedback", NEUTRAL["feedback"])
@@ -73,7 +74,7 @@ def recommended_settings(codec: str, ratio: float | None = None, plain: str | No
         feedback_decay = recommended["feedback_decay"] if fading else NEUTRAL["feedback_decay"]
     own = spec(codec).options if codec in codec_names() else {}
     filled = {name: value for name, value in recommended.items() if name in own}
-    if index_bits == 4 and "positions" in filled:
+    if index_bits == 4 and "positions" in filled and codec == "tagc":  # topk's positions list each rank's own entries
         filled["positions"] = "bitmap"
     options = {**filled, **(options or {})}
     return {"ratio": ratio if ratio is not None else recommended.get("ratio"), "plain": plain, "feedback": feedback,
