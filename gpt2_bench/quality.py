@@ -250,7 +250,7 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
             curve = [{"step": r["step"], "val_loss": r["val_loss"]} for r in records
                      if "step" in r and r.get("val_loss") is not None]
             if curve:
-                key = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
+                key = _label(name, plain)
                 schedules[seed, key] = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
                 by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
     if not by_seed:
@@ -289,12 +289,17 @@ def read_rows(paths: Sequence, methods: Sequence[str] = (), plain: str = PLAIN_M
                 continue
             curve = [{"step": int(step), "val_loss": float(loss)} for step, loss in run.get("val_loss", [])]
             if curve:
-                label = PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
-                by_seed.setdefault(int(folder.removeprefix("seed-")), {})[label] = {
+                by_seed.setdefault(int(folder.removeprefix("seed-")), {})[_label(name, plain)] = {
                     "curve": curve, "val_loss": curve[-1]["val_loss"]}
     if not by_seed:
         raise FileNotFoundError(f"no seed-N/<method> curves in {', '.join(map(str, paths))}")
     return by_seed
+
+
+def _label(name: str, plain: str) -> str:
+    """A run's key in the report: :data:`PLAIN_METHOD` for ``plain``, the run's own name otherwise (renamed when it is
+    that name without being the plain run)."""
+    return PLAIN_METHOD if name == plain else (name if name != PLAIN_METHOD else f"{name} (not plain)")
 
 
 def _first_schedule_difference(plain: dict, run: dict) -> int | None:

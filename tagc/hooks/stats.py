@@ -72,8 +72,9 @@ class ExchangeStats:
         self.count("nonfinite_parts", (~ok).to(torch.int64))
 
     def count(self, name: str, amount: Count) -> None:
-        """``self.<name> += amount`` for a :data:`Count` field, where either may be a device tensor made on another
-        stream (a DDP future's callback counts on the hook's stream what the backward's stream began)."""
+        """``self.<name> += amount`` for a field (a :data:`Count`, or an int or float), where either may be a device
+        tensor made on another stream (a DDP future's callback counts on the hook's stream what the backward's
+        stream began)."""
         total = getattr(self, name)
         _used_on_current_stream(total)
         _used_on_current_stream(amount)
@@ -81,10 +82,7 @@ class ExchangeStats:
 
     def add(self, other: "ExchangeStats") -> None:
         for field in dataclasses.fields(self):
-            mine, theirs = getattr(self, field.name), getattr(other, field.name)
-            _used_on_current_stream(mine)
-            _used_on_current_stream(theirs)
-            setattr(self, field.name, mine + theirs)
+            self.count(field.name, getattr(other, field.name))
 
     def as_dict(self) -> dict:
         # a codec counts on the device (0-d tensors: no host sync in the exchange): read here, once
