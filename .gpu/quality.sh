@@ -66,6 +66,7 @@ for s in $SEEDS; do
       # the peers of the README's "who wins" table (the CPU queue's names)
       ddp-bf16) go "$s" 4 ddp-bf16 --compression all --codec bf16 --torch-hook ;;
       powersgd-r16) go "$s" 4 powersgd-r16 --compression all --codec powersgd --codec-option rank=16 ;;
+      powersgd) go "$s" 4 powersgd --compression all --codec powersgd ;;  # rank 4: the compare's, for the flat-FSDP table
       # screens for the 0.5% target (each against ddp of the same seed): no fading, slower fading,
       # fading that follows the learning rate (0.9 at the peak, 0.99 at the floor), EF21-SGDM, and AdamW's second moment fed each rank's own gradient (tagc.optim.AdamW)
       tagc-d1) go "$s" 4 tagc45-int4-ef21d1.0 $TAGC --feedback-decay 1.0 ;;
@@ -75,6 +76,7 @@ for s in $SEEDS; do
       tagc-localv) go "$s" 4 tagc45-int4-ef21d0.9-localv $TAGC --second-moment local ;;
       # the 4x-batch point's screen: slower fading at batch 16 (against ddp-b16)
       tagc-d0.97-b16) go "$s" 16 tagc45-int4-ef21d0.97-b16 $TAGC --feedback-decay 0.97 ;;
+      *) echo "quality.sh: no run named $r (see the names above); skipped" >&2 ;;
     esac
   done
 done
