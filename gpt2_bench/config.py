@@ -377,7 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.",
     )
     from tagc.hooks.codec_registry import codec_names
-    from tagc.hooks.settings import PLAIN_CODECS
+    from tagc.hooks.settings import NEUTRAL, PLAIN_CODECS, RECOMMENDED
+
+    def library_default(setting: str) -> str:
+        """The library's default of ``setting`` per codec, as help text: "int4 for tagc and topk, else fp32"."""
+        codecs = [codec for codec, filled in RECOMMENDED.items() if setting in filled]
+        values = {RECOMMENDED[codec][setting] for codec in codecs}
+        if len(values) != 1:  # the codecs that set it disagree: name each
+            each = ", ".join(f"{RECOMMENDED[codec][setting]} for {codec}" for codec in codecs)
+            return f"{each}, else {NEUTRAL[setting]}"
+        return f"{values.pop()} for {' and '.join(codecs)}, else {NEUTRAL[setting]}"
 
     defaults = TrainConfig()  # the codec settings the library fills in (ratio, plain, feedback...) default to None
     p.add_argument("--preset", default=defaults.preset, help="model preset: tiny, small, gpt2, gpt2-untied")
@@ -398,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a codec option, e.g. --codec int4 --codec-option block=128 (repeatable)")
     p.add_argument("--plain", default=None, choices=tuple(PLAIN_CODECS),
                    help="the codec of the columns not compressed (attention, biases, norms, embeddings by "
-                        "default); default: the library's, int4 for --codec tagc, else fp32")
+                        "default); default: the library's, " + library_default("plain"))
     p.add_argument("--param-dtype", default=None, choices=[d for d in PARAM_DTYPES if d],
                    help="FSDP's parameter all-gather dtype (bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
                         "reduce_dtype=torch.float32); SimpleFSDP on the CPU computes in float32; int8, "
@@ -407,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=None,
-                   help="compression ratio of tagc and topk (default: the library's, 4.5 for tagc, 1.2 for topk)")
+                   help="compression ratio of tagc and topk (default: the library's, "
+                        + ", ".join(f"{filled['ratio']} for {codec}" for codec, filled in RECOMMENDED.items()) + ")")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in (
@@ -439,14 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
                         "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback); default: the "
-                        "library's, ef21 for tagc, else classic")
+                        "library's, " + library_default("feedback"))
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
                         "(EF21-SGDM; 0, the default: none)")
     p.add_argument("--feedback-decay", type=float, default=None, metavar="GAMMA",
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
                         "element that is not sent fades instead of holding its last value (default: the "
-                        "library's, 0.9 for tagc's EF21, else 1: none)")
+                        "library's when it is EF21, " + library_default("feedback_decay") + ": none)")
     p.add_argument("--feedback-decay-follows-lr", action="store_true", default=defaults.feedback_decay_follows_lr,
                    help="--feedback-decay GAMMA < 1: fade by 1 - (1 - GAMMA) * lr / peak lr at each step, so that the "
                         "shifts hold more as the learning rate decays (hook.set_feedback_decay)")

@@ -88,8 +88,8 @@ def hook(
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
             and everything during ``dense_steps``): ``"fp32"`` (as they are),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.quantized`, summed in float32
-            at the owner). ``"bf16"`` halves them at bf16 rounding. ``None`` (default): ``"int4"`` for ``tagc``,
-            ``"fp32"`` for the others.
+            at the owner). ``"bf16"`` halves them at bf16 rounding. ``None`` (default): ``"int4"`` for ``tagc``
+            and ``topk``, ``"fp32"`` for the others.
         hierarchy: ``"auto"`` (default): when the group spans more than one host, reduce plainly
             inside each host first and compress only the exchange across hosts, planned for the
             number of hosts (:mod:`tagc.hooks.hierarchy`); ``"flat"``: one compressed exchange
@@ -109,7 +109,7 @@ def hook(
             last estimate the owners know, and the owners hand the optimizer the running sum, dense, so
             an unsent element keeps its last known value instead of zero; :mod:`tagc.hooks.feedback`).
             Error-feedback codecs only, with ``residual_dtype=torch.float32``. ``None`` (default): ``"ef21"``
-            for ``tagc``, ``"classic"`` for the others.
+            for ``tagc`` and ``topk``, ``"classic"`` for the others.
         feedback_momentum: with ``"ef21"``, the ``beta`` of each rank's running average of its gradient,
             compressed instead of the gradient (EF21-SGDM); 0 (default): none.
         feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
@@ -118,7 +118,7 @@ def hook(
             otherwise turn into full-size steps in one direction for as long as it waits. Its time constant
             ``1 / (1 - gamma)`` steps is meant to be near how long an element waits between sends (about one
             over the kept fraction): fading much faster leaves the compressed weights moving less than plain
-            training's. 1: EF21 as published. ``None`` (default): 0.9 when ``tagc`` runs EF21, else 1.
+            training's. 1: EF21 as published. ``None`` (default): 0.9 when ``tagc`` or ``topk`` runs EF21, else 1.
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
             ``min_compress_numel``), or the codec's own options
             (:data:`tagc.hooks.codec_registry.SPECS`, e.g. ``block`` for ``int4``). The lean
@@ -126,7 +126,8 @@ def hook(
             coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
             and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16; ``"float16"`` and
             ``"float8"`` are scaled per block, and float8 suits ``topk`` only: a warning says why); ``tagc`` defaults
-            to ``positions="coded"`` (``"bitmap"`` with ``index_bits=4``) and ``value_dtype="float16"``;
+            to ``positions="coded"`` (``"bitmap"`` with ``index_bits=4``) and ``value_dtype="float16"``,
+            ``topk`` to ``positions="coded"`` and ``value_dtype="float8"``;
             ``positions="bitmap"`` and ``value_dtype="float32"`` are the paper's wire.
     """
     settings = HookSettings.from_arguments(
