@@ -3,6 +3,7 @@ move sections often, and a reader who follows a result to its section should lan
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -19,14 +20,15 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+@functools.cache  # each doc links to a few others many times: read and parse each once
+def anchors(path: Path) -> frozenset[str]:
     found, seen = set(), {}
     for heading in re.findall(r"^#{1,6} (.+)$", CODE_BLOCK.sub("", path.read_text()), flags=re.M):
         anchor = github_anchor(heading)
         repeat = seen.get(anchor, 0)
         seen[anchor] = repeat + 1
         found.add(anchor if repeat == 0 else f"{anchor}-{repeat}")
-    return found
+    return frozenset(found)
 
 
 @pytest.mark.parametrize("heading, anchor", [
