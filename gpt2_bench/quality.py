@@ -296,6 +296,29 @@ def read_rows(paths: Sequence, methods: Sequence[str] = (), plain: str = PLAIN_M
     return by_seed
 
 
+def save_rows(directory, path, machine: str, protocol: str) -> dict:
+    """The val-loss curves of every trainer log under ``directory/seed-N/`` -> a curve file for ``docs/rows`` (the
+    format :func:`read_rows` reads), so a report can be made again after the machine that ran the logs is gone.
+    Runs keep their own names (plain's included); ``machine`` and ``protocol`` say where and how they ran."""
+    import json
+    from pathlib import Path
+
+    runs = {}
+    for folder in sorted(Path(directory).glob("seed-*")):
+        for log in sorted(folder.glob("*.jsonl")):
+            if log.name.endswith(".diagnostics.jsonl"):
+                continue
+            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+            curve = [[r["step"], r["val_loss"]] for r in records if "step" in r and r.get("val_loss") is not None]
+            if curve:
+                runs[f"{folder.name}/{log.name.removesuffix('.jsonl')}"] = {"val_loss": curve}
+    if not runs:
+        raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
+    rows = {"machine": machine, "protocol": protocol, "runs": runs}
+    Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
 def _label(name: str, plain: str) -> str:
     """A run's key in the report: :data:`PLAIN_METHOD` for ``plain``, the run's own name otherwise (renamed when it is
     that name without being the plain run)."""
@@ -335,7 +358,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1.0,
                         help="the verdicts' bound on the mean gap, in percent (default 1, e.g. 0.5)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds to report (default: every seed-N found)")
+    parser.add_argument("--save-rows", default=None, metavar="FILE",
+                        help="also write every log's val-loss curve to FILE, a curve file for docs/rows that --rows "
+                             "reads back (give --machine and --protocol with it)")
+    parser.add_argument("--machine", default=None, help="with --save-rows: where the runs ran (CPU, card, torch)")
+    parser.add_argument("--protocol", default=None, help="with --save-rows: the command the runs share")
     args = parser.parse_args(argv)
+    if args.save_rows is not None and (args.directory is None or not args.machine or not args.protocol):
+        parser.error("--save-rows keeps the logs of the directory: give the directory, --machine and --protocol")
     if not 0 < args.tolerance < 100:
         parser.error(f"--tolerance is a percentage in (0, 100), e.g. 1 or 0.5; got {args.tolerance}")
     if args.directory is None and args.rows is None:
@@ -344,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--rows without a directory: give --out, the report's path (a PNG plot goes beside it)")
     methods = [m for m in args.methods.split(",") if m]
     by_seed = read_rows([p for p in args.rows.split(",") if p], methods, args.plain) if args.rows is not None else {}
+    if args.save_rows is not None:
+        save_rows(args.directory, args.save_rows, args.machine, args.protocol)
     if args.directory is not None:  # a run logged there replaces the same run of the rows
         for seed, runs in read_runs(args.directory, methods, args.plain).items():
             by_seed.setdefault(seed, {}).update(runs)

@@ -165,6 +165,63 @@ def test_set_feedback_decay_reaches_every_ratio_and_is_validated():
         tagc.hook(codec="sign").set_feedback_decay(0.9)
 
 
+PEAK_LR = 2e-3
+SCHEDULE = [0.5, 1.0, 0.6, 0.2, 0.05, 0.0]  # of the peak rate: a warm-up, then a decay to 0
+
+
+def _following(rank, world, follow):
+    """Six steps under a scheduler, the fading from ``hook.follow_lr`` or set by hand from the same rate."""
+    hook = _hook("tagc", feedback_decay=0.9)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=PEAK_LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: SCHEDULE[min(step, len(SCHEDULE) - 1)])
+    if follow:
+        hook.follow_lr(opt)
+    outs, decays = [], []
+    for step in range(len(SCHEDULE)):
+        if not follow:
+            hook.set_feedback_decay(1 - 0.1 * opt.param_groups[0]["lr"] / PEAK_LR)
+        outs.append(_step(hook, _grad(rank, step, world), [Segment("w", 0, CHUNK)]))
+        decays.append(hook.codec.decay)
+        opt.step()
+        scheduler.step()
+    return outs, decays
+
+
+def test_a_fading_that_follows_the_optimizers_rate_is_the_one_set_by_hand():
+    """``hook.follow_lr(optimizer)``: each step's fading is ``1 - (1 - 0.9) * lr / initial_lr``, read when the step's
+    exchange starts (after the scheduler's step), and the exchange is the one ``set_feedback_decay`` gives by hand."""
+    followed, by_hand = run_ranks(_following, 2, True), run_ranks(_following, 2, False)
+    for (outs, decays), (outs_by_hand, decays_by_hand) in zip(followed, by_hand):
+        assert decays == pytest.approx([1 - 0.1 * f for f in SCHEDULE]) and decays == decays_by_hand
+        assert all(torch.equal(a, b) for a, b in zip(outs, outs_by_hand))
+
+
+def test_follow_lr_takes_the_largest_rate_as_the_peak_without_a_scheduler_and_is_validated():
+    hook = tagc.hook()
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1e-3)
+    hook.follow_lr(opt)
+    source = hook._lr_source
+    assert source.decay() == pytest.approx(0.9)
+    opt.param_groups[0]["lr"] = 2.5e-4
+    assert source.decay() == pytest.approx(0.975)  # a quarter of the largest rate read: a quarter of the fading
+    hook.follow_lr(opt, peak_lr=5e-4)
+    assert hook._lr_source.decay() == pytest.approx(0.95)
+    opt.param_groups[0]["lr"] = 1e-3  # above the peak given: the hook's own fading, no lower
+    assert hook._lr_source.decay() == pytest.approx(0.9)
+    hook.follow_lr(None)
+    assert hook._lr_source is None
+    with pytest.raises(ValueError, match="feedback='ef21'"):
+        tagc.hook(codec="topk", feedback="classic").follow_lr(opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hook.follow_lr(opt.param_groups)
+    for bad in (0, -1e-3, float("inf"), True, "1e-3"):
+        with pytest.raises(ValueError, match="peak_lr must be a positive number"):
+            hook.follow_lr(opt, peak_lr=bad)
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    with pytest.raises(ValueError, match="set_feedback_decay"):
+        hook.follow_lr(opt)  # a rate in a tensor: refused when asked, not in the backward
+
+
 # ---------------------------------------------------------------------------------------------- a constant gradient
 
 

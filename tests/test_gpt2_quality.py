@@ -461,6 +461,14 @@ def test_the_seeds_report_reads_curves_kept_in_the_repository(tmp_path):
                  []):  # neither logs nor rows
         with pytest.raises(SystemExit):
             main(argv)
+    kept = tmp_path / "kept.json"  # --save-rows: the logs' curves, under their own names, read back the same
+    assert main([str(tmp_path / "logs"), "--save-rows", str(kept), "--machine", "here", "--protocol", "the command",
+                 "--rows", ",".join(paths), "--plain", "ddp", "--out", str(tmp_path / "kept.md")]) == 0
+    assert json.loads(kept.read_text()) == {"machine": "here", "protocol": "the command",
+                                            "runs": {"seed-1/ours": {"val_loss": [[1, 5.5]]}}}
+    assert read_rows([kept])[1]["ours"]["curve"] == [{"step": 1, "val_loss": 5.5}]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "logs"), "--save-rows", str(kept)])  # no --machine or --protocol
     (tmp_path / "bad.json").write_text(json.dumps({"runs": {"ours": {"val_loss": [[1, 4.0]]}}}))
     with pytest.raises(ValueError, match="seed-N/<method>"):
         read_rows([tmp_path / "bad.json"])

@@ -36,7 +36,7 @@ from tagc.hooks import checkpoint, eager, strict, traced
 from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.eager import PendingBucket, SideStreams
 from tagc.hooks.exchange import PartCoder, nonfinite_error, op_scale, raises_nonfinite, scale_into
-from tagc.hooks.feedback import EF21Codec
+from tagc.hooks.feedback import EF21Codec, LearningRateFading
 from tagc.hooks.fingerprint import SelectionRecord
 from tagc.hooks.hierarchy import Topology, group_ranks, topology
 from tagc.hooks.local_grads import LocalGradients
@@ -130,6 +130,7 @@ class TAGCHook:
         ``"all"``: of every parameter, compressed or not: a control for experiments)
         for :class:`tagc.optim.AdamW`, which sets it."""
         self.local_gradients = LocalGradients()
+        self._lr_source: LearningRateFading | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -184,6 +185,22 @@ class TAGCHook:
                              f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
         self.codec.set_decay(decay)
 
+    def follow_lr(self, optimizer: torch.optim.Optimizer | None, peak_lr: float | None = None) -> None:
+        """Fade EF21's shifts less as ``optimizer``'s learning rate decays: at each step's first exchange the fading
+        becomes ``1 - (1 - feedback_decay) * lr / peak_lr``, ``feedback_decay`` (the hook's, 0.9 by default) at the
+        peak and toward 1 as the rate falls, so that the late, small steps are not held back by a fast fading.
+
+        ``lr`` is the first parameter group's when the step's backward starts (after your scheduler's step);
+        ``peak_lr`` defaults to that group's ``initial_lr`` (torch's schedulers set it), else the largest rate seen.
+        ``feedback="ef21"`` only; ``None`` stops following (the fading stays where it is)."""
+        if optimizer is None:
+            self._lr_source = None
+            return
+        if not isinstance(self.codec, EF21Codec):
+            raise ValueError(f"follow_lr fades EF21's shifts: this hook's feedback is "
+                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
+        self._lr_source = LearningRateFading(optimizer, self.hook_settings.feedback_decay, peak_lr)
+
     @property
     def last_step(self) -> ExchangeStats:
         return self.state.last_step
@@ -234,6 +251,8 @@ class TAGCHook:
     def _begin_bucket(self, key: str) -> None:
         if self.state.repeats(key):  # a bucket repeats: a new step began
             self.end_step()
+        if self._lr_source is not None and not self.state.seen_this_step:  # the step's first exchange
+            self.codec.set_decay(self._lr_source.decay())
         self.state.seen_this_step.add(key)
 
     def _record(self, stats: ExchangeStats, timing: UnitTiming | None) -> None:

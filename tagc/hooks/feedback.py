@@ -394,3 +394,42 @@ def _finite_rows(received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[t
     clean = [torch.where(rows[:, None], wire, torch.zeros((), dtype=wire.dtype, device=wire.device))
              if wire.is_floating_point() else wire for wire in received]
     return rows.all(), clean
+
+
+class LearningRateFading:
+    """EF21's fading from an optimizer's learning rate (``hook.follow_lr``): ``1 - (1 - decay) * lr / peak``.
+
+    ``decay`` at the peak rate; as the rate decays the shifts hold longer, toward 1 (no fading) at a rate of 0.
+    ``lr`` is the first parameter group's; ``peak`` is ``peak_lr``, else the group's ``initial_lr`` (torch's
+    schedulers set it), else the largest rate read so far."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, peak_lr: float | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.param_groups:
+            raise TypeError(f"follow_lr reads a torch.optim.Optimizer's learning rate, got {type(optimizer).__name__}")
+        if peak_lr is not None and (isinstance(peak_lr, bool) or not isinstance(peak_lr, (int, float))
+                                    or not 0 < peak_lr < float("inf")):
+            raise ValueError(f"peak_lr must be a positive number (the schedule's largest rate), got {peak_lr!r}")
+        check_feedback("ef21", 0.0, decay)
+        self.optimizer = optimizer
+        self.base = float(decay)
+        self.peak_lr = peak_lr
+        self._largest = 0.0
+        self.read()  # a rate held as a tensor fails here, not in the backward
+
+    def read(self) -> float:
+        """The first parameter group's rate now, as a Python number (never a device read)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        if isinstance(lr, torch.Tensor) or isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+            raise ValueError(f"follow_lr reads the learning rate as a number and got {lr!r} (a rate held in a "
+                             "tensor would cost a device read each step): call hook.set_feedback_decay("
+                             "1 - (1 - feedback_decay) * lr / peak_lr) yourself between steps instead")
+        return float(lr)
+
+    def decay(self) -> float:
+        """This step's fading, in ``[decay, 1]``."""
+        lr = self.read()
+        self._largest = max(self._largest, lr)
+        peak = self.peak_lr or self.optimizer.param_groups[0].get("initial_lr") or self._largest
+        if not peak:
+            return 1.0  # a rate of 0 from the start: nothing moves, so nothing needs fading
+        return 1.0 - (1.0 - self.base) * min(1.0, lr / peak)
