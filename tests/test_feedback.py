@@ -196,6 +196,32 @@ def test_a_fading_that_follows_the_optimizers_rate_is_the_one_set_by_hand():
         assert all(torch.equal(a, b) for a, b in zip(outs, outs_by_hand))
 
 
+def _ddp_following(rank, world):
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 192), nn.ReLU(), nn.Linear(192, 48)), bucket_cap_mb=0.03)
+    state = tagc.ddp_hook(model, codec="tagc", select="all", dense_steps=0, min_compress_numel=1)
+    model.register_comm_hook(*state)
+    opt = torch.optim.SGD(model.parameters(), lr=PEAK_LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: SCHEDULE[min(step, len(SCHEDULE) - 1)])
+    state[0].follow_lr(opt)
+    decays = []
+    for _ in SCHEDULE:
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(torch.randn(16, 64)), torch.randn(16, 48)).backward()
+        decays.append(state[0].hook.codec.decay)
+        opt.step()
+        scheduler.step()
+        state[0].end_step()
+    return decays
+
+
+def test_ddps_hook_state_follows_the_rate_too():
+    """``tagc.ddp_hook``'s state forwards ``follow_lr``: the fading each DDP step exchanged with follows the rate
+    (from DDP's second iteration: its first reduces DDP's own first buckets, uncompressed, and reads no fading)."""
+    for decays in run_ranks(_ddp_following, 2):
+        assert decays[1:] == pytest.approx([1 - 0.1 * f for f in SCHEDULE[1:]])
+
+
 def test_follow_lr_takes_the_largest_rate_as_the_peak_without_a_scheduler_and_is_validated():
     hook = tagc.hook()
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1e-3)

@@ -223,6 +223,10 @@ class DDPHookState:
         """The hook's statistics (:meth:`TAGCHook.stats`)."""
         return self.hook.stats()
 
+    def follow_lr(self, optimizer: torch.optim.Optimizer | None, peak_lr: float | None = None) -> None:
+        """Fade EF21's shifts less as ``optimizer``'s learning rate decays (:meth:`TAGCHook.follow_lr`)."""
+        self.hook.follow_lr(optimizer, peak_lr)
+
     def end_step(self) -> None:
         """Close a step (after ``optimizer.step()``): exact step counting, e.g. with gradient accumulation.
         A step before DDP's buckets are final (:meth:`settled`) is not counted."""
