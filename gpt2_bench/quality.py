@@ -226,6 +226,23 @@ def plot_seed_gaps(by_seed: dict[int, dict[str, dict]], path, plain_label: str =
     plt.close(fig)
 
 
+def _trainer_logs(directory, wanted=lambda name: True):
+    """Every trainer log ``directory/seed-N/<name>.jsonl`` (diagnostics logs aside) whose ``name`` is ``wanted`` and
+    that holds an evaluation: ``(seed folder, name, its records, [(step, val loss), ...])``, in order."""
+    import json
+    from pathlib import Path
+
+    for folder in sorted(Path(directory).glob("seed-*")):
+        for log in sorted(folder.glob("*.jsonl")):
+            name = log.name.removesuffix(".jsonl")
+            if name.endswith(".diagnostics") or not wanted(name):
+                continue
+            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+            evaluations = [(r["step"], r["val_loss"]) for r in records if "step" in r and r.get("val_loss") is not None]
+            if evaluations:
+                yield folder.name, name, records, evaluations
+
+
 def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD) -> dict[int, dict[str, dict]]:
     """``directory/seed-N/<method>.jsonl`` (the trainer's logs) -> ``{seed: {method: {"curve", "val_loss"}}}``,
     the shape :func:`seed_gaps` reads; ``plain`` names the run every method is compared against (it is
@@ -234,25 +251,16 @@ def read_runs(directory, methods: Sequence[str] = (), plain: str = PLAIN_METHOD)
     A run that followed another schedule than its seed's plain run (another learning rate or number of
     tokens at a step both logged: a 600-step run beside a 2,000-step one, another batch) is left out with a
     warning: its val loss at a shared step is not comparable."""
-    import json
     import warnings
-    from pathlib import Path
 
     by_seed: dict[int, dict[str, dict]] = {}
     schedules: dict[tuple[int, str], dict] = {}  # (seed, run) -> {step: (lr, tokens)}, for the check below
-    for folder in sorted(Path(directory).glob("seed-*")):
-        seed = int(folder.name.removeprefix("seed-"))
-        for log in sorted(folder.glob("*.jsonl")):
-            name = log.name.removesuffix(".jsonl")
-            if name.endswith(".diagnostics") or (methods and name not in methods and name != plain):
-                continue
-            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-            curve = [{"step": r["step"], "val_loss": r["val_loss"]} for r in records
-                     if "step" in r and r.get("val_loss") is not None]
-            if curve:
-                key = _label(name, plain)
-                schedules[seed, key] = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
-                by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
+    wanted = (lambda name: name in methods or name == plain) if methods else (lambda name: True)
+    for folder, name, records, evaluations in _trainer_logs(directory, wanted):
+        seed, key = int(folder.removeprefix("seed-")), _label(name, plain)
+        curve = [{"step": step, "val_loss": loss} for step, loss in evaluations]
+        schedules[seed, key] = {r["step"]: (r.get("lr"), r.get("tokens")) for r in records if "step" in r}
+        by_seed.setdefault(seed, {})[key] = {"curve": curve, "val_loss": curve[-1]["val_loss"]}
     if not by_seed:
         raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
     for seed, runs in by_seed.items():
@@ -303,15 +311,8 @@ def save_rows(directory, path, machine: str, protocol: str) -> dict:
     import json
     from pathlib import Path
 
-    runs = {}
-    for folder in sorted(Path(directory).glob("seed-*")):
-        for log in sorted(folder.glob("*.jsonl")):
-            if log.name.endswith(".diagnostics.jsonl"):
-                continue
-            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-            curve = [[r["step"], r["val_loss"]] for r in records if "step" in r and r.get("val_loss") is not None]
-            if curve:
-                runs[f"{folder.name}/{log.name.removesuffix('.jsonl')}"] = {"val_loss": curve}
+    runs = {f"{folder}/{name}": {"val_loss": [list(evaluation) for evaluation in evaluations]}
+            for folder, name, _, evaluations in _trainer_logs(directory)}
     if not runs:
         raise FileNotFoundError(f"no seed-N/<method>.jsonl logs with evaluations under {directory}")
     rows = {"machine": machine, "protocol": protocol, "runs": runs}

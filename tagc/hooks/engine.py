@@ -180,9 +180,7 @@ class TAGCHook:
         """Fade EF21's shifts by ``decay`` from the next step on (``feedback="ef21"`` only; the settings keep the
         value the hook was made with). Call it between steps, with the same value on every rank, e.g. to fade
         less as the learning rate decays: ``hook.set_feedback_decay(1 - (1 - 0.9) * lr / peak_lr)``."""
-        if not isinstance(self.codec, EF21Codec):
-            raise ValueError(f"set_feedback_decay fades EF21's shifts: this hook's feedback is "
-                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
+        self._require_ef21("set_feedback_decay")
         self.codec.set_decay(decay)
 
     def follow_lr(self, optimizer: torch.optim.Optimizer | None, peak_lr: float | None = None) -> None:
@@ -196,10 +194,13 @@ class TAGCHook:
         if optimizer is None:
             self._lr_source = None
             return
-        if not isinstance(self.codec, EF21Codec):
-            raise ValueError(f"follow_lr fades EF21's shifts: this hook's feedback is "
-                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
+        self._require_ef21("follow_lr")
         self._lr_source = LearningRateFading(optimizer, self.hook_settings.feedback_decay, peak_lr)
+
+    def _require_ef21(self, method: str) -> None:
+        if not isinstance(self.codec, EF21Codec):
+            raise ValueError(f"{method} fades EF21's shifts: this hook's feedback is "
+                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
 
     @property
     def last_step(self) -> ExchangeStats:

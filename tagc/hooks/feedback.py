@@ -419,7 +419,7 @@ class LearningRateFading:
     def read(self) -> float:
         """The first parameter group's rate now, as a Python number (never a device read)."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if isinstance(lr, torch.Tensor) or isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:  # a tensor is neither
             raise ValueError(f"follow_lr reads the learning rate as a number and got {lr!r} (a rate held in a "
                              "tensor would cost a device read each step): call hook.set_feedback_decay("
                              "1 - (1 - feedback_decay) * lr / peak_lr) yourself between steps instead")
