@@ -125,10 +125,15 @@ RUNS = [
 ]
 
 
+def _log(directory, name: str) -> list[dict]:
+    """The trainer's log of run ``name`` in ``directory``, one record per line."""
+    return [json.loads(line) for line in (Path(directory) / f"{name}.jsonl").read_text().splitlines()]
+
+
 def _assert_trained(cfg: TrainConfig, result: dict) -> None:
     """Every step logged with a summary, the loss lower at the end, a finite val loss, and a compressed run's sketch
     peeled whole on fewer bytes than plain's."""
-    lines = [json.loads(line) for line in (Path(cfg.out_dir) / f"{cfg.run_name}.jsonl").read_text().splitlines()]
+    lines = _log(cfg.out_dir, cfg.run_name)
     steps = [r for r in lines if "step" in r]
     assert [r["step"] for r in steps] == list(range(cfg.steps)) and any(r.get("summary") for r in lines)
     assert sum(r["loss"] for r in steps[-2:]) < sum(r["loss"] for r in steps[:2])
@@ -157,7 +162,7 @@ def _resume_config(tmp_path, name, **kwargs):
 
 
 def _losses(tmp_path, name):
-    lines = [json.loads(line) for line in (tmp_path / name / f"{name}.jsonl").read_text().splitlines()]
+    lines = _log(tmp_path / name, name)
     return [(r["step"], r["loss"], r.get("val_loss")) for r in lines if "step" in r]
 
 
