@@ -19,7 +19,6 @@ DEVICES = ("auto", "cpu", "cuda", "cuda-shared")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 PARAM_DTYPES = {**REDUCE_DTYPES, "int8": "int8"}
 """``--param-dtype``: the parameter all-gather's (``int8``: SimpleFSDP's blockwise int8 gather, ZeRO++'s qwZ)."""
-SECOND_MOMENTS = ("decoded", "local", "local-all")
 
 
 @dataclasses.dataclass
@@ -73,8 +72,8 @@ class TrainConfig:
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
     (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
     feedback_decay_follows_lr: bool = False
-    """With ``feedback_decay`` below 1: fade by ``1 - (1 - feedback_decay) * lr / peak lr`` at each step
-    (``hook.set_feedback_decay``), so that the shifts hold more as the learning rate decays."""
+    """With ``feedback_decay`` below 1: call ``hook.follow_lr(optimizer)`` as users do, so that the shifts hold more
+    as the learning rate decays (:meth:`tagc.TAGCHook.follow_lr`)."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -86,10 +85,12 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_interval: int = 20
-    eval_batches: int = 4
+    eval_tokens: int = 8192
+    """The eval set's size: this many val tokens in windows spread evenly over the val split, the same windows for
+    every seed, method and batch size (:meth:`gpt2_bench.data.TokenData.eval_batches`)."""
     seed: int = 1337
-    """Seeds the model's initialisation (``torch.manual_seed``) and the order of the training
-    windows (the sampler's generator); the val windows are drawn from ``seed + 999``."""
+    """Seeds the model's initialisation (``torch.manual_seed``) and the order in which the training windows are read
+    (:meth:`gpt2_bench.data.TokenData.train_batch`: a permutation per epoch, no window read twice within one)."""
     compile: bool = False
     compile_backend: str = "inductor"
     world: int = 2
@@ -143,10 +144,6 @@ class TrainConfig:
     parameter group, and the steps since each compressed element was last sent
     (:mod:`gpt2_bench.diagnostics`), to ``<run>.diagnostics.jsonl`` beside the run's log. Reads
     device values every step: for diagnosis, not for timing."""
-    second_moment: str = "decoded"
-    """The optimizer: ``decoded`` is ``torch.optim.AdamW``; ``local`` is ``tagc.optim.AdamW``, whose
-    second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts);
-    ``local-all``, a control: every parameter's, compressed or not (a plain run too)."""
     library_filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """Name -> ``(given, filled)`` for each codec setting the library filled in (:meth:`fill_library_defaults`), so
     that a copy (``dataclasses.replace``) that does not change it leaves it to the library again, for the copy's
@@ -189,8 +186,6 @@ class TrainConfig:
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")
-        if self.second_moment not in SECOND_MOMENTS:
-            raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
         from tagc.hooks.feedback import check_feedback
 
         check_feedback(self.feedback, self.feedback_momentum, self.feedback_decay)
@@ -223,7 +218,7 @@ class TrainConfig:
                              f"got integration={self.integration!r}, hosts={self.hosts!r}")
         if self.transport == "gloo" and self.compression != "none":
             raise ValueError("transport='gloo' (FSDP's own reduce-scatter) only applies to compression='none'")
-        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_batches"):
+        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_tokens"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
@@ -425,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch_size",
         "block_size",
         "eval_interval",
-        "eval_batches",
+        "eval_tokens",
         "seed",
         "world",
         "threads",
@@ -441,10 +436,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "group, and the staleness of compressed elements (under DDP also the decoded gradient's error "
                         "against the exact mean of the ranks' gradients, and that mean's minibatch noise), to "
                         "<run>.diagnostics.jsonl (compare two runs with python -m gpt2_bench.diagnostics PLAIN RUN)")
-    p.add_argument("--second-moment", default=defaults.second_moment, choices=SECOND_MOMENTS,
-                   help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
-                        "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
-                        "every parameter's (plain runs too)")
     p.add_argument("--feedback", default=None, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
@@ -458,8 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "element that is not sent fades instead of holding its last value (default: the "
                         "library's when it is EF21, " + library_default("feedback_decay") + ": none)")
     p.add_argument("--feedback-decay-follows-lr", action="store_true", default=defaults.feedback_decay_follows_lr,
-                   help="--feedback-decay GAMMA < 1: fade by 1 - (1 - GAMMA) * lr / peak lr at each step, so that the "
-                        "shifts hold more as the learning rate decays (hook.set_feedback_decay)")
+                   help="call hook.follow_lr(optimizer) as users do: with EF21's fading GAMMA < 1, fade by "
+                        "1 - (1 - GAMMA) * lr / peak lr at each step, holding more as the learning rate decays")
     p.add_argument(
         "--ramp-steps",
         type=int,
@@ -619,10 +610,6 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
                          "(--torch-hook --codec bf16 --compression all) or our bf16 codec")
     if cfg.hsdp:
         raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
-    ours = not cfg.torch_hook and (cfg.compression != "none" or cfg.transport == "fair")
-    if cfg.second_moment != "decoded" and not ours:
-        raise ValueError("second_moment='local' feeds AdamW each rank's own gradient, which our hook keeps: torch's "
-                         "hooks and DDP's own reduction keep none (use second_moment='decoded')")
     if not cfg.torch_hook:
         return
     if cfg.compression != "all" or cfg.codec not in TORCH_HOOKS:

@@ -36,10 +36,10 @@ the gradient's norm (and so clip every parameter), or act on stale values. The t
   whose ``error_sq`` is ``r`` times ``noise_sq`` hands the optimizer a gradient as noisy as plain
   training's at a batch ``1 + r`` times smaller, if its error is as unbiased as noise; since the
   noise falls with the batch and a codec's error need not, the same codec can cost little at a
-  small batch and much at a large one. It needs each rank's own gradient: the hook keeps it
-  (:mod:`tagc.hooks.local_grads`; embeddings included, unless ``tagc.optim.AdamW`` reads the kept
-  gradients and so leaves them out) and the diagnostics add one all-reduce of the compressed
-  gradients per step.
+  small batch and much at a large one. It needs each rank's own gradient: the diagnostics copy it
+  from each compressed parameter as autograd accumulates it, before DDP's reducer sends it (the
+  parameters of the groups ``compression`` routes to the codec, :data:`COMPRESSED_GROUPS`), on
+  the steps the hook compressed, and add one all-reduce of those gradients per step.
 
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
 are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
@@ -192,8 +192,8 @@ class StepDiagnostics:
     collectives). Parameters are read by name, so FSDP1's flat parameters are out.
 
     ``replicated``: every rank's parameters hold the whole averaged gradient after the backward pass
-    (DDP), which the ``estimate`` needs; it is measured only then, and only with a hook that can keep
-    each rank's own gradient.
+    (DDP), which the ``estimate`` needs; it is measured only then, and only with a :func:`tagc.hook`
+    (whose statistics say which steps it compressed).
     """
 
     def __init__(
@@ -207,20 +207,20 @@ class StepDiagnostics:
         header: Optional[dict] = None,
         replicated: bool = False,
     ) -> None:
+        from tagc.hooks.engine import TAGCHook
+
         self.optimizer = optimizer
         self.hook = hook
         engine = getattr(hook, "hook", hook)  # the trainer's DDP counter holds the tagc.hook(...) it installed
-        self._store = getattr(engine, "local_gradients", None)
-        self._estimating = replicated and self._store is not None
-        self._takes_kept = self._estimating and not engine.keep_local_gradients  # else the optimizer takes them
-        if self._takes_kept:  # the store is the diagnostics' alone: the embedding's gradient can be kept too
-            engine.keep_local_gradients = True
-            self._store.embeddings = True
+        self._engine = engine if replicated and isinstance(engine, TAGCHook) else None  # None: no estimate
+        self._own: dict[int, Any] = {}  # id(parameter) -> this rank's own gradient of this step
         self._estimate = None
         self.grad_clip = grad_clip
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("diagnostics found no trainable parameters")
+        self._handles = [p.register_post_accumulate_grad_hook(self._keep_own) for group, p in self.params
+                         if self._engine is not None and group in COMPRESSED_GROUPS[compression]]
         codec = getattr(hook, "codec", None)
         ef21 = getattr(codec, "feedback", "classic") == "ef21"
         self.ages = StaleAges(changed=ef21, decay=(lambda: codec.decay) if ef21 else 1.0)  # set_feedback_decay moves it
@@ -247,22 +247,27 @@ class StepDiagnostics:
             )
             self.log.flush()
 
+    def _keep_own(self, parameter) -> None:
+        """A compressed parameter's gradient, copied as autograd accumulates it: this rank's own, since DDP's
+        reducer reads it only afterwards and writes the averaged one back at the end of the backward pass."""
+        self._own[id(parameter)] = parameter.grad.detach().clone()
+
     def after_backward(self) -> None:
         """Measure the ``estimate`` (module docstring) of this step's gradients, before clipping scales them: the
         decoded gradient in each parameter's ``.grad`` against the exact mean of the gradients the ranks kept. A
-        no-op where nothing was kept (not replicated, or a dense step)."""
+        no-op where nothing was kept (not replicated) or the hook compressed nothing (a dense step)."""
         import torch
         import torch.distributed as dist
 
         self._estimate = None
-        if not self._estimating:
+        kept, self._own = self._own, {}
+        if not kept or not self._engine.state.current.compressed_buckets:  # this step's statistics, so far
             return
-        kept = self._store.take() if self._takes_kept else self._store.peek()
         chosen = [(group, p, kept[id(p)]) for group, p in self.params if id(p) in kept and p.grad is not None]
         if not chosen:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
-        own = torch.cat([gradient.reshape(-1)[: p.numel()].double() for _, p, gradient in chosen])
+        own = torch.cat([gradient.reshape(-1).double() for _, _, gradient in chosen])
         mean = own.clone()
         if world > 1:
             dist.all_reduce(mean)
@@ -368,6 +373,9 @@ class StepDiagnostics:
         return record
 
     def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if self.log is not None:
             self.log.close()
 

@@ -168,7 +168,7 @@ class OurHook(_Counter):
 
     @property
     def hook(self):
-        """The :class:`tagc.TAGCHook` (``tagc.optim.AdamW(..., hook=...)`` reads its local gradients)."""
+        """The :class:`tagc.TAGCHook` (the diagnostics read its exchange statistics)."""
         return self.state.hook
 
     @property
@@ -184,8 +184,8 @@ class OurHook(_Counter):
     def residuals(self) -> dict:
         return self.state.hook.residuals
 
-    def set_feedback_decay(self, decay: float) -> None:
-        self.state.hook.set_feedback_decay(decay)
+    def follow_lr(self, optimizer) -> None:
+        self.state.follow_lr(optimizer)
 
     def end_step(self) -> None:
         self.state.end_step()

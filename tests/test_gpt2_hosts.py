@@ -35,7 +35,7 @@ def test_a_short_hsdp_run_on_two_emulated_hosts_sends_what_the_hook_counts(tmp_p
     """The CI case: 2 hosts x 1 rank, tiny preset, 3 steps, FSDP2 HSDP with TAGC across hosts. Only the
     gradient exchange crosses between hosts, so the hosts' NICs count the hook's bytes plus TCP/IP headers,
     and fewer than half of what the plain HSDP all-reduce of the same gradients would send."""
-    cfg = TrainConfig(preset="tiny", world=2, hosts=2, link="1gbit", steps=3, eval_interval=3, eval_batches=1,
+    cfg = TrainConfig(preset="tiny", world=2, hosts=2, link="1gbit", steps=3, eval_interval=3, eval_tokens=256,
                       batch_size=2, dense_steps=0, block_size=32, out_dir=str(tmp_path), group_timeout_s=60,
                       **HOST_METHODS["tagc-hsdp"])
     result = run(cfg)
@@ -93,7 +93,7 @@ def test_ddp_on_two_emulated_hosts_plain_repeats_ddp_and_the_nics_count_what_the
     from gpt2_bench.methods import LAYOUT_METHODS
 
     base = TrainConfig(preset="tiny", integration="ddp", world=2, hosts=2, link="1gbit", steps=4, eval_interval=4,
-                       eval_batches=1, batch_size=2, block_size=32, dense_steps=1, out_dir=str(tmp_path),
+                       eval_tokens=256, batch_size=2, block_size=32, dense_steps=1, out_dir=str(tmp_path),
                        group_timeout_s=60)
     own = run(dataclasses.replace(base, name="own", **LAYOUT_METHODS["ddp"]["ddp"]))
     plain = run(dataclasses.replace(base, name="plain", compression="none", transport="fair"))

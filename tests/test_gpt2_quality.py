@@ -310,7 +310,7 @@ def _estimate_on_ddp(rank: int, world: int, path: str) -> list:
             "signal_sq": mean.square().sum().item(),
             "gain": ((decoded * mean).sum() / mean.square().sum()).item(),
         }
-        results.append((record and record.get("estimate", {}).get("linear"), expected, len(hook.local_gradients)))
+        results.append((record and record.get("estimate", {}).get("linear"), expected, len(diag._own)))
     diag.close()
     return results
 
@@ -318,7 +318,7 @@ def _estimate_on_ddp(rank: int, world: int, path: str) -> list:
 def test_the_estimate_sets_the_decoded_gradient_against_the_exact_mean_and_its_minibatch_noise(tmp_path):
     """On 2 DDP ranks with ``tagc.hook()``'s defaults: the logged estimate of the linears equals the one computed from
     each rank's own gradient (a copy of the model, no hook), a compressed step has an error (the codec is lossy), and
-    the store of kept gradients is emptied every step."""
+    the copies of the ranks' own gradients are dropped every step."""
     from tests.distributed import run_ranks
 
     results = run_ranks(_estimate_on_ddp, 2, str(tmp_path / "d.jsonl"))[0]

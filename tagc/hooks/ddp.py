@@ -261,8 +261,6 @@ class DDPHookState:
         dense = hook.step_count < hook.dense_steps or not hook.codec.compresses
         if dense and hook.plain_name == "fp32":  # DDP's own reduction
             return self._allreduce(buffer, world)
-        if not dense:
-            hook.keep_local(layout.segments, layout.segments, layout.numel, world, buffer, 1.0)
         if layout.form is None:
             layout.form, layout.planned_bytes = self._choose(layout, buffer, world, steady)
         if layout.form == "sketch" and hook.step_count >= hook.dense_steps:

@@ -39,7 +39,6 @@ from tagc.hooks.exchange import PartCoder, nonfinite_error, op_scale, raises_non
 from tagc.hooks.feedback import EF21Codec, LearningRateFading
 from tagc.hooks.fingerprint import SelectionRecord
 from tagc.hooks.hierarchy import Topology, group_ranks, topology
-from tagc.hooks.local_grads import LocalGradients
 from tagc.hooks.plan import RAMP_STAGES, BucketPlan, Part, Planner, ramp_ratio, ramp_stage
 from tagc.hooks.segment import Segment
 from tagc.hooks.settings import DENSE_STEPS, MIN_PART, NONFINITE, PLAIN_CODECS, HookSettings
@@ -125,11 +124,6 @@ class TAGCHook:
         self.strict_sync = strict.enabled()
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
         self._counting_reads = False
-        self.keep_local_gradients: bool | str = False
-        """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`;
-        ``"all"``: of every parameter, compressed or not: a control for experiments)
-        for :class:`tagc.optim.AdamW`, which sets it."""
-        self.local_gradients = LocalGradients()
         self._lr_source: LearningRateFading | None = None
 
     # ------------------------------------------------------------------ public
@@ -390,7 +384,7 @@ class TAGCHook:
 
     @strict.counted
     def start(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, op,
-              segments: Sequence[Segment], unit: str | None = None, keep_local: bool = True) -> PendingBucket:
+              segments: Sequence[Segment], unit: str | None = None) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
         Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
@@ -403,9 +397,6 @@ class TAGCHook:
         part's encode: part ``k+1`` is encoded while part ``k`` is on the wire, and the caller's
         stream (the next backward) runs on meanwhile. ``input`` and ``output`` are marked
         (``record_stream``) as used on the side stream.
-
-        ``keep_local=False``: the segments are pieces of parameters (an all-reduce cut into pieces), so
-        this rank's row is not its own shard: the caller keeps :attr:`local_gradients` itself.
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
@@ -432,9 +423,6 @@ class TAGCHook:
                                 coder=self._coder(), state=self.state, nonfinite=self.nonfinite, stream=side,
                                 remote_rows=remote)
         rows = input.view(world, chunk)
-        if keep_local:
-            own = rows[dist.get_rank(group) if world > 1 else 0]
-            self._keep_own_row(plan, segments, own, op_scale(op, world) * world)
         pending.send(rows, topo)
         self.state.in_flight.append(pending)
         return pending
@@ -449,25 +437,6 @@ class TAGCHook:
         """Finish every exchange in flight, oldest first."""
         for pending in list(self.state.in_flight):
             pending.wait()
-
-    def _keep_own_row(self, plan: BucketPlan, segments: Sequence[Segment], row: torch.Tensor,
-                      factor: float | torch.Tensor) -> None:
-        """Keep this rank's ``row`` (its own gradient of its chunk) times ``factor`` for the segments
-        :attr:`keep_local_gradients` asks for: the ones ``plan`` compresses, or all of them (``"all"``)."""
-        if self.keep_local_gradients == "all":
-            self.local_gradients.keep(tuple(segments), row, factor)
-        elif self.keep_local_gradients and plan.compressed:
-            self.local_gradients.keep(plan.chosen, row, factor)
-
-    def keep_local(self, segments: Sequence[Segment], pieces: Sequence[Segment], chunk: int, world: int,
-                   gradient: torch.Tensor, factor: float | torch.Tensor) -> None:
-        """For an exchange cut into ``pieces`` (an all-reduce): keep ``gradient`` (the whole of this rank's
-        ``segments``, not a piece) for the parameters the steady plan of ``pieces`` compresses, when this
-        step compresses (:attr:`keep_local_gradients`; :class:`tagc.hooks.local_grads.LocalGradients`)."""
-        if not self.keep_local_gradients or self.state.dense:
-            return
-        compressed = {s.name for s in self._plan(tuple(pieces), chunk, world).chosen}
-        self.local_gradients.keep([s for s in segments if s.name in compressed], gradient, factor)
 
     # ------------------------------------------------------------------ the traced exchange (tagc.hooks.traced)
 
@@ -489,22 +458,15 @@ class TAGCHook:
         return traced.traceable(self._plan(tuple(segments), chunk, world), world)
 
     @strict.counted
-    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment],
-                      local_factor: float | None = 1.0) -> torch.Tensor:
+    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
-        one all-to-all per bucket, whose wait a compiler can move past later compute.
-
-        ``local_factor``: what puts this rank's row on the scale of the averaged result, for
-        :attr:`local_gradients` (1 for a packed gradient); ``None``: the row is not this rank's own
-        gradient (pieces, or a host's sum), as ``keep_local=False`` in :meth:`start`."""
+        one all-to-all per bucket, whose wait a compiler can move past later compute."""
         self._enter(segments, group, packed.device)
         world = dist.get_world_size(group)
         self._check_codec_world(world)
         rows = packed.view(world, -1)
         plan = self._plan(tuple(segments), rows.shape[1], world)
         self._begin_bucket(plan.key)
-        if local_factor is not None:
-            self._keep_own_row(plan, segments, rows[dist.get_rank(group)], local_factor)
         wire, timing = traced.encode_bucket(plan, rows, group, self._coder())
         self._record(ExchangeStats(compress_s=timing.compress_s), None)
         return wire

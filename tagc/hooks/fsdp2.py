@@ -189,8 +189,6 @@ class _ReplicaAllReduce:
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
         gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
-        hook.keep_local(comm.segments(), pieces.segments, chunk.numel(), hosts, reduce_output.reshape(-1),
-                        1.0 if op == dist.ReduceOp.AVG else float(hosts))  # the host's gradient, on the replicas' scale
         if gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
             finish = GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
             if hook.overlap and comm._can_defer(reduce_output, comm._op):

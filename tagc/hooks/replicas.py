@@ -71,7 +71,7 @@ class PendingAllReduce:
         """Launch the engine's compressed reduce-scatter of ``rows`` over ``group`` into ``chunk`` and count
         the dense all-gather that :meth:`wait` will make (a ring all-gather's volume in ``dtype``; ``remote_rows``
         of its rows cross hosts), with ``host_stats``, the bytes of the step before, on the same bucket."""
-        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, unit, keep_local=False)
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, unit)
         replicas = dist.get_world_size(group)
         row_bytes = chunk.numel() * dtype.itemsize
         if host_stats is not None:
@@ -152,7 +152,7 @@ class GatheredWires:
         self.chunk = rows.shape[1]
         self.dtype = rows.dtype
         # uint8 [H, B]: piece h's row for replica h (records its encode time)
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
         self.work = all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats

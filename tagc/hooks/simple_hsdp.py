@@ -124,9 +124,7 @@ def host_step(binding: ReplicaBinding, packed: torch.Tensor) -> tuple[torch.Tens
 
 
 def _piece_rows(binding: ReplicaBinding, host: torch.Tensor) -> torch.Tensor:
-    """``host`` cut into ``[H, piece]`` (row ``h``: piece ``h`` of every parameter), and the host's gradient
-    kept for ``tagc.optim.AdamW``'s local second moment (on the replicas' scale) where it asks for it."""
-    binding.hook.keep_local(binding.segments, binding.pieces.segments, binding.piece, binding.replicas, host, 1.0)
+    """``host`` cut into ``[H, piece]`` (row ``h``: piece ``h`` of every parameter)."""
     return torch.cat([host, host.new_zeros(1)])[binding.pieces.index]
 
 
@@ -190,7 +188,7 @@ def replica_encode(received: torch.Tensor, state: torch.Tensor, handle: int) -> 
     sent = (binding.shards - 1) * binding.chunk * received.element_size()  # the fair reduce-scatter's count
     binding.host_stats = _host_stats(binding, sent, received.element_size(), 0.0)
     rows = _piece_rows(binding, host)
-    wire = binding.hook.encode_bucket(rows.reshape(-1), binding.replicate, binding.pieces.segments, local_factor=None)
+    wire = binding.hook.encode_bucket(rows.reshape(-1), binding.replicate, binding.pieces.segments)
     state.add_(1)
     return wire
 

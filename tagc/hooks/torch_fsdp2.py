@@ -4,8 +4,8 @@ FSDP2's public surface (``FSDPModule.set_custom_reduce_scatter``, ``set_all_redu
 a comm object the packed reduce-scatter buffer, but not what the adapter must know to use it:
 
 * which parameters lie where in the buffer, under which names and shapes (an FSDP unit's parameter
-  group and its parameters' records: ``_get_fsdp_state``, ``_fsdp_param_groups``, ``_param_fqn``,
-  ``_module_info``, ``_orig_size``);
+  group and its parameters' records: ``_get_fsdp_state``, ``_fsdp_param_groups`` (torch 2.11: the one
+  ``_fsdp_param_group``), ``_param_fqn``, ``_module_info``, ``_orig_size``);
 * the base class of a comm object (``_fully_shard._fsdp_api.ReduceScatter``);
 * for HSDP, a parameter group's mesh info (``_fsdp_common.FSDPMeshInfo`` / ``HSDPMeshInfo``),
   replaced by one over the shard dimension alone, and its all-reduce hook (``_all_reduce_hook``)
@@ -43,8 +43,8 @@ NEEDS = ("torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
          "torch.distributed.tensor.DTensor:_local_tensor",
          "torch.Tensor._post_accumulate_grad_hooks")
 """The private names checked at import (:func:`check_torch`). Read at run time, and checked there:
-``_fsdp_param_groups`` (FSDPState), ``_param_fqn`` and ``_module_info`` (FSDPParam), ``_all_reduce_hook``
-(FSDPParamGroup)."""
+``_fsdp_param_groups`` (FSDPState; ``_fsdp_param_group`` on torch 2.11), ``_param_fqn`` and ``_module_info``
+(FSDPParam), ``_all_reduce_hook`` (FSDPParamGroup)."""
 
 _ORIGINAL_MESH_INFO = "_tagc_hsdp_mesh_info"
 """TAGC's own attribute on a parameter group whose HSDP mesh info it replaced: the original."""
@@ -55,7 +55,7 @@ __all__ = ["ReduceScatter", "all_reduce_hook", "check_torch", "has_post_accumula
 
 
 def check_torch() -> None:
-    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if its version was not tested."""
+    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if it is outside the range."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 
@@ -64,8 +64,13 @@ def _read(obj: Any, name: str) -> Any:
 
 
 def param_groups(module: FSDPModule) -> list:
-    """The ``FSDPParamGroup`` objects of a ``fully_shard`` module (empty when it holds no parameter of its own)."""
-    return _read(module._get_fsdp_state(), "_fsdp_param_groups")
+    """The ``FSDPParamGroup`` objects of a ``fully_shard`` module (empty when it holds no parameter of its own).
+    Torch 2.13 keeps a list (``_fsdp_param_groups``); torch 2.11 at most one group (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = _read(state, "_fsdp_param_group")
+    return [] if group is None else [group]
 
 
 def param_fqn(fsdp_param: Any) -> Optional[str]:
