@@ -19,7 +19,7 @@ NEEDS = ("torch._C._current_graph_task_id", "torch.autograd.Variable._execution_
 
 
 def check_torch() -> None:
-    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if its version was not tested."""
+    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if it is outside the range."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 

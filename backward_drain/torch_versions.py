@@ -1,16 +1,18 @@
-"""The torch versions this project was tested on, and the check every module that reaches torch internals runs.
+"""The torch releases this project supports and was tested on, and the check every module that reaches torch
+internals runs.
 
 Private torch names (an underscored attribute, a ``torch._*`` module) can change in any release.
 Each integration reads them in one module of its own (``tagc.hooks.torch_fsdp2``,
 ``tagc.hooks.torch_fsdp1``, ``tagc.hooks.torch_ddp``, ``tagc.hooks.torch_simple_fsdp``,
 ``tagc.kernels.torch_tracing``, ``fsdp_integration.torch_internals``, ``backward_drain.torch_autograd``),
-which calls :func:`check_internals` when it is imported:
+which maps each supported release's names (``"torch.a.b.new|old"``: the name a later release gives it, then an
+earlier one's) and calls :func:`check_internals` when it is imported:
 
-* a needed name that the running torch lacks raises :class:`TorchInternalsError`, naming the
-  version, the name and what to do: the integration cannot run without it;
-* a torch whose ``major.minor`` is not in :data:`TESTED_TORCH` but has every name warns once
-  (``RuntimeWarning``): the names are there, so the integration may well work, but nobody checked
-  that they still mean what they meant.
+* a needed name that the running torch lacks (under every name a release gave it) raises
+  :class:`TorchInternalsError`, naming the version, the name and what to do: the integration cannot run without it;
+* a torch outside :data:`SUPPORTED` that has every name warns once per process (``RuntimeWarning``), naming the
+  range: the names are there, so the integration may well work, but nobody checked that they still mean what they
+  meant.
 
 Names read from objects made at run time (an FSDP unit's state, a parameter's record) cannot be
 checked at import: :func:`read_internal` reads them and raises the same error when one is missing.
@@ -24,17 +26,23 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
+import types
 import warnings
 from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 
-TESTED_TORCH: tuple[str, ...] = ("2.13",)
-"""The torch releases (``major.minor``) whose internals every integration was checked against."""
+SUPPORTED: tuple[str, str] = ("2.11", "2.15")
+"""The oldest and the newest torch release (``major.minor``) supported, as ``pyproject.toml`` states them."""
 
-PIN = "pin torch==2.13.*"
-"""What to do when the running torch is not one of :data:`TESTED_TORCH`."""
+TESTED_TORCH: tuple[str, ...] = ("2.11", "2.13", "2.15")
+"""The releases whose internals every integration was run against (CI: the oldest and the newest of
+:data:`SUPPORTED` on the integration tests, ``pytest -m torch_range``; the pinned 2.13 on the whole suite)."""
+
+RANGE = f"torch {SUPPORTED[0]} to {SUPPORTED[1]}"
+PIN = "install a torch of that range (pip install 'torch>=2.11,<2.16')"
+"""What to do when the running torch is outside :data:`SUPPORTED` or lacks a name."""
 
 _warned: set[str] = set()
 _lock = threading.Lock()
@@ -49,20 +57,52 @@ def torch_release(version: Optional[str] = None) -> str:
     return ".".join((torch.__version__ if version is None else version).split("+")[0].split(".")[:2])
 
 
+def supported(version: Optional[str] = None) -> bool:
+    """Whether ``version``'s release (default: the running torch's) lies in :data:`SUPPORTED`, ends included."""
+    def key(release: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in release.split("."))
+    return key(SUPPORTED[0]) <= key(torch_release(version)) <= key(SUPPORTED[1])
+
+
 def missing(integration: str, name: str, advice: str) -> TorchInternalsError:
     """The error for ``integration`` needing the private torch ``name`` that the running torch lacks."""
     return TorchInternalsError(
         f"{integration} needs torch's private {name}, which torch {torch.__version__} does not have "
-        f"(tested with torch {', '.join(TESTED_TORCH)}): {PIN}, or {advice}")
+        f"(supported: {RANGE}, tested with {', '.join(TESTED_TORCH)}): {PIN}, or {advice}")
 
 
-def resolve(dotted: str) -> Any:
+def alternatives(spec: str) -> list[str]:
+    """The dotted names ``spec`` stands for, the later release's first: ``torch.a.f|g`` is ``torch.a.f`` or
+    ``torch.a.g`` (one thing under the names different releases give it); a spec without ``|`` is itself."""
+    head, *names = spec.split("|")
+    stem = head[:max(head.rfind("."), head.rfind(":")) + 1]
+    return [head] + [stem + name for name in names]
+
+
+def resolve(spec: str) -> Any:
     """The object a dotted name ``torch.a._b.C.d`` names: the longest importable module prefix, then attributes.
     ``torch.a.C:_x`` names an instance attribute ``_x`` that class ``C`` declares (an annotation, or a class
-    attribute): it resolves to the class. Raises ``AttributeError`` or ``ImportError`` when a part is missing."""
+    attribute): it resolves to the class. ``torch.a.f|g``: the first of :func:`alternatives` that resolves.
+    Raises ``AttributeError`` or ``ImportError`` when a part is missing (from every alternative)."""
+    *later, last = alternatives(spec)
+    for dotted in later:
+        try:
+            return _resolve(dotted)
+        except (AttributeError, ImportError):
+            continue
+    return _resolve(last)
+
+
+def namespace(specs: Iterable[str]) -> types.SimpleNamespace:
+    """The objects ``specs`` name (:func:`resolve`), each under the name the latest release gives it (``torch.a.f|g``
+    as ``f``): callers use one name on every supported release."""
+    return types.SimpleNamespace(**{alternatives(spec)[0].rpartition(".")[2]: resolve(spec) for spec in specs})
+
+
+def _resolve(dotted: str) -> Any:
     dotted, _, declared = dotted.partition(":")
     if declared:
-        owner = resolve(dotted)
+        owner = _resolve(dotted)
         if not any(declared in inspect.get_annotations(cls) for cls in owner.__mro__) and not hasattr(owner, declared):
             raise AttributeError(f"{dotted} declares no {declared}")
         return owner
@@ -81,24 +121,24 @@ def resolve(dotted: str) -> Any:
 
 
 def check_internals(integration: str, needs: Iterable[str], advice: str) -> None:
-    """Check that the running torch has every dotted name in ``needs`` (else :class:`TorchInternalsError`), and
-    warn once per ``integration`` when its ``major.minor`` is not in :data:`TESTED_TORCH` (module docstring).
-    ``advice``: what to do besides pinning torch (e.g. which other integration needs none of these names)."""
-    for dotted in needs:
+    """Check that the running torch has every name in ``needs`` (a :func:`resolve` spec; else
+    :class:`TorchInternalsError`), and warn once per process when its release is outside :data:`SUPPORTED`
+    (module docstring). ``advice``: what to do besides changing torch (e.g. which other integration needs none of
+    these names)."""
+    for spec in needs:
         try:
-            resolve(dotted)
+            resolve(spec)
         except (AttributeError, ImportError):
-            raise missing(integration, dotted, advice) from None
-    release = torch_release()
-    if release in TESTED_TORCH:
+            raise missing(integration, spec, advice) from None
+    if supported():
         return
     with _lock:
-        if integration in _warned:
+        if _warned:
             return
         _warned.add(integration)
-    warnings.warn(f"{integration} reaches torch internals checked on torch {', '.join(TESTED_TORCH)} only; this is "
-                  f"torch {torch.__version__}, where they are present but unchecked: if it misbehaves, {PIN}, or "
-                  f"{advice}", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"torch {torch.__version__} is outside the releases TAGC supports, {RANGE} (tested with "
+                  f"{', '.join(TESTED_TORCH)}): {integration} and TAGC's other integrations reach torch internals "
+                  f"that this release may have changed; if one misbehaves, {PIN}", RuntimeWarning, stacklevel=2)
 
 
 def read_internal(obj: Any, name: str, integration: str, advice: str) -> Any:

@@ -267,7 +267,8 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
         bucket: Bucket = ctx.bucket
-        bucket.regathered = None  # every user of the parameters is done
+        if not torch.compiler.is_compiling():  # eager resharding only: a compiled graph recomputes its gathers
+            bucket.regathered = None  # every user of the parameters is done (torch 2.11's Dynamo refuses this write)
         dtype = bucket.reduce_dtype or ctx.dtypes[0]
         packed = bucket.pack_grads(grads, dtype, ctx.device)
         if bucket.pending is not None and bucket.reduce_scatter_start is not None and not torch.compiler.is_compiling():

@@ -221,9 +221,7 @@ def simple_fsdp(
     # unit -> (fqn, module, attr, id)
     uses: dict[str, list[tuple[str, nn.Module, str, int]]] = {n: [] for n, _ in chosen}
     for module_name, module in model.named_modules():
-        for attr, p in list(module._parameters.items()):
-            if p is None:
-                continue
+        for attr, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(p) not in sharded:
                 shard = distribute_tensor(p.detach(), mesh, list(layout.placements))
                 sharded[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
@@ -231,7 +229,7 @@ def simple_fsdp(
                 uses[owner[id(p)]].append((fqn, module, attr, id(p)))
             else:
                 uses[owner[id(p)]].append((None, module, attr, id(p)))
-            module._parameters[attr] = sharded[id(p)]
+            module.register_parameter(attr, sharded[id(p)])
 
     prefetcher = Prefetcher(enabled=prefetch)
     pending = PendingGradients() if overlap else None

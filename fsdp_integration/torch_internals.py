@@ -3,6 +3,8 @@
 * ``torch.distributed._functional_collectives`` (:data:`funcol`): semi-public. The module is
   underscored, but it is the documented home of the traceable collectives that ``torch.compile``
   and DTensor use; no public module offers collectives that return tensors a graph can hold.
+  :data:`funcol` holds them under torch 2.13's names on every supported release (torch 2.11 calls
+  the gather and the reduce-scatter ``all_gather_tensor`` and ``reduce_scatter_tensor``).
 * ``torch._functorch.config.joint_custom_pass`` (:func:`joint_graph_pass`): the only hook that
   sees the joint forward-backward graph before the partitioner (where the resharding pass marks
   all-gathers for recomputation).
@@ -13,8 +15,7 @@
 * ``Tensor._version`` (:func:`tensor_version`): the in-place update counter autograd keeps; no
   public API tells that a tensor changed since it was read.
 
-The names are checked against the tested torch versions when this module is imported
-(:func:`backward_drain.torch_versions.check_internals`).
+The names are checked when this module is imported (:func:`backward_drain.torch_versions.check_internals`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ from typing import Callable, Iterator
 
 import torch
 import torch._functorch.config as _functorch_config
-import torch.distributed._functional_collectives as funcol
 
-from backward_drain.torch_versions import check_internals
+from backward_drain.torch_versions import check_internals, namespace
 
 INTEGRATION = "SimpleFSDP (fsdp_integration)"
 ADVICE = "wrap the model with torch's fully_shard (FSDP2) instead"
-NEEDS = ("torch.distributed._functional_collectives.all_gather_single",
-         "torch.distributed._functional_collectives.all_reduce",
-         "torch.distributed._functional_collectives.reduce_scatter_single",
-         "torch.distributed._functional_collectives.wait_tensor",
-         "torch._functorch.config.joint_custom_pass")
+FUNCOL = ("torch.distributed._functional_collectives.all_gather_single|all_gather_tensor",
+          "torch.distributed._functional_collectives.all_reduce",
+          "torch.distributed._functional_collectives.reduce_scatter_single|reduce_scatter_tensor",
+          "torch.distributed._functional_collectives.wait_tensor")
+"""The traceable collectives :data:`funcol` holds: ``new|old`` where releases name one differently."""
+NEEDS = (*FUNCOL, "torch._functorch.config.joint_custom_pass")
 """The private names checked at import (:func:`check_torch`)."""
 
 COMPILE_NEEDS = {"inductor": ("torch._inductor.compile_fx.compile_fx",), "named": ("torch._dynamo.lookup_backend",)}
@@ -44,7 +45,7 @@ __all__ = ["funcol", "inductor_backend", "joint_graph_pass", "named_backend", "t
 
 
 def check_torch() -> None:
-    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if its version was not tested."""
+    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if it is outside the range."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 
@@ -75,3 +76,5 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 
 check_torch()
+funcol = namespace(FUNCOL)
+"""The collectives of :data:`FUNCOL`, each under its torch 2.13 name (``funcol.all_gather_single``)."""

@@ -3,8 +3,8 @@
 A checkpoint is one directory ``<dir>/step-<N>`` (``N`` = steps completed) holding, sharded
 the way the model is: the model and optimizer (``torch.distributed.checkpoint.state_dict``,
 so SimpleFSDP, FSDP2 and FSDP1 all save their DTensor / flat shards), the comm hook's state
-(its step and every rank's error-feedback residuals) and, per rank, the data sampler's and
-torch's RNG states. It is written as ``step-<N>.partial`` and renamed by rank 0 once every
+(its step and every rank's error-feedback residuals) and, per rank, torch's RNG state (the
+training windows follow from the step alone). It is written as ``step-<N>.partial`` and renamed by rank 0 once every
 rank has finished writing, so :func:`latest` never picks a partial one.
 """
 
@@ -47,18 +47,17 @@ def step_of(path: str | Path) -> int:
     return int(match.group(1))
 
 
-def _state(model, optimizer, hook, generator: torch.Generator) -> dict:
+def _state(model, optimizer, hook) -> dict:
     rank = dist.get_rank()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state,
-             f"rng.rank{rank}": {"sampler": generator.get_state(), "torch": torch.get_rng_state()}}
+    state = {"model": model_state, "optim": optim_state, f"rng.rank{rank}": {"torch": torch.get_rng_state()}}
     if hook is not None:
         state["hook"] = hook.state_dict()
     return state
 
 
 def save(
-    directory: str | Path, steps_done: int, model, optimizer, hook, generator: torch.Generator, keep: int = 0
+    directory: str | Path, steps_done: int, model, optimizer, hook, keep: int = 0
 ) -> Path:
     """Write ``step-<steps_done>`` under ``directory`` on every rank (a collective); returns its path.
 
@@ -72,7 +71,7 @@ def save(
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a run killed while writing
     dist.barrier()
-    dcp.save(_state(model, optimizer, hook, generator), checkpoint_id=str(partial))
+    dcp.save(_state(model, optimizer, hook), checkpoint_id=str(partial))
     dist.barrier()  # every rank's shard is on disk
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -97,9 +96,10 @@ def _hook_entries(path: str | Path, hook_state: dict) -> dict:
     return entries
 
 
-def load(path: str | Path, model, optimizer, hook, generator: torch.Generator) -> int:
-    """Restore every piece saved by :func:`save` from ``path`` in place; returns the steps completed."""
-    state = _state(model, optimizer, hook, generator)
+def load(path: str | Path, model, optimizer, hook) -> int:
+    """Restore every piece saved by :func:`save` from ``path`` in place; returns the steps completed. The training
+    windows follow from the step alone (:meth:`gpt2_bench.data.TokenData.train_batch`), so no sampler state is kept."""
+    state = _state(model, optimizer, hook)
     if hook is not None:
         state["hook"] = _hook_entries(path, state["hook"])
     dcp.load(state, checkpoint_id=str(path))
@@ -107,6 +107,5 @@ def load(path: str | Path, model, optimizer, hook, generator: torch.Generator) -
     if hook is not None:
         hook.load_state_dict(state["hook"])
     rng = state[f"rng.rank{dist.get_rank()}"]
-    generator.set_state(rng["sampler"])
     torch.set_rng_state(rng["torch"])
     return step_of(path)

@@ -1,23 +1,24 @@
-"""The compare's rows as typed records, and their JSON.
+"""The compare's rows as typed records, their JSON, and the figures worked out from them.
 
 A :class:`Row` is one timed run in a compare's table: the fields of the run's summary
 (:func:`gpt2_bench.launch.summarise`) the reports read, the compare's own (method, share, link,
 rounds, ...) and the figures worked out against the plain and bf16 baselines
-(:func:`gpt2_bench.compare_figures.add_method_columns`). Each figure has one name, which is also
-its JSON key. The summary's other fields ride along in :attr:`Row.extra`, so ``--json`` writes
-everything a run reported.
+(:func:`add_method_columns`: speed-ups, the bytes model, bits per parameter, the val loss against plain's; and
+:func:`winner`). Each figure has one name, which is also its JSON key. The summary's other fields ride along in
+:attr:`Row.extra`, so ``--json`` writes everything a run reported.
 
 ``--json`` writes rows with :func:`write_rows`; ``--timed-from`` and ``--flat-from`` read them
 back with :meth:`Row.from_json`, which also reads rows written before the records: their alias
 columns (``bytes_model_speedup``, ``val_loss_vs_fsdp``) name the same figures as ``bytes_model``
-and ``val_loss_delta``. A :class:`Loss` is a method's val loss from the quality runs or from
-another compare's rows (``--loss-from``).
+and ``val_loss_delta``. A :class:`Loss` is a method's val loss from another compare's rows
+(``--loss-from``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,15 @@ OLD_NAMES = {"bytes_model_speedup": "bytes_model", "val_loss_vs_fsdp": "val_loss
 NOT_WRITTEN = ("curve", "steady_iter_ms", "extra")
 """Fields ``--json`` leaves out: the curves and the per-step times are the run log's (``extra`` is
 written flat, beside the fields)."""
+
+RUN_ATTEMPTS = 3
+"""Every run a compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.launch.run`."""
+
+
+def pooled_median(values: list[float]) -> float:
+    """The median of steady step times pooled over rounds (the upper middle of an even count; NaN for none)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 @dataclasses.dataclass
@@ -42,7 +52,7 @@ class Row:
     iter_ms: float
     """Median steady step (ms); over several rounds, the median of the steady steps pooled over them."""
     val_loss: float
-    """The run's final val loss (or, once a quality run's is set, that one's)."""
+    """The run's final val loss (or, once ``--loss-from`` gives one, that one)."""
 
     # what the run's summary reports
     train_s: float | None = None
@@ -57,7 +67,6 @@ class Row:
     exposed_ms: float | None = None
     peel_success: float | None = None
     units: dict[str, dict] | None = None
-    timeline: dict | None = None
     curve: list[dict] = dataclasses.field(default_factory=list)
     steady_iter_ms: list[float] | None = None
 
@@ -90,7 +99,7 @@ class Row:
     val_loss_delta: float | None = None
     """Val loss against plain's, relative (``None`` when the two runs' lengths differ)."""
     val_loss_steps: int | None = None
-    """The length of the run the val loss comes from, where it is another run's (the quality runs)."""
+    """The length of the run the val loss comes from, where it is another run's (``--loss-from``)."""
 
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The run summary's other fields, carried to the JSON as they came."""
@@ -138,34 +147,98 @@ def read_json(path: str | Path) -> list[dict]:
 
 @dataclasses.dataclass
 class Loss:
-    """A method's val loss and the run it comes from: a quality run, or another compare's row."""
+    """A method's val loss from another compare's row (``--loss-from``), and the length of its run."""
 
     val_loss: float
     steps: int | None = None
     """The length of the run (``None``: unknown, compared with any)."""
-    preset: str | None = None
-    curve: list[dict] = dataclasses.field(default_factory=list)
-    """The run's loss curve, where known (a quality run's)."""
-
-    @classmethod
-    def from_summary(cls, summary: dict) -> Loss:
-        """A quality run's loss (its summary, or :func:`gpt2_bench.quality.mean_quality`'s mean over seeds)."""
-        return cls(summary["val_loss"], summary.get("steps"), summary.get("preset"), summary.get("curve") or [])
 
 
-def losses_of(quality: dict[str, dict]) -> dict[str, Loss]:
-    """The quality runs' summaries, per method, as :class:`Loss` records."""
-    return {method: Loss.from_summary(summary) for method, summary in quality.items()}
-
-
-def losses_from(path: str) -> dict[str, Loss]:
-    """The val losses of another compare's JSON rows (``--json``), per method: e.g. the small
-    preset's quality runs for a timing-only sweep of ``gpt2-untied``."""
-    found = {}
+def losses_from(path: str) -> dict[str, dict[str, Loss]]:
+    """The val losses of another compare's JSON rows (``--json``), ``{layout: {method: loss}}`` (rows without a
+    ``layout``: ``flat``): e.g. the small preset's losses for a timing-only sweep of ``gpt2-untied``."""
+    found: dict[str, dict[str, Loss]] = {}
     for row in read_json(path):
         if row.get("method") and row.get("val_loss") is not None:
             steps = row.get("val_loss_steps") or row.get("steps")
-            found[row["method"]] = Loss(row["val_loss"], steps, row.get("preset"))
+            found.setdefault(row.get("layout") or "flat", {})[row["method"]] = Loss(row["val_loss"], steps)
     if not found:
         raise ValueError(f"{path} holds no rows with a method and a val_loss (write one with --json)")
     return found
+
+
+LOSS_TOLERANCE = 0.01
+"""A method counts as keeping plain FSDP's loss within this relative val-loss gap."""
+
+
+def bytes_model_ms(plain_iter_ms: float, plain_wire: float | None, wire: float | None,
+                   rate_bps: int | None) -> float | None:
+    """The step time if a run differed from plain FSDP only in the bytes it puts on the link:
+    ``plain_iter - (plain_wire - wire) / rate`` (wire in bytes per rank and step, the rate per
+    rank). What compression can buy when its compute hides under the link; ``None`` unshaped."""
+    if rate_bps is None or plain_wire is None or wire is None:
+        return None
+    return plain_iter_ms - (plain_wire - wire) * 8 / rate_bps * 1e3
+
+
+def bits_per_param(row: Row) -> float | None:
+    """Wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16)."""
+    return None if row.wire_bytes_per_step is None else row.wire_bytes_per_step * 8 / row.n_params
+
+
+def add_method_columns(rows: list[Row], rate_bps: int | None, losses: dict[str, Loss] | None = None,
+                       plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> list[Row]:
+    """Speed-ups against ``plain_method`` and ``bf16_method`` (``fsdp``, ``fsdp-bf16``; the DDP layout's
+    ``ddp``, ``ddp-bf16``), the bytes model, bits per parameter and the val loss (from ``losses``, ``--loss-from``,
+    where given) against ``plain_method``'s, for one share's rows (set on the rows, which are returned)."""
+    by_method = {row.method: row for row in rows}
+    plain, bf16 = by_method.get(plain_method), by_method.get(bf16_method)
+    for row in rows:
+        if losses and row.method in losses:
+            row.val_loss, row.val_loss_steps = losses[row.method].val_loss, losses[row.method].steps
+        wire = row.wire_bytes_per_step
+        row.bits_per_param = bits_per_param(row)
+        row.speedup = plain.iter_ms / row.iter_ms if plain else None
+        row.speedup_vs_fsdp_bf16 = bf16.iter_ms / row.iter_ms if bf16 else None
+        model_ms = None if plain is None else bytes_model_ms(plain.iter_ms, plain.wire_bytes_per_step, wire, rate_bps)
+        row.bytes_model = None if model_ms is None or model_ms <= 0 else plain.iter_ms / model_ms
+        row.bytes_model_ms = model_ms
+    given = (losses or {}).get(plain_method)  # plain's loss may come without a timed plain row
+    plain_loss = given.val_loss if given else None if plain is None else plain.val_loss
+    plain_steps = given.steps if given else None if plain is None else plain.val_loss_steps
+    for row in rows:
+        comparable = plain_loss is not None and same_run_length(row, plain_steps)
+        row.val_loss_delta = row.val_loss / plain_loss - 1 if comparable else None
+    return rows
+
+
+def same_run_length(row: Row, plain_steps: int | None) -> bool:
+    """Whether ``row``'s val loss comes from a run as long as fsdp's (unknown lengths count as
+    the same): a 300-step loss set against a 2,000-step one would be a gap of training, not of method."""
+    return row.val_loss_steps is None or plain_steps is None or row.val_loss_steps == plain_steps
+
+
+def winner(rows: Sequence[Row]) -> Row | None:
+    """The fastest row whose val loss is within :data:`LOSS_TOLERANCE` of ``fsdp``'s."""
+    eligible = [row for row in rows if row.val_loss_delta is not None and row.val_loss_delta <= LOSS_TOLERANCE]
+    return min(eligible, key=lambda row: row.iter_ms) if eligible else None
+
+
+def no_worse_loss(other: Row, row: Row) -> bool:
+    """``other``'s val loss is no worse than ``row``'s, from runs of the same length."""
+    return same_run_length(other, row.val_loss_steps) and other.val_loss <= row.val_loss
+
+
+def explain_gap(row: Row, other: Row) -> str:
+    """``row``'s step time against ``other``'s, split into bytes (the bytes model's difference),
+    codec time on the training thread, and the rest; plus the loss difference."""
+    total = row.iter_ms - other.iter_ms
+    parts = []
+    if row.bytes_model_ms is not None and other.bytes_model_ms is not None:
+        parts.append(f"bytes {row.bytes_model_ms - other.bytes_model_ms:+.0f} ms")
+    codec = (row.codec_ms or 0.0) - (other.codec_ms or 0.0)
+    parts.append(f"codec {codec:+.0f} ms")
+    loss = ""
+    if row.val_loss_delta is not None and other.val_loss_delta is not None:
+        loss = f"; val loss {100 * (row.val_loss_delta - other.val_loss_delta):+.2f} points"
+    return f"{total:+.0f} ms ({', '.join(parts)}){loss}"

@@ -19,8 +19,10 @@ DEVICES = ("auto", "cpu", "cuda", "cuda-shared")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 PARAM_DTYPES = {**REDUCE_DTYPES, "int8": "int8"}
 """``--param-dtype``: the parameter all-gather's (``int8``: SimpleFSDP's blockwise int8 gather, ZeRO++'s qwZ)."""
-SECOND_MOMENTS = ("decoded", "local", "local-all")
 
+
+EMBEDDING = r"(^|\.)(wte|lm_head)\.weight$"
+"""The tied token embedding / LM head (``--embedding-ratio``): one parameter, named by either module."""
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -73,8 +75,8 @@ class TrainConfig:
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
     (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
     feedback_decay_follows_lr: bool = False
-    """With ``feedback_decay`` below 1: fade by ``1 - (1 - feedback_decay) * lr / peak lr`` at each step
-    (``hook.set_feedback_decay``), so that the shifts hold more as the learning rate decays."""
+    """With ``feedback_decay`` below 1: call ``hook.follow_lr(optimizer)`` as users do, so that the shifts hold more
+    as the learning rate decays (:meth:`tagc.TAGCHook.follow_lr`)."""
     embedding_ratio: Optional[float] = None
     """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
     steps: int = 40
@@ -86,10 +88,12 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_interval: int = 20
-    eval_batches: int = 4
+    eval_tokens: int = 8192
+    """The eval set's size: this many val tokens in windows spread evenly over the val split, the same windows for
+    every seed, method and batch size (:meth:`gpt2_bench.data.TokenData.eval_batches`)."""
     seed: int = 1337
-    """Seeds the model's initialisation (``torch.manual_seed``) and the order of the training
-    windows (the sampler's generator); the val windows are drawn from ``seed + 999``."""
+    """Seeds the model's initialisation (``torch.manual_seed``) and the order in which the training windows are read
+    (:meth:`gpt2_bench.data.TokenData.train_batch`: a permutation per epoch, no window read twice within one)."""
     compile: bool = False
     compile_backend: str = "inductor"
     world: int = 2
@@ -143,10 +147,6 @@ class TrainConfig:
     parameter group, and the steps since each compressed element was last sent
     (:mod:`gpt2_bench.diagnostics`), to ``<run>.diagnostics.jsonl`` beside the run's log. Reads
     device values every step: for diagnosis, not for timing."""
-    second_moment: str = "decoded"
-    """The optimizer: ``decoded`` is ``torch.optim.AdamW``; ``local`` is ``tagc.optim.AdamW``, whose
-    second moment on the compressed parameters is fed each rank's own gradient (no error-feedback bursts);
-    ``local-all``, a control: every parameter's, compressed or not (a plain run too)."""
     library_filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """Name -> ``(given, filled)`` for each codec setting the library filled in (:meth:`fill_library_defaults`), so
     that a copy (``dataclasses.replace``) that does not change it leaves it to the library again, for the copy's
@@ -182,6 +182,32 @@ class TrainConfig:
         ``changes`` is taken for a copied filled one."""
         return dataclasses.replace(self, **{**self.as_given(), **changes})
 
+    def hook_arguments(self) -> dict[str, Any] | None:
+        """The keyword arguments of the ``tagc.hook(...)`` this run installs (its codec, selection, warm-up, wire
+        settings), or ``None`` where the gradient goes as the wrapper reduces it (``compression="none"`` with
+        ``transport="gloo"``)."""
+        if self.compression == "none" and self.transport != "fair":
+            return None
+        from tagc.hooks.codec_registry import spec
+
+        select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
+                  "blocks": "non_attention_block_linear"}.get(self.compression, self.compression)
+        codec = "plain" if self.compression == "none" else self.codec
+        sketch = dict(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity) if spec(
+            codec).uses_config else {}
+        topology = {"hierarchy": self.hierarchy} if self.hosts > 1 else {}  # ranks per host: torchrun's
+        if self.embedding_ratio is not None:
+            from tagc.hooks.selection import ratio_for
+
+            try:
+                select = ratio_for(EMBEDDING, self.embedding_ratio, select)
+            except ValueError as error:
+                raise ValueError(f"embedding_ratio: {error}") from None
+        return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
+                    ramp_steps=self.ramp_steps, codec=codec, overlap=self.overlap, plain=self.plain,
+                    feedback=self.feedback, feedback_momentum=self.feedback_momentum,
+                    feedback_decay=self.feedback_decay, **sketch, **topology, **self.codec_options)
+
     def __post_init__(self) -> None:
         from gpt2_bench.model import PRESETS
 
@@ -189,11 +215,6 @@ class TrainConfig:
         if isinstance(self.dense_steps, bool) or not isinstance(self.dense_steps, int) or self.dense_steps < 0:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")
-        if self.second_moment not in SECOND_MOMENTS:
-            raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {self.second_moment!r}")
-        from tagc.hooks.feedback import check_feedback
-
-        check_feedback(self.feedback, self.feedback_momentum, self.feedback_decay)
         if self.feedback != "classic":
             from tagc.hooks.codec_registry import error_feedback_codecs
 
@@ -223,19 +244,11 @@ class TrainConfig:
                              f"got integration={self.integration!r}, hosts={self.hosts!r}")
         if self.transport == "gloo" and self.compression != "none":
             raise ValueError("transport='gloo' (FSDP's own reduce-scatter) only applies to compression='none'")
-        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_batches"):
+        for field in ("steps", "batch_size", "world", "threads", "eval_interval", "eval_tokens"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
-        if self.compression != "none":
-            from tagc.hooks.codec_registry import resolve_options, spec
-
-            if spec(self.codec).uses_config:
-                import tagc
-
-                tagc.TAGCConfig(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity)  # validates
-            resolve_options(self.codec, self.codec_options)
         if self.ramp_steps or self.embedding_ratio is not None:
             from tagc.hooks.codec_registry import codec_names, spec
 
@@ -257,9 +270,8 @@ class TrainConfig:
             raise ValueError(f"param_dtype='int8' is SimpleFSDP's blockwise int8 all-gather: use integration='simple' "
                              f"(FSDP2 and FSDP1 gather in a float dtype: 'bf16'), got {self.integration!r}")
         if self.param_dtype and self.integration == "ddp":
-            raise ValueError(
-                "param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters (leave it out)"
-            )
+            raise ValueError("param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters "
+                             "(leave it out)")
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
@@ -292,6 +304,11 @@ class TrainConfig:
             from testbed.link import parse_rate
 
             parse_rate(self.link)
+        arguments = self.hook_arguments()
+        if arguments is not None and not self.torch_hook:
+            from tagc.hooks.settings import HookSettings
+
+            HookSettings.from_arguments(**arguments).make_codecs()  # the library validates, once, what the run builds
 
     @property
     def run_name(self) -> str:
@@ -302,9 +319,8 @@ class TrainConfig:
         if self.compression == "none":
             algo = "fsdp"
         elif spec(self.codec).uses_config:
-            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (
-                f"-b{self.index_bits}" if self.codec == "tagc" else ""
-            )
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc"
+                                                                         else "")
         else:
             algo = f"{self.codec}-{self.compression}"
         algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
@@ -372,10 +388,8 @@ def library_dense_steps(codec: str, compression: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m gpt2_bench.train",
-        description="Train GPT-2 with sharded data parallelism, optionally over an emulated link or emulated hosts.",
-    )
+    p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data "
+                                "parallelism, optionally over an emulated link or emulated hosts.")
     from tagc.hooks.codec_registry import codec_names
     from tagc.hooks.settings import NEUTRAL, PLAIN_CODECS, RECOMMENDED
 
@@ -395,12 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which parameters the codec compresses: none, all, non-attn (the paper's non-attention "
                         "linears, the embedding and LM head included), blocks (non-attn less the embedding and LM "
                         "head)")
-    p.add_argument(
-        "--transport",
-        default=defaults.transport,
-        choices=TRANSPORTS,
-        help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo reduce-scatter",
-    )
+    p.add_argument("--transport", default=defaults.transport, choices=TRANSPORTS,
+                   help="plain exchange for --compression none: fair all-to-all (default) or FSDP's own gloo "
+                        "reduce-scatter")
     p.add_argument("--codec", default=defaults.codec,
                    help=f"how the --compression columns cross the wire: {', '.join(codec_names())} (default tagc)")
     p.add_argument("--codec-option", dest="codec_options", action="append", default=[], metavar="NAME=VALUE",
@@ -420,18 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{filled['ratio']} for {codec}" for codec, filled in RECOMMENDED.items()) + ")")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
     p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
-    for field in (
-        "steps",
-        "batch_size",
-        "block_size",
-        "eval_interval",
-        "eval_batches",
-        "seed",
-        "world",
-        "threads",
-        "warmup_steps",
-        "min_compress_numel",
-    ):
+    for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_tokens", "seed", "world", "threads",
+                  "warmup_steps", "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--dense-steps", type=int, default=None,
                    help="steps sent uncompressed before the codec starts (default: the library's, tagc.hook()'s: "
@@ -441,10 +442,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "group, and the staleness of compressed elements (under DDP also the decoded gradient's error "
                         "against the exact mean of the ranks' gradients, and that mean's minibatch noise), to "
                         "<run>.diagnostics.jsonl (compare two runs with python -m gpt2_bench.diagnostics PLAIN RUN)")
-    p.add_argument("--second-moment", default=defaults.second_moment, choices=SECOND_MOMENTS,
-                   help="decoded: torch.optim.AdamW; local: tagc.optim.AdamW, whose second moment on the compressed "
-                        "parameters is fed each rank's own gradient (no error-feedback bursts); local-all: a control, "
-                        "every parameter's (plain runs too)")
     p.add_argument("--feedback", default=None, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
@@ -458,101 +455,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "element that is not sent fades instead of holding its last value (default: the "
                         "library's when it is EF21, " + library_default("feedback_decay") + ": none)")
     p.add_argument("--feedback-decay-follows-lr", action="store_true", default=defaults.feedback_decay_follows_lr,
-                   help="--feedback-decay GAMMA < 1: fade by 1 - (1 - GAMMA) * lr / peak lr at each step, so that the "
-                        "shifts hold more as the learning rate decays (hook.set_feedback_decay)")
-    p.add_argument(
-        "--ramp-steps",
-        type=int,
-        default=defaults.ramp_steps,
-        help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages (DGC's ramp)",
-    )
+                   help="call hook.follow_lr(optimizer) as users do: with EF21's fading GAMMA < 1, fade by "
+                        "1 - (1 - GAMMA) * lr / peak lr at each step, holding more as the learning rate decays")
+    p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
+                   help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages "
+                        "(DGC's ramp)")
     p.add_argument("--embedding-ratio", type=float, default=None,
                    help="tagc/topk: the tied embedding / LM head's own ratio (e.g. 4: denser than --ratio)")
-    p.add_argument(
-        "--device",
-        default=defaults.device,
-        choices=DEVICES,
-        help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cuda-shared: every rank on GPU 0 over "
-        "gloo, bf16 autocast (DDP only: quality runs of several ranks on one GPU, not timings); cpu: gloo; "
-        "auto (default): cuda when a GPU is visible",
-    )
+    p.add_argument("--device", default=defaults.device, choices=DEVICES,
+                   help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cuda-shared: every rank on GPU 0 "
+                        "over gloo, bf16 autocast (DDP only: quality runs of several ranks on one GPU, not timings); "
+                        "cpu: gloo; auto (default): cuda when a GPU is visible")
     p.add_argument("--hosts", type=int, default=defaults.hosts,
                    help="emulated hosts, each a network namespace running --nproc-per-host ranks under torchrun; "
                         "--link shapes the links between hosts (default 1: every rank on one loopback)")
-    p.add_argument(
-        "--nproc-per-host", type=int, default=None, help="ranks per emulated host (default: --world / --hosts)"
-    )
-    p.add_argument(
-        "--flat",
-        dest="hierarchy",
-        action="store_const",
-        const="flat",
-        default=defaults.hierarchy,
-        help="exchange every rank with every rank across hosts (default: plain within a host, the codec between hosts)",
-    )
-    p.add_argument(
-        "--hsdp",
-        action="store_true",
-        help="fsdp2 or simple: shard within a host, replicate across hosts (a 2-D mesh); "
-        "the gradient crosses hosts as an all-reduce",
-    )
-    p.add_argument(
-        "--torch-hook",
-        action="store_true",
-        help="--integration ddp: run --codec bf16 or powersgd as torch's own DDP comm hook (bf16_compress_hook, "
-        "powerSGD_hook; --codec-option rank=R) instead of through tagc.ddp_hook",
-    )
+    p.add_argument("--nproc-per-host", type=int, default=None, help="ranks per emulated host (default: world / hosts)")
+    p.add_argument("--flat", dest="hierarchy", action="store_const", const="flat", default=defaults.hierarchy,
+                   help="exchange every rank with every rank across hosts (default: plain within a host, the codec "
+                        "between hosts)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="fsdp2 or simple: shard within a host, replicate across hosts (a 2-D mesh); the gradient "
+                        "crosses hosts as an all-reduce")
+    p.add_argument("--torch-hook", action="store_true",
+                   help="--integration ddp: run --codec bf16 or powersgd as torch's own DDP comm hook "
+                        "(bf16_compress_hook, powerSGD_hook; --codec-option rank=R) instead of through tagc.ddp_hook")
     p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument(
-        "--group-timeout",
-        dest="group_timeout_s",
-        type=float,
-        default=defaults.group_timeout_s,
-        help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-time",
-        dest="max_time_s",
-        type=float,
-        default=None,
-        help="stop cleanly after this many seconds of training (checkpointing first with --checkpoint-every); "
-        "default: no limit",
-    )
-    p.add_argument(
-        "--stop-at",
-        type=int,
-        default=None,
-        metavar="STEP",
-        help="stop cleanly after this many steps of the --steps schedule (checkpointing first with "
-        "--checkpoint-every), to be resumed later with --resume; default: run every step",
-    )
+    p.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=defaults.group_timeout_s,
+                   help="seconds a rank waits on a collective before failing (detects hangs and dead ranks; default "
+                        "%(default)s)")
+    p.add_argument("--max-time", dest="max_time_s", type=float, default=None,
+                   help="stop cleanly after this many seconds of training (checkpointing first with "
+                        "--checkpoint-every); default: no limit")
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="stop cleanly after this many steps of the --steps schedule (checkpointing first with "
+                        "--checkpoint-every), to be resumed later with --resume; default: run every step")
     p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, help="write a checkpoint every this many steps (0: never)"
-    )
-    p.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=0,
-        help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is ~0.4-0.6 GB",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir"
-    )
+    p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every N steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=0,
+                   help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is "
+                        "~0.4-0.6 GB")
+    p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
                    help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
                         "measures live memory); by default the ranks keep it for reuse")
-    p.add_argument(
-        "--no-overlap",
-        dest="overlap",
-        action="store_false",
-        help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of the "
-        "units before it and all finish at the end of backward)",
-    )
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor bucketing)"
-    )
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of "
+                        "the units before it and all finish at the end of backward)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor)")
     p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
     p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,
@@ -619,10 +569,6 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
                          "(--torch-hook --codec bf16 --compression all) or our bf16 codec")
     if cfg.hsdp:
         raise ValueError("hsdp is FSDP2's 2-D mesh: DDP already replicates across hosts (leave out --hsdp)")
-    ours = not cfg.torch_hook and (cfg.compression != "none" or cfg.transport == "fair")
-    if cfg.second_moment != "decoded" and not ours:
-        raise ValueError("second_moment='local' feeds AdamW each rank's own gradient, which our hook keeps: torch's "
-                         "hooks and DDP's own reduction keep none (use second_moment='decoded')")
     if not cfg.torch_hook:
         return
     if cfg.compression != "all" or cfg.codec not in TORCH_HOOKS:

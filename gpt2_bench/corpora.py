@@ -222,12 +222,8 @@ def _hf_documents(ds: Any, text_field: str) -> Iterator[str]:
         yield row[text_field]
 
 
-def local_corpus(
-    paths: Sequence[Union[str, Path]],
-    text_field: str = "text",
-    sample_by: str = "paragraph",
-    hf_cache_dir: Optional[Union[str, Path]] = None,
-) -> Corpus:
+def local_corpus(paths: Sequence[Union[str, Path]], text_field: str = "text", sample_by: str = "paragraph",
+                 hf_cache_dir: Optional[Union[str, Path]] = None) -> Corpus:
     """Documents from local files via ``datasets`` (offline). ``.txt``: one document per ``sample_by``
     unit (``"paragraph"``: blank-line separated, ``"line"``, or ``"document"``: the whole file);
     ``.json``/``.jsonl``/``.parquet``: the ``text_field`` column of each row. ``hf_cache_dir``:
@@ -243,14 +239,8 @@ def local_corpus(
     field = "text" if kind == "text" else text_field
     stamp = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha1(json.dumps([stamp, field, sample_by]).encode()).hexdigest()[:10]
-    config = {
-        "source": "local",
-        "files": [str(f) for f in files],
-        "format": kind,
-        "text_field": field,
-        "sample_by": sample_by if kind == "text" else None,
-        "key": key,
-    }
+    config = {"source": "local", "files": [str(f) for f in files], "format": kind, "text_field": field,
+              "sample_by": sample_by if kind == "text" else None, "key": key}
 
     def load() -> tuple[Iterable[str], Optional[int]]:
         import datasets
@@ -280,10 +270,8 @@ def openwebtext_corpus(hub_id: str = OPENWEBTEXT_HUB_ID, num_proc: Optional[int]
         import datasets
 
         if _offline_env() or datasets.config.HF_HUB_OFFLINE:
-            raise DataError(
-                "openwebtext needs the network but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; "
-                "use --dataset bbc or a local file offline"
-            )
+            raise DataError("openwebtext needs the network but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; "
+                            "use --dataset bbc or a local file offline")
         try:
             ds = datasets.load_dataset(hub_id, split="train", num_proc=num_proc)
         except Exception as exc:  # offline, missing, script-based...: all reported below

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 __all__ = [
     "prepare",
     "TokenData",
-    "get_batch",
     "load_meta",
     "default_cache_dir",
     "DataError",
@@ -216,7 +216,8 @@ def load_meta(data_dir: Union[str, Path]) -> dict[str, Any]:
 
 
 class TokenData:
-    """A prepared dataset: memory-mapped ``train``/``val`` token streams and random-window batches."""
+    """A prepared dataset: memory-mapped ``train``/``val`` token streams, train batches read without replacement and
+    one fixed eval set."""
 
     def __init__(self, data_dir: Union[str, Path]) -> None:
         self.dir = Path(data_dir)
@@ -256,49 +257,80 @@ class TokenData:
         log_p = np.log(counts + smoothing) - np.log(counts.sum() + smoothing * vocab)
         return float(-log_p[target].mean())
 
-    def get_batch(
+    def windows(self, split: str, block_size: int) -> int:
+        """How many non-overlapping windows of ``block_size`` tokens (and their next tokens) ``split`` holds."""
+        count = (len(self.tokens(split)) - 1) // block_size
+        if count < 1:
+            raise DataError(f"{split} split has {len(self.tokens(split))} tokens, too few for block_size {block_size}")
+        return count
+
+    def epoch_fraction(self, windows_read: int, block_size: int) -> float:
+        """The share of an epoch (one pass over the train split) that ``windows_read`` windows make."""
+        return windows_read / self.windows("train", block_size)
+
+    def train_batch(
         self,
-        split: str,
+        step: int,
         batch_size: int,
         block_size: int,
-        generator: Optional[torch.Generator] = None,
+        seed: int,
         device: Union[str, torch.device] = "cpu",
         rank: int = 0,
         world_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows ``x`` (B, T) and next-token targets ``y``, int64, on ``device``.
+        """Step ``step``'s windows ``x`` (B, T) for this rank and their next tokens ``y``, int64, on ``device``.
 
-        All ranks draw the same ``batch_size * world_size`` offsets from identically seeded
-        generators (which therefore stay in step) and each takes its own ``batch_size`` slice:
-        ranks see different windows, and together exactly the single-process global batch.
+        Sampling without replacement: the train split is cut into non-overlapping windows, and epoch ``e`` reads
+        them in the order of a permutation seeded by ``(seed, e)``. Step ``s`` takes the global batch's
+        ``batch_size * world_size`` windows from position ``s * batch_size * world_size`` of that sequence, and
+        rank ``r`` its own ``batch_size`` slice: no window is read twice within an epoch, ranks see different
+        windows and together the single-process global batch, and the batch depends on the step alone, so a
+        resumed run reads what an uninterrupted one would.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
+        count = self.windows("train", block_size)
+        first = (step * world_size + rank) * batch_size
+        positions = torch.arange(first, first + batch_size)
+        epochs = range(first // count, (first + batch_size - 1) // count + 1)
+        order = torch.cat([self._permutation(seed, epoch, count) for epoch in epochs])
+        windows = order[positions - (first // count) * count]
+        return self._windows("train", (windows * block_size).tolist(), block_size, device)
+
+    def eval_batches(
+        self, tokens: int, block_size: int, batch_size: int, device: Union[str, torch.device] = "cpu",
+        rank: int = 0, world_size: int = 1,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the eval set, in batches of up to ``batch_size`` windows.
+
+        The eval set is the same for every seed, method and batch size: ``tokens // block_size`` windows (rounded
+        down to a multiple of ``world_size``, at least one per rank) spread evenly over the whole val split, so
+        that every source of a mixed corpus is in it. Rank ``r`` takes windows ``r, r + world_size, ...``.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        length = len(self.tokens("val"))
+        count = max(world_size, tokens // block_size // world_size * world_size)
+        if length <= block_size:
+            raise DataError(f"val split has {length} tokens, too few for block_size {block_size}")
+        starts = np.linspace(0, length - block_size - 1, count).astype(np.int64)[rank::world_size].tolist()
+        return [self._windows("val", starts[i : i + batch_size], block_size, device)
+                for i in range(0, len(starts), batch_size)]
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a handful of epochs per data set, for the data set's life
+    def _permutation(self, seed: int, epoch: int, count: int) -> torch.Tensor:
+        return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+    def _windows(
+        self, split: str, starts: list[int], block_size: int, device: Union[str, torch.device]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.tokens(split)  # a fresh memmap per call, as nanoGPT (avoids a memory leak)
-        if len(data) <= block_size:
-            raise DataError(f"{split} split has {len(data)} tokens, too few for block_size {block_size}")
-        starts = torch.randint(len(data) - block_size, (batch_size * world_size,), generator=generator)
-        starts = starts[rank * batch_size : (rank + 1) * batch_size].tolist()
         x = torch.from_numpy(np.stack([data[i : i + block_size].astype(np.int64) for i in starts]))
         y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + block_size].astype(np.int64) for i in starts]))
         device = torch.device(device)
         if device.type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x.to(device), y.to(device)
-
-
-def get_batch(
-    data_dir: Union[str, Path],
-    split: str,
-    batch_size: int,
-    block_size: int,
-    generator: Optional[torch.Generator] = None,
-    device: Union[str, torch.device] = "cpu",
-    rank: int = 0,
-    world_size: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch from the prepared folder ``data_dir`` (see :meth:`TokenData.get_batch`)."""
-    return TokenData(data_dir).get_batch(split, batch_size, block_size, generator, device, rank, world_size)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1,54 +1,32 @@
-"""Per-step diagnostics of how a gradient codec meets AdamW, and their comparison against plain FSDP.
+"""Per-step diagnostics of how a gradient codec meets AdamW, and a run's set against plain's.
 
-Why sparse error feedback trails plain FSDP's loss is a question about the optimizer: an
-element sent every k steps arrives as a burst, which may inflate Adam's second moment, raise
-the gradient's norm (and so clip every parameter), or act on stale values. The trainer's
-``--diagnostics`` flag logs, per step, what tells those apart (:class:`StepDiagnostics`), to
-``<run>.diagnostics.jsonl`` beside the run's log:
+The trainer's ``--diagnostics`` logs per step, to ``<run>.diagnostics.jsonl`` beside the run's log
+(:class:`StepDiagnostics`; the screens of docs/quality-diagnosis.md read them):
 
-- ``grad_norm`` (before clipping) and ``clipped`` (it exceeded ``grad_clip``);
-- per parameter group (:func:`parameter_group`: ``embedding``, ``linear`` (the other
-  non-attention linears), ``attention``, ``other``): the RMS of the step's parameter change
-  (``delta_rms``) and of that change over the learning rate (``update_rms``: AdamW's update
-  direction, weight decay included), and Adam's ``exp_avg_sq``: mean, geometric mean and
-  quantiles (from a histogram of its log10 in :data:`V_BIN` wide bins, summed over ranks);
-- ``staleness``: for every element of the codec's error-feedback residuals (every rank's), the
-  steps since it was last sent, binned (:data:`AGE_EDGES`). An element counts as sent in a step
-  when its residual is exactly zero after it: the sparsifying codecs (``tagc``, ``topk`` on
-  their default float32 wire) zero what they send. Codecs that feed back a rounding error
-  (the lean wires, ``sign``, ``int4``) or a low-rank one (``powersgd``) leave no zeros, so
-  their ages only grow and say nothing. Under EF21 (``feedback="ef21"``) the residual holds
-  ``-h_i``, the rank's shift, and an element counts as sent when its residual changed in the
-  step (its shift moved by what was sent), beyond the fading of ``feedback_decay`` (an unsent
-  shift becomes ``decay`` times itself). The shift goes through ``(g - h) - g`` in float32, which
-  can move an unsent one by a rounding of ``|g|``: such an element counts as sent, so under EF21
-  the ages are a lower bound.
+- ``grad_norm`` (before clipping) and ``clipped``;
+- per parameter group (:func:`parameter_group`: ``embedding``, ``linear`` (the other non-attention linears),
+  ``attention``, ``other``): ``update_rms``, the RMS of the step's parameter change over the learning rate (AdamW's
+  update, weight decay included), and Adam's ``exp_avg_sq``: mean, geometric mean, median and 90th percentile (from
+  a histogram of its log10 in :data:`V_BIN` wide bins, summed over ranks);
+- ``staleness``: for every element of the codec's error-feedback residuals (every rank's), the steps since it was
+  last sent, binned (:data:`AGE_EDGES`). Classic feedback: sent when its residual is exactly zero after the step
+  (``tagc``, ``topk`` on their float32 wires; codecs that feed back a rounding, the lean wires, ``sign``, ``int4``,
+  ``powersgd``, leave no zeros and their ages say nothing). EF21: sent when its shift (the residual, ``-h_i``)
+  changed beyond the fading of ``feedback_decay``; a rounding of ``(g - h) - g`` can move an unsent shift, so the
+  ages are a lower bound;
+- ``estimate`` (DDP only, where every rank holds the whole averaged gradient, and only with a :func:`tagc.hook`):
+  on the compressed parameters, per group, the decoded gradient ``d`` against the exact mean ``m`` of the ranks' own
+  gradients ``g_i`` (copied as autograd accumulates them, before DDP's reducer sends them; one more all-reduce per
+  step): ``error_sq = |d - m|^2``, the minibatch noise of ``m`` ``noise_sq = sum_i |g_i - m|^2 / (N (N - 1))``,
+  ``signal_sq = |m|^2``, ``gain = <d, m> / |m|^2`` and the cosine of ``d`` and ``m``. An error ``r`` times the noise
+  is a gradient as noisy as plain training's at a batch ``1 + r`` times smaller, if it is as unbiased as noise.
 
-- ``estimate`` (DDP only, where every rank holds the whole averaged gradient): on the compressed
-  parameters, per group, how far the gradient the optimizer receives is from the exact mean of
-  the ranks' own gradients, against how far that mean is from the true gradient. ``error_sq`` is
-  ``|d - m|^2`` (``d`` the decoded gradient, ``m`` the exact mean of the ranks' gradients);
-  ``noise_sq`` is the minibatch noise of ``m``, estimated from the ranks' spread,
-  ``sum_i |g_i - m|^2 / (N (N - 1))`` (unbiased for independent batches); ``signal_sq`` is
-  ``|m|^2``; ``gain`` is ``<d, m> / |m|^2`` (the share of the mean that gets through: below 1 where
-  the codec shrinks it, as EF21's lagging shifts and their fading do) and ``cosine`` the cosine of
-  ``d`` and ``m``. A codec
-  whose ``error_sq`` is ``r`` times ``noise_sq`` hands the optimizer a gradient as noisy as plain
-  training's at a batch ``1 + r`` times smaller, if its error is as unbiased as noise; since the
-  noise falls with the batch and a codec's error need not, the same codec can cost little at a
-  small batch and much at a large one. It needs each rank's own gradient: the hook keeps it
-  (:mod:`tagc.hooks.local_grads`; embeddings included, unless ``tagc.optim.AdamW`` reads the kept
-  gradients and so leaves them out) and the diagnostics add one all-reduce of the compressed
-  gradients per step.
+All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they are the whole model's;
+reading them syncs the host every step: a diagnostic run is for diagnosis, not for timing.
 
-All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they
-are the whole model's, whatever the sharding. Reading them costs a host synchronisation every
-step: a diagnostic run is for diagnosis, not for timing.
-
-``python -m gpt2_bench.diagnostics PLAIN RUN`` sets a run's diagnostics against plain FSDP's
-at the same steps (:func:`compare_runs`): the update-RMS and ``exp_avg_sq`` ratios on the
-run's compressed groups, both clip fractions, the grad-norm ratio and the staleness
-histogram, as a Markdown table and a plot.
+``python -m gpt2_bench.diagnostics PLAIN RUN [--windows N] [--out DIR]`` sets a run's diagnostics against plain's
+at the same steps (:func:`compare_runs`): a Markdown table per span of steps, the per-group ratios, the staleness
+histogram, and a plot.
 """
 
 from __future__ import annotations
@@ -62,51 +40,37 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 GROUPS = ("embedding", "linear", "attention", "other")
-"""Parameter groups, by role: the tied token embedding / LM head; the other linears TAGC's
-default selection compresses (MLP and attention output projections); the attention input
-projection; everything else (position embedding, norms, biases)."""
-
+"""Parameter groups by role: the tied token embedding / LM head; the other linears TAGC's default selection
+compresses; the attention input projection; everything else (position embedding, norms, biases)."""
 COMPRESSED_GROUPS = {"none": (), "non-attn": ("embedding", "linear"), "blocks": ("linear",), "all": GROUPS}
-"""The groups a run's ``compression`` setting routes to its codec (buckets below
-``min_compress_numel`` aside)."""
+"""The groups a run's ``compression`` setting routes to its codec."""
 
 V_RANGE = (-30.0, 2.0)
 """The log10 range of the ``exp_avg_sq`` histogram (values outside are counted at its ends)."""
 V_BIN = 0.01
 """Width of an ``exp_avg_sq`` histogram bin in log10: quantiles are exact to 2.3%."""
 V_BINS = round((V_RANGE[1] - V_RANGE[0]) / V_BIN)
-QUANTILES = (0.1, 0.5, 0.9)
-
 ESTIMATE_FIELDS = ("n", "error_sq", "own_sq", "signal_sq", "dot", "decoded_sq")
 """Per group, the sums :meth:`StepDiagnostics.after_backward` takes (``own_sq``: ``|g_i - m|^2`` of this rank)."""
-
 AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
 AGE_LABELS = ("0", "1", *(f"{a}-{b - 1}" for a, b in zip(AGE_EDGES[1:], AGE_EDGES[2:])), f"{AGE_EDGES[-1]}+")
 
-_WRAPPERS = re.compile(
-    r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|\.original$)"
-)
+_WRAPPERS = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|"
+                       r"\.original$)")
 _EMBEDDING = re.compile(r"(^|\.)(wte|lm_head)\.weight$")
 
 
-def clean_name(name: str) -> str:
-    """A parameter's name without the wrappers' parts (``parametrizations.``, ``.original``, ...)."""
-    return _WRAPPERS.sub("", name)
-
-
 def parameter_group(name: str, dim: int) -> str:
-    """The group (:data:`GROUPS`) of the parameter called ``name`` with ``dim`` dimensions."""
+    """The group (:data:`GROUPS`) of the parameter called ``name`` (wrappers' parts ignored) with ``dim`` dims."""
     from tagc.hooks.selection import non_attention_linear
 
-    name = clean_name(name)
+    name = _WRAPPERS.sub("", name)
     if _EMBEDDING.search(name):
         return "embedding"
     if dim >= 2 and non_attention_linear(name) and not re.search(r"(^|\.)wpe\.", name):
         return "linear"
-    if dim >= 2 and "attn" in name:
-        return "attention"
-    return "other"
+    return "attention" if dim >= 2 and "attn" in name else "other"
 
 
 def _local(tensor):
@@ -117,8 +81,8 @@ def _local(tensor):
 class StaleAges:
     """Steps since each element of the codec's residuals was last sent: its residual exactly zero after the step
     (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift) other
-    than by fading (``decay``: EF21's ``feedback_decay``, an unsent shift becomes ``decay`` times itself; a callable
-    gives the value each step used, e.g. when ``hook.set_feedback_decay`` changes it between steps)."""
+    than by fading (``decay``: an unsent shift becomes ``decay`` times itself; a callable gives each step's value,
+    e.g. when ``hook.set_feedback_decay`` changes it between steps)."""
 
     def __init__(self, changed: bool = False, decay: Union[float, Callable[[], float]] = 1.0) -> None:
         self.ages: dict[tuple[str, int], Any] = {}
@@ -132,33 +96,27 @@ class StaleAges:
         return self._decay() if callable(self._decay) else self._decay
 
     def update(self, residuals: dict) -> Any:
-        """Advance every age by one step, zero those sent, and return the counts per bin
-        (:data:`AGE_LABELS`, float64, on the residuals' device; an empty dict gives zeros)."""
+        """Advance every age by one step, zero those sent, and return the counts per bin (:data:`AGE_LABELS`,
+        float64, on the residuals' device; no residual gives zeros)."""
         import torch
 
-        counts = None
-        edges = None
+        counts = torch.zeros(len(AGE_LABELS), dtype=torch.float64)
         for key, parts in residuals.items():
             for index, residual in enumerate(parts):
                 age = self.ages.get((key, index))
                 if age is None or age.shape != residual.shape or age.device != residual.device:
-                    age = self.ages[(key, index)] = torch.zeros(
-                        residual.shape, dtype=torch.int32, device=residual.device
-                    )
+                    age = self.ages[(key, index)] = torch.zeros(residual.shape, dtype=torch.int32,
+                                                                device=residual.device)
                 age.add_(1).masked_fill_(self._sent((key, index), residual), 0)
-                if edges is None:
-                    edges = torch.tensor(AGE_EDGES, dtype=torch.int32, device=age.device)
-                    counts = torch.zeros(len(AGE_LABELS), dtype=torch.float64, device=age.device)
+                edges = torch.tensor(AGE_EDGES, dtype=torch.int32, device=age.device)
                 bins = torch.bucketize(age.reshape(-1), edges, right=True)
-                counts += torch.bincount(bins, minlength=len(AGE_LABELS)).to(torch.float64)
-        return counts if counts is not None else torch.zeros(len(AGE_LABELS), dtype=torch.float64)
-
+                counts = counts.to(age.device) + torch.bincount(bins, minlength=len(AGE_LABELS)).double()
+        return counts
 
     def _sent(self, key: tuple[str, int], residual: Any) -> Any:
         if not self.changed:
             return residual == 0
-        before = self.previous.get(key)
-        self.previous[key] = residual.detach().clone()
+        before, self.previous[key] = self.previous.get(key), residual.detach().clone()
         if before is None or before.shape != residual.shape:
             return residual != 0  # the first step: a shift that is not zero moved from h = 0
         decay = self.decay
@@ -166,8 +124,8 @@ class StaleAges:
 
 
 def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, qs: Sequence[float]) -> list[float]:
-    """The ``qs`` quantiles of values binned in ``counts`` (bin ``i`` covers ``[low + i*width,
-    low + (i+1)*width)``), linear within a bin; NaN for an empty histogram."""
+    """The ``qs`` quantiles of values binned in ``counts`` (bin ``i`` covers ``[low + i*width, low + (i+1)*width)``),
+    linear within a bin; NaN for an empty histogram."""
     total = sum(counts)
     if total <= 0:
         return [math.nan for _ in qs]
@@ -187,82 +145,62 @@ def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, 
 class StepDiagnostics:
     """The per-step diagnostics of one rank; rank 0 writes them (see the module's docstring).
 
-    Call :meth:`after_backward` after the backward pass (before clipping), :meth:`before_step`
-    before ``optimizer.step()`` and :meth:`after_step` after it, on every rank (they are
-    collectives). Parameters are read by name, so FSDP1's flat parameters are out.
-
-    ``replicated``: every rank's parameters hold the whole averaged gradient after the backward pass
-    (DDP), which the ``estimate`` needs; it is measured only then, and only with a hook that can keep
-    each rank's own gradient.
+    Call :meth:`after_backward` after the backward pass (before clipping), :meth:`before_step` before
+    ``optimizer.step()`` and :meth:`after_step` after it, on every rank (they are collectives). Parameters are read
+    by name, so FSDP1's flat parameters are out. ``replicated``: every rank's parameters hold the whole averaged
+    gradient after the backward pass (DDP), which the ``estimate`` needs.
     """
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        hook,
-        path: Optional[str],
-        compression: str,
-        grad_clip: float,
-        header: Optional[dict] = None,
-        replicated: bool = False,
-    ) -> None:
-        self.optimizer = optimizer
-        self.hook = hook
+    def __init__(self, model, optimizer, hook, path: Optional[str], compression: str, grad_clip: float,
+                 header: Optional[dict] = None, replicated: bool = False) -> None:
+        from tagc.hooks.engine import TAGCHook
+
+        self.optimizer, self.hook, self.grad_clip = optimizer, hook, grad_clip
         engine = getattr(hook, "hook", hook)  # the trainer's DDP counter holds the tagc.hook(...) it installed
-        self._store = getattr(engine, "local_gradients", None)
-        self._estimating = replicated and self._store is not None
-        self._takes_kept = self._estimating and not engine.keep_local_gradients  # else the optimizer takes them
-        if self._takes_kept:  # the store is the diagnostics' alone: the embedding's gradient can be kept too
-            engine.keep_local_gradients = True
-            self._store.embeddings = True
+        self._engine = engine if replicated and isinstance(engine, TAGCHook) else None  # None: no estimate
+        self._own: dict[int, Any] = {}  # id(parameter) -> this rank's own gradient of this step
         self._estimate = None
-        self.grad_clip = grad_clip
+        self._before: list = []
         self.params = [(parameter_group(name, p.dim()), p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("diagnostics found no trainable parameters")
+        self._handles = [p.register_post_accumulate_grad_hook(self._keep_own) for group, p in self.params
+                         if self._engine is not None and group in COMPRESSED_GROUPS[compression]]
         codec = getattr(hook, "codec", None)
         ef21 = getattr(codec, "feedback", "classic") == "ef21"
         self.ages = StaleAges(changed=ef21, decay=(lambda: codec.decay) if ef21 else 1.0)  # set_feedback_decay moves it
-        self._before: list = []
         self.log = open(path, "a" if header is None else "w") if path else None  # noqa: SIM115 - closed by close()
         if self.log is not None and header is not None:
-            numel = {group: 0 for group in GROUPS}
-            for group, p in self.params:
-                numel[group] += p.numel()
-            self.log.write(
-                json.dumps(
-                    {
-                        "header": True,
-                        **header,
-                        "compression": compression,
-                        "compressed_groups": list(COMPRESSED_GROUPS[compression]),
-                        "grad_clip": grad_clip,
-                        "numel": numel,
-                        "age_bins": list(AGE_LABELS),
-                        "v_bin": V_BIN,
-                    }
-                )
-                + "\n"
-            )
+            numel = {group: sum(p.numel() for g, p in self.params if g == group) for group in GROUPS}
+            self.log.write(json.dumps({"header": True, **header, "compression": compression,
+                                       "compressed_groups": list(COMPRESSED_GROUPS[compression]),
+                                       "grad_clip": grad_clip, "numel": numel, "age_bins": list(AGE_LABELS),
+                                       "v_bin": V_BIN}) + "\n")
             self.log.flush()
 
+    def _keep_own(self, parameter) -> None:
+        """A compressed parameter's gradient as autograd accumulates it: this rank's own, since DDP's reducer reads
+        it only afterwards and writes the averaged one back at the end of the backward pass."""
+        self._own[id(parameter)] = parameter.grad.detach().clone()
+
     def after_backward(self) -> None:
-        """Measure the ``estimate`` (module docstring) of this step's gradients, before clipping scales them: the
-        decoded gradient in each parameter's ``.grad`` against the exact mean of the gradients the ranks kept. A
-        no-op where nothing was kept (not replicated, or a dense step)."""
+        """Measure the ``estimate`` of this step's gradients, before clipping scales them: the decoded gradient in
+        each parameter's ``.grad`` against the exact mean of the gradients the ranks kept. A no-op where nothing was
+        kept (not replicated) or the hook compressed nothing (its dense warm-up, or DDP's own first step)."""
         import torch
         import torch.distributed as dist
 
         self._estimate = None
-        if not self._estimating:
+        kept, self._own = self._own, {}
+        engine = self._engine
+        if not kept or not (engine.codec.compresses and not engine.state.dense
+                            and engine.state.current.compressed_buckets > 0):
             return
-        kept = self._store.take() if self._takes_kept else self._store.peek()
         chosen = [(group, p, kept[id(p)]) for group, p in self.params if id(p) in kept and p.grad is not None]
         if not chosen:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
-        own = torch.cat([gradient.reshape(-1)[: p.numel()].double() for _, p, gradient in chosen])
+        own = torch.cat([gradient.reshape(-1).double() for _, _, gradient in chosen])
         mean = own.clone()
         if world > 1:
             dist.all_reduce(mean)
@@ -284,8 +222,8 @@ class StepDiagnostics:
         self._before = [_local(p).detach().clone() for _, p in self.params]
 
     def after_step(self, step: int, lr: float, grad_norm, dense: bool) -> Optional[dict]:
-        """Measure the step just taken (``grad_norm``: what ``clip_grad_norm_`` returned; ``dense``:
-        the hook sent this step uncompressed, so no element aged); rank 0 writes and returns it."""
+        """Measure the step just taken (``grad_norm``: what ``clip_grad_norm_`` returned; ``dense``: the hook sent
+        this step uncompressed, so no element aged); rank 0 writes and returns it."""
         import torch
         import torch.distributed as dist
 
@@ -294,12 +232,10 @@ class StepDiagnostics:
         stats = torch.zeros(len(GROUPS), width, dtype=torch.float64, device=device)
         for (group, p), before in zip(self.params, self._before):
             row = stats[GROUPS.index(group)]
-            local = _local(p).detach()
-            delta = (local.double() - before.double()).reshape(-1)
+            delta = (_local(p).detach().double() - before.double()).reshape(-1)
             row[0] += delta.numel()
             row[1] += delta.square().sum()
-            state = self.optimizer.state.get(p, {})
-            v = state.get("exp_avg_sq")
+            v = self.optimizer.state.get(p, {}).get("exp_avg_sq")
             if v is not None:
                 v = _local(v).detach().double().reshape(-1)
                 row[2] += v.sum()
@@ -323,51 +259,31 @@ class StepDiagnostics:
         estimate = vector[stats.numel() + len(AGE_LABELS) :].reshape(len(GROUPS), len(ESTIMATE_FIELDS)).cpu()
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         norm = float(norm) if norm is not None else math.nan
-        record: dict[str, Any] = {
-            "step": step,
-            "lr": lr,
-            "grad_norm": norm,
-            "clipped": bool(self.grad_clip) and norm > self.grad_clip,
-            "groups": {},
-        }
+        record: dict[str, Any] = {"step": step, "lr": lr, "grad_norm": norm,
+                                  "clipped": bool(self.grad_clip) and norm > self.grad_clip, "groups": {}}
         for index, group in enumerate(GROUPS):
             n, sq, v_sum, log_sum = stats[index, :4].tolist()
-            if n == 0:
-                continue
-            p10, p50, p90 = (
-                10.0**x for x in quantiles_from_histogram(stats[index, 4:].tolist(), V_RANGE[0], V_BIN, QUANTILES)
-            )
-            rms = math.sqrt(sq / n)
-            record["groups"][group] = {
-                "n": int(n),
-                "delta_rms": rms,
-                "update_rms": rms / lr if lr else math.nan,
-                "v_mean": v_sum / n,
-                "v_geomean": 10.0 ** (log_sum / n),
-                "v_p10": p10,
-                "v_p50": p50,
-                "v_p90": p90,
-            }
+            if n:
+                p50, p90 = (10.0**x for x in quantiles_from_histogram(stats[index, 4:].tolist(), V_RANGE[0], V_BIN,
+                                                                       (0.5, 0.9)))
+                record["groups"][group] = {"n": int(n), "update_rms": math.sqrt(sq / n) / lr if lr else math.nan,
+                                           "v_mean": v_sum / n, "v_geomean": 10.0 ** (log_sum / n), "v_p50": p50,
+                                           "v_p90": p90}
         estimates = {group: summary for index, group in enumerate(GROUPS)
                      if (summary := estimate_summary(estimate[index].tolist(), world)) is not None}
         if estimates:
             record["estimate"] = estimates
         total = sum(age_counts)
         if total:
-            mean_age_floor = (
-                sum(count * (0 if i == 0 else AGE_EDGES[i - 1]) for i, count in enumerate(age_counts)) / total
-            )
-            record["staleness"] = {
-                "counts": age_counts,
-                "elements": int(total),
-                "sent": age_counts[0] / total,
-                "age_lower_bound_mean": mean_age_floor,
-            }
+            record["staleness"] = {"counts": age_counts, "elements": int(total), "sent": age_counts[0] / total}
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
         return record
 
     def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if self.log is not None:
             self.log.close()
 
@@ -381,28 +297,10 @@ def estimate_summary(sums: Sequence[float], world: int) -> Optional[dict]:
         return None
     error_sq, signal_sq, dot, decoded_sq = (value / world for value in (error_sq, signal_sq, dot, decoded_sq))
     noise_sq = own_sq / (world * (world - 1)) if world > 1 else math.nan
-    return {
-        "n": int(n / world),
-        "error_sq": error_sq,
-        "noise_sq": noise_sq,
-        "signal_sq": signal_sq,
-        "error_to_noise": error_sq / noise_sq if noise_sq else math.nan,
-        "gain": dot / signal_sq if signal_sq else math.nan,
-        "cosine": dot / math.sqrt(signal_sq * decoded_sq) if signal_sq and decoded_sq else math.nan,
-    }
-
-
-def pooled_estimate(record: dict, groups: Sequence[str]) -> Optional[dict]:
-    """A record's ``estimate`` over ``groups`` pooled (sums of squares added): ``error_to_noise`` and ``gain``."""
-    chosen = [record["estimate"][g] for g in groups if g in record.get("estimate", {})]
-    if not chosen:
-        return None
-    error = sum(e["error_sq"] for e in chosen)
-    noise = sum(e["noise_sq"] for e in chosen)
-    signal = sum(e["signal_sq"] for e in chosen)
-    through = sum(e["gain"] * e["signal_sq"] for e in chosen)
-    return {"error_to_noise": error / noise if noise else math.nan, "gain": through / signal if signal else math.nan,
-            "noise_to_signal": noise / signal if signal else math.nan}
+    return {"n": int(n / world), "error_sq": error_sq, "noise_sq": noise_sq, "signal_sq": signal_sq,
+            "error_to_noise": error_sq / noise_sq if noise_sq else math.nan,
+            "gain": dot / signal_sq if signal_sq else math.nan,
+            "cosine": dot / math.sqrt(signal_sq * decoded_sq) if signal_sq and decoded_sq else math.nan}
 
 
 # ----------------------------------------------------------------------------- two runs side by side
@@ -411,10 +309,8 @@ def pooled_estimate(record: dict, groups: Sequence[str]) -> Optional[dict]:
 def diagnostics_path(path: str | Path) -> Path:
     """A run's diagnostics log: ``path`` itself, or ``<run>.diagnostics.jsonl`` beside a run's ``<run>.jsonl``."""
     path = Path(path)
-    if path.name.endswith(".diagnostics.jsonl"):
-        return path
     candidate = path.with_name(path.name.removesuffix(".jsonl") + ".diagnostics.jsonl")
-    return candidate if candidate.exists() else path
+    return path if path.name.endswith(".diagnostics.jsonl") or not candidate.exists() else candidate
 
 
 def read_diagnostics(path: str | Path) -> tuple[dict, dict[int, dict]]:
@@ -424,10 +320,7 @@ def read_diagnostics(path: str | Path) -> tuple[dict, dict[int, dict]]:
         raise FileNotFoundError(f"no diagnostics log at {path}: train with --diagnostics")
     header: dict = {}
     records: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in (json.loads(line) for line in path.read_text().splitlines() if line.strip()):
         if record.get("header"):
             header = record
         elif "step" in record:
@@ -436,16 +329,20 @@ def read_diagnostics(path: str | Path) -> tuple[dict, dict[int, dict]]:
 
 
 def _pooled(record: dict, groups: Sequence[str]) -> dict:
-    """The compressed groups pooled: the RMS over all their elements, ``exp_avg_sq``'s mean over them."""
+    """The groups pooled: the update RMS over all their elements, ``exp_avg_sq``'s mean and geometric mean, and
+    (where measured) the estimate's error over noise and gain (sums of squares added)."""
     chosen = [record["groups"][g] for g in groups if g in record.get("groups", {})]
     n = sum(g["n"] for g in chosen)
-    if not n:
-        return {}
-    return {
+    pooled = {} if not n else {
         "update_rms": math.sqrt(sum(g["update_rms"] ** 2 * g["n"] for g in chosen) / n),
         "v_mean": sum(g["v_mean"] * g["n"] for g in chosen) / n,
-        "v_geomean": 10.0 ** (sum(math.log10(g["v_geomean"]) * g["n"] for g in chosen) / n),
-    }
+        "v_geomean": 10.0 ** (sum(math.log10(g["v_geomean"]) * g["n"] for g in chosen) / n)}
+    estimates = [record["estimate"][g] for g in groups if g in record.get("estimate", {})]
+    if estimates:
+        noise, signal = sum(e["noise_sq"] for e in estimates), sum(e["signal_sq"] for e in estimates)
+        pooled["error_to_noise"] = sum(e["error_sq"] for e in estimates) / noise if noise else math.nan
+        pooled["gain"] = sum(e["gain"] * e["signal_sq"] for e in estimates) / signal if signal else math.nan
+    return pooled
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -458,11 +355,11 @@ def _mean(values: list) -> Optional[float]:
 
 
 def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10) -> dict:
-    """A run's diagnostics against plain's at the steps both logged: per step the ratios (run /
-    plain) of the update RMS and of ``exp_avg_sq`` (mean and geometric mean) on the run's
-    compressed groups (all groups when it compresses none), pooled and per group; both clip
-    flags and grad norms; the run's staleness. Then the same averaged over ``windows`` equal
-    spans of steps, and the staleness histogram summed over the run's compressed steps."""
+    """A run's diagnostics against plain's at the steps both logged: per step the ratios (run / plain) of the
+    update RMS and of ``exp_avg_sq`` (mean, geometric mean; per group median and 90th percentile) on the run's
+    compressed groups (all groups when it compresses none), both clip flags and grad norms, the run's staleness and
+    estimate. Then the same averaged over ``windows`` equal spans of steps, and the staleness histogram summed over
+    the run's compressed steps."""
     plain_header, plain = read_diagnostics(plain_path)
     run_header, run = read_diagnostics(run_path)
     groups = tuple(run_header.get("compressed_groups") or ()) or GROUPS
@@ -473,126 +370,83 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
     for step in steps:
         a, b = plain[step], run[step]
         pooled_a, pooled_b = _pooled(a, groups), _pooled(b, groups)
-        row = {
-            "step": step,
-            "plain_clipped": a["clipped"],
-            "run_clipped": b["clipped"],
-            "plain_grad_norm": a["grad_norm"],
-            "run_grad_norm": b["grad_norm"],
+        per_step.append({
+            "step": step, "plain_clipped": a["clipped"], "run_clipped": b["clipped"],
+            "plain_grad_norm": a["grad_norm"], "run_grad_norm": b["grad_norm"],
             "grad_norm_ratio": _ratio(b["grad_norm"], a["grad_norm"]),
-            "update_rms_ratio": _ratio(pooled_b.get("update_rms"), pooled_a.get("update_rms")),
-            "v_mean_ratio": _ratio(pooled_b.get("v_mean"), pooled_a.get("v_mean")),
-            "v_geomean_ratio": _ratio(pooled_b.get("v_geomean"), pooled_a.get("v_geomean")),
-            "groups": {
-                g: {
-                    "update_rms_ratio": _ratio(b["groups"][g]["update_rms"], a["groups"][g]["update_rms"]),
-                    "v_p50_ratio": _ratio(b["groups"][g]["v_p50"], a["groups"][g]["v_p50"]),
-                    "v_p90_ratio": _ratio(b["groups"][g]["v_p90"], a["groups"][g]["v_p90"]),
-                }
-                for g in groups
-                if g in a.get("groups", {}) and g in b.get("groups", {})
-            },
+            **{f"{key}_ratio": _ratio(pooled_b.get(key), pooled_a.get(key))
+               for key in ("update_rms", "v_mean", "v_geomean")},
+            "groups": {g: {f"{key}_ratio": _ratio(b["groups"][g][key], a["groups"][g][key])
+                           for key in ("update_rms", "v_p50", "v_p90")}
+                       for g in groups if g in a.get("groups", {}) and g in b.get("groups", {})},
             "staleness": b.get("staleness"),
-            **{f"run_{key}": value for key, value in (pooled_estimate(b, groups) or {}).items()},
-        }
-        per_step.append(row)
+            "run_error_to_noise": pooled_b.get("error_to_noise"), "run_gain": pooled_b.get("gain"),
+        })
     size = max(1, math.ceil(len(per_step) / windows))
     spans = []
     for start in range(0, len(per_step), size):
         chunk = per_step[start : start + size]
         stale = [r["staleness"] for r in chunk if r["staleness"]]
-        spans.append(
-            {
-                "first": chunk[0]["step"],
-                "last": chunk[-1]["step"],
-                "steps": len(chunk),
-                "plain_clip_fraction": sum(r["plain_clipped"] for r in chunk) / len(chunk),
-                "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
-                **{
-                    key: _mean([r[key] for r in chunk])
-                    for key in ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio", "v_geomean_ratio",
-                                "run_error_to_noise", "run_gain")
-                },
-                "sent": _mean([s["sent"] for s in stale]),
-                "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale]),
-            }
-        )
+        spans.append({
+            "first": chunk[0]["step"], "last": chunk[-1]["step"], "steps": len(chunk),
+            "plain_clip_fraction": sum(r["plain_clipped"] for r in chunk) / len(chunk),
+            "run_clip_fraction": sum(r["run_clipped"] for r in chunk) / len(chunk),
+            **{key: _mean([r[key] for r in chunk]) for key in ("grad_norm_ratio", "update_rms_ratio", "v_mean_ratio",
+                                                                "v_geomean_ratio", "run_error_to_noise", "run_gain")},
+            "sent": _mean([s["sent"] for s in stale]),
+            "stale_8_plus": _mean([sum(s["counts"][4:]) / s["elements"] for s in stale]),
+        })
     histogram = [0.0] * len(AGE_LABELS)
     for row in per_step:
         if row["staleness"]:
             histogram = [h + c for h, c in zip(histogram, row["staleness"]["counts"])]
-    return {
-        "plain": plain_header,
-        "run": run_header,
-        "groups": list(groups),
-        "per_step": per_step,
-        "windows": spans,
-        "staleness_histogram": histogram,
-    }
+    return {"plain": plain_header, "run": run_header, "groups": list(groups), "per_step": per_step, "windows": spans,
+            "staleness_histogram": histogram}
 
 
 def format_comparison(result: dict) -> str:
-    """:func:`compare_runs`' result as Markdown: the windows' table, the per-group ratios over all
-    shared steps, and the staleness histogram."""
+    """:func:`compare_runs`' result as Markdown: the windows' table, the per-group ratios over all shared steps,
+    and the staleness histogram."""
     fmt = lambda value, spec="{:.3f}": "-" if value is None else spec.format(value)  # noqa: E731
     plain, run = result["plain"].get("run", "plain"), result["run"].get("run", "run")
     lines = [
-        f"# Diagnostics: `{run}` against `{plain}`",
-        "",
+        f"# Diagnostics: `{run}` against `{plain}`", "",
         f"Ratios are the run's over plain's at the same step, on the run's compressed groups "
         f"({', '.join(result['groups'])}; pooled over their elements), averaged over each span's steps. "
         f"`update RMS`: RMS of the parameter change over the learning rate (AdamW's update); `v`: Adam's "
         f"exp_avg_sq. `sent`: share of the residual's elements sent in a step; `age 8+`: share last sent 8 or "
         f"more steps before. `error/noise` and `gain` (DDP runs only): the run's decoded gradient against the exact "
         f"mean of the ranks' gradients, its squared error over the mean's minibatch noise and the share of the mean "
-        f"that gets through.",
-        "",
+        f"that gets through.", "",
         "| steps | clip plain | clip run | grad norm | update RMS | v mean | v geomean | sent | age 8+ "
-        "| error/noise | gain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        "| error/noise | gain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for span in result["windows"]:
         lines.append(
             f"| {span['first']}-{span['last']} | {span['plain_clip_fraction']:.0%} | {span['run_clip_fraction']:.0%} | "
             f"{fmt(span['grad_norm_ratio'])} | {fmt(span['update_rms_ratio'])} | {fmt(span['v_mean_ratio'])} | "
             f"{fmt(span['v_geomean_ratio'])} | {fmt(span['sent'], '{:.1%}')} | {fmt(span['stale_8_plus'], '{:.1%}')} | "
-            f"{fmt(span['run_error_to_noise'])} | {fmt(span['run_gain'])} |"
-        )
-    lines += [
-        "",
-        "Per group, over all shared steps:",
-        "",
-        "| group | update RMS | v p50 | v p90 |",
-        "|---|---:|---:|---:|",
-    ]
+            f"{fmt(span['run_error_to_noise'])} | {fmt(span['run_gain'])} |")
+    lines += ["", "Per group, over all shared steps:", "", "| group | update RMS | v p50 | v p90 |",
+              "|---|---:|---:|---:|"]
     for group in result["groups"]:
-        values = [row["groups"].get(group) for row in result["per_step"] if row["groups"].get(group)]
+        values = [row["groups"][group] for row in result["per_step"] if row["groups"].get(group)]
         if values:
-            lines.append(
-                f"| {group} | {fmt(_mean([v['update_rms_ratio'] for v in values]))} | "
-                f"{fmt(_mean([v['v_p50_ratio'] for v in values]))} | {fmt(_mean([v['v_p90_ratio'] for v in values]))} |"
-            )
+            lines.append(f"| {group} | " + " | ".join(fmt(_mean([v[f"{key}_ratio"] for v in values]))
+                                                   for key in ("update_rms", "v_p50", "v_p90")) + " |")
     total = sum(result["staleness_histogram"])
     if total:
-        lines += [
-            "",
-            "Steps since an element was last sent (all compressed steps, every rank's residuals):",
-            "",
-            "| age | " + " | ".join(AGE_LABELS) + " |",
-            "|---|" + "---:|" * len(AGE_LABELS),
-            "| share | " + " | ".join(f"{c / total:.1%}" for c in result["staleness_histogram"]) + " |",
-        ]
+        lines += ["", "Steps since an element was last sent (all compressed steps, every rank's residuals):", "",
+                  "| age | " + " | ".join(AGE_LABELS) + " |", "|---|" + "---:|" * len(AGE_LABELS),
+                  "| share | " + " | ".join(f"{c / total:.1%}" for c in result["staleness_histogram"]) + " |"]
     else:
-        lines += [
-            "",
-            "No staleness: the run logged no residual (plain, a dense-only run, or a codec without error feedback).",
-        ]
+        lines += ["", "No staleness: the run logged no residual (plain, a dense-only run, or a codec without error "
+                  "feedback)."]
     return "\n".join(lines) + "\n"
 
 
 def plot_comparison(result: dict, path: Path) -> None:
-    """Four panels: update-RMS and ``exp_avg_sq`` ratios against step, both grad norms with the
-    clip threshold, and the staleness histogram."""
+    """Four panels: update-RMS and ``exp_avg_sq`` ratios against step, both grad norms with the clip threshold,
+    and the staleness histogram."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -600,54 +454,41 @@ def plot_comparison(result: dict, path: Path) -> None:
 
     rows = result["per_step"]
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
-    ax = axes[0, 0]
-    ax.plot(steps, [r["update_rms_ratio"] for r in rows], label="compressed groups", color="black", lw=1)
+    fig, ((rms, v), (norms, stale)) = plt.subplots(2, 2, figsize=(12, 7.5))
+    rms.plot(steps, [r["update_rms_ratio"] for r in rows], label="compressed groups", color="black", lw=1)
     for group in result["groups"]:
-        ax.plot(
-            steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7, alpha=0.7
-        )
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="step", ylabel="run / plain", title="AdamW update RMS")
-    ax = axes[0, 1]
-    ax.plot(steps, [r["v_mean_ratio"] for r in rows], label="mean", color="black", lw=1)
-    ax.plot(steps, [r["v_geomean_ratio"] for r in rows], label="geometric mean", color="tab:orange", lw=1)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="step", ylabel="run / plain", title="Adam exp_avg_sq (compressed groups)")
-    ax = axes[1, 0]
-    ax.plot(steps, read_norms(result, "plain"), label="plain", lw=0.8)
-    ax.plot(steps, read_norms(result, "run"), label="run", lw=0.8)
-    clip = result["run"].get("grad_clip")
-    if clip:
-        ax.axhline(clip, color="red", lw=0.8, label="clip")
-    ax.set(xlabel="step", ylabel="grad norm (before clipping)", title="gradient norm", yscale="log")
-    ax = axes[1, 1]
+        rms.plot(steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7,
+                 alpha=0.7)
+    rms.set(xlabel="step", ylabel="run / plain", title="AdamW update RMS")
+    v.plot(steps, [r["v_mean_ratio"] for r in rows], label="mean", color="black", lw=1)
+    v.plot(steps, [r["v_geomean_ratio"] for r in rows], label="geometric mean", color="tab:orange", lw=1)
+    v.set(xlabel="step", ylabel="run / plain", title="Adam exp_avg_sq (compressed groups)")
+    for ax in (rms, v):
+        ax.axhline(1.0, color="grey", lw=0.8)
+    for which in ("plain", "run"):
+        norms.plot(steps, [r[f"{which}_grad_norm"] for r in rows], label=which, lw=0.8)
+    if result["run"].get("grad_clip"):
+        norms.axhline(result["run"]["grad_clip"], color="red", lw=0.8, label="clip")
+    norms.set(xlabel="step", ylabel="grad norm (before clipping)", title="gradient norm", yscale="log")
     total = sum(result["staleness_histogram"])
-    ax.bar(range(len(AGE_LABELS)), [c / total if total else 0 for c in result["staleness_histogram"]])
-    ax.set_xticks(range(len(AGE_LABELS)), AGE_LABELS, fontsize=7)
-    ax.set(xlabel="steps since last sent", ylabel="share of elements", title="staleness (compressed steps)")
-    for ax in axes.flat:
+    stale.bar(range(len(AGE_LABELS)), [c / total if total else 0 for c in result["staleness_histogram"]])
+    stale.set_xticks(range(len(AGE_LABELS)), AGE_LABELS, fontsize=7)
+    stale.set(xlabel="steps since last sent", ylabel="share of elements", title="staleness (compressed steps)")
+    for ax in (rms, v, norms, stale):
         ax.grid(alpha=0.3)
-    for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
+    for ax in (rms, v, norms):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def read_norms(result: dict, which: str) -> list[Optional[float]]:
-    """Per shared step, the grad norm of ``which`` (``"plain"`` or ``"run"``), from the ratio's inputs."""
-    return [r.get(f"{which}_grad_norm") for r in result["per_step"]]
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m gpt2_bench.diagnostics PLAIN RUN [--out DIR]``: the comparison as Markdown and a plot."""
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.diagnostics", description=__doc__.split("\n\n")[0])
-    p.add_argument("plain", help="plain FSDP's run log (<run>.jsonl) or its <run>.diagnostics.jsonl")
+    p.add_argument("plain", help="plain training's run log (<run>.jsonl) or its <run>.diagnostics.jsonl")
     p.add_argument("run", help="the run to set against it (same settings but the codec)")
-    p.add_argument(
-        "--out", default=None, help="folder for diagnostics.md and diagnostics.png (default: the run's folder)"
-    )
+    p.add_argument("--out", default=None, help="folder for the report and its plot (default: the run's folder)")
     p.add_argument("--windows", type=int, default=10, help="spans of steps in the table (default %(default)s)")
     args = p.parse_args(argv)
     try:

@@ -200,29 +200,13 @@ def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_
 def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compression: dict, ranks_per_host: int = 8,
                    ratio: float = 10.0, rank: int = 4, backend: str = "nccl",
                    param_bytes: float = 4) -> tuple[float, str]:
-    """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts.
-
-    * ``flat``: FSDP sharded over every rank (1 rank per host): two parameter all-gathers (forward and
-      backward, ``param_bytes`` per element, :data:`PARAM_BYTES`) ``2 (H-1)/H n s``, and the compressed reduce-scatter:
-      ``(H-1)`` rank rows of each parameter's ``ceil(numel/H)``-element piece in its codec's wire
-      (PowerSGD: its two all-reduces of ``P`` and ``Q`` as reduce-scatter + all-gather rounds);
-    * ``ddp``: DDP, 1 rank per host, only the gradient crosses, in the fewest bytes of the forms
-      :mod:`tagc.hooks.ddp` allows: its all-reduce forms (fp32: ``ring(4n)``; bf16: ``ring(2n)``; TAGC
-      with a bitmap, float32 cells and fp32 plain columns: ``ring(4 T + 4 p)`` for the summed sketch tables
-      ``T`` and plain columns ``p``, plus the index: ``ring(I)`` by a bitwise-OR all-reduce on gloo,
-      ``(H-1) I`` by an all-gather on NCCL, which has no bitwise reduction; PowerSGD:
-      ``ring(v P + s p) + ring(v Q)``, with ``v`` bytes per value, 4 or 2 for bf16 ``value_dtype``, and ``s``
-      per plain column, 4 or 2 with ``plain="bf16"``: each summed in its dtype, as ``bf16_compress_hook``
-      sums), ``rs+ag`` (``(H-1)`` rows of each piece's wire, then a dense
-      all-gather of the reduced pieces, float32 or bf16 with ``plain="bf16"``) and ``gather`` (every
-      rank's encoded pieces to every rank: ``(H-1) H`` rows; fixed-shape wires only, not PowerSGD);
-    * ``hsdp``: FSDP2 HSDP with ``ranks_per_host`` ranks per host: the parameters never cross; each rank
-      exchanges its ``n / G`` shard across the ``H`` replicas by ``rs+ag`` or ``gather`` (no all-reduce
-      form: :mod:`tagc.hooks.fsdp2`); PowerSGD cannot see a piece's matrix shape there and sends it
-      plain. The host sends ``G`` ranks' worth.
-
-    Codec wires are the engine's per parameter (its parts pack several parameters: within a few bytes
-    of what the engine plans per bucket)."""
+    """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts: ``flat``
+    (1 rank per host: two parameter all-gathers of ``param_bytes`` per element, :data:`PARAM_BYTES`, and the
+    compressed reduce-scatter), ``ddp`` (1 rank per host: the fewest bytes of the all-reduce, ``rs+ag`` and ``gather``
+    forms :mod:`tagc.hooks.ddp` allows; TAGC's index merged by a bitwise-OR all-reduce on gloo, all-gathered on
+    ``nccl``) or ``hsdp`` (``ranks_per_host`` ranks per host, each exchanging its shard across the replicas by
+    ``rs+ag`` or ``gather``; PowerSGD sends a piece plain). The formulas: docs/layout.md, "Bytes between hosts at 2,
+    8 and 64 hosts". Codec wires are the engine's per parameter (within a few bytes of its plan per bucket)."""
     method = ARITHMETIC_METHODS[method_name]
     parts = parts_by_compression[method["compression"]]
     codec, plain = _codecs(method, ratio)

@@ -30,6 +30,7 @@ __all__ = ["run", "summarise", "scaled_link", "RankFailed"]
 
 
 def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
+    """A run's record from its log: settings, the median steady step, the exchange's figures, losses, the curve."""
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if "step" in r]
     summary = next(r for r in records if r.get("summary"))
@@ -37,57 +38,32 @@ def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
     steady = steps[min(len(steps) - 1, first_steady) :]  # drop warm-up steps and the dense warm-up
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     total = summary.get("hook_total") or {}
+    hooked = lambda key: median([r[key] for r in steady if key in r]) if total else None  # noqa: E731
+    coded = cfg.compression != "none"
     return {
-        "name": cfg.run_name,
-        "integration": cfg.integration,
-        "compiled": cfg.compile,
-        "algorithm": "fsdp" if cfg.compression == "none" else cfg.codec,
-        "codec": None if cfg.compression == "none" else cfg.codec,
-        "reduce_dtype": cfg.reduce_dtype,
-        "param_dtype": param_gather(cfg),
-        "compressed": cfg.compression,
-        "transport": cfg.transport,
-        "ratio": cfg.ratio if cfg.compression != "none" else None,
-        "index_bits": cfg.index_bits if cfg.compression != "none" else None,
-        "link": link,
-        "steps": len(steps),
-        "tokens": steps[-1]["tokens"] if steps else 0,
-        "iter_ms": median([r["iter_ms"] for r in steady]),
+        "name": cfg.run_name, "integration": cfg.integration, "compiled": cfg.compile,
+        "algorithm": cfg.codec if coded else "fsdp", "codec": cfg.codec if coded else None,
+        "reduce_dtype": cfg.reduce_dtype, "param_dtype": param_gather(cfg), "compressed": cfg.compression,
+        "transport": cfg.transport, "ratio": cfg.ratio if coded else None,
+        "index_bits": cfg.index_bits if coded else None, "link": link, "steps": len(steps),
+        "tokens": steps[-1]["tokens"] if steps else 0, "iter_ms": median([r["iter_ms"] for r in steady]),
         "steady_iter_ms": [r["iter_ms"] for r in steady],
         "codec_ms": median([r.get("compress_ms", 0.0) + r.get("decode_ms", 0.0) for r in steady]) if total else None,
         "train_s": sum(r["iter_ms"] for r in steps) / 1e3,  # every step, warm-up and dense steps included
-        "exchange_ms_per_mb": median([r["exchange_ms_per_mb"] for r in steady if "exchange_ms_per_mb" in r])
-        if total
-        else None,
+        "exchange_ms_per_mb": hooked("exchange_ms_per_mb"),
         "wire_bytes_per_rank": (total.get("wire_bytes", 0) / max(1, len(steps))) if total else None,
         "plain_bytes_per_rank": (total.get("plain_equivalent_bytes", 0) / max(1, len(steps))) if total else None,
-        "wire_bytes_per_step": median([r["wire_bytes"] for r in steady if "wire_bytes" in r])
-        if total
-        else None,  # steady steps
-        "overlap": cfg.overlap,
-        "exposed_ms": median([r["exposed_ms"] for r in steady if "exposed_ms" in r]) if total else None,
-        "wire_ms": median([r["wire_ms"] for r in steady if "wire_ms" in r]) if total else None,
-        "units": _unit_medians(steady),
-        "timeline": next((r["timeline"] for r in steps if "timeline" in r), None),
-        "val_loss": summary["val_loss"],
-        "resumed_from_step": summary.get("first_step") or None,
-        "stopped_at": summary.get("stopped_at"),
-        "peel_success": total.get("peel_success") if cfg.compression != "none" else None,
-        "n_params": summary["n_params"],
-        "peak_rss_mb": summary.get("peak_rss_mb"),
-        "forward_rss_mb": summary.get("forward_rss_mb"),
-        "grad_mb": summary["grad_mb"],
-        "log": str(log_path),
+        "wire_bytes_per_step": hooked("wire_bytes"),  # steady steps
+        "overlap": cfg.overlap, "exposed_ms": hooked("exposed_ms"), "wire_ms": hooked("wire_ms"),
+        "units": _unit_medians(steady), "val_loss": summary["val_loss"],
+        "resumed_from_step": summary.get("first_step") or None, "stopped_at": summary.get("stopped_at"),
+        "peel_success": total.get("peel_success") if coded else None, "n_params": summary["n_params"],
+        "peak_rss_mb": summary.get("peak_rss_mb"), "grad_mb": summary["grad_mb"], "log": str(log_path),
         "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],
-        "hosts": cfg.hosts,
-        "hierarchy": cfg.hierarchy if cfg.hosts > 1 else None,
-        "hsdp": cfg.hsdp,
-        "inter_host_bytes_per_step": inter_host_bytes_per_step(log_path, [r["step"] for r in steady])
-        if cfg.hosts > 1
-        else None,
-        "inter_host_wire_bytes_per_step": median([r["inter_host_bytes"] for r in steady if "inter_host_bytes" in r])
-        if total
-        else None,
+        "hosts": cfg.hosts, "hierarchy": cfg.hierarchy if cfg.hosts > 1 else None, "hsdp": cfg.hsdp,
+        "inter_host_bytes_per_step": (inter_host_bytes_per_step(log_path, [r["step"] for r in steady])
+                                      if cfg.hosts > 1 else None),
+        "inter_host_wire_bytes_per_step": hooked("inter_host_bytes"),
     }
 
 
@@ -116,11 +92,8 @@ def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = 
             if attempt == attempts:
                 raise
             again = "from its newest checkpoint" if cfg.checkpoint_dir else "from scratch"
-            print(
-                f"{cfg.run_name}: {error}\n"
-                f"{cfg.run_name}: starting again {again} (attempt {attempt + 1} of {attempts})",
-                file=sys.stderr,
-            )
+            print(f"{cfg.run_name}: {error}\n{cfg.run_name}: starting again {again} (attempt {attempt + 1} of "
+                  f"{attempts})", file=sys.stderr)
             cfg = dataclasses.replace(cfg, resume=bool(cfg.checkpoint_dir), fault_step=None)  # a fault drill fires once
     raise AssertionError("unreachable")
 
@@ -146,19 +119,9 @@ def _run_once(cfg: TrainConfig, data_dir: Optional[str], link: Optional[str]) ->
         if cfg.hosts > 1:
             with EmulatedHosts(cfg.hosts, link) as hosts:
                 print(f"[{cfg.run_name}] {hosts.describe()}", file=sys.stderr, flush=True)
-                argvs = [
-                    torchrun_argv(
-                        "gpt2_bench.train",
-                        args,
-                        per_host,
-                        hosts=cfg.hosts,
-                        host=h,
-                        rdzv_addr=hosts.address(0),
-                        local_addr=hosts.address(h),
-                        run_id=cfg.run_name,
-                    )
-                    for h in range(cfg.hosts)
-                ]
+                argvs = [torchrun_argv("gpt2_bench.train", args, per_host, hosts=cfg.hosts, host=h,
+                                       rdzv_addr=hosts.address(0), local_addr=hosts.address(h), run_id=cfg.run_name)
+                         for h in range(cfg.hosts)]
                 launch = Launch(argvs, env={**env, COUNT_DEVICE_ENV: "eth0"}, wrap=hosts.wrap,
                                 env_per_host=[hosts.env(h) for h in range(cfg.hosts)])
                 _wait(launch, cfg)
@@ -208,27 +171,14 @@ def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
     ``share_of`` says which, and ``modelled_exchange_share`` what the exchange alone then takes.
     """
     share = cfg.link_share
-    probe = dataclasses.replace(
-        cfg,
-        compression="none",
-        transport="fair",
-        steps=steps,
-        eval_interval=10**6,
-        reduce_dtype=None,
-        link="none",
-        name=f"calibrate-{cfg.preset}",
-        overlap=False,
-        checkpoint_every=0,
-        resume=False,
-    )  # the share of a non-overlapped step
+    probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
+                                reduce_dtype=None, link="none", name=f"calibrate-{cfg.preset}", overlap=False,
+                                checkpoint_every=0, resume=False)  # the share of a non-overlapped step
 
     def measure(rate: str) -> tuple[float, float, float]:
         result = run(probe, data_dir, link=rate)
-        return (
-            result["iter_ms"] / 1e3,
-            result["exchange_ms_per_mb"] * result["grad_mb"] / 1e3,
-            result["wire_bytes_per_rank"],
-        )
+        return (result["iter_ms"] / 1e3, result["exchange_ms_per_mb"] * result["grad_mb"] / 1e3,
+                result["wire_bytes_per_rank"])
 
     step_s, exchange_s, wire_bytes = measure("none")
     compute_s = max(1e-3, step_s - exchange_s)
@@ -244,25 +194,13 @@ def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
         share_of = "link"
         rate_bps = max(10**6, int(slowed * (1 - share) / (share * compute_s)))
     exchange_share = exchange / rate_bps / (compute_s + slowed / rate_bps)
-    info = {
-        "rate": format_rate(rate_bps),
-        "rate_bps": rate_bps,
-        "cpu_step_ms": step_s * 1e3,
-        "rest_ms": compute_s * 1e3,
-        "exchange_share": share,
-        "share_of": share_of,
-        "modelled_exchange_share": exchange_share,
-        "slowdown": LINK_BPS / rate_bps,
-        "nominal": "10gbit",
-        "first_guess": format_rate(guess_bps),
-        "first_guess_share": shaped_exchange_s / shaped_step_s,
-    }
+    info = {"rate": format_rate(rate_bps), "rate_bps": rate_bps, "cpu_step_ms": step_s * 1e3,
+            "rest_ms": compute_s * 1e3, "exchange_share": share, "share_of": share_of,
+            "modelled_exchange_share": exchange_share, "slowdown": LINK_BPS / rate_bps, "nominal": "10gbit",
+            "first_guess": format_rate(guess_bps), "first_guess_share": shaped_exchange_s / shaped_step_s}
     what = ("the plain exchange takes" if share_of == "exchange" else
             f"the link-bound time (exchange and all-gathers; the exchange alone cannot: {exchange_share:.0%}) takes")
-    print(
-        f"scaled link: a step here computes for {compute_s * 1e3:.0f} ms; at {info['first_guess']} the plain exchange "
-        f"took {info['first_guess_share']:.0%} of a step; {what} {share:.0%} at {info['rate']} "
-        f"(10gbit / {info['slowdown']:.0f})",
-        file=sys.stderr,
-    )
+    print(f"scaled link: a step here computes for {compute_s * 1e3:.0f} ms; at {info['first_guess']} the plain "
+          f"exchange took {info['first_guess_share']:.0%} of a step; {what} {share:.0%} at {info['rate']} "
+          f"(10gbit / {info['slowdown']:.0f})", file=sys.stderr)
     return info

@@ -1,52 +1,15 @@
 """The DDP layout: the model replicated on every rank, only the gradient crosses, as an all-reduce.
 
-``python -m gpt2_bench.train --integration ddp`` wraps the model in torch's
-``DistributedDataParallel`` (gloo on the CPU, NCCL on GPUs) and reduces its gradient buckets with
-one of:
+``python -m gpt2_bench.train --integration ddp`` wraps the model in ``DistributedDataParallel`` (gloo on the CPU,
+NCCL on GPUs) and reduces its buckets with DDP's own all-reduce (``--compression none --transport gloo``), torch's
+``bf16_compress_hook`` or ``powerSGD_hook`` (``--torch-hook``) or our codec through ``tagc.ddp_hook`` (the same
+``tagc.hook(...)`` the FSDP integrations build, :func:`gpt2_bench.sharding.make_hook`). :func:`wrap_ddp` returns
+``(ddp_model, hook)``, ``hook`` answering what the training loop asks of a TAGC hook (``end_step``, ``stats``,
+``state_dict``, ...), so the per-step log has the same fields for every integration.
 
-* no hook (``--compression none --transport gloo``): DDP's own fp32 all-reduce;
-* ``tagc.ddp_hook`` with the plain codec (``--compression none``, the fair transport): bit-identical
-  gradients to DDP's own (:mod:`tagc.hooks.ddp`), with the hook's timings;
-* torch's own comm hooks (``--torch-hook``): ``--codec bf16`` is ``bf16_compress_hook``, ``--codec
-  powersgd`` is ``powerSGD_hook`` (``PowerSGDState``; ``--codec-option rank=R`` sets
-  ``matrix_approximation_rank``, default our codec's rank);
-* any codec of ours through ``tagc.ddp_hook`` (every other setting), the same ``tagc.hook(...)``
-  the FSDP integrations build (:func:`gpt2_bench.sharding.make_hook`).
-
-:func:`wrap_ddp` returns ``(ddp_model, hook)``; ``hook`` answers what the training loop asks of a
-TAGC hook (``end_step``, ``stats``, ``state_dict``, ``load_state_dict``, ``dense_steps``), so the
-per-step log carries the same fields for every integration.
-
-Bytes on the wire, per rank and step (``ring(x) = 2 (N-1) x / N``, a ring all-reduce of ``x``
-bytes: :func:`tagc.hooks.ddp.ring`), counted per bucket:
-
-* DDP's own all-reduce: ``ring(4 n)`` for the ``n`` gradient elements (no hook sees the buckets, so
-  the count is made once for the whole gradient; no time is measured inside DDP's reducer);
-* ``bf16_compress_hook``: ``ring(2 n)``, the bucket cast to bf16 and all-reduced;
-* ``powerSGD_hook``: before ``start_powerSGD_iter``, ``ring(4 n)`` (its vanilla all-reduce); after,
-  three all-reduces per bucket: the uncompressed tensors ``ring(4 u)``, ``ring(4 sum n_i r_i)`` for
-  the ``P`` matrices and ``ring(4 sum m_i r_i)`` for the ``Q`` matrices, where each gradient is
-  viewed as ``n_i x m_i`` (``shape[0]`` rows) at rank ``r_i = min(n_i, m_i, rank)`` and is
-  compressed only where ``(n_i + m_i) r_i min_compression_rate < n_i m_i`` (torch's documented
-  rule, ``min_compression_rate`` 2), else counted in ``u``;
-* ours: the hook's own count (:mod:`tagc.hooks.ddp`).
-
-For torch's hooks ``compress_s`` is the time spent inside the hook's call (the cast, or the error
-feedback and the first ``P = M Q``) and ``wire_s`` runs from the call to the bucket's future
-completing (its later compute included); ``exposed_s`` and ``decode_s`` are not measured (0).
-
-``powerSGD_hook`` starts compressing at ``start_powerSGD_iter = max(2, dense_steps + 1)``: the
-same iteration our hooks start at (:mod:`tagc.hooks.ddp` reduces DDP's first iteration, on buckets
-DDP rebuilds afterwards, as DDP does and does not count it), and at least 2 as torch requires.
-
-Checkpoints: the DDP model and the optimizer as for the other integrations; ours: the hook's
-``state_dict`` (step, settings, residuals); ``powerSGD_hook``: its ``PowerSGDState`` (the
-iteration, every rank's error and warm-start ``P``/``Q`` per bucket index, the seed generator).
-A resumed run's first iteration runs on DDP's initial buckets, which it rebuilds afterwards, so
-every compressing hook reduces that one iteration uncompressed, as DDP does (ours skip it in their
-step count, torch's PowerSGD is given it here as a vanilla all-reduce): from there a resumed run's
-losses part from an uninterrupted one's. Without a hook, and with the stateless bf16 hook, a
-resumed run repeats the uninterrupted losses.
+How each counts its bytes (``ring(x) = 2 (N-1) x / N`` per bucket; torch's ``powerSGD_hook`` by its documented
+compression rule, :func:`powersgd_sizes`), when ``powerSGD_hook`` starts (:func:`powersgd_start_iter`), what its
+timing columns mean and how each checkpoints and resumes: docs/layout.md, "Training under DDP".
 """
 
 from __future__ import annotations
@@ -81,13 +44,14 @@ def wrap_ddp(
     """``model`` (on ``device``) wrapped in ``DistributedDataParallel`` with the comm hook ``cfg`` asks for;
     ``hook`` is the ``tagc.hook(...)`` to install (``None``: DDP's own reduction, or torch's hook with
     ``cfg.torch_hook``). Returns ``(ddp_model, counter)``, the counter as module docstring."""
-    device_ids = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    )
+    device_ids = None if device.type != "cuda" else [device.index if device.index is not None
+                                                     else torch.cuda.current_device()]
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     ranks_per_host = world // max(1, cfg.hosts)
     if cfg.torch_hook:
-        rank = int(cfg.codec_options.get("rank", _our_powersgd_rank()))
+        from tagc.hooks.powersgd import DEFAULT_RANK
+
+        rank = int(cfg.codec_options.get("rank", DEFAULT_RANK))  # our codec's default rank
         counter: Any = TorchHook(ddp, cfg.codec, rank, powersgd_start_iter(cfg.dense_steps), ranks_per_host == 1)
     elif hook is None:
         counter = DDPOwnReduction(ddp, ranks_per_host == 1)
@@ -96,12 +60,6 @@ def wrap_ddp(
         ddp.register_comm_hook(state, comm_hook)
         counter = OurHook(state, ranks_per_host == 1)
     return ddp, counter
-
-
-def _our_powersgd_rank() -> int:
-    from tagc.hooks.powersgd import DEFAULT_RANK
-
-    return DEFAULT_RANK
 
 
 # ----------------------------------------------------------------------------- counters
@@ -131,12 +89,8 @@ class _Counter:
         self.last_step, self._current = self._current, ExchangeStats()
 
     def stats(self) -> dict:
-        return {
-            "step": self.step_count,
-            "last_step": self.last_step.as_dict(),
-            "total": self.total.as_dict(),
-            "units": [],
-        }
+        return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(),
+                "units": []}
 
     def state_dict(self) -> dict:
         return {"step": self.step_count}
@@ -168,7 +122,7 @@ class OurHook(_Counter):
 
     @property
     def hook(self):
-        """The :class:`tagc.TAGCHook` (``tagc.optim.AdamW(..., hook=...)`` reads its local gradients)."""
+        """The :class:`tagc.TAGCHook` (the diagnostics read its exchange statistics)."""
         return self.state.hook
 
     @property
@@ -184,8 +138,8 @@ class OurHook(_Counter):
     def residuals(self) -> dict:
         return self.state.hook.residuals
 
-    def set_feedback_decay(self, decay: float) -> None:
-        self.state.hook.set_feedback_decay(decay)
+    def follow_lr(self, optimizer) -> None:
+        self.state.follow_lr(optimizer)
 
     def end_step(self) -> None:
         self.state.end_step()

@@ -1,37 +1,17 @@
 """The methods the compare puts side by side: what a user would pick instead of TAGC.
 
-Each method is a :class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed,
-integration and fair overlapped transport, so only the gradient codec differs:
+Each method (:data:`METHODS`) is a :class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed,
+integration and fair overlapped transport, so only the gradient codec differs: plain fp32 (``fsdp``) and FSDP's own
+bf16 reduce (``fsdp-bf16``); ``bf16``, ``fp8`` and ``int4`` (ZeRO++ qgZ-style) on every layer; ``sign``; rank-r
+``powersgd``; ``topk`` (TAGC's selection sent as a list); TAGC on every layer or the non-attention linears
+(``tagc-all``, ``tagc-non-attn``, on the paper's wire) and with EF21 (``tagc-ef21``); ``tagc-int4`` (``tagc.hook()``'s
+defaults), ``topk-int4`` (its peer with the same kept fraction) and ``topk-f8`` (its peer at the same bytes); the
+lean wire on both sparse codecs and PowerSGD (``tagc-lean``, ``topk-lean``, ``powersgd-lean``; docs/guide.md, "The
+lean wire"). :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts' (torch's own hooks among them).
 
-* ``fsdp`` - plain fp32 reduce-scatter (the fair all-to-all transport);
-* ``fsdp-bf16`` - FSDP's own ``reduce_dtype=torch.bfloat16``: the gradient is cast to bf16 before
-  the reduce-scatter and the reduced shard stays bf16 (the reference for our ``bf16``);
-* ``bf16``, ``fp8``, ``int4`` - low-precision transports on every layer, summed in fp32 at
-  the owner (``int4``: ZeRO++ qgZ-style blockwise);
-* ``sign`` - 1 bit per element and a scale per block, error feedback (1-bit Adam's compressor);
-* ``powersgd`` - rank-r PowerSGD with error feedback on every matrix;
-* ``topk`` - TAGC's own selection and error feedback on the non-attention layers, the kept
-  values sent as a list instead of a sketch (TAGC without its sketch);
-* ``tagc-all``, ``tagc-non-attn`` - TAGC on every layer / on the non-attention linears;
-  ``tagc-ef21`` - ``tagc-non-attn`` with EF21 error feedback (``feedback="ef21"``) in place of the classic;
-  ``tagc-int4`` - TAGC as dense as ``int4``'s bytes allow (:data:`INT4_RATIO`, coded positions, scaled float16
-  cells, the other columns in ``int4``) with EF21 whose shifts fade (``feedback_decay=``:data:`FADE`);
-  ``topk-int4`` - its peer with every one of those settings (the same kept fraction, values in bf16), which sends
-  about half its bytes; ``topk-f8`` - its peer at the same bytes: ``topk`` with those settings, float8 values (their
-  rounding fed back) and a kept fraction as large as ``tagc-int4``'s bytes allow (:data:`F8_TOPK_RATIO`);
-* ``tagc-lean``, ``topk-lean`` - the lean wire on both sparse codecs alike: coded positions
-  (Elias-Fano), 16-bit sketch cells / values (TAGC: scaled float16, whose 11 significant bits
-  keep the cells' mixed magnitudes, which bf16's 8 round away; topk: bf16, its rounding fed
-  back), and the uncompressed columns in bf16 (``plain``); both at :data:`LEAN_RATIO`;
-  ``powersgd-lean`` - the same bf16 trick where it applies to PowerSGD (P, Q and the
-  shape-less columns in bf16, as DDP's ``bf16_compress_wrapper``).
-
-Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, since
-it serves all of them alike; the others have nothing to warm up. So does the parameter
-all-gather: no method sets ``param_dtype``, so the compare's ``--param-dtype`` (bf16, torchtitan's
-default, or SimpleFSDP's blockwise int8) reaches every flat-FSDP and HSDP method alike, ``fsdp`` and
-``fsdp-bf16`` included, and never a DDP one (DDP gathers no parameters). A run's name carries its
-gather dtype (``fsdp-bf16-param-bf16``), so runs that gather differently never share a log.
+Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, the others have nothing to warm
+up; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every flat-FSDP and HSDP method alike
+and never a DDP one, and a run's name carries its gather dtype (``fsdp-bf16-param-bf16``).
 """
 
 from __future__ import annotations
@@ -108,9 +88,6 @@ METHODS: dict[str, dict] = {
 }
 """Method name -> the :class:`TrainConfig` fields it sets."""
 
-PLAIN_METHOD = "fsdp"
-"""The method every other is measured against."""
-
 PAPER_METHODS = ("fsdp", "tagc-all", "tagc-non-attn")
 """The TAGC paper's three runs: the compare's default."""
 
@@ -180,34 +157,16 @@ HIGH_POWERSGD_RANK = 16
 within 1% of plain DDP's in the DDP quality runs, where rank 4 did not (``docs/layout.md``, "Loss under DDP")."""
 
 
-def _powersgd_ranks() -> tuple[int, ...]:
-    """Rank 4 (Vogels et al.'s language model, our default) and :data:`HIGH_POWERSGD_RANK`."""
+def _powersgd_ranks() -> dict[int, str]:
+    """Rank 4 (Vogels et al.'s language model, our default) and :data:`HIGH_POWERSGD_RANK`, each with its name's
+    suffix (``-r16``; none for 4)."""
     from tagc.hooks.powersgd import DEFAULT_RANK
 
-    return tuple(dict.fromkeys((4, DEFAULT_RANK, HIGH_POWERSGD_RANK)))
+    return {rank: "" if rank == 4 else f"-r{rank}" for rank in dict.fromkeys((4, DEFAULT_RANK, HIGH_POWERSGD_RANK))}
 
 
-def _rank_suffix(rank: int) -> str:
-    return "" if rank == 4 else f"-r{rank}"
-
-
-def _torch_powersgd_methods() -> dict[str, dict]:
-    """``ddp-powersgd`` (torch's ``powerSGD_hook``) at each of :func:`_powersgd_ranks`: ``ddp-powersgd-r16``."""
-    return {f"ddp-powersgd{_rank_suffix(rank)}":
-            {"compression": "all", "codec": "powersgd", "torch_hook": True, "codec_options": {"rank": rank}}
-            for rank in _powersgd_ranks()}
-
-
-def _our_powersgd_ranks() -> dict[str, dict]:
-    """Our ``powersgd`` at the ranks other than 4, beside torch's at the same rank: ``powersgd-r16``."""
-    return {f"powersgd{_rank_suffix(rank)}": {**METHODS["powersgd"], "codec_options": {"rank": rank}}
-            for rank in _powersgd_ranks() if rank != 4}
-
-
-OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", "tagc-ef21": "tagc-ef21", "tagc-int4": "tagc-int4",
-                    "topk-int4": "topk-int4", "topk-f8": "topk-f8", "tagc-lean": "tagc-lean", "topk-lean": "topk-lean",
-                    "int4": "int4",
-                    "powersgd": "powersgd", "powersgd-lean": "powersgd-lean"}
+OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", **{name: name for name in (
+    "tagc-ef21", "tagc-int4", "topk-int4", "topk-f8", "tagc-lean", "topk-lean", "int4", "powersgd", "powersgd-lean")}}
 """Our codecs on the DDP and HSDP layouts -> the flat method with the same settings (``tagc``: the paper's
 selection, the non-attention linears, at ``--ratio``)."""
 
@@ -215,9 +174,12 @@ LAYOUT_METHODS: dict[str, dict[str, dict]] = {
     "flat": {name: METHODS[name] for name in ("fsdp", "fsdp-bf16", *OURS_ON_A_LAYOUT.values())},
     "ddp": {"ddp": {"compression": "none", "transport": "gloo"},  # DDP's own fp32 all-reduce, no hook
             "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},  # torch's bf16_compress_hook
-            **_torch_powersgd_methods(),  # torch's powerSGD_hook
+            **{f"ddp-powersgd{suffix}": {"compression": "all", "codec": "powersgd", "torch_hook": True,
+                                         "codec_options": {"rank": rank}}
+               for rank, suffix in _powersgd_ranks().items()},  # torch's powerSGD_hook
             **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()},  # ours, through tagc.ddp_hook
-            **_our_powersgd_ranks()},
+            **{f"powersgd{suffix}": {**METHODS["powersgd"], "codec_options": {"rank": rank}}
+               for rank, suffix in _powersgd_ranks().items() if suffix}},  # ours at torch's other ranks
     "hsdp": {"hsdp": METHODS["fsdp"], "hsdp-bf16": METHODS["fsdp-bf16"],
              **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},
 }
@@ -240,11 +202,11 @@ def layout_config(base: TrainConfig, layout: str, method: str, link: str | None 
     gather dtype's :func:`param_suffix` (``hsdp-tagc-param-bf16``; none under DDP)."""
     if layout not in LAYOUT_METHODS:
         raise ValueError(f"unknown layout {layout!r}: choose from {', '.join(LAYOUTS)}")
-    if method not in LAYOUT_METHODS[layout]:
-        raise ValueError(f"unknown method {method!r} for layout {layout!r}: "
-                         f"choose from {', '.join(LAYOUT_METHODS[layout])}")
+    known = METHODS if layout == "flat" else LAYOUT_METHODS[layout]  # flat: every method; beside a layout: its peers
+    if method not in known:
+        raise ValueError(f"unknown method {method!r} for layout {layout!r}: choose from {', '.join(known)}")
     fields = {**LAYOUT_FIELDS[layout], **({"link": link} if link is not None else {})}
-    cfg = _with_method(dataclasses.replace(base, **fields) if fields else base, method, LAYOUT_METHODS[layout][method])
+    cfg = _with_method(dataclasses.replace(base, **fields) if fields else base, method, known[method])
     name = (f"{method}-torch" if cfg.torch_hook else
             method if layout == "flat" or method.startswith(layout) else f"{layout}-{method}")
     return dataclasses.replace(cfg, name=name + param_suffix(cfg.param_dtype))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from gpt2_bench.config import REDUCE_DTYPES, TrainConfig
 
-EMBEDDING = r"(^|\.)(wte|lm_head)\.weight$"
-"""The tied token embedding / LM head (``--embedding-ratio``): one parameter, named by either module."""
-
 
 def fsdp1_wrap_policy(model):
     """FSDP1 auto-wrap policy: every Linear (but the tied ``lm_head``) and every Block is a unit.
@@ -27,39 +24,14 @@ def fsdp1_wrap_policy(model):
 
 
 def make_hook(cfg: TrainConfig):
-    """The ``tagc.hook(...)`` ``cfg`` asks for (its codec, selection, warm-up, wire settings), or ``None``
-    where the gradient goes as the wrapper reduces it (``compression="none"`` with ``transport="gloo"``)."""
-    if cfg.compression == "none" and cfg.transport != "fair":
+    """The ``tagc.hook(...)`` ``cfg`` asks for (:meth:`TrainConfig.hook_arguments`), or ``None`` where the gradient
+    goes as the wrapper reduces it (``compression="none"`` with ``transport="gloo"``)."""
+    arguments = cfg.hook_arguments()
+    if arguments is None:
         return None
     import tagc
-    from tagc.hooks.codec_registry import spec
 
-    select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
-              "blocks": "non_attention_block_linear"}[cfg.compression]
-    codec = "plain" if cfg.compression == "none" else cfg.codec
-    tagc_settings = (
-        dict(ratio=cfg.ratio, index_bits=cfg.index_bits, sparsity=cfg.sparsity) if spec(codec).uses_config else {}
-    )
-    topology = {"hierarchy": cfg.hierarchy} if cfg.hosts > 1 else {}  # ranks per host: torchrun's LOCAL_WORLD_SIZE
-    if cfg.embedding_ratio is not None:
-        from tagc.hooks.selection import ratio_for
-
-        select = ratio_for(EMBEDDING, cfg.embedding_ratio, select)
-    return tagc.hook(
-        select=select,
-        min_compress_numel=cfg.min_compress_numel,
-        dense_steps=cfg.dense_steps,
-        ramp_steps=cfg.ramp_steps,
-        codec=codec,
-        overlap=cfg.overlap,
-        plain=cfg.plain,
-        feedback=cfg.feedback,
-        feedback_momentum=cfg.feedback_momentum,
-        feedback_decay=cfg.feedback_decay,
-        **tagc_settings,
-        **topology,
-        **cfg.codec_options,
-    )
+    return tagc.hook(**arguments)
 
 
 def hsdp_mesh(cfg: TrainConfig, world: int, device):
@@ -114,14 +86,8 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision
 
-        model = FSDP(
-            model,
-            device_id=device,
-            auto_wrap_policy=fsdp1_wrap_policy(model),
-            mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-            if reduce_dtype
-            else None,
-        )
+        precision = MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype) if reduce_dtype else None
+        model = FSDP(model, device_id=device, auto_wrap_policy=fsdp1_wrap_policy(model), mixed_precision=precision)
     if hook is not None:
         tagc.register_comm_hook(model, hook)
     return model, hook

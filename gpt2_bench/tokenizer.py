@@ -56,13 +56,9 @@ def load_whisper_bpe(path: Optional[Path] = None) -> tiktoken.Encoding:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != R50K_SHA256:
         raise DataError(f"{path} is not GPT-2's BPE ranks file (sha256 {digest}, expected r50k_base's {R50K_SHA256})")
-    enc = tiktoken.Encoding(
-        name="gpt2",
-        pat_str=R50K_PAT_STR,
-        mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(path)),
-        special_tokens={"<|endoftext|>": EOT_TOKEN},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+    enc = tiktoken.Encoding(name="gpt2", pat_str=R50K_PAT_STR, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=GPT2_VOCAB)
     return _check_gpt2(enc)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -72,19 +73,7 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
 
 
-def decay_at(cfg: TrainConfig, step: int) -> float:
-    """EF21's fading at ``step`` with ``feedback_decay_follows_lr``: ``1 - (1 - feedback_decay) * lr / peak lr``
-    (``feedback_decay`` at the peak, holding more as the rate decays)."""
-    return 1.0 - (1.0 - cfg.feedback_decay) * learning_rate(cfg, step) / cfg.lr
-
-
 # ----------------------------------------------------------------------------- one rank
-
-
-def _rss_mb() -> float:
-    """This process's resident memory now."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _peak_rss_mb() -> float:
@@ -95,20 +84,54 @@ def _peak_rss_mb() -> float:
 
 
 def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int, device=None) -> float:
+    """Mean loss over the fixed eval set (:meth:`gpt2_bench.data.TokenData.eval_batches`), the same windows for every
+    seed, method and batch size."""
     import torch
     import torch.distributed as dist
 
     device = torch.device("cpu") if device is None else device
-    gen = torch.Generator().manual_seed(cfg.seed + 999)
     model.eval()
-    total = torch.zeros(1, device=device)
+    total = torch.zeros(2, device=device)  # summed window losses, windows
     with torch.no_grad(), _autocast(device):
-        for _ in range(cfg.eval_batches):
-            x, y = data.get_batch("val", cfg.batch_size, block_size, gen, device=device, rank=rank, world_size=world)
-            total += model(x, y)[1].detach().float()
+        for x, y in data.eval_batches(cfg.eval_tokens, block_size, EVAL_BATCH, device, rank, world):
+            total[0] += model(x, y)[1].detach().float() * len(x)
+            total[1] += len(x)
     model.train()
     dist.all_reduce(total)
-    return float(total) / (cfg.eval_batches * world)
+    return float(total[0] / total[1])
+
+
+EVAL_BATCH = 32
+"""Windows per forward pass of the evaluation (memory, not the result: the loss is a mean over windows)."""
+
+
+def run_record(cfg: TrainConfig, first_step: int, device) -> dict:
+    """The log's record of where and how a session of the run ran: the command, the settings, the commit, torch and
+    the machine. A resumed run appends one per session, so a curve carried across machines says so."""
+    import platform
+    import subprocess
+
+    import torch
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    machine_id = Path("/etc/machine-id").read_text().strip() if Path("/etc/machine-id").exists() else ""
+    dirty = "-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"run": cfg.run_name, "first_step": first_step, "command": os.environ.get(COMMAND_ENV, ""),
+            "config": json.loads(cfg.to_json()), "commit": git("rev-parse", "HEAD") + dirty, "torch": torch.__version__,
+            "machine": {"host": platform.node(), "id": machine_id[:12], "cpu": cpu, "cores": os.cpu_count(),
+                        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}}
+
+
+COMMAND_ENV = "TAGC_TRAIN_COMMAND"
+"""Set by the command line to the command as given, so that each rank's log can record it."""
 
 
 HEAP_KEEP_BYTES = 256 << 20
@@ -154,18 +177,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timeline(start: float, backward: float, backward_end: float, end: float, units: list[dict]) -> dict:
-    """One step's spans in ms from its start: forward, backward, optimizer, and per unit its wire
-    and its codec / wait spans on the training thread (from :meth:`tagc.TAGCHook.stats`)."""
-    ms = lambda t: round((t - start) * 1e3, 2)  # noqa: E731
-    return {
-        "forward": [0.0, ms(backward)],
-        "backward": [ms(backward), ms(backward_end)],
-        "optimizer": [ms(backward_end), ms(end)],
-        "units": [{"unit": u["unit"], "events": [[kind, ms(a), ms(b)] for kind, a, b in u["events"]]} for u in units],
-    }
-
-
 def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str) -> None:
     """Train on one rank (process group already initialised); rank 0 writes the log."""
     import torch
@@ -191,18 +202,14 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.second_moment != "decoded" and hook is not None:
-        import tagc.optim
-
-        opt = tagc.optim.AdamW(groups, hook=hook, lr=cfg.lr)
-        if cfg.second_moment == "local-all":
-            opt.hook.keep_local_gradients = "all"
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr)
+    if cfg.feedback_decay_follows_lr:
+        hook.follow_lr(opt)  # as users call it
     data = TokenData(data_dir)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    first_step = _restore(cfg, model, opt, hook, gen)
+    first_step = _restore(cfg, model, opt, hook)
     log = _open_log(log_path, first_step) if rank == 0 else None
+    if log is not None:
+        log.write(json.dumps(run_record(cfg, first_step, device)) + "\n")
     diagnostics = None
     if cfg.diagnostics:
         from gpt2_bench.diagnostics import StepDiagnostics
@@ -217,29 +224,21 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if rank == 0:
         from tqdm.auto import tqdm
 
-        progress = tqdm(
-            total=cfg.steps, initial=first_step, desc=cfg.run_name, unit="step", file=sys.stderr, leave=False
-        )
+        progress = tqdm(total=cfg.steps, initial=first_step, desc=cfg.run_name, unit="step", file=sys.stderr,
+                        leave=False)
     start = time.perf_counter()
     val_loss = float("nan")
-    forward_rss_mb = None
     stopped_at = None
     for step in range(first_step, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        if cfg.feedback_decay_follows_lr:
-            hook.set_feedback_decay(decay_at(cfg, step))
         _sync(device)
         if host_counter is not None:
             host_counter.start()
         tick = time.perf_counter()
-        x, y = data.get_batch(
-            "train", cfg.batch_size, model_cfg.block_size, gen, device=device, rank=rank, world_size=world
-        )
+        x, y = data.train_batch(step, cfg.batch_size, model_cfg.block_size, cfg.seed, device, rank, world)
         with _autocast(device):
             _, loss = step_fn(x, y)
-        if step == cfg.steps - 1:
-            forward_rss_mb = _rss_mb()  # what forward left alive for backward (resharding frees gathered weights)
         if step == cfg.fault_step and rank == world - 1:
             os.kill(os.getpid(), signal.SIGKILL)
         _sync(device)
@@ -251,9 +250,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if diagnostics is not None:
             diagnostics.after_backward()
         if cfg.grad_clip or diagnostics is not None:  # without clipping, max_norm inf scales by 1.0: a no-op
-            clip = getattr(opt, "clip_grad_norm_", None)  # tagc.optim.AdamW: its kept gradients are clipped alike
-            grad_norm = (clip(cfg.grad_clip or math.inf) if clip is not None
-                         else torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         if diagnostics is not None:
             diagnostics.before_step()
         opt.step()
@@ -262,16 +259,10 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         iter_s = time.perf_counter() - tick
         if host_counter is not None:
             host_counter.stop(step)
-        record = {
-            "step": step,
-            "loss": float(loss.detach()),
-            "lr": learning_rate(cfg, step),
-            "iter_ms": iter_s * 1e3,
-            "forward_ms": forward_s * 1e3,
-            "backward_ms": backward_s * 1e3,
-            "elapsed_s": time.perf_counter() - start,
-            "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world,
-        }
+        record = {"step": step, "loss": float(loss.detach()), "lr": learning_rate(cfg, step), "iter_ms": iter_s * 1e3,
+                  "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
+                  "elapsed_s": time.perf_counter() - start,
+                  "tokens": (step + 1) * cfg.batch_size * model_cfg.block_size * world}
         if hook is not None:
             hook.end_step()
             stats = hook.stats()
@@ -282,30 +273,14 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
             last = stats["last_step"]
             exchange_s = last["compress_s"] + last["exposed_s"] + last["decode_s"]  # the step's time on the exchange
             record.update(
-                exchange_ms=exchange_s * 1e3,
-                exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
-                compress_ms=last["compress_s"] * 1e3,
-                exposed_ms=last["exposed_s"] * 1e3,
-                wire_ms=last["wire_s"] * 1e3,
-                decode_ms=last["decode_s"] * 1e3,
-                wire_bytes=last["wire_bytes"],
+                exchange_ms=exchange_s * 1e3, exchange_ms_per_mb=exchange_s * 1e3 / grad_mb,
+                compress_ms=last["compress_s"] * 1e3, exposed_ms=last["exposed_s"] * 1e3, wire_ms=last["wire_s"] * 1e3,
+                decode_ms=last["decode_s"] * 1e3, wire_bytes=last["wire_bytes"],
                 plain_bytes=last["plain_equivalent_bytes"],
                 inter_host_bytes=last.get("inter_host_bytes", 0) * world,  # every rank alike: all hosts' exchange
-                peel_success=last["peel_success"],
-                unpeeled=last["unpeeled"],
-                units={
-                    u["unit"]: {
-                        "wire_ms": u["wire_s"] * 1e3,
-                        "exposed_ms": u["exposed_s"] * 1e3,
-                        "bytes": u["wire_bytes"],
-                    }
-                    for u in stats["units"]
-                },
-            )
-            if step == cfg.steps - 2:  # a steady step's timeline, for the picture
-                record["timeline"] = timeline(
-                    tick, tick + forward_s, tick + forward_s + backward_s, tick + iter_s, stats["units"]
-                )
+                peel_success=last["peel_success"], unpeeled=last["unpeeled"],
+                units={u["unit"]: {"wire_ms": u["wire_s"] * 1e3, "exposed_ms": u["exposed_s"] * 1e3,
+                                   "bytes": u["wire_bytes"]} for u in stats["units"]})
         if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
             val_loss = _evaluate(model, data, cfg, rank, world, model_cfg.block_size, device)
             record["val_loss"] = val_loss
@@ -319,7 +294,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or stop_here):
             from gpt2_bench import checkpoint
 
-            checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, gen, keep=cfg.keep_checkpoints)
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, opt, hook, keep=cfg.keep_checkpoints)
         if stop_here:
             stopped_at = step + 1
             break
@@ -330,34 +305,19 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     if rank == 0:
         progress.close()
         total = hook.stats()["total"] if hook is not None else None
-        log.write(
-            json.dumps(
-                {
-                    "summary": True,
-                    "n_params": n_params,
-                    "grad_mb": grad_mb,
-                    "val_loss": val_loss,
-                    "hook_total": total,
-                    "peak_rss_mb": _peak_rss_mb(),
-                    "forward_rss_mb": forward_rss_mb,
-                    "first_step": first_step,
-                    "stopped_at": stopped_at,
-                    "device": str(device),
-                    **(
-                        {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-                         "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
-                        if device.type == "cuda"
-                        else {}
-                    ),
-                }
-            )
-            + "\n"
-        )
+        gpu = {} if device.type != "cuda" else {"peak_gpu_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                                                "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+        log.write(json.dumps({
+            "summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
+            "peak_rss_mb": _peak_rss_mb(), "first_step": first_step, "stopped_at": stopped_at,
+            "epoch_fraction": data.epoch_fraction((stopped_at or cfg.steps) * cfg.batch_size * world,
+                                                  model_cfg.block_size),
+            "device": str(device), **gpu}) + "\n")
         log.close()
     dist.barrier()
 
 
-def _restore(cfg: TrainConfig, model, opt, hook, gen) -> int:
+def _restore(cfg: TrainConfig, model, opt, hook) -> int:
     """With ``resume``, load the newest complete checkpoint; returns the first step to train."""
     if not cfg.resume:
         return 0
@@ -367,18 +327,19 @@ def _restore(cfg: TrainConfig, model, opt, hook, gen) -> int:
     if path is None:
         print(f"no complete checkpoint in {cfg.checkpoint_dir}: training from step 0", file=sys.stderr)
         return 0
-    first_step = checkpoint.load(path, model, opt, hook, gen)
+    first_step = checkpoint.load(path, model, opt, hook)
     print(f"resumed from {path} (step {first_step})", file=sys.stderr)
     return first_step
 
 
 def _open_log(log_path: str, first_step: int):
-    """The step log, for appending: a resumed run keeps the records of the steps it does not redo."""
+    """The step log, for appending: a resumed run keeps its sessions' records and those of the steps it does not
+    redo (an earlier session's summary goes)."""
     if first_step == 0:
         return open(log_path, "w")
     path = Path(log_path)
     kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-            if line.strip() and json.loads(line).get("step", math.inf) < first_step]
+            if line.strip() and ("run" in (record := json.loads(line)) or record.get("step", math.inf) < first_step)]
     path.write_text("".join(line + "\n" for line in kept))
     return open(log_path, "a")
 
@@ -442,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         resolve_device(cfg.device)  # a clear error here, not in every rank's traceback
     except RuntimeError as err:
         raise SystemExit(f"gpt2_bench.train: {err}") from None
+    os.environ.setdefault(COMMAND_ENV, shlex.join(["python", "-m", "gpt2_bench.train",
+                                                   *(sys.argv[1:] if argv is None else argv)]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         from gpt2_bench.data import prepare
 

@@ -1,19 +1,17 @@
 """Gradient exchange over an emulated link: plain reduce-scatter against TAGC (docs/design.md §10).
 
-``python -m testbed.exchange --link 10gbit,1gbit,100mbit [--world 2] [--sizes mlp,lmhead]
-[--json PATH] [--quick]``
+``python -m testbed.exchange --link 10gbit,1gbit,100mbit [--world 2] [--sizes mlp,lmhead] [--ratio 10]
+[--wire bitmap,lean] [--codecs topk,int4] [--json PATH] [--quick]``
 
 For each link rate the ranks run in their own network namespace whose loopback is shaped
 with tbf (:mod:`testbed.link`; ``--link none`` is the plain loopback). On GPT-2-shaped gradient
 buckets each rank times, median over ``--reps`` rounds after ``--warmup`` (methods
 interleaved round by round so machine-load drift hits them alike):
 
-* ``gloo rs fp32``: gloo's own ``reduce_scatter_single``/``reduce_scatter_tensor``,
 * ``fair fp32`` / ``fair bf16``: :func:`tagc.hooks.transport.plain_reduce_scatter` (all-to-all
   in <= 1 MB pieces + local sum; the (N-1)/N volume of a ring reduce-scatter),
-* ``tagc rR iB pipe|serial``: :meth:`TAGCHook.reduce_scatter` at ratio R, B-bit index, with
-  pipelining (default ``min_part``) or without (one part); ``... lean``: the lean wire
-  (``--wire lean``: Elias-Fano coded positions and bf16 sketch cells);
+* ``tagc rR``: :meth:`TAGCHook.reduce_scatter` at ratio R with a 1-bit index on the paper's wire (bitmap, float32
+  cells); ``tagc rR lean``: the lean wire (``--wire lean``: Elias-Fano coded positions and bf16 sketch cells);
 * ``codec NAME`` (``--codecs``): a peer codec on the same engine; ``codec topk lean``: ``topk``
   with the same lean wire (coded positions, bf16 values).
 
@@ -21,14 +19,14 @@ interleaved round by round so machine-load drift hits them alike):
 figure the lean wire is judged by (fp32 plain: ``32 (N-1)/N``).
 
 A time is the slowest rank's. ``ms_per_mb`` is per MB (10^6 bytes) of the fp32 gradient a
-rank holds (the whole bucket). Wire bytes per rank are counted (TAGC: the hook's stats;
-fair: bytes handed to the all-to-all; gloo: the all-reduce ring volume, which is what it
-sends) and, inside a namespace, also read from the loopback's own byte counter.
+rank holds (the whole bucket). Wire bytes per rank are counted (TAGC and the peers: the hook's stats;
+fair: bytes handed to the all-to-all) and, inside a namespace, also read from the loopback's own byte counter.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -38,17 +36,13 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
 from testbed.launch import Launch, torchrun_argv
 from testbed.link import LinkError, ShapedLink, format_rate, parse_rate
-from testbed.paper import EXCHANGE_MS_PER_MB as PAPER
 
 MB = 1e6
-TARGET_RATIO = 0.25
-GPT2_SMALL = {"n_embd": 768, "vocab": 50257}
 SIZES = {
     # one GPT-2-small MLP block: c_fc (768x3072) and c_proj (3072x768) weights, ~4.7M params
     "mlp": [("h.0.mlp.c_fc.weight", 768 * 3072), ("h.0.mlp.c_proj.weight", 3072 * 768)],
@@ -122,94 +116,43 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
     rows_bf16 = rows.bfloat16()
     out = torch.empty(chunk)
     methods: list[dict] = []
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-
-    def gloo_rs() -> int:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            rs(out, grad)
-        return 2 * (world - 1) * chunk * 4  # gloo reduce-scatters via an all-reduce: ring volume
-
-    methods.append(dict(method="gloo rs fp32", kind="gloo", dtype="fp32", run=gloo_rs,
-                        wire_source=f"formula: gloo {rs_name} = all-reduce ring, 2(N-1)/N*n*4"))
     methods.append(dict(method="fair fp32", kind="fair", dtype="fp32", run=lambda: plain_reduce_scatter(rows, None)[1],
                         wire_source="counted: all-to-all bytes sent"))
-    methods.append(
-        dict(
-            method="fair bf16",
-            kind="fair",
-            dtype="bf16",
-            run=lambda: plain_reduce_scatter(rows_bf16, None)[1],
-            wire_source="counted: all-to-all bytes sent",
-        )
-    )
+    methods.append(dict(method="fair bf16", kind="fair", dtype="bf16", wire_source="counted: all-to-all bytes sent",
+                        run=lambda: plain_reduce_scatter(rows_bf16, None)[1]))
     segs = [Segment(name, start, numel) for name, start, numel in segments]
-    for ratio, bits, overlap, wire in (
-        (r, b, o, w) for r in args.ratios for b in args.bits for o in args.overlap for w in args.wire
-    ):
-        if wire == "lean" and bits != 1:
-            continue  # coded positions code a set: 1-bit index only
+    shaped = [Segment(seg.name, seg.start, seg.numel, shape=_matrix_shape(seg.numel * world)) for seg in segs]
+    hooks = []  # (row fields, the hook, its segments, its planned wire bytes per rank or None)
+    for wire in args.wire:
         lean = wire == "lean"
-        hook = tagc.hook(
-            plain="fp32",
-            feedback="classic",
-            dense_steps=0,
-            ratio=ratio,
-            index_bits=bits,
-            select="all",
-            min_part=MIN_PART if overlap else max(chunk, 1),
-            **(LEAN_OPTIONS if lean else BITMAP_OPTIONS),
-        )
+        hook = tagc.hook(plain="fp32", feedback="classic", dense_steps=0, ratio=args.ratio, index_bits=1,
+                         select="all", min_part=MIN_PART, **(LEAN_OPTIONS if lean else BITMAP_OPTIONS))
+        formula = ((world - 1) / world * n * (1 + 32 / args.ratio) / 8 if not lean else
+                   (world - 1) * hook.wire_row_bytes(segs, chunk, world, torch.float32))
+        fields = dict(method=f"tagc r{args.ratio:g}{' lean' if lean else ''}", kind="tagc", wire=wire,
+                      n_parts=len(hook.plan(tuple(segs), chunk, world).compressed_parts))
+        hooks.append((fields, hook, segs, formula))
+    peers = [(name, {}) for name in args.codecs]
+    if "topk" in args.codecs and "lean" in args.wire:  # TAGC's lean wire and settings, the kept values as a list
+        peers.append(("topk", {"ratio": args.ratio, "plain": "fp32", "feedback": "classic", **LEAN_OPTIONS}))
+    for name, options in peers:  # the peer codecs on the same engine, every column selected
+        hook = tagc.hook(codec=name, select="all", dense_steps=0, **options)
+        formula = ((world - 1) * hook.wire_row_bytes(shaped, chunk, world, torch.float32)
+                   if hook.codec.rounds == 1 else None)  # several rounds: counted only
+        hooks.append((dict(method=f"codec {name}{' lean' if options else ''}", kind="codec"), hook, shaped, formula))
+    for fields, hook, hook_segments, formula in hooks:
         inp = torch.empty_like(grad)
 
         def prepare(inp=inp) -> None:
             inp.copy_(grad)  # the hook may use its input as scratch; not timed
 
-        def run(hook=hook, inp=inp) -> int:
+        def run(hook=hook, inp=inp, hook_segments=hook_segments) -> int:
             before = hook.total.wire_bytes
-            hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, segs)
+            hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, hook_segments)
             return hook.total.wire_bytes - before
 
-        methods.append(dict(
-            method=f"tagc r{ratio:g} i{bits} {'pipe' if overlap else 'serial'}{' lean' if lean else ''}", kind="tagc",
-            dtype="fp32", ratio=ratio, index_bits=bits, overlap=overlap, wire=wire, hook=hook, prepare=prepare, run=run,
-            n_parts=len(hook._plan(tuple(segs), chunk, world).compressed_parts),
-            formula_wire_bytes=((world - 1) / world * n * (bits + 32 / ratio) / 8 if not lean else
-                                (world - 1) * hook.wire_row_bytes(segs, chunk, world, torch.float32)),
-            wire_source="counted: hook.stats wire_bytes",
-        ))
-    peers = [(name, {}) for name in args.codecs]
-    if "topk" in args.codecs and "lean" in args.wire:
-        peers.append(("topk", LEAN_OPTIONS))
-    for name, options in peers:  # the peer codecs on the same engine, every column selected
-        shaped = [Segment(seg.name, seg.start, seg.numel, shape=_matrix_shape(seg.numel * world)) for seg in segs]
-        codec_hook = tagc.hook(codec=name, select="all", dense_steps=0, **options)
-        codec_inp = torch.empty_like(grad)
-
-        def prepare_codec(inp=codec_inp) -> None:
-            inp.copy_(grad)
-
-        def run_codec(hook=codec_hook, inp=codec_inp, shaped=shaped) -> int:
-            before = hook.total.wire_bytes
-            hook.reduce_scatter(out, inp, None, dist.ReduceOp.SUM, shaped)
-            return hook.total.wire_bytes - before
-
-        single_round = codec_hook.codec.rounds == 1
-        methods.append(
-            dict(
-                method=f"codec {name}{' lean' if options else ''}",
-                kind="codec",
-                dtype="fp32",
-                hook=codec_hook,
-                prepare=prepare_codec,
-                run=run_codec,
-                formula_wire_bytes=(world - 1) * codec_hook.wire_row_bytes(shaped, chunk, world, torch.float32)
-                if single_round
-                else None,
-                wire_source="counted: hook.stats wire_bytes",
-            )
-        )
+        methods.append(dict(**fields, dtype="fp32", hook=hook, prepare=prepare, run=run, formula_wire_bytes=formula,
+                            wire_source="counted: hook.stats wire_bytes"))
     return methods
 
 
@@ -283,30 +226,23 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
         reps=len(m["times"]), times_s=m["times"], median_s=median, ms_per_mb=median * 1e3 / (n * 4 / MB),
         wire_bytes_per_rank=statistics.median(m["wire"]), wire_bytes_source=m["wire_source"],
         lo_bytes_per_rank=(statistics.median(m["lo"]) / world) if m["lo"] else None,
-        plain_fp32_bytes_per_rank=(world - 1) * chunk * 4,
-        bits_per_param=8 * statistics.median(m["wire"]) / n,
-    )
-    if m["kind"] == "codec":
+        plain_fp32_bytes_per_rank=(world - 1) * chunk * 4, bits_per_param=8 * statistics.median(m["wire"]) / n)
+    if m["kind"] != "fair":
         row["formula_wire_bytes"] = m["formula_wire_bytes"]
     if m["kind"] == "tagc":
         deltas = m["deltas"]
-        steps = len(deltas)
         # per-rep times, median (robust to load spikes on a shared machine), then the slowest rank
-        per_step = {k: statistics.median(d[k] for d in deltas) for k in ("compress_s", "decode_s", "exposed_s")}
-        worst = torch.tensor([per_step["compress_s"], per_step["decode_s"], per_step["exposed_s"]], dtype=torch.float64)
+        worst = torch.tensor([statistics.median(d[k] for d in deltas) for k in ("compress_s", "decode_s", "exposed_s")],
+                             dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        counts = torch.tensor(
-            [sum(d[k] for d in deltas) for k in ("support", "peeled", "unpeeled", "estimated")], dtype=torch.float64
-        )
+        counts = torch.tensor([sum(d[k] for d in deltas) for k in ("support", "peeled", "unpeeled", "estimated")],
+                              dtype=torch.float64)
         dist.all_reduce(counts)
         support, peeled, unpeeled, estimated = (float(c) for c in counts)
-        row.update(
-            ratio=m["ratio"], index_bits=m["index_bits"], overlap=m["overlap"], wire=m["wire"], n_parts=m["n_parts"],
-            compress_s=float(worst[0]), decode_s=float(worst[1]), exposed_s=float(worst[2]),
-            compute_s=float(worst[0] + worst[1]), formula_wire_bytes=m["formula_wire_bytes"],
-            peel_success=peeled / support if support else 1.0, unpeeled=unpeeled, estimated=estimated,
-            support_fraction=support / (steps * n) if steps else 0.0,
-        )
+        row.update(ratio=args.ratio, wire=m["wire"], n_parts=m["n_parts"], compress_s=float(worst[0]),
+                   decode_s=float(worst[1]), exposed_s=float(worst[2]), compute_s=float(worst[0] + worst[1]),
+                   peel_success=peeled / support if support else 1.0, unpeeled=unpeeled, estimated=estimated,
+                   support_fraction=support / (len(deltas) * n) if deltas else 0.0)
     return row
 
 
@@ -314,33 +250,9 @@ def _summarise(m: dict, size: str, n: int, chunk: int, world: int, args) -> dict
 
 
 def _worker_args(args, out: str, link_name: str, count_lo: bool) -> list[str]:
-    argv = [
-        "--worker",
-        "--out",
-        out,
-        "--link-name",
-        link_name,
-        "--world",
-        str(args.world),
-        "--sizes",
-        ",".join(args.sizes),
-        "--ratios",
-        ",".join(f"{r:g}" for r in args.ratios),
-        "--bits",
-        ",".join(map(str, args.bits)),
-        "--overlap",
-        ",".join("on" if o else "off" for o in args.overlap),
-        "--reps",
-        str(args.reps),
-        "--warmup",
-        str(args.warmup),
-        "--threads",
-        str(args.threads),
-        "--pg-timeout",
-        str(args.pg_timeout),
-        "--wire",
-        ",".join(args.wire),
-    ]
+    argv = ["--worker", "--out", out, "--link-name", link_name, "--world", str(args.world), "--sizes",
+            ",".join(args.sizes), "--ratio", f"{args.ratio:g}", "--reps", str(args.reps), "--warmup", str(args.warmup),
+            "--threads", str(args.threads), "--pg-timeout", str(args.pg_timeout), "--wire", ",".join(args.wire)]
     if args.codecs:
         argv += ["--codecs", ",".join(args.codecs)]
     if count_lo:
@@ -356,24 +268,15 @@ def run_link(args, link_text: str) -> list[dict]:
     name = format_rate(rate)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a namespace has no hostname lookup: c10d warns per socket
-    with tempfile.TemporaryDirectory(prefix="tagc-exchange-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tagc-exchange-") as tmp, contextlib.ExitStack() as stack:
         out = os.path.join(tmp, "rank0.json")
-        if rate is None:
-            launch = Launch(
-                [torchrun_argv("testbed.exchange", _worker_args(args, out, name, False), args.world)], env=env
-            )
-            launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
-            description = "unshaped loopback (this machine's network namespace)"
-        else:
-            with ShapedLink(rate, world=args.world) as link:
-                description = link.describe()
-                print(f"[exchange] {description}", file=sys.stderr, flush=True)
-                launch = Launch(
-                    [torchrun_argv("testbed.exchange", _worker_args(args, out, name, True), args.world)],
-                    env=env,
-                    wrap=lambda host, argv: link.wrap(argv),
-                )
-                launch.wait(deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
+        link = None if rate is None else stack.enter_context(ShapedLink(rate, world=args.world))
+        description = "unshaped loopback (this machine's network namespace)" if link is None else link.describe()
+        if link is not None:
+            print(f"[exchange] {description}", file=sys.stderr, flush=True)
+        argv = torchrun_argv("testbed.exchange", _worker_args(args, out, name, link is not None), args.world)
+        Launch([argv], env=env, **({} if link is None else {"wrap": lambda host, argv: link.wrap(argv)})).wait(
+            deadline_s=args.timeout, grace_s=args.pg_timeout, what="exchange benchmark ranks")
         with open(out) as f:
             rows = json.load(f)
     for row in rows:
@@ -383,181 +286,86 @@ def run_link(args, link_text: str) -> list[dict]:
 
 
 def annotate(rows: list[dict]) -> None:
-    """Add ``ratio_to_fair_baseline``, the crossover estimate and the compute-bound flag."""
+    """Add ``ratio_to_fair_baseline``: each row's ms/MB over the fair fp32 exchange's on the same link and bucket."""
     fair = {(r["link"], r["size"]): r for r in rows if r["method"] == "fair fp32"}
     for row in rows:
         base = fair.get((row["link"], row["size"]))
         row["ratio_to_fair_baseline"] = row["ms_per_mb"] / base["ms_per_mb"] if base else None
-        if row["kind"] != "tagc" or base is None:
-            continue
-        saved = base["wire_bytes_per_rank"] - row["wire_bytes_per_rank"]
-        # TAGC ~ compute + tagc_bytes/rate, plain ~ plain_bytes/rate  =>  TAGC wins below 8*saved/compute bit/s
-        row["crossover_bps"] = 8 * saved / row["compute_s"] if saved > 0 and row["compute_s"] > 0 else None
-        rate = row.get("link_bps")
-        if rate:
-            wire_s = 8 * row["wire_bytes_per_rank"] / rate
-            row["model_s"] = row["compute_s"] + wire_s
-            row["model_plain_s"] = 8 * base["wire_bytes_per_rank"] / rate
-            row["compute_bound"] = row["compute_s"] > wire_s
-        else:
-            row["compute_bound"] = None
 
 
 def _fmt_bytes(b: Optional[float]) -> str:
-    if b is None:
-        return "-"
-    return f"{b / MB:.2f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
+    return "-" if b is None else f"{b / MB:.2f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
 
 
 def table(rows: list[dict]) -> str:
     """A text table of one link's rows (all sizes)."""
     lines = []
-    header = (
-        f"{'method':<26} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'bits/param':>10} {'lo/rank':>10} {'peel':>7} "
-        f"{'compress':>9} {'decode':>8} {'crossover':>10}  note"
-    )
+    header = (f"{'method':<26} {'ms/MB':>8} {'x fair':>7} {'wire/rank':>10} {'bits/param':>10} {'lo/rank':>10} "
+              f"{'peel':>7} {'compress':>9} {'decode':>8}  note")
     for size in dict.fromkeys(r["size"] for r in rows):
         sub = [r for r in rows if r["size"] == size]
         first = sub[0]
-        lines.append(f"-- link {first['link']} | bucket {size}: {first['numel'] / 1e6:.2f}M params "
-                     f"({first['numel'] * 4 / MB:.1f} MB fp32), world {first['world']}, median of {first['reps']} --")
-        lines.append(header)
+        lines += [f"-- link {first['link']} | bucket {size}: {first['numel'] / 1e6:.2f}M params "
+                  f"({first['numel'] * 4 / MB:.1f} MB fp32), world {first['world']}, median of {first['reps']} --",
+                  header]
         for r in sub:
             tagc = r["kind"] == "tagc"
-            note = ""
-            if tagc:
-                note = f"{r['n_parts']} part{'s' if r['n_parts'] > 1 else ''}"
-                if r.get("compute_bound") is not None:
-                    note += ", compute-bound" if r["compute_bound"] else ", link-bound"
-            if r["kind"] == "gloo":
-                note = "gloo all-reduce underneath"
-            x = r["ratio_to_fair_baseline"]
-            lines.append(
-                f"{r['method']:<26} {r['ms_per_mb']:>8.3f} {x:>6.2f}x {_fmt_bytes(r['wire_bytes_per_rank']):>10} "
-                f"{r['bits_per_param']:>10.3f} "
-                f"{_fmt_bytes(r['lo_bytes_per_rank']):>10} "
-                f"{(format(r['peel_success'], '.4f') if tagc else '-'):>7} "
-                f"{(format(r['compress_s'] * 1e3, '.0f') + ' ms' if tagc else '-'):>9} "
-                f"{(format(r['decode_s'] * 1e3, '.0f') + ' ms' if tagc else '-'):>8} "
-                f"{(format_rate(int(r['crossover_bps'])) if tagc and r.get('crossover_bps') else '-'):>10}  {note}"
-            )
-    return "\n".join(lines)
-
-
-def summary(rows: list[dict]) -> str:
-    """Paper reference, target, the best TAGC variant per link and the crossover estimate."""
-    lines = [
-        f"paper (GPT-2 ~162M, 2 nodes, 10 Gbit, GPUs): "
-        f"FSDP {PAPER['fsdp_ms_per_mb']} -> TAGC {PAPER['tagc_ms_per_mb']} ms/MB "
-        f"= {PAPER['ratio']}x; target: <= {TARGET_RATIO}x of the fair fp32 baseline "
-        "where compression is not the bottleneck",
-    ]
-    for (link, size) in dict.fromkeys((r["link"], r["size"]) for r in rows):
-        sub = [r for r in rows if r["link"] == link and r["size"] == size and r["kind"] == "tagc"]
-        if not sub:
-            continue
-        best = min(sub, key=lambda r: r["ms_per_mb"])
-        cross = max(sub, key=lambda r: r.get("crossover_bps") or 0)
-        bf16 = next((r for r in rows if r["link"] == link and r["size"] == size and r["method"] == "fair bf16"), None)
-        verdict = "meets" if best["ratio_to_fair_baseline"] <= TARGET_RATIO else "misses"
-        lines.append(
-            f"{link:>7} {size}: best {best['method']} {best['ms_per_mb']:.3f} ms/MB "
-            f"= {best['ratio_to_fair_baseline']:.2f}x fair fp32"
-            + f" at {best['bits_per_param']:.2f} bits/param"
-            + (f" ({best['ms_per_mb'] / bf16['ms_per_mb']:.2f}x fair bf16)" if bf16 else "")
-            + f", {verdict} the {TARGET_RATIO}x target"
-            + (
-                f"; crossover (compute {cross['compute_s'] * 1e3:.0f} ms + bytes/rate vs plain bytes/rate, "
-                f"{cross['method']}): "
-                f"TAGC beats fair fp32 below ~{format_rate(int(cross['crossover_bps']))} per rank on this CPU"
-                if cross.get("crossover_bps")
-                else "; TAGC sends no fewer bytes: no crossover"
-            )
-        )
+            ms = lambda key, r=r, tagc=tagc: format(r[key] * 1e3, ".0f") + " ms" if tagc else "-"  # noqa: E731
+            lines.append(f"{r['method']:<26} {r['ms_per_mb']:>8.3f} {r['ratio_to_fair_baseline']:>6.2f}x "
+                         f"{_fmt_bytes(r['wire_bytes_per_rank']):>10} {r['bits_per_param']:>10.3f} "
+                         f"{_fmt_bytes(r['lo_bytes_per_rank']):>10} "
+                         f"{(format(r['peel_success'], '.4f') if tagc else '-'):>7} {ms('compress_s'):>9} "
+                         f"{ms('decode_s'):>8}  {(str(r['n_parts']) + ' part(s)') if tagc else ''}")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- CLI
 
 
-def _csv(kind):
+def _csv(check=None):
+    """A comma-separated list, each item checked by ``check`` (a ValueError is a usage error)."""
     def parse(text: str):
         items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        return [kind(t) for t in items]
+        try:
+            if not items:
+                raise ValueError("empty list")
+            return [item if check is None else check(item) for item in items]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
     return parse
-
-
-def _overlap(text: str) -> bool:
-    if text in ("on", "1", "true", "pipe"):
-        return True
-    if text in ("off", "0", "false", "serial"):
-        return False
-    raise argparse.ArgumentTypeError(f"overlap must be on/off, got {text!r}")
 
 
 def _wire(text: str) -> str:
     if text not in WIRES:
-        raise argparse.ArgumentTypeError(f"wire must be one of {WIRES}, got {text!r}")
-    return text
-
-
-def _link(text: str) -> str:
-    try:
-        parse_rate(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
-
-
-def _size(text: str) -> str:
-    try:
-        bucket(text, 1)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+        raise ValueError(f"wire must be one of {WIRES}, got {text!r}")
     return text
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed.exchange", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--link",
-        type=_csv(_link),
-        default=None,
-        help="link rates per rank, e.g. 10gbit,1gbit,100mbit, or none (default: 10gbit,1gbit,100mbit)",
-    )
+    p.add_argument("--link", type=_csv(lambda text: (parse_rate(text), text)[1]), default=None,
+                   help="link rates per rank, e.g. 10gbit,1gbit,100mbit, or none (default: 10gbit,1gbit,100mbit)")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
-    p.add_argument(
-        "--sizes",
-        type=_csv(_size),
-        default=None,
-        help=f"buckets: {', '.join(SIZES)} or element counts like 1M (default mlp)",
-    )
-    p.add_argument("--ratios", type=_csv(float), default=None, help="TAGC ratios (default 2,5,10)")
-    p.add_argument("--bits", type=_csv(int), default=None, help="index bits (default 1,4)")
-    p.add_argument("--overlap", type=_csv(_overlap), default=None, help="pipelining on/off (default on,off)")
-    p.add_argument(
-        "--wire",
-        type=_csv(_wire),
-        default=None,
-        help="TAGC's wire: bitmap (index + fp32 sketch), lean (coded positions + bf16 cells) (default bitmap,lean)",
-    )
-    p.add_argument("--codecs", type=_csv(str), default=[],
+    p.add_argument("--sizes", type=_csv(lambda text: (bucket(text, 1), text)[1]), default=None,
+                   help=f"buckets: {', '.join(SIZES)} or element counts like 1M (default mlp)")
+    p.add_argument("--ratio", type=float, default=10.0, help="TAGC's ratio (default 10)")
+    p.add_argument("--wire", type=_csv(_wire), default=None,
+                   help="TAGC's wire: bitmap (index + fp32 sketch), lean (coded positions + bf16 cells) "
+                        "(default bitmap,lean)")
+    p.add_argument("--codecs", type=_csv(), default=[],
                    help="peer codecs to run beside TAGC on the same engine, e.g. bf16,fp8,int4,sign,topk,powersgd")
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 5, --quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 256K elements, ratio 10, 1-bit index, 2 rounds")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 256K elements, unshaped, 2 rounds")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per link (default 1800)")
     p.add_argument("--pg-timeout", type=float, default=600, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    # worker side (internal)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for internal in ("--worker", "--count-lo"):  # the worker side
+        p.add_argument(internal, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--link-name", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--count-lo", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -565,9 +373,6 @@ def _defaults(args) -> None:
     quick = args.quick
     args.link = args.link or (["none"] if quick else ["10gbit", "1gbit", "100mbit"])
     args.sizes = args.sizes or (["256K"] if quick else ["mlp"])
-    args.ratios = args.ratios or ([10.0] if quick else [2.0, 5.0, 10.0])
-    args.bits = args.bits or ([1] if quick else [1, 4])
-    args.overlap = args.overlap or [True, False]
     args.wire = args.wire or ["bitmap", "lean"]
     args.reps = args.reps if args.reps is not None else (2 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else 1
@@ -580,8 +385,6 @@ def _defaults(args) -> None:
         raise SystemExit("exchange: --world must be >= 2 (a reduce-scatter over one rank moves nothing)")
     if args.reps < 1 or args.warmup < 0:
         raise SystemExit("exchange: --reps must be >= 1 and --warmup >= 0")
-    if 4 in args.bits and args.world > 15:
-        raise SystemExit("exchange: a 4-bit index counts ranks and is exact for at most 15 ranks")
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -603,7 +406,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         rows.extend(link_rows)
         if args.json:  # keep what is done so far
             _write_json(args.json, rows)
-    print(summary(rows), flush=True)
     return rows
 
 

@@ -39,9 +39,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def _tc(namespace: str, *args: str) -> None:
     result = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
-        raise LinkError(
-            f"`tc -n {namespace} {' '.join(args)}` failed: {result.stderr.strip()}; refusing to run unshaped"
-        )
+        raise LinkError(f"`tc -n {namespace} {' '.join(args)}` failed: {result.stderr.strip()}; refusing to run "
+                        "unshaped")
 
 
 class EmulatedHosts(Namespaces):
@@ -87,9 +86,8 @@ class EmulatedHosts(Namespaces):
     def _add_namespace(self, name: str) -> None:
         result = _ip("netns", "add", name, check=False)
         if result.returncode != 0:
-            raise LinkError(
-                f"`ip netns add {name}` not permitted or failed: {result.stderr.strip()} (emulated hosts need root)"
-            )
+            raise LinkError(f"`ip netns add {name}` not permitted or failed: {result.stderr.strip()} (emulated hosts "
+                            "need root)")
         self.namespaces.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
 
@@ -104,16 +102,8 @@ class EmulatedHosts(Namespaces):
         _ip("-n", self.switch, "link", "set", port, "up")
         if self.rate_bps is not None:
             p = tbf_params(self.rate_bps, world=1)
-            shape = [
-                "root",
-                "tbf",
-                "rate",
-                f"{p['rate_bps']}bit",
-                "burst",
-                str(p["burst_bytes"]),
-                "limit",
-                str(p["limit_bytes"]),
-            ]
+            shape = ["root", "tbf", "rate", f"{p['rate_bps']}bit", "burst", str(p["burst_bytes"]), "limit",
+                     str(p["limit_bytes"])]
             _tc(ns, "qdisc", "add", "dev", "eth0", *shape)  # the host's upload
             _tc(self.switch, "qdisc", "add", "dev", port, *shape)  # its download
 
@@ -151,9 +141,6 @@ class EmulatedHosts(Namespaces):
         return sum(self.tx_bytes(host) for host in range(self.hosts))
 
     def describe(self) -> str:
-        rate = (
-            "unshaped"
-            if self.rate_bps is None
-            else f"{format_rate(self.rate_bps)} full duplex per host (tbf both ways)"
-        )
+        rate = ("unshaped" if self.rate_bps is None
+                else f"{format_rate(self.rate_bps)} full duplex per host (tbf both ways)")
         return f"{self.hosts} emulated hosts ({SUBNET}.1-{self.hosts}), one switch, {rate} ({self.name})"

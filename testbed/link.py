@@ -254,9 +254,8 @@ class ShapedLink(Namespaces):
         if shutil.which("unshare") is None or shutil.which("nsenter") is None:
             raise LinkError("`unshare`/`nsenter` (util-linux) not available")
         # unshare execs `sleep` inside the new user+network namespace: its pid holds the namespace
-        holder = subprocess.Popen(
-            ["unshare", "-rn", "sleep", "infinity"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+        holder = subprocess.Popen(["unshare", "-rn", "sleep", "infinity"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
         self._holder = holder
         ours = os.readlink("/proc/self/ns/net")
         for _ in range(500):
@@ -275,17 +274,13 @@ class ShapedLink(Namespaces):
         steps = [["ip", "link", "set", "lo", "up"]]
         if self.rate_bps is not None:
             p = tbf_params(self.rate_bps, self.world)
-            steps.append(
-                ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{p['rate_bps']}bit",
-                 "burst", str(p["burst_bytes"]), "limit", str(p["limit_bytes"])]
-            )
+            steps.append(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{p['rate_bps']}bit",
+                          "burst", str(p["burst_bytes"]), "limit", str(p["limit_bytes"])])
         for step in steps:
             result = _run(self.wrap(step), check=False)
             if result.returncode != 0:
-                raise LinkError(
-                    f"cannot shape the loopback in namespace {self.name} ({' '.join(step)}): {result.stderr.strip()}; "
-                    "refusing to run unshaped"
-                )
+                raise LinkError(f"cannot shape the loopback in namespace {self.name} ({' '.join(step)}): "
+                                f"{result.stderr.strip()}; refusing to run unshaped")
         show = _run(self.wrap(["tc", "qdisc", "show", "dev", "lo"]), check=False)
         self.qdisc = show.stdout.strip()
         if self.rate_bps is not None and "tbf" not in self.qdisc:
@@ -345,8 +340,6 @@ class ShapedLink(Namespaces):
         if self.rate_bps is None:
             return f"unshaped private loopback ({self.kind} {self.name})"
         p = tbf_params(self.rate_bps, self.world)
-        return (
-            f"{format_rate(self.rate_bps)} per rank, full duplex: "
-            f"tbf {format_rate(p['rate_bps'])} shared by {self.world} ranks, "
-            f"burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB ({self.kind} {self.name})"
-        )
+        return (f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by "
+                f"{self.world} ranks, burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB "
+                f"({self.kind} {self.name})")

@@ -9,9 +9,6 @@ EXCHANGE_SHARE = 0.31
 TAGC cut exchange ms/MB from 0.76 to 0.51 (x0.67) and the iteration from 25.2 to 22.6, so
 the exchange was 2.6 / (1 - 0.67) = 7.9 of 25.2 units. ``--link scaled`` reproduces it."""
 
-EXCHANGE_MS_PER_MB = {"fsdp_ms_per_mb": 0.76, "tagc_ms_per_mb": 0.51, "ratio": 0.67}
-"""The paper's exchange time per MB of gradient, plain FSDP and TAGC."""
-
 TABLE = [  # GPT-2 ~162M, 2 nodes x RTX 3080, 10 Gbit: iteration (ms) and exchange ms per MB
     {"algorithm": "fsdp", "compressed": "all", "iter": 26.8, "exchange_ms_per_mb": 0.73},
     {"algorithm": "tagc", "compressed": "all", "iter": 28.5, "exchange_ms_per_mb": 0.64},

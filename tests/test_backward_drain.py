@@ -9,6 +9,8 @@ import torch
 
 from backward_drain import BackwardDrain, in_backward_pass
 
+pytestmark = pytest.mark.torch_range  # the autograd engine's internals: on the oldest and the newest torch too
+
 
 class _Launch(torch.autograd.Function):
     """Identity whose backward adds a work item ``(name, log)`` to ``drain`` (or raises, for ``name == "fail"``)."""

@@ -16,31 +16,9 @@ def _positive(x) -> bool:
 
 def test_codec_quick(tmp_path, capsys):
     out, png = tmp_path / "codec.json", tmp_path / "peeling.png"
-    main(["--quick", "--threads", "1", "--json", str(out), "--plot", str(png)])
+    main(["--quick", "--json", str(out), "--plot", str(png)])
     result = json.loads(out.read_text())
-    assert set(result) >= {"throughput", "peeling", "targets"}
-
-    ops = {r["op"] for r in result["throughput"]}
-    assert ops == {
-        "clone",
-        "copy_",
-        "sparsify",
-        "build_index",
-        "encode",
-        "compress_",
-        "decode",
-        "compress_ numba",
-        "decode numba",
-    }
-    for row in result["throughput"]:
-        for key in ("numel", "seconds", "gb_per_s", "x_clone", "x_copy"):
-            assert _positive(row[key]), (key, row)
-        assert _positive(row["x_reference"]) if row["op"].endswith("numba") else "x_reference" not in row
-
-    assert set(result["targets"]) == {"compress", "decode"}
-    for target in result["targets"].values():
-        assert _positive(target["x_clone"]) and isinstance(target["pass"], bool)
-
+    assert set(result) >= {"peeling", "peeling_thresholds"}
     assert result["peeling"]
     for row in result["peeling"]:
         assert _positive(row["load"]) and _positive(row["trials"]) and _positive(row["recovered"])
@@ -49,8 +27,7 @@ def test_codec_quick(tmp_path, capsys):
     assert low["success"] == 1.0  # load 0.5 always peels
 
     assert png.stat().st_size > 0
-    printed = capsys.readouterr().out
-    assert "x clone" in printed and ("PASS" in printed or "FAIL" in printed)
+    assert "measured threshold" in capsys.readouterr().out
 
 
 def test_parse_sizes():

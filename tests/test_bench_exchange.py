@@ -108,7 +108,7 @@ def test_unshare_fallback_holds_and_releases_its_namespace():
 def check_rows(rows, links):
     assert {r["link"] for r in rows} == set(links)
     methods = {r["method"] for r in rows}
-    assert {"gloo rs fp32", "fair fp32", "fair bf16", "tagc r10 i1 pipe", "tagc r10 i1 serial"} <= methods
+    assert {"fair fp32", "fair bf16", "tagc r10", "tagc r10 lean"} <= methods
     for row in rows:
         for key in exchange.REQUIRED_KEYS:
             assert key in row, key
@@ -153,7 +153,7 @@ def check_codec_rows(rows):
     assert codec_rows["codec powersgd"]["formula_wire_bytes"] is None  # several rounds: counted only
     assert codec_rows["codec topk lean"]["bits_per_param"] < 0.55 * codec_rows["codec topk"]["bits_per_param"]
     tagc_rows = {r["method"]: r for r in rows if r["kind"] == "tagc"}
-    lean, bitmap = tagc_rows["tagc r10 i1 pipe lean"], tagc_rows["tagc r10 i1 pipe"]
+    lean, bitmap = tagc_rows["tagc r10 lean"], tagc_rows["tagc r10"]
     assert lean["wire_bytes_per_rank"] == lean["formula_wire_bytes"]  # the hook's planned wire, counted
     assert lean["bits_per_param"] <= 1.1 < bitmap["bits_per_param"]  # the lean wire's target at N = 2
     assert codec_rows["codec topk lean"]["bits_per_param"] <= 0.45

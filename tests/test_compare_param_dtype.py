@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gpt2_bench import compare, compare_layout
-from gpt2_bench.compare_report import format_methods_table, format_param_gather
+from gpt2_bench.compare_layout import format_methods_table, format_param_gather
 from gpt2_bench.compare_rows import Row
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.methods import LAYOUT_METHODS, METHODS, layout_config, method_config

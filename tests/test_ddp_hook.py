@@ -17,6 +17,8 @@ from tagc.hooks.ddp import DDPHookState, ring
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE, paper
 
+pytestmark = pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
+
 
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -72,7 +74,7 @@ def _residual_per_parameter(state: DDPHookState) -> dict[str, torch.Tensor]:
     for layout in state._buckets.values():
         flat = torch.zeros(layout.numel + 1)
         if layout.form == "sketch":
-            plan = hook._plan(layout.segments, layout.numel, world)
+            plan = hook.plan(layout.segments, layout.numel, world)
             for part in plan.parts:
                 if part.codec is hook.plain:
                     continue
@@ -85,7 +87,7 @@ def _residual_per_parameter(state: DDPHookState) -> dict[str, torch.Tensor]:
                     flat[: layout.numel][part.columns] += hook.codec.residuals[part.key][0].float()
         else:
             pieces = state._pieces(layout, world, torch.device("cpu"))
-            plan = hook._plan(pieces.segments, pieces.index.shape[1], world)
+            plan = hook.plan(pieces.segments, pieces.index.shape[1], world)
             for part in plan.parts:
                 residual = getattr(part.codec, "residuals", {}).get(part.key)
                 if part.codec is not hook.plain and residual is not None:
@@ -404,7 +406,7 @@ def _overlapped_vs_blocking(rank: int, world: int) -> dict:
                 state.end_step()
             total = state.stats()["total"]
             runs.append({"steps": steps, "forms": state.forms(), "counters": {k: total[k] for k in COUNTERS},
-                         "finished_in_backward": state._drained_task != -1,
+                         "finished_in_backward": state.flights.drained_task != -1,
                          "residuals": {k: v.clone() for k, v in state.state_dict().items()
                                        if k.startswith("residual.") and isinstance(v, torch.Tensor)}})
         results[label] = runs
@@ -445,7 +447,8 @@ LAUNCH_ORDER_CODECS = {
 
 
 def _launch_order(rank: int, world: int) -> dict:
-    real = {"all_reduce": dist.all_reduce, "all_gather_single": dist.all_gather_single}
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.11's
+    real = {"all_reduce": dist.all_reduce, "all_gather_single": getattr(dist, gather)}
     events = []
 
     def recording(name):
@@ -457,7 +460,8 @@ def _launch_order(rank: int, world: int) -> dict:
 
     out = {}
     try:
-        dist.all_reduce, dist.all_gather_single = recording("all_reduce"), recording("all_gather_single")
+        dist.all_reduce = recording("all_reduce")
+        setattr(dist, gather, recording("all_gather_single"))
         for label, settings in LAUNCH_ORDER_CODECS.items():
             for overlap in (True, False):
                 ddp = _deep_ddp()
@@ -475,7 +479,8 @@ def _launch_order(rank: int, world: int) -> dict:
                     state.end_step()
                 out[label, overlap] = {"events": list(events), "forms": {f for f, _ in state.forms().values()}}
     finally:
-        dist.all_reduce, dist.all_gather_single = real["all_reduce"], real["all_gather_single"]
+        dist.all_reduce = real["all_reduce"]
+        setattr(dist, gather, real["all_gather_single"])
     return out
 
 

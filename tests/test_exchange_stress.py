@@ -38,7 +38,7 @@ def _stress(rank: int, world: int, steps: int, seed: int, budget_s: float) -> di
     torch.manual_seed(1000 + rank)
     # parts of 2^16..2^17 columns: above MIN_SAMPLE, so thresholds come from the sampling kernel
     hook = tagc.hook(dense_steps=0, select="all", min_compress_numel=64, min_part=1 << 16, ratio=4)
-    hook.piece_bytes = 1 << 12  # many pieces per all-to-all (the settings check sees it on both ranks)
+    hook.update(piece_bytes=1 << 12)  # many pieces per all-to-all (the settings check sees it on both ranks)
     rng = random.Random(seed)  # same on every rank: the same buckets in the same order
     sizes = [rng.randint(64, 5_000) for _ in range(4)] + [rng.randint(5_000, 60_000) for _ in range(4)]
     sizes += [rng.randint(100_000, 300_000) for _ in range(3)]
@@ -61,7 +61,7 @@ def _stress(rank: int, world: int, steps: int, seed: int, budget_s: float) -> di
             prefetch = funcol.all_gather_single(torch.full((1 << 12,), float(rank)), 0, dist.group.WORLD)
             chunk, segs = shapes[b]
             grad = torch.randn(world * chunk) * rng.choice([1e-3, 1.0, 1e3])
-            key = hook._plan(tuple(segs), chunk, world).key
+            key = hook.plan(tuple(segs), chunk, world).key
             before = [r.clone() for r in hook.residuals.get(key, [])]
             output = torch.empty(chunk)
             pendings.append((hook.start(output, grad, None, dist.ReduceOp.SUM, segs), grad, before))

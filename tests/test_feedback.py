@@ -154,7 +154,7 @@ def test_set_feedback_decay_reaches_every_ratio_and_is_validated():
     assert copy is not hook.codec and copy.decay == 0.9
     hook.set_feedback_decay(0.97)
     assert (hook.codec.decay, copy.decay) == (0.97, 0.97)
-    assert hook.settings()["feedback_decay"] == 0.9  # the settings the ranks agreed on stay as made
+    assert hook.agreed_settings()["feedback_decay"] == 0.97  # what the ranks compare is what runs
     for bad in (0.0, 1.5, True, "0.9"):
         with pytest.raises(ValueError, match="feedback_decay must be a number in"):
             hook.set_feedback_decay(bad)
@@ -499,10 +499,10 @@ def test_ddp_delivers_the_exact_average_of_a_constant_gradient():
 def test_settings_are_validated_with_clear_errors():
     hook = tagc.hook(feedback="ef21", feedback_momentum=0.9, feedback_decay=0.95)
     assert hook.codec.name == "tagc" and hook.codec.momentum == 0.9 and hook.dense_steps == 10
-    assert hook.settings()["feedback"] == "ef21" and hook.settings()["feedback_momentum"] == 0.9
-    assert hook.codec.decay == 0.95 and hook.settings()["feedback_decay"] == 0.95
+    assert hook.agreed_settings()["feedback"] == "ef21" and hook.agreed_settings()["feedback_momentum"] == 0.9
+    assert hook.codec.decay == 0.95 and hook.agreed_settings()["feedback_decay"] == 0.95
     default = tagc.hook()  # codec tagc: EF21 fading by 0.9 (tagc.hooks.settings.RECOMMENDED)
-    assert (default.settings()["feedback"], default.settings()["feedback_decay"]) == ("ef21", 0.9)
+    assert (default.agreed_settings()["feedback"], default.agreed_settings()["feedback_decay"]) == ("ef21", 0.9)
     assert type(default.codec).__name__ == "EF21Codec" and default.codec.decay == 0.9
     assert type(default.codec.inner).__name__ == "TAGCCodec"
     assert type(tagc.hook(feedback="classic").codec).__name__ == "TAGCCodec"  # classic: the codec itself
@@ -564,12 +564,20 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
     assert not method_config(follows, "tagc-int4").feedback_decay_follows_lr
 
 
-def test_the_fading_follows_the_learning_rate_from_its_peak_to_its_floor():
-    from gpt2_bench.train import decay_at, learning_rate
+def test_the_fading_follows_the_trainers_learning_rate_from_its_peak_to_its_floor():
+    """The trainer calls ``hook.follow_lr(optimizer)`` as users do: during the warm-up the rate read is the largest
+    seen, so the fading is the one asked for; after the peak it holds more as the rate decays."""
+    from gpt2_bench.train import learning_rate
+    from tagc.hooks.feedback import LearningRateFading
 
     cfg = TrainConfig(feedback_decay_follows_lr=True, steps=200, lr=1e-3, min_lr=1e-4, warmup_steps=5)
-    decays = [decay_at(cfg, step) for step in range(cfg.steps)]
-    assert decays[cfg.warmup_steps] == pytest.approx(0.9)  # the peak rate: the decay asked for
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    fading = LearningRateFading(optimizer, 0.9)
+    decays = []
+    for step in range(cfg.steps):
+        optimizer.param_groups[0]["lr"] = learning_rate(cfg, step)
+        decays.append(fading.decay())
+    assert decays[: cfg.warmup_steps + 1] == pytest.approx([0.9] * (cfg.warmup_steps + 1))
     assert decays[-1] == pytest.approx(1 - 0.1 * learning_rate(cfg, cfg.steps - 1) / 1e-3)
     assert decays[-1] == pytest.approx(0.99, abs=1e-4)  # the floor, a tenth of the peak: a tenth of the fading
     after_peak = decays[cfg.warmup_steps:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2_bench import assets, corpora, data, tokenizer
-from gpt2_bench.data import EOT_TOKEN, OFFLINE_ASSETS_PIP, DataError, TokenData, get_batch, prepare
+from gpt2_bench.data import EOT_TOKEN, OFFLINE_ASSETS_PIP, DataError, TokenData, prepare
 
 NO_BPE = "GPT-2 BPE unavailable offline: " + OFFLINE_ASSETS_PIP
 
@@ -142,33 +142,58 @@ def test_concurrent_preparations_build_once(enc, text_file, tmp_path):
     assert not list(results[0].glob("*.tmp"))
 
 
-def test_get_batch_shapes_and_determinism(prepared):
+def test_train_batch_shapes_targets_and_seed(prepared):
     ds = TokenData(prepared)
-    x, y = ds.get_batch("train", 4, 16, torch.Generator().manual_seed(0))
+    x, y = ds.train_batch(0, 4, 16, seed=0)
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
     torch.testing.assert_close(x[:, 1:], y[:, :-1])  # targets are the next tokens
-    x2, _ = get_batch(prepared, "train", 4, 16, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(x, x2)
-    x3, _ = ds.get_batch("train", 4, 16, torch.Generator().manual_seed(1))
-    assert not torch.equal(x, x3)
-    xv, _ = ds.get_batch("val", 2, 8)
-    assert xv.shape == (2, 8)
+    torch.testing.assert_close(x, TokenData(prepared).train_batch(0, 4, 16, seed=0)[0])  # the step alone decides
+    assert not torch.equal(x, ds.train_batch(0, 4, 16, seed=1)[0])
     with pytest.raises(DataError, match="too few"):
-        ds.get_batch("val", 1, 10_000)
-
-
-def test_get_batch_ranks_split_the_global_batch(prepared):
-    ds = TokenData(prepared)
-    whole, _ = ds.get_batch("train", 6, 8, torch.Generator().manual_seed(3))
-    gens = [torch.Generator().manual_seed(3) for _ in range(3)]
-    parts = [ds.get_batch("train", 2, 8, gens[r], rank=r, world_size=3)[0] for r in range(3)]
-    torch.testing.assert_close(torch.cat(parts), whole)
-    assert not torch.equal(parts[0], parts[1])
-    # generators stay in step: the next draw is again identical on every rank
-    nxt = [torch.randint(1000, (1,), generator=g).item() for g in gens]
-    assert len(set(nxt)) == 1
+        ds.train_batch(0, 1, 10_000, seed=0)
     with pytest.raises(ValueError, match="rank"):
-        ds.get_batch("train", 2, 8, rank=3, world_size=3)
+        ds.train_batch(0, 2, 8, seed=0, rank=3, world_size=3)
+
+
+def _starts(ds, x, block):
+    """Each window's start in the train split (windows sit at multiples of ``block``)."""
+    tokens = torch.from_numpy(np.asarray(ds.tokens("train")).astype(np.int64))
+    windows = tokens[: ds.windows("train", block) * block].view(-1, block)
+    return [int((windows == row).all(1).nonzero()[0]) for row in x]
+
+
+def test_train_batches_read_every_window_once_per_epoch(prepared):
+    """Sampling without replacement: over an epoch of steps every window is read exactly once, across ranks; the next
+    epoch reads them all again in another order."""
+    ds, block, batch, world = TokenData(prepared), 8, 2, 3
+    count = ds.windows("train", block)
+    per_step = batch * world
+    steps = 2 * count // per_step + 1
+    read = []
+    for step in range(steps):
+        parts = [ds.train_batch(step, batch, block, seed=5, rank=r, world_size=world)[0] for r in range(world)]
+        read += _starts(ds, torch.cat(parts), block)
+    first, second = read[:count], read[count : 2 * count]
+    assert sorted(first) == sorted(second) == list(range(count)) and first != second
+    assert ds.epoch_fraction(steps * per_step, block) == pytest.approx(steps * per_step / count)
+
+
+def test_train_batch_ranks_split_the_global_batch(prepared):
+    ds = TokenData(prepared)
+    whole, _ = ds.train_batch(7, 6, 8, seed=3)
+    parts = [ds.train_batch(7, 2, 8, seed=3, rank=r, world_size=3)[0] for r in range(3)]
+    torch.testing.assert_close(torch.cat(parts), whole)
+
+
+def test_eval_set_is_fixed_spread_and_split_over_ranks(prepared):
+    ds, block = TokenData(prepared), 8
+    whole = torch.cat([x for x, _ in ds.eval_batches(64, block, batch_size=3)])
+    assert whole.shape == (8, block)
+    val = torch.from_numpy(np.asarray(ds.tokens("val")).astype(np.int64))
+    assert torch.equal(whole[0], val[:block]) and torch.equal(whole[-1], val[len(val) - block - 1 : len(val) - 1])
+    parts = [torch.cat([x for x, _ in ds.eval_batches(64, block, 3, rank=r, world_size=2)]) for r in range(2)]
+    assert torch.equal(torch.stack([parts[r][i] for i in range(4) for r in range(2)]), whole)
+    assert len(torch.cat([x for x, _ in ds.eval_batches(1, block, 4, rank=1, world_size=2)])) == 1  # >= 1 per rank
 
 
 def test_corrupt_and_missing_files(prepared, tmp_path):
@@ -237,7 +262,7 @@ def test_bbc_corpus(enc, tmp_path):
     assert meta["documents"] == 2225 and meta["val_documents"] == 111
     total = meta["train_tokens"] + meta["val_tokens"]
     assert 1.0e6 < total < 1.2e6  # ~1.1M GPT-2 tokens
-    x, _ = TokenData(out).get_batch("val", 2, 64, torch.Generator().manual_seed(0))
+    x, _ = TokenData(out).eval_batches(128, 64, batch_size=2)[0]
     assert x.shape == (2, 64)
     first = documents(np.asarray(TokenData(out).tokens("val")), enc)[0]
     assert first.startswith("Call centre users 'lose patience'")

@@ -129,16 +129,3 @@ def test_selection_policy_picks_non_attention_linears(tie):
     assert chosen == expected
     # by name alone (the FSDP1 path passes no module) the answer is the same
     assert {name for name, _ in model.named_parameters() if non_attention_linear(name, None)} == expected
-
-
-def test_param_groups_split_decay():
-    model = tiny()
-    decay, no_decay = model.param_groups(0.1)
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-
-
-def test_generate_extends_sequence():
-    model = tiny().eval()
-    out = model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4, top_k=5)
-    assert out.shape == (1, 7)

@@ -2,20 +2,10 @@
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
-from gpt2_bench import (
-    compare,
-    compare_figures,
-    compare_methods,
-    compare_paper,
-    compare_report,
-    compare_rows,
-    compare_runs,
-    integrations,
-)
+from gpt2_bench import compare, compare_layout, compare_paper, compare_rows
 from gpt2_bench.compare_rows import Loss, Row
 from gpt2_bench.config import TrainConfig
 
@@ -47,45 +37,21 @@ def test_compare_table_has_a_row_per_paper_row_and_both_speedups(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_overlap_columns_ceiling_and_timeline(tmp_path):
-    line = {"forward": [0, 100], "backward": [100, 400], "optimizer": [400, 420],
-            "units": [{"unit": "h.1", "events": [["wire", 150, 250]]}, {"unit": "h.0", "events": [["wire", 250, 380]]},
-                      {"unit": "<root>", "events": [["wire", 390, 600], ["wait", 400, 600]]}]}
+def test_blocks_hidden_is_the_share_of_the_blocks_wire_time_not_waited_for():
     units = {"h.1": {"wire_ms": 100, "exposed_ms": 0, "bytes": 1},
              "h.0": {"wire_ms": 130, "exposed_ms": 30, "bytes": 1},
              "<root>": {"wire_ms": 210, "exposed_ms": 200, "bytes": 2}}
-    serial = _row("fsdp", "-", 800, units=units, timeline=line, wire_ms=440, exposed_ms=440)
-    plain = _row("fsdp", "all", 720, units=units, timeline=line, wire_ms=440, exposed_ms=230)
-    assert compare_paper.block_hidden(plain) == 1 - 30 / 230
-    info = compare_paper.overlap_summary(plain, serial, TrainConfig(preset="tiny"))
-    # the blocks' 230 ms of wire could hide behind the 250 ms of backward after the first launch, less 200 ms of waiting
-    assert info["compute_after_ms"] == 250 - 200 and info["ceiling_ms"] == 50
-    assert info["measured_speedup"] == 800 / 720 and set(info["shares"]) == {"tiny", "gpt2-untied"}
-    text = compare_paper.format_overlap({"overlap": info, "exchange_share": 0.31})
-    assert "gpt2-untied" in text and "ceiling" in text and "1.111x" in text
-    compare_paper.plot_timeline([plain, serial], tmp_path / "timeline.png")
-    assert (tmp_path / "timeline.png").stat().st_size > 0
-
-
-def test_integrations_table_and_plot(tmp_path):
-    rows = []
-    for label, _, _ in integrations.SETUPS:
-        for algorithm in ("fsdp", "tagc"):
-            rows.append(_summary(algorithm, "non-attn", 2000 if algorithm == "fsdp" else 2500, setup=label,
-                                 vs_fsdp2_eager=1.0, peak_rss_mb=1300.0, forward_rss_mb=1000.0))
-    table = integrations.format_table(rows)
-    assert table.count("\n") == len(rows) + 1 and "TAGC non-attn" in table and "plain (gloo" in table
-    integrations.plot(rows, tmp_path / "integrations.png")
-    assert (tmp_path / "integrations.png").stat().st_size > 0
+    plain = _row("fsdp", "all", 720, units=units, wire_ms=440, exposed_ms=230)
+    assert compare_paper.block_hidden(plain) == 1 - 30 / 230  # the root unit (the embedding's) is left out
 
 
 def test_bytes_model_subtracts_the_bytes_saved_at_the_link_rate():
     # 40 MB fewer per step over 320 Mbit/s (40 MB/s) saves one second of a 4 s step
-    assert compare_figures.bytes_model_ms(4000.0, 50e6, 10e6, 320 * 10**6) == 3000.0
-    assert compare_figures.bytes_model_ms(4000.0, 50e6, 50e6, 320 * 10**6) == 4000.0
-    assert compare_figures.bytes_model_ms(4000.0, 50e6, 10e6, None) is None  # unshaped: no link to model
+    assert compare_rows.bytes_model_ms(4000.0, 50e6, 10e6, 320 * 10**6) == 3000.0
+    assert compare_rows.bytes_model_ms(4000.0, 50e6, 50e6, 320 * 10**6) == 4000.0
+    assert compare_rows.bytes_model_ms(4000.0, 50e6, 10e6, None) is None  # unshaped: no link to model
     # plain run without the fair transport's counts
-    assert compare_figures.bytes_model_ms(4000.0, None, 10e6, 10**9) is None
+    assert compare_rows.bytes_model_ms(4000.0, None, 10e6, 10**9) is None
 
 
 def _method_row(method, iter_ms, val_loss, wire, codec_ms=0.0, share=0.31):
@@ -101,24 +67,23 @@ def test_methods_table_names_the_fastest_method_within_one_percent_and_places_ta
             _method_row("int4", 2500, 6.10, 250_000, codec_ms=50),  # fastest, but 1.7% worse: not the winner
             _method_row("topk", 2600, 6.02, 200_000, codec_ms=100),
             _method_row("tagc-non-attn", 2900, 6.03, 500_000, codec_ms=300)]
-    compare_figures.add_method_columns(rows, rate_bps=8 * 10**6)  # 1 MB/s: a byte saved is a microsecond
+    compare_rows.add_method_columns(rows, rate_bps=8 * 10**6)  # 1 MB/s: a byte saved is a microsecond
     by = {row.method: row for row in rows}
     assert by["fsdp"].bits_per_param == 16.0 and by["int4"].bits_per_param == 2.0
     assert by["topk"].speedup == 4000 / 2600 and by["topk"].speedup_vs_fsdp_bf16 == 3000 / 2600
     assert by["tagc-non-attn"].bytes_model_ms == 4000 - 1500 and abs(by["int4"].val_loss_delta - 0.1 / 6) < 1e-12
-    assert compare_figures.winner(rows).method == "topk"
-    gap = compare_figures.explain_gap(by["tagc-non-attn"], by["topk"])
+    assert compare_rows.winner(rows).method == "topk"
+    gap = compare_rows.explain_gap(by["tagc-non-attn"], by["topk"])
     assert gap.startswith("+300 ms") and "bytes +300 ms" in gap and "codec +200 ms" in gap and "+0.17 points" in gap
-    verdict = compare_report.format_verdict(rows)
+    verdict = compare_layout.format_verdict(rows)
     assert "**topk**" in verdict and "Dominated by topk (faster" in verdict
-    table = compare_report.format_methods_table(rows)
+    table = compare_layout.format_methods_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| int4 | all | 2500 | 1.60x | 1.20x |" in table
     share_rows = ([dataclasses.replace(r, share=0.31) for r in rows]
                   + [dataclasses.replace(r, share=0.9, speedup=2 * r.speedup) for r in rows])
-    compare_report.plot_pareto(share_rows, tmp_path / "pareto.png")
-    compare_report.plot_speedup_vs_share(share_rows, tmp_path / "share.png")
-    compare_report.plot_method_losses(compare_report.method_curves(share_rows), tmp_path / "losses.png")
-    assert all((tmp_path / name).stat().st_size > 0 for name in ("pareto.png", "share.png", "losses.png"))
+    compare_layout.plot_pareto(share_rows, tmp_path / "pareto.png")
+    compare_layout.plot_speedup_vs_share(share_rows, tmp_path / "share.png")
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("pareto.png", "share.png"))
 
 
 def test_method_names_are_checked_and_expand():
@@ -152,114 +117,24 @@ def test_methods_compare_runs_end_to_end_on_the_tiny_preset(tmp_path):
     assert (tmp_path / "methods.md").read_text().count("| int4 |") == 1 and (tmp_path / "pareto.png").exists()
 
 
-@pytest.mark.slow  # ~6 s: two short training runs
-def test_quality_runs_are_read_back_when_their_settings_match(tmp_path, monkeypatch):
-    """A finished quality run is reused, not trained again; changed settings train again."""
-    from tests.test_gpt2_train import bbc_ready
-
-    if not bbc_ready():
-        pytest.skip("offline assets missing")
-    from gpt2_bench.data import prepare
-
-    base = TrainConfig(preset="tiny", block_size=32, min_compress_numel=2048, out_dir=str(tmp_path))
-    data_dir = str(prepare(base.dataset, base.cache_dir))
-    first = compare_runs.quality_runs(base, ["fsdp"], 3, data_dir)
-    trained = []
-    monkeypatch.setattr(compare_runs, "run", lambda cfg, *a, **k: trained.append(cfg) or first["fsdp"])
-    again = compare_runs.quality_runs(base, ["fsdp"], 3, data_dir)
-    assert trained == [] and again["fsdp"]["val_loss"] == first["fsdp"]["val_loss"]
-    compare_runs.quality_runs(dataclasses.replace(base, lr=1e-3), ["fsdp"], 3, data_dir)
-    assert [cfg.lr for cfg in trained] == [1e-3]
-
-
-def test_an_interrupted_quality_run_resumes_from_its_checkpoints(tmp_path, monkeypatch):
-    """A run killed mid-way (no finished settings, its started settings on disk) resumes from
-    its checkpoints; a started run with other settings is discarded, checkpoints and all."""
-    base = TrainConfig(preset="tiny", block_size=32, out_dir=str(tmp_path))
-    trained = []
-
-    def fake_run(cfg, *args, **kwargs):
-        trained.append(cfg)
-        raise KeyboardInterrupt  # the session ends mid-run
-
-    monkeypatch.setattr(compare_runs, "run", fake_run)
-    with pytest.raises(KeyboardInterrupt):
-        compare_runs.quality_runs(base, ["fsdp"], 30, "unused")
-    first = trained[-1]
-    assert not first.resume and (tmp_path / "quality" / f"{first.run_name}.started.json").exists()
-    Path(first.checkpoint_dir, "step-10").mkdir(parents=True)  # what the killed run left
-
-    monkeypatch.setattr(compare_runs, "run", lambda cfg, *a, **k: trained.append(cfg) or {"val_loss": 1.0})
-    compare_runs.quality_runs(base, ["fsdp"], 30, "unused")
-    assert trained[-1].resume and Path(first.checkpoint_dir, "step-10").exists()
-    assert not (tmp_path / "quality" / f"{first.run_name}.started.json").exists()
-
-    (tmp_path / "quality" / f"{first.run_name}.config.json").unlink()  # as if it never finished
-    (tmp_path / "quality" / f"{first.run_name}.started.json").write_text(
-        dataclasses.replace(first, lr=1e-3).to_json())  # another run's, under the same name
-    compare_runs.quality_runs(base, ["fsdp"], 30, "unused")
-    assert not trained[-1].resume and not Path(first.checkpoint_dir, "step-10").exists()
-
-
-def test_a_setting_added_after_a_run_counts_as_its_default():
-    """A quality run recorded before a TrainConfig field existed matches runs at that field's default only; for the
-    codec settings ``tagc.hook()`` now fills in, the default they had then (fp32 plain columns, classic feedback)."""
-    wanted = json.loads(TrainConfig(plain="fp32", feedback="classic").to_json())
-    recorded = {k: v for k, v in wanted.items() if k not in ("plain", "feedback", "feedback_decay")}
-    assert compare_runs.same_math(recorded, wanted)
-    assert not compare_runs.same_math(recorded, {**wanted, "plain": "bf16"})
-    assert not compare_runs.same_math(recorded, json.loads(TrainConfig().to_json()))  # int4, EF21: not what it ran
-    assert not compare_runs.same_math({**recorded, "lr": 1.0}, wanted)
-    assert compare_runs.same_math({**recorded, "resume": True}, wanted)  # how, not what
-
-
 def test_losses_can_come_from_another_compares_rows(tmp_path):
     rows = tmp_path / "small.json"
     rows.write_text(json.dumps([{"method": "fsdp", "val_loss": 6.5, "val_loss_steps": 300},
-                                {"method": "int4", "val_loss": 6.52, "val_loss_steps": 300}, {"method": "x"}]))
-    found = compare_rows.losses_from(str(rows))
+                                {"method": "int4", "val_loss": 6.52, "val_loss_steps": 300}, {"method": "x"},
+                                {"method": "int4", "val_loss": 6.6, "layout": "ddp"}]))
+    by_layout = compare_rows.losses_from(str(rows))
+    found = by_layout["flat"]
     assert set(found) == {"fsdp", "int4"} and found["int4"].val_loss == 6.52 and found["fsdp"].steps == 300
+    assert by_layout["ddp"]["int4"].val_loss == 6.6  # a layout's rows stay apart from the flat ones
     timed = [Row(method="fsdp", algorithm="fsdp", compressed="none", iter_ms=100.0, n_params=10,
                  wire_bytes_per_step=80, val_loss=9.0),
              Row(method="int4", algorithm="int4", compressed="all", iter_ms=50.0, n_params=10, wire_bytes_per_step=10,
                  val_loss=9.9)]
-    compare_figures.add_method_columns(timed, None, found)
+    compare_rows.add_method_columns(timed, None, found)
     assert [r.val_loss for r in timed] == [6.5, 6.52] and timed[1].val_loss_delta == pytest.approx(0.02 / 6.5)
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(ValueError, match="no rows with a method and a val_loss"):
         compare_rows.losses_from(str(tmp_path / "empty.json"))
-    with pytest.raises(SystemExit):
-        compare.main(["--methods", "fsdp", "--loss-from", str(rows), "--quality-steps", "3"])
-
-
-def test_val_loss_against_fsdp_is_taken_at_the_steps_both_evaluated(tmp_path):
-    def curve(evals):
-        return [{"step": s, "loss": 9.0, **({"val_loss": v} if v else {})} for s, v in evals]
-
-    curves = {"fsdp": curve([(0, None), (10, 8.0), (20, 6.0)]), "int4": curve([(10, 8.08), (15, 7.0), (20, 5.97)])}
-    relative = compare_figures.val_loss_vs_fsdp(curves)
-    assert [s for s, _ in relative["int4"]] == [10, 20] and relative["fsdp"] == [(10, 0.0), (20, 0.0)]
-    assert relative["int4"][0][1] == pytest.approx(1.0) and relative["int4"][1][1] == pytest.approx(-0.5)
-    assert compare_figures.val_loss_vs_fsdp({"int4": curves["int4"]}) == {}
-    compare_report.plot_method_losses(curves, tmp_path / "losses.png")  # three panels with fsdp, two without
-    compare_report.plot_method_losses({"int4": curves["int4"]}, tmp_path / "alone.png")
-    assert (tmp_path / "losses.png").stat().st_size > 0 and (tmp_path / "alone.png").stat().st_size > 0
-
-
-def test_the_quality_report_tables_every_evaluation_and_names_who_is_within_1_percent():
-    def result(evals):
-        return Loss(evals[-1][1], curve=[{"step": s, "loss": 9.0, "val_loss": v} for s, v in evals])
-
-    quality = {"fsdp": result([(10, 8.0), (20, 6.0)]), "int4": result([(10, 8.08), (20, 6.054)]),
-               "tagc-non-attn": result([(10, 8.2), (15, 7.0), (20, 6.12)])}
-    report = compare_report.format_quality_report(quality, 20, plateau=7.37)
-    assert "| 10 | 8.0000 | 8.0800 (+1.00%) | 8.2000 (+2.50%) |" in report
-    assert "| 15 |  |  | 7.0000 |" in report  # a step only one method evaluated: no percent without fsdp's
-    assert "fsdp ends at 6.0000, 1.37 nats below it" in report
-    assert "`int4`: val loss 6.0540, +0.90% against fsdp: within 1%" in report
-    assert "`tagc-non-attn`: val loss 6.1200, +2.00% against fsdp: outside 1%" in report
-    alone = compare_report.format_quality_report({"int4": quality["int4"]}, 20)
-    assert "plateau" not in alone and "against fsdp" not in alone and "| 20 | 6.0540 |" in alone
 
 
 def test_a_loss_from_a_run_of_another_length_is_shown_but_not_compared():
@@ -269,13 +144,13 @@ def test_a_loss_from_a_run_of_another_length_is_shown_but_not_compared():
     timed = [Row(method=m, algorithm="fsdp" if m.startswith("fsdp") else "tagc", compressed="all", iter_ms=t,
                  n_params=10, wire_bytes_per_step=80, val_loss=9.0, share=0.9)
              for m, t in [("fsdp", 100.0), ("fsdp-bf16", 60.0), ("tagc-non-attn", 80.0), ("int4", 70.0)]]
-    compare_figures.add_method_columns(timed, None, found)
+    compare_rows.add_method_columns(timed, None, found)
     by = {r.method: r for r in timed}
     assert by["fsdp-bf16"].val_loss_delta is None and by["int4"].val_loss_delta == pytest.approx(0.05 / 6.13)
-    assert compare_figures.winner(timed).method == "int4"  # fsdp-bf16 is faster, but its loss is not comparable
-    table = compare_report.format_methods_table(timed)
+    assert compare_rows.winner(timed).method == "int4"  # fsdp-bf16 is faster, but its loss is not comparable
+    table = compare_layout.format_methods_table(timed)
     assert "6.8400 (300 steps) | - |" in table and "6.1800 |" in table
-    verdict = compare_report.format_verdict(timed)
+    verdict = compare_layout.format_verdict(timed)
     assert "Dominated by int4 (" in verdict and "fsdp-bf16," not in verdict.split("Dominated by")[1]
 
 
@@ -286,9 +161,8 @@ def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_pa
     def fail(*args, **kwargs):
         raise AssertionError("--timed-from must not train or time")
 
-    monkeypatch.setattr(compare_runs, "run", fail)
-    monkeypatch.setattr(compare_methods, "run", fail)
-    monkeypatch.setattr(compare_methods, "time_methods", fail)
+    monkeypatch.setattr(compare_layout, "run", fail)
+    monkeypatch.setattr(compare_layout, "time_layout", fail)
     timed = [{"method": m, "algorithm": "fsdp" if m.startswith("fsdp") else "tagc", "compressed": "all", "iter_ms": t,
               "n_params": 10, "wire_bytes_per_step": b, "val_loss": 9.0, "share": share, "link": "948mbit",
               "rounds": 2, "steps": 4, "preset": "small", "dense_steps": 1}
@@ -320,7 +194,7 @@ def test_a_report_is_made_again_from_earlier_timed_rows_with_later_losses(tmp_pa
     assert by[(0.9, "fsdp-bf16")]["val_loss_delta"] == pytest.approx(0.02 / 6.13)
     assert by[(0.9, "int4")]["speedup"] == pytest.approx(100 / 70) and len(rows) == 6
 
-    for wrong in (["--methods", "fsdp,topk"], ["--preset", "gpt2-untied"], ["--shares", "0.31"]):
+    for wrong in (["--methods", "fsdp,topk"], ["--preset", "gpt2-untied"], ["--shares", "0.5"]):
         with pytest.raises(SystemExit):
             compare.main(args + wrong + ["--loss-from", str(tmp_path / "long.json"), "--out-dir", str(tmp_path / "x")])
 
@@ -360,7 +234,7 @@ def test_the_main_job_works_out_its_figures_and_its_json_reads_back(tmp_path, mo
                 "iter_ms": ms, "steady_iter_ms": [ms], "train_s": ms / 100, "exchange_ms_per_mb": 7.0,
                 "wire_bytes_per_rank": wire[cfg.compression], "wire_bytes_per_step": wire[cfg.compression],
                 "val_loss": {"none": 6.0, "all": 6.3, "non-attn": 6.06}[cfg.compression], "n_params": 10**6,
-                "grad_mb": 4.0, "peel_success": None, "units": None, "timeline": None, "curve": [],
+                "grad_mb": 4.0, "peel_success": None, "units": None, "curve": [],
                 "integration": cfg.integration}
 
     monkeypatch.setattr(compare_paper, "run", fake_run)

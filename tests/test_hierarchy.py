@@ -62,12 +62,12 @@ def _engine(rank, world):
         **PAPER_WIRE,
     )
     host, local = divmod(rank, PER_HOST)
-    density = hook.config.density(HOSTS)
+    density = hook.settings.config.density(HOSTS)
     outs, checks, rows, unions = [], [], [], []
     for step in range(3):
         before = {k: [r.clone() for r in v] for k, v in hook.residuals.items()}
         outs.append(_exchange(hook, _grad(step, rank)))
-        plan = hook._plan(tuple(_segments()), CHUNK, HOSTS)
+        plan = hook.plan(tuple(_segments()), CHUNK, HOSTS)
         (parts,) = hook.residuals.values()
         kept = _host_block(step, rank)
         for part, residual, old in zip(plan.compressed_parts, parts, next(iter(before.values()), [None] * len(parts))):
@@ -184,12 +184,12 @@ def test_bad_settings_name_the_allowed_values():
     try:
         os.environ["LOCAL_WORLD_SIZE"] = "8"
         assert (
-            tagc.hook(dense_steps=0).ranks_per_host == 8
-            and tagc.hook(dense_steps=0, ranks_per_host=2).ranks_per_host == 2
+            tagc.hook(dense_steps=0).settings.ranks_per_host == 8
+            and tagc.hook(dense_steps=0, ranks_per_host=2).settings.ranks_per_host == 2
         )
         os.environ.pop("LOCAL_WORLD_SIZE")
-        assert tagc.hook(dense_steps=0).ranks_per_host is None
-        assert tagc.hook(dense_steps=0).settings()["hierarchy"] == "auto"
+        assert tagc.hook(dense_steps=0).settings.ranks_per_host is None
+        assert tagc.hook(dense_steps=0).agreed_settings()["hierarchy"] == "auto"
     finally:
         if old is not None:
             os.environ["LOCAL_WORLD_SIZE"] = old
@@ -270,7 +270,7 @@ def _fsdp2_runs(rank, world, mesh, variants: dict, steps: int = 2):
         "losses": losses,
         "params": params,
         "stats": {n: h.stats()["total"] for n, h in hooks.items()},
-        "hierarchical": {n: any(t.hierarchical for t in h._topologies.values()) for n, h in hooks.items()},
+        "hierarchical": {n: any(t.hierarchical for t in h.topologies.values()) for n, h in hooks.items()},
     }
 
 
@@ -326,6 +326,7 @@ def _fsdp2_hsdp(rank, world):
     return compared, trained, scattered
 
 
+@pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
 def test_fsdp2_hsdp_mesh_equals_native_hsdp_and_trains_compressed():
     """Native HSDP against the hooked plain codec; then TAGC across replicas both ways: gathering every
     replica's wire (the leaner way, chosen here) and a compressed reduce-scatter plus a dense
@@ -405,6 +406,7 @@ def _simple(rank, world, compiled):
     }
 
 
+@pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_simple_fsdp_hierarchical_equals_the_reference(compiled):
     for result in run_ranks(_simple, WORLD, compiled, timeout_s=300):

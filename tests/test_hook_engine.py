@@ -41,8 +41,8 @@ def lossless_transport(rank, world, bits):
     out = exchange(rank, world, hook, grad)
     residual = {k: [r.clone() for r in v] for k, v in hook.residuals.items()}
     (key, parts), = residual.items()
-    plan = hook._plan(tuple(segments()), CHUNK, world)
-    density = hook.config.density(world)
+    plan = hook.plan(tuple(segments()), CHUNK, world)
+    density = hook.settings.config.density(world)
     kept = grad.clone()
     rows = []  # per part and owner row: (kept count, planned count, capacity, smallest kept |a|, largest held-back |a|)
     for part, res in zip(plan.compressed_parts, parts):
@@ -187,7 +187,7 @@ def mismatched(rank, world):
             exchange(rank, world, hook, torch.randn(world, CHUNK))
         messages.append(str(error.value))
     piece = tagc.hook(dense_steps=0, ratio=PAPER_RATIO, **PAPER_WIRE)
-    piece.piece_bytes = 1 << 20 if rank == 0 else 1 << 19
+    piece.update(piece_bytes=1 << 20 if rank == 0 else 1 << 19)
     with pytest.raises(ValueError, match="piece_bytes"):
         exchange(rank, world, piece, torch.randn(world, CHUNK))
     agreed = exchange(rank, world, tagc.hook(dense_steps=0, ratio=PAPER_RATIO, **PAPER_WIRE),
@@ -471,7 +471,7 @@ def different_lambdas(rank, world, same_selection):
         select = ((lambda name, module: "weight" in name) if rank == 0
                   else (lambda name, module: name.endswith("c_fc.weight")))
     hook = tagc.hook(dense_steps=0, select=select)
-    assert hook.select.__name__ == "<lambda>"
+    assert hook.settings.select.__name__ == "<lambda>"
     try:
         exchange(rank, world, hook, torch.randn(world, CHUNK))
     except ValueError as error:

@@ -10,6 +10,8 @@ import tagc
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE
 
+pytestmark = pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
+
 
 def train_fsdp1(rank, world, use_tagc, unit_ratio=None):
     torch.manual_seed(0)

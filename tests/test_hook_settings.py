@@ -22,8 +22,8 @@ from tests.paper_wire import paper
 
 def test_piece_bytes_and_side_stream_reach_the_hook_from_tagc_hook():
     hook = tagc.hook(piece_bytes=1 << 12, side_stream=False)
-    assert hook.piece_bytes == 1 << 12 and hook.settings()["piece_bytes"] == 1 << 12
-    assert hook.side_stream is False and tagc.hook().side_stream is True
+    assert hook.settings.piece_bytes == 1 << 12 and hook.agreed_settings()["piece_bytes"] == 1 << 12
+    assert hook.settings.side_stream is False and tagc.hook().settings.side_stream is True
     with pytest.raises(ValueError, match="side_stream must be True or False, got 'no'"):
         tagc.hook(side_stream="no")
 
@@ -50,17 +50,37 @@ def test_a_bad_setting_is_refused_with_the_allowed_values(name, value, allowed):
     assert allowed in str(raised.value) and str(value) in str(raised.value)
 
 
-def test_settings_are_frozen_and_a_writable_one_is_validated_again():
+def test_settings_are_frozen_and_a_run_time_one_is_validated_again():
     hook = tagc.hook(min_part=1 << 10)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        hook.hook_settings.min_part = 5
+        hook.settings.min_part = 5
     with pytest.raises(AttributeError, match="min_part is fixed when the hook is built"):
-        hook.min_part = 5
+        hook.update(min_part=5)
     with pytest.raises(ValueError, match="piece_bytes must be None"):
-        hook.piece_bytes = 0
-    assert hook.piece_bytes is None  # the refused value left the settings as they were
-    hook.piece_bytes = 4096
-    assert hook.settings()["piece_bytes"] == 4096 and hook.min_part == 1 << 10
+        hook.update(piece_bytes=0)
+    assert hook.settings.piece_bytes is None  # the refused value left the settings as they were
+    hook.update(piece_bytes=4096)
+    assert hook.agreed_settings()["piece_bytes"] == 4096 and hook.settings.min_part == 1 << 10
+    with pytest.raises(AttributeError, match=r"hook.update\(piece_bytes=...\)"):
+        hook.piece_bytes = 1  # a setting is not an attribute of the hook: an error, not a silent no-op
+
+
+def test_the_reported_settings_are_truthful_after_every_setter():
+    """What the hook reports, and the ranks compare, is what it runs: after update, set_feedback_decay and
+    follow_lr alike."""
+    hook = tagc.hook()
+    assert (hook.agreed_settings()["feedback_decay"], hook.agreed_settings()["follow_lr"]) == (0.9, None)
+    hook.update(piece_bytes=1 << 14, side_stream=False)
+    assert hook.agreed_settings()["piece_bytes"] == hook.settings.piece_bytes == 1 << 14
+    hook.set_feedback_decay(0.97)
+    assert hook.agreed_settings()["feedback_decay"] == hook.settings.feedback_decay == hook.codec.decay == 0.97
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    hook.follow_lr(optimizer)
+    assert hook.agreed_settings()["follow_lr"] == "from the optimizer"
+    hook.follow_lr(optimizer, peak_lr=0.2)
+    assert hook.agreed_settings()["follow_lr"] == 0.2
+    hook.follow_lr(None)
+    assert hook.agreed_settings()["follow_lr"] is None
 
 
 def test_a_hook_from_settings_is_the_hook_from_arguments():
@@ -70,19 +90,19 @@ def test_a_hook_from_settings_is_the_hook_from_arguments():
     plain columns, ratio 10), the TAGC paper's codec."""
     given = dict(ratio=4, codec="tagc", select="all", plain="bf16", dense_steps=2, ramp_steps=4, positions="coded")
     from_settings = TAGCHook(HookSettings.from_arguments(**given))
-    assert from_settings.settings() == tagc.hook(**given).settings()
-    filled = from_settings.settings()
+    assert from_settings.agreed_settings() == tagc.hook(**given).agreed_settings()
+    filled = from_settings.agreed_settings()
     assert (filled["feedback"], filled["feedback_decay"], dict(filled["codec_options"])) == (
         "ef21", 0.9, {"positions": "coded", "value_dtype": "float16"})
     old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2, ramp_steps=4,
                          codec_options={"positions": "coded"})
-    assert old_style.settings() == TAGCHook(HookSettings.from_arguments(
-        **given, feedback="classic", value_dtype="float32")).settings()  # neutral: nothing filled
-    assert old_style.settings() != from_settings.settings()
+    assert old_style.agreed_settings() == TAGCHook(HookSettings.from_arguments(
+        **given, feedback="classic", value_dtype="float32")).agreed_settings()  # neutral: nothing filled
+    assert old_style.agreed_settings() != from_settings.agreed_settings()
     recommended_old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2,
                                      ramp_steps=4, codec_options={"positions": "coded", "value_dtype": "float16"},
                                      feedback="ef21", feedback_decay=0.9)
-    assert recommended_old_style.settings() == from_settings.settings()
+    assert recommended_old_style.agreed_settings() == from_settings.agreed_settings()
     assert HookSettings() == HookSettings.from_arguments(**paper())  # the field defaults: the paper's codec
     with pytest.raises(TypeError, match="settings are given once"):
         TAGCHook(HookSettings(), min_part=3)

@@ -1054,20 +1054,3 @@ def test_sketch_and_decode_kernels_have_no_float_atomics():
     compress, peel and solve kernels hold none, so tables and decoded values are the same bits on every
     run (HSDP replicas decode identically whatever ``torch.use_deterministic_algorithms`` says)."""
     assert "FLOAT ATOMICS: none" in _build_for_sm90("atomics")
-
-
-# ---------------------------------------------------------------- benchmark smoke test
-
-
-@pytest.mark.slow  # the benchmark script's smoke run; the kernels' parity is the default suite's
-def test_bench_kernels_runs(tmp_path, capsys):
-    import json
-
-    from tagc.bench.kernels import main
-
-    out = tmp_path / "kernels.json"
-    main(["--sizes", "1K", "--no-reference", "--json", str(out)])
-    result = json.loads(out.read_text())
-    assert result["rows"][0]["checked"] and result["rows"][0]["numel"] == 1024
-    if DEVICE == "cpu":
-        assert result["meta"]["interpreter"] and "NOT meaningful" in capsys.readouterr().out

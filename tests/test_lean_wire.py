@@ -329,7 +329,7 @@ def eager_and_traced(rank, world, name, plain):
     everyone = [torch.empty_like(grads[0]) for _ in range(world)]
     dist.all_gather(everyone, grads[0])
     exact = sum(g.view(world, CHUNK)[rank] for g in everyone) / world
-    plan = eager._plan(SEGMENTS, CHUNK, world)
+    plan = eager.plan(SEGMENTS, CHUNK, world)
     row_bytes = sum(w.row_bytes for part in plan.parts for w in part.codec.wire(part.numel, world, torch.float32))
     return outs, exact, row_bytes, eager.stats()["total"]
 

@@ -14,8 +14,9 @@ from tests.test_gpt2_train import bbc_ready
 
 def _config(tmp_path, name, **kwargs) -> TrainConfig:
     return TrainConfig(preset="tiny", integration="simple", compression="non-attn", steps=4, batch_size=2,
-                       block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_batches=1, min_compress_numel=2048,
-                       dense_steps=0, out_dir=str(tmp_path / name), name=name, group_timeout_s=60, **kwargs)
+                       block_size=32, lr=3e-3, warmup_steps=0, eval_interval=4, eval_tokens=256,
+                       min_compress_numel=2048, dense_steps=0, out_dir=str(tmp_path / name), name=name,
+                       group_timeout_s=60, **kwargs)
 
 
 def _records(tmp_path, name) -> list[dict]:

@@ -293,7 +293,7 @@ def test_a_tiny_training_run_with_int8_gathers_stays_close_to_fp32_gathers(tmp_p
     losses = {}
     for param_dtype in (None, "int8"):
         cfg = TrainConfig(preset="tiny", compression="none", steps=4, block_size=32, warmup_steps=0, eval_interval=4,
-                          eval_batches=1, param_dtype=param_dtype, out_dir=str(tmp_path), group_timeout_s=300)
+                          eval_tokens=256, param_dtype=param_dtype, out_dir=str(tmp_path), group_timeout_s=300)
         result = run(cfg)
         assert math.isfinite(result["val_loss"])
         log = (tmp_path / f"{cfg.run_name}.jsonl").read_text().splitlines()

@@ -394,7 +394,7 @@ def eager_and_traced(rank, world, name):
     all_sent = [torch.empty_like(sent) for _ in range(world)]
     dist.all_gather(all_sent, sent)
     sent_mean = sum(s[rank] for s in all_sent) / world
-    plan = eager._plan(SEGMENTS, CHUNK, world)
+    plan = eager.plan(SEGMENTS, CHUNK, world)
     row_bytes = sum(w.row_bytes for part in plan.parts for w in part.codec.wire(part.numel, world, torch.float32))
     poisoned = grads[1].clone()
     if rank == 1:

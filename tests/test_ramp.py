@@ -51,7 +51,7 @@ def ramp_and_ratios(rank, world, codec):
         hook.end_step()
         wire.append(hook.stats()["last_step"]["wire_bytes"])
     held = torch.zeros(world, CHUNK)
-    plan = hook._plan(SEGMENTS, CHUNK, world)
+    plan = hook.plan(SEGMENTS, CHUNK, world)
     (parts,) = hook.residuals.values()
     for part, residual in zip(plan.compressed_parts, parts):
         held[:, part.columns] = residual
@@ -63,13 +63,14 @@ def ramp_and_ratios(rank, world, codec):
     for numel, ratio in ((MLP, 10.0), (EMB, 4.0)):
         parts = max(1, numel // (1 << 16))
         bounds = [round(i * numel / parts) for i in range(parts + 1)]
-        one = make_codec(codec, tagc.TAGCConfig(ratio=ratio), options=hook.codec_options)
+        one = make_codec(codec, tagc.TAGCConfig(ratio=ratio), options=hook.settings.codec_options)
         steady += sum(w.row_bytes for a, b in zip(bounds, bounds[1:]) for w in one.wire(b - a, world, torch.float32))
     steady = (world - 1) * (steady + 1000 * 4)  # + the plain bias
     kept = [
         (held[:, s.start : s.start + s.numel] == 0).float().mean().item() for s in SEGMENTS[:2]
     ]  # sent, so nothing held
-    return float(conserved), wire, steady, kept, hook.config.density(world), tagc.TAGCConfig(ratio=4).density(world)
+    density = hook.settings.config.density(world)
+    return float(conserved), wire, steady, kept, density, tagc.TAGCConfig(ratio=4).density(world)
 
 
 @pytest.mark.parametrize("codec", ["tagc", "topk"])
@@ -94,23 +95,23 @@ def test_a_ratio_policy_and_a_ramp_are_checked():
         ratio_for("emb", 1.0)
     hook = tagc.hook(dense_steps=0, select=lambda name, module: 0.5)
     with pytest.raises(ValueError, match=r"select returned 0.5 for 'emb.weight'.*ratio > 1"):
-        hook._plan(SEGMENTS, CHUNK, 2)
+        hook.plan(SEGMENTS, CHUNK, 2)
     hook = tagc.hook(dense_steps=0, codec="int4", select=SELECT)
     with pytest.raises(ValueError, match="codec 'int4' has no ratio"):
-        hook._plan(SEGMENTS, CHUNK, 2)
+        hook.plan(SEGMENTS, CHUNK, 2)
     assert "ratio_for('^emb\\\\.', 4, non_attention_linear)" == SELECT.__name__  # the settings' fingerprint
 
 
 def test_loaded_residuals_reach_every_ratio_of_the_codec():
     hook = tagc.hook(dense_steps=0, ratio=10, select=SELECT, **PAPER_WIRE)  # the codec itself holds the residuals
-    at4 = hook._codec_at(4.0)
+    at4 = hook.planner.codec_at(4.0)
     assert at4 is not hook.codec and at4.config.ratio == 4.0 and at4.layout(1 << 16).ratio == 4.0
     assert hook.codec.layout(1 << 16).ratio == 10.0
     hook.load_state_dict(
-        {"step": 3, "config": repr(hook.config.fingerprint()), "residual.rank0.b/part0": torch.ones(2, 5)}
+        {"step": 3, "config": repr(hook.settings.config.fingerprint()), "residual.rank0.b/part0": torch.ones(2, 5)}
     )
     assert at4.residuals is hook.codec.residuals and torch.equal(at4.residuals["b/part0"], torch.ones(2, 5))
-    assert math.isclose(hook._codec_at(10.0).config.ratio, 10.0) and hook._codec_at(10.0) is hook.codec
+    assert math.isclose(hook.planner.codec_at(10.0).config.ratio, 10.0) and hook.planner.codec_at(10.0) is hook.codec
 
 
 def test_error_feedback_codecs_warm_up_by_default_and_trace_only_after_it():

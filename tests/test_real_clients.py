@@ -34,6 +34,8 @@ from tagc.hooks.segment import Segment
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE
 
+pytestmark = pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
+
 WORLD = 2
 VOCAB = 1024
 EMBD = 128
@@ -427,7 +429,7 @@ def _segments(model: nn.Module) -> tuple[tuple[Segment, ...], int]:
 def _warnings_after_planning(model: nn.Module, base: dict = ONE_LINE, **kwargs) -> list[str]:
     hook = tagc.hook(**{**base, **kwargs})
     segments, chunk = _segments(model)
-    hook._plan(segments, chunk, WORLD)  # what the engine plans at a bucket's first exchange
+    hook.plan(segments, chunk, WORLD)  # what the engine plans at a bucket's first exchange
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn_if_weak_selection(hook)
@@ -471,7 +473,7 @@ def _fsdp1_warnings(units: list[tuple[list[str], bool]]) -> list[str]:
     """FSDP1 hands the engine one segment per unit, ``a+b+...``, selected as a whole (``True``/``False``)."""
     hook = tagc.hook(**ONE_LINE)
     for names, selected in units:
-        hook._plan((Segment("+".join(names), 0, 1 << 17, selected=selected),), 1 << 17, WORLD)
+        hook.plan((Segment("+".join(names), 0, 1 << 17, selected=selected),), 1 << 17, WORLD)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn_if_weak_selection(hook)

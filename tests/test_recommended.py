@@ -47,16 +47,16 @@ def test_recommended_holds_the_documented_setting_and_neutral_the_old_defaults()
 
 def test_tagc_hook_with_no_arguments_is_codec_tagcs_recommended_setting():
     hook = tagc.hook()
-    assert _resolved(hook.hook_settings) == TAGC_RECOMMENDED
+    assert _resolved(hook.settings) == TAGC_RECOMMENDED
     assert hook.dense_steps == 10 and hook.codec.name == "tagc"
     assert type(hook.codec).__name__ == "EF21Codec" and hook.codec.decay == 0.9  # EF21 wraps the codec
     assert hook.codec.inner.positions == "coded" and hook.codec.inner.value_dtype == torch.float16
-    assert hook.plain.name == "int4" and hook.config.ratio == 4.5
+    assert hook.plain.name == "int4" and hook.settings.config.ratio == 4.5
     # nothing else moved: the same settings as the neutral ones with the recommended six set
-    assert hook.hook_settings == HookSettings(
+    assert hook.settings == HookSettings(
         config=TAGCConfig(ratio=4.5), plain="int4", feedback="ef21", feedback_decay=0.9,
         codec_options={"positions": "coded", "value_dtype": "float16"})
-    assert tagc.hook(codec="tagc").hook_settings == hook.hook_settings
+    assert tagc.hook(codec="tagc").settings == hook.settings
 
 
 @pytest.mark.parametrize("given, changed", [
@@ -77,22 +77,22 @@ def test_tagc_hook_with_no_arguments_is_codec_tagcs_recommended_setting():
 ], ids=["ratio", "plain-fp32", "plain-bf16", "classic", "ef21", "decay", "ef21-published", "bitmap", "cells-fp32",
         "cells-bf16", "ratio-bitmap-fp32", "paper-wire", "paper"])
 def test_each_argument_given_overrides_only_its_part(given, changed):
-    assert _resolved(tagc.hook(**given).hook_settings) == {**TAGC_RECOMMENDED, **changed}
+    assert _resolved(tagc.hook(**given).settings) == {**TAGC_RECOMMENDED, **changed}
 
 
 def test_the_papers_codec_is_the_neutral_settings():
     """``tagc.hook(ratio=10, **PAPER_WIRE)`` is ``HookSettings()`` field for field: the codec tagc.hook() was."""
-    assert tagc.hook(ratio=PAPER_RATIO, **PAPER_WIRE).hook_settings == HookSettings()
+    assert tagc.hook(ratio=PAPER_RATIO, **PAPER_WIRE).settings == HookSettings()
     assert _resolved(HookSettings()) == PAPER
 
 
 def test_topk_hook_with_no_arguments_is_topk_f8():
     hook = tagc.hook(codec="topk")
-    assert _resolved(hook.hook_settings) == TOPK_RECOMMENDED
+    assert _resolved(hook.settings) == TOPK_RECOMMENDED
     assert hook.dense_steps == 10 and hook.codec.name == "topk"
     assert type(hook.codec).__name__ == "EF21Codec" and hook.codec.decay == 0.9
     assert hook.codec.inner.positions == "coded" and hook.codec.inner.value_dtype == torch.float8_e4m3fn
-    assert hook.plain.name == "int4" and hook.config.ratio == 1.2
+    assert hook.plain.name == "int4" and hook.settings.config.ratio == 1.2
 
 
 @pytest.mark.parametrize("given, changed", [
@@ -104,12 +104,12 @@ def test_topk_hook_with_no_arguments_is_topk_f8():
      PAPER_TOPK),
 ], ids=["ratio", "classic", "ef21", "values-fp32", "paper-style"])
 def test_each_argument_given_to_topk_overrides_only_its_part(given, changed):
-    assert _resolved(tagc.hook(codec="topk", **given).hook_settings) == {**TOPK_RECOMMENDED, **changed}
+    assert _resolved(tagc.hook(codec="topk", **given).settings) == {**TOPK_RECOMMENDED, **changed}
 
 
 @pytest.mark.parametrize("codec", ["int4", "powersgd", "sign", "bf16", "plain"])
 def test_other_codecs_keep_the_neutral_defaults_and_no_tagc_options(codec):
-    settings = tagc.hook(codec=codec).hook_settings
+    settings = tagc.hook(codec=codec).settings
     assert (settings.plain, settings.feedback, settings.feedback_decay) == ("fp32", "classic", 1.0)
     assert settings.config.ratio == TAGCConfig().ratio == 10.0  # the config's default
     assert dict(settings.codec_options) == resolve_options(codec, {})  # the codec's own option defaults only
@@ -119,7 +119,7 @@ def test_other_codecs_keep_the_neutral_defaults_and_no_tagc_options(codec):
 
 @pytest.mark.parametrize("codec", ["powersgd", "sign"])
 def test_ef21_on_another_codec_is_ef21_as_published(codec):
-    settings = tagc.hook(codec=codec, feedback="ef21").hook_settings
+    settings = tagc.hook(codec=codec, feedback="ef21").settings
     assert (settings.feedback, settings.feedback_decay, settings.plain) == ("ef21", 1.0, "fp32")
 
 
@@ -128,12 +128,12 @@ def test_a_bf16_residual_under_tagcs_default_feedback_says_to_use_classic():
         tagc.hook(residual_dtype=torch.bfloat16)
     assert "feedback='classic'" in str(raised.value) and "residual_dtype=torch.float32" in str(raised.value)
     hook = tagc.hook(residual_dtype=torch.bfloat16, feedback="classic")  # what the message says works
-    assert hook.hook_settings.residual_dtype == torch.bfloat16 and hook.hook_settings.feedback == "classic"
+    assert hook.settings.residual_dtype == torch.bfloat16 and hook.settings.feedback == "classic"
     with pytest.raises(ValueError, match="'topk' is 'ef21'"):
         tagc.hook(codec="topk", residual_dtype=torch.bfloat16)
     classic_topk = tagc.hook(codec="topk", residual_dtype=torch.bfloat16, feedback="classic")
-    assert classic_topk.hook_settings.feedback == "classic"
-    assert tagc.hook(codec="sign", residual_dtype=torch.bfloat16).hook_settings.feedback == "classic"
+    assert classic_topk.settings.feedback == "classic"
+    assert tagc.hook(codec="sign", residual_dtype=torch.bfloat16).settings.feedback == "classic"
 
 
 # ----------------------------------------------------------------------------- the compare
@@ -143,7 +143,7 @@ def _compare_base():
     from gpt2_bench.compare import build_compare_parser
     from gpt2_bench.config import config_from_args
 
-    return config_from_args(build_compare_parser([]).parse_args([]))
+    return config_from_args(build_compare_parser().parse_args([]))
 
 
 def _method(name: str):
@@ -157,8 +157,8 @@ def _trained(config) -> dict:
     from gpt2_bench.sharding import make_hook
 
     hook = make_hook(config)
-    assert hook.hook_settings.codec_options == resolve_options(config.codec, config.codec_options)
-    return _resolved(hook.hook_settings)
+    assert hook.settings.codec_options == resolve_options(config.codec, config.codec_options)
+    return _resolved(hook.settings)
 
 
 @pytest.mark.parametrize("method, compression", [("tagc-all", "all"), ("tagc-non-attn", "non-attn")])
@@ -181,7 +181,7 @@ def test_the_compares_other_tagc_methods_keep_their_settings():
 def test_the_compares_tagc_int4_is_tagc_hooks_recommended_setting():
     config = _method("tagc-int4")
     hook = tagc.hook()
-    assert _trained(config) == _resolved(hook.hook_settings) == TAGC_RECOMMENDED
+    assert _trained(config) == _resolved(hook.settings) == TAGC_RECOMMENDED
     assert config.dense_steps == hook.dense_steps
 
 
@@ -199,7 +199,7 @@ def test_the_main_job_runs_the_papers_codec(tmp_path, monkeypatch):
         return {"algorithm": "fsdp" if cfg.compression == "none" else cfg.codec, "compressed": cfg.compression,
                 "iter_ms": 1000.0, "steady_iter_ms": [1000.0], "train_s": 10.0, "exchange_ms_per_mb": 50.0,
                 "wire_bytes_per_rank": 1e6, "wire_bytes_per_step": 1e6, "val_loss": 6.0, "n_params": 10**6,
-                "grad_mb": 4.0, "peel_success": None, "units": None, "timeline": None, "curve": [],
+                "grad_mb": 4.0, "peel_success": None, "units": None, "curve": [],
                 "integration": cfg.integration}
 
     monkeypatch.setattr(compare_paper, "run", fake_run)
@@ -254,13 +254,13 @@ def test_a_4_bit_index_takes_bitmap_positions_by_default():
     keeps the bitmap (and everything else); asking for coded positions with it is still the codec's clear error."""
     from gpt2_bench.config import TrainConfig
 
-    settings = tagc.hook(index_bits=4).hook_settings
+    settings = tagc.hook(index_bits=4).settings
     assert settings.config.index_bits == 4
     assert _resolved(settings) == {**TAGC_RECOMMENDED, "positions": "bitmap"}
     assert TrainConfig(index_bits=4).codec_options == {"positions": "bitmap", "value_dtype": "float16"}
     with pytest.raises(ValueError, match="index_bits=1"):
         tagc.hook(index_bits=4, positions="coded")
-    topk = tagc.hook(codec="topk", index_bits=4).hook_settings  # topk's list is each rank's own: it stays coded
+    topk = tagc.hook(codec="topk", index_bits=4).settings  # topk's list is each rank's own: it stays coded
     assert topk.config.index_bits == 4 and _resolved(topk) == TOPK_RECOMMENDED
     assert TrainConfig(codec="topk", index_bits=4).codec_options == {"positions": "coded", "value_dtype": "float8"}
 
@@ -284,44 +284,6 @@ def test_the_papers_methods_run_the_papers_wire_whatever_the_base_filled_in(base
     assert (explicit.plain, explicit.feedback, explicit.feedback_decay) == ("fp32", "classic", 1.0)
 
 
-def test_the_hosts_compare_runs_tagc_on_the_papers_wire(tmp_path, monkeypatch):
-    """``compare --hosts 2``'s TAGC runs keep the paper's wire at the compare's ratio 10, as before the defaults
-    changed; its plain runs are plain."""
-    from gpt2_bench import compare_hosts
-    from gpt2_bench.compare import build_compare_parser
-    from gpt2_bench.config import config_from_args
-
-    argv = ["--hosts", "2", "--nproc-per-host", "1"]
-    base = config_from_args(build_compare_parser(argv).parse_args(argv))
-    ran = []
-
-    def fake_run(cfg, *args, **kwargs):
-        ran.append(cfg)
-        raise RuntimeError("stop")  # only the settings matter here
-
-    monkeypatch.setattr(compare_hosts, "run", fake_run)
-    for method in ("tagc", "tagc-flat", "fsdp"):
-        with pytest.raises(RuntimeError, match="stop"):
-            compare_hosts.host_runs(dataclasses.replace(base, out_dir=str(tmp_path)), [method], 1)
-    tagc_runs = [cfg for cfg in ran if cfg.compression != "none"]
-    assert len(tagc_runs) == 2 and all(_codec_fields(cfg) == PAPER for cfg in tagc_runs)
-    assert [(cfg.plain, cfg.feedback) for cfg in ran if cfg.compression == "none"] == [("fp32", "classic")]
-
-
-def test_a_recorded_run_whose_options_were_the_codecs_defaults_is_reused():
-    """Quality runs recorded when the paper's wire was the codec's default (``codec_options`` empty) are the same
-    math as the paper methods that now name it, and not as a run on another wire."""
-    import json
-
-    from gpt2_bench.compare_runs import same_math
-    from gpt2_bench.config import TrainConfig
-    from gpt2_bench.methods import method_config
-
-    wanted = json.loads(method_config(TrainConfig(ratio=PAPER_RATIO), "tagc-non-attn").to_json())
-    assert same_math({**wanted, "codec_options": {}}, wanted)
-    assert not same_math({**wanted, "codec_options": {"positions": "coded"}}, wanted)
-
-
 def test_the_compares_topk_f8_is_the_defaults_settings_at_their_bytes_with_the_densest_float8_list():
     """``topk-f8`` trains with every setting of ``tagc.hook()``'s defaults but the codec, its ratio and float8
     values; its FSDP step sends no more than ``tagc-int4``'s, and a step of 0.05 denser would (the arithmetic of
@@ -332,7 +294,7 @@ def test_the_compares_topk_f8_is_the_defaults_settings_at_their_bytes_with_the_d
     trained = _trained(_method("topk-f8"))
     assert _method("topk-f8").codec == "topk"
     assert trained == {**TAGC_RECOMMENDED, "ratio": F8_TOPK_RATIO, "value_dtype": "float8"}
-    assert trained == TOPK_RECOMMENDED == _resolved(tagc.hook(codec="topk").hook_settings)  # topk's defaults
+    assert trained == TOPK_RECOMMENDED == _resolved(tagc.hook(codec="topk").settings)  # topk's defaults
     parts = {compression: host_bytes.model_parts("small", compression, block_size=128)
              for compression in ("none", "non-attn", "all")}
 

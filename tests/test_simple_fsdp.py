@@ -17,6 +17,8 @@ from gpt2_bench.model import GPT, GPTConfig
 from tests.distributed import run_ranks
 from tests.paper_wire import paper
 
+pytestmark = pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too
+
 VOCAB = 101  # dim 0 of the embedding does not divide the world size: padded shards
 CONFIG = dict(vocab_size=VOCAB, n_embd=64)
 PER_RANK = 2
@@ -210,7 +212,7 @@ def _traced_halves(rank, world, poison):
         tagc.register_comm_hook(model, hook)
         bucket = units(model)[0].bucket
         handle = bucket.reduce_scatter.handle
-        plan = hook._plan(_registry[handle].segments, bucket.chunk, world)
+        plan = hook.plan(_registry[handle].segments, bucket.chunk, world)
         first_compressed = int(torch.arange(bucket.chunk)[plan.compressed_parts[0].columns][0])
         (plain_columns,) = [part.columns for part in plan.parts if not part.codec.compresses]
         torch.manual_seed(100 + rank)

@@ -82,10 +82,10 @@ def test_a_piece_size_given_cuts_on_nccl_too():
 
 
 def test_piece_bytes_is_a_setting_the_ranks_agree_on():
-    assert TAGCHook(TAGCConfig()).piece_bytes is None and tagc.hook().settings()["piece_bytes"] is None
-    assert TAGCHook(TAGCConfig(), piece_bytes=1 << 16).settings()["piece_bytes"] == 1 << 16
+    assert TAGCHook(TAGCConfig()).settings.piece_bytes is None and tagc.hook().agreed_settings()["piece_bytes"] is None
+    assert TAGCHook(TAGCConfig(), piece_bytes=1 << 16).agreed_settings()["piece_bytes"] == 1 << 16
     with pytest.raises(ValueError, match="piece_bytes"):
         TAGCHook(TAGCConfig(), piece_bytes=0)
-    assert tagc.hook(piece_bytes=1 << 16).settings()["piece_bytes"] == 1 << 16  # reachable from the one line
+    assert tagc.hook(piece_bytes=1 << 16).agreed_settings()["piece_bytes"] == 1 << 16  # reachable from the one line
     with pytest.raises(ValueError, match="piece_bytes"):
         tagc.hook(piece_bytes=-1)

@@ -7,9 +7,9 @@ import sys
 from typing import Optional
 
 BENCHMARKS = {
-    "codec": "reference codec throughput on this CPU and the peeling success curve",
-    "kernels": "Triton kernels against the reference",
+    "codec": "the count sketch's peeling success curve",
     "gpu-check": "on a GPU: kernel tests on the device, a one-GPU exchange self-test, times against memcpy",
+    "launches": "host work per bucket: aten ops and kernel launches at 1, 8, 64 parts (CPU, Triton interpreter)",
 }
 MOVED = {"exchange": "python -m testbed.exchange"}
 """Benchmarks that need the experiment tooling (emulated links, the launcher) live in ``testbed``."""

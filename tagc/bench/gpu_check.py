@@ -101,10 +101,10 @@ def codec_round_trip(
 ) -> dict:
     """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.codecs import TAGCCodec
+    from tagc.hooks.codec_registry import make_codec
 
     config = TAGCConfig(ratio=ratio)
-    codecs = [TAGCCodec(config) for _ in range(ranks)]
+    codecs = [make_codec("tagc", config) for _ in range(ranks)]
     generator = torch.Generator(device=device).manual_seed(0)
     checks, reads = [], []
     for step in range(steps + 1):
@@ -158,7 +158,7 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
     except ImportError:
         return {"ok": None, "note": "transformers is not installed: GPT-2 check skipped"}
     from tagc.config import TAGCConfig
-    from tagc.hooks.codecs import TAGCCodec
+    from tagc.hooks.codec_registry import make_codec
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=tokens[1], n_embd=width, n_layer=layers,
@@ -177,7 +177,7 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
     for name, per_rank in grads.items():
         numel = per_rank[0].numel()
         part = -(-numel // ranks)
-        codecs = [TAGCCodec(TAGCConfig(ratio=10.0)) for _ in range(ranks)]
+        codecs = [make_codec("tagc", TAGCConfig(ratio=10.0)) for _ in range(ranks)]
         for step in range(steps):
             rows = [torch.nn.functional.pad(g * (1 + 0.1 * step), (0, ranks * part - numel)).view(ranks, part)
                     for g in per_rank]

@@ -19,6 +19,11 @@ A codec that needs whole parameters (their shapes) sets ``whole_segments``: the 
 gives it one part per bucket holding every selected segment, and tells it their places once,
 through :meth:`Codec.prepare`.
 
+A codec whose wire adds up offers an all-reduce form (:meth:`Codec.all_reduce_form`,
+:mod:`tagc.hooks.allreduce`): where every rank needs the whole average (DDP), its tensors are summed
+by all-reduces and every rank decodes the sum. TAGC's (:class:`SummedSketch`) is below; the plain
+codecs say in which dtype their columns add up (:attr:`Codec.summed_dtype`).
+
 The same two calls serve the eager pipeline (one all-to-all per part, launched as soon as
 the part is encoded) and the traced halves of a compiled model (one all-to-all per wire
 dtype), so both give the same values, the same bytes and the same NaN/Inf behaviour.
@@ -41,15 +46,16 @@ import copy
 import dataclasses
 import functools
 import warnings
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from tagc.config import TAGCConfig
 from tagc.hooks import nonfinite
+from tagc.hooks.allreduce import AllReduceForm, Collectives, Shift, ring
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import gather_from_owners
+from tagc.hooks.transport import backend_of, gather_from_owners, op_scale, scale_into
 from tagc.kernels.dispatch import code_index, decode, union_index
 from tagc.sketch import SketchLayout
 from tagc.sketch.codec import UnrecoveredError
@@ -180,6 +186,24 @@ class Codec:
     """Whether :meth:`decode` only sums the rows it receives (one wire tensor, float32 accumulation), so
     the transport may sum them on the wire instead: NCCL's reduce-scatter (:mod:`tagc.hooks.transport`)
     hands decode the one summed row."""
+    summed_dtype: Optional[torch.dtype] = None
+    """For a codec of the plain columns: the dtype an all-reduce may sum its columns in, where a codec's
+    all-reduce form carries them beside its own (:meth:`all_reduce_form`); ``None``: its wire does not add
+    up (blockwise scales)."""
+    feedback: str = "classic"
+    """The error feedback: ``"classic"`` (the codec's own, or none) or ``"ef21"`` (:mod:`tagc.hooks.feedback`)."""
+    feedback_at: Optional[str] = None
+    """Where the codec's error feedback makes a part's residual final, for EF21 to shift it
+    (:mod:`tagc.hooks.feedback`): ``"encode"`` (``r = x - sent`` once :meth:`encode` returns; EF21 calls
+    :meth:`subtract_input`), ``"decode"`` (EF21 calls :meth:`decode_shifted`); ``None``: no residual EF21 knows."""
+    keeps_input_dtype: bool = False
+    """Whether :meth:`encode` sends some of its input in the input's dtype (powersgd's shape-less columns), so
+    that EF21's momentum average goes back to the gradient's dtype before it is encoded."""
+
+    @property
+    def wire_codec(self) -> "Codec":
+        """The codec whose tensors cross the wire: this one, or the one a wrapper (EF21) wraps."""
+        return self
 
     def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
         """For ``whole_segments`` codecs, once per part when a bucket is planned: the part's
@@ -215,6 +239,34 @@ class Codec:
         ramp and per-parameter ratios (:mod:`tagc.hooks.engine`). A codec without a ratio is itself."""
         return self
 
+    def all_reduce_form(self, parts: Sequence, plain: Sequence, plain_codec: "Codec") -> Optional[AllReduceForm]:
+        """This codec's all-reduce form of a bucket (:mod:`tagc.hooks.allreduce`), or ``None`` (the default): none,
+        or none under these settings. ``parts``: the bucket's compressed parts (:class:`tagc.hooks.plan.Part`, each
+        with this codec at its ratio), ``plain``: its plain parts, sent through ``plain_codec``. Decided from the
+        settings alone, the same on every rank."""
+        return None
+
+    def summed_shift(self, key: str, numel: int) -> Shift:
+        """The error feedback of part ``key`` (``numel`` columns) in an all-reduce form: the codec's own (nothing
+        to shift); EF21's keeps its ``H`` there."""
+        return Shift()
+
+    def residual_keys(self, key: str) -> list[str]:
+        """The residual entries of part ``key`` (EF21 fades them): the part's own."""
+        return [key]
+
+    def subtract_input(self, key: str, taken: torch.Tensor) -> None:
+        """``feedback_at == "encode"``: take this step's input ``taken`` off what the codec keeps of part ``key``
+        after its encode (EF21 turns ``r = x - sent`` into ``-(h + sent)`` so)."""
+        raise NotImplementedError
+
+    def decode_shifted(self, received: Sequence[torch.Tensor], numel: int, key: str,
+                       group: Optional[dist.ProcessGroup], stats: ExchangeStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feedback_at == "decode"``: :meth:`decode`, leaving each residual it makes as its value before this
+        step minus what was sent (EF21's shift), where the sum is finite; ``(values, shifted)``, ``shifted`` whether
+        each of the ``numel`` columns is one whose sum EF21 adds to its ``H`` (the others go as decoded)."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -231,6 +283,7 @@ class ResidualCodec(Codec):
     """
 
     error_feedback = True
+    feedback_at = "encode"
 
     def __init__(self, residual_dtype: torch.dtype = torch.float32) -> None:
         self.residual_dtype = residual_dtype
@@ -242,6 +295,9 @@ class ResidualCodec(Codec):
         if residual is None:
             residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
         return residual
+
+    def subtract_input(self, key: str, taken: torch.Tensor) -> None:
+        self.residuals[key].sub_(taken)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.residuals)
@@ -259,6 +315,7 @@ class PlainCodec(Codec):
 
     name = "plain"
     summed_rows = True
+    summed_dtype = torch.float32
 
     def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
         return (Wire(numel, dtype),)
@@ -405,10 +462,128 @@ class TAGCCodec(ResidualCodec):
             stats.raw += int(decoded.raw)
         return values
 
+    def subtract_input(self, key: str, taken: torch.Tensor) -> None:
+        super().subtract_input(key, taken)
+        accumulated = self._accumulated.get(key)  # fallback="raw": g + r until decode, re-sent from
+        if accumulated is not None:
+            accumulated.sub_(taken)
+
     def at_ratio(self, ratio: float) -> "TAGCCodec":
         if ratio == self.config.ratio:
             return self
         clone = with_ratio(self, ratio)
         clone.layout = functools.lru_cache(maxsize=4096)(clone._layout)  # the clone's own ratio
         return clone
+
+    def all_reduce_form(self, parts, plain, plain_codec) -> Optional["SummedSketch"]:
+        """:class:`SummedSketch` where every part's wire is TAGC's paper wire (bitmap positions, float32 cells,
+        ``fallback="estimate"``), under its own feedback or EF21's, and the plain columns add up in float32."""
+        codecs = [part.codec.wire_codec for part in parts]
+        if not all(isinstance(codec, TAGCCodec) for codec in codecs) or plain_codec.summed_dtype != torch.float32:
+            return None
+        if any(codec.positions != "bitmap" or codec.value_dtype != torch.float32 or codec.config.fallback != "estimate"
+               for codec in codecs):
+            return None
+        return SummedSketch(list(parts), list(plain), codecs)
+
+
+class SummedSketch(AllReduceForm):
+    """TAGC's all-reduce form: each rank compresses every part whole (the threshold planned for ``N`` ranks); the
+    count-sketch tables and the plain columns are summed by one ``all_reduce(SUM)`` (sketches add); the 1-bit index
+    is merged by ``all_reduce(BOR)`` on gloo (NCCL has no bitwise reduction: an all-gather and OR there), the 4-bit
+    rank counts by ``all_reduce(SUM)`` of the packed nibbles (exact: at most 15 ranks, so no nibble carries). Every
+    rank decodes the whole bucket.
+
+    Each part's error feedback is its codec's :meth:`Codec.summed_shift`: TAGC's own residual, or EF21's shift (a
+    part compresses ``g - h_i``, its residual becomes the next ``-h_i``, and the decoded sum of the changes is added
+    to ``H``, which every rank keeps for the whole part: :class:`tagc.hooks.feedback.SummedShift`).
+
+    Bytes each rank sends: ``ring(4 T + 4 p) + ring(I)``, ``T`` the sketch cells, ``p`` the plain columns, ``I =
+    ceil(n bits / 8)`` the index bytes of the ``n`` compressed elements (``(N-1) I`` where the index is
+    all-gathered)."""
+
+    def __init__(self, parts: list, plain: list, codecs: list[TAGCCodec]) -> None:
+        self.parts, self.plain, self.codecs = parts, plain, codecs
+        self.bits = codecs[0].config.index_bits
+
+    def planned_bytes(self, group, device) -> int:
+        world = dist.get_world_size(group)
+        plain = sum(p.numel for p in self.plain)
+        cells = sum(codec.layout(p.numel).table_numel for p, codec in zip(self.parts, self.codecs))
+        index = sum(-(-p.numel * codec.config.index_bits // 8) for p, codec in zip(self.parts, self.codecs))
+        gathered = _index_gathered(self.bits, group, device)
+        return ring(4 * (cells + plain), world) + ((world - 1) * index if gathered else ring(index, world))
+
+    def start(self, buffer: torch.Tensor, collectives: Collectives) -> None:
+        device, world, stats = buffer.device, collectives.world, collectives.stats
+        indexes, tables, shifts = [], [], []
+        for part, codec in zip(self.parts, self.codecs):
+            shift = part.codec.summed_shift(part.key, part.numel)
+            grad = shift.feed(buffer[part.index(device)].view(1, part.numel))
+            residual = codec.residual(part.key, grad)
+            shift.hold(residual)
+            ok, grad = nonfinite.zero_unless_finite(grad)
+            cap, _ = codec._capacity(part.numel, world)
+            index, table, held = nonfinite.compress_(ok, grad, residual, codec.config.density(world),
+                                                     codec.layout(part.numel), codec.config.index_bits, cap)
+            shift.sent(grad)  # EF21: -(h_i + sent), zero where the part is not finite (as EF21's encode)
+            shifts.append(shift)
+            stats.count("overflow", held)
+            indexes.append(index.reshape(-1))
+            tables.append(table.reshape(-1).float())
+        values = torch.cat([buffer[p.index(device)].float() for p in self.plain] + tables)
+        collectives.release()
+        launched = [collectives.all_reduce(values)]
+        merge = self._merge_indexes(torch.cat(indexes), collectives, launched)
+
+        def decode(_: torch.futures.Future) -> torch.Tensor:
+            for done in launched:
+                done.wait()  # raises a collective's error; on CUDA, orders this stream after the collective
+            merged = merge()
+            summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
+            at = 0
+            for part in self.plain:
+                summed[part.index(device)] = values[at : at + part.numel]
+                at += part.numel
+            index_at = 0
+            for part, codec, shift in zip(self.parts, self.codecs, shifts):
+                layout = codec.layout(part.numel)
+                table = values[at : at + layout.table_numel]
+                index_bytes = -(-part.numel * self.bits // 8)
+                union = merged[index_at : index_at + index_bytes]
+                decoded = nonfinite.decode_(table, union, layout, self.bits, "estimate", stats)
+                summed[part.index(device)] = shift.decoded(decoded)
+                at += layout.table_numel
+                index_at += index_bytes
+            scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))
+            return buffer
+
+        collectives.flight.future = collectives.decoded(launched, decode, device)
+
+    def _merge_indexes(self, index: torch.Tensor, collectives: Collectives,
+                       launched: list[torch.futures.Future]) -> Callable[[], torch.Tensor]:
+        """Launch the merge of every rank's index bytes (OR of the 1-bit bitmaps, sum of the 4-bit counts), adding
+        its future to ``launched``; returns what gives the merged index once it is done."""
+        if self.bits == 4:
+            launched.append(collectives.all_reduce(index))  # packed nibbles add without carrying: at most 15 ranks
+            return lambda: index
+        if not _index_gathered(self.bits, collectives.group, index.device):
+            launched.append(collectives.all_reduce(index, dist.ReduceOp.BOR))
+            return lambda: index
+        gathered, future = collectives.all_gather(index)
+        launched.append(future)
+
+        def merge() -> torch.Tensor:
+            rows = gathered.view(collectives.world, -1)
+            merged = rows[0]
+            for row in rows[1:]:  # one OR per rank, not per element
+                merged = merge_index(merged, row, 1)
+            return merged
+
+        return merge
+
+
+def _index_gathered(bits: int, group, device: torch.device) -> bool:
+    """Whether the 1-bit index is merged by all-gather and OR (no bitwise all-reduce on the backend)."""
+    return bits == 1 and backend_of(group, device) != "gloo"
 

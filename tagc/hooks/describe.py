@@ -4,10 +4,10 @@
 a table: for every parameter of every FSDP unit, the codec its columns take once the warm-up is
 over, at which ratio, and its share of the unit's planned wire bytes; per unit, the planned bytes
 per step against what a plain fp32 reduce-scatter sends. Nothing here moves a byte: the plan is
-the engine's own (:meth:`TAGCHook._make_plan`, the same ``select`` policy, size floor and pipeline
-parts), and the bytes are its codecs' wire shapes (:meth:`Codec.wire`), counted as the engine
-counts what it launches (``(N - 1)`` rank rows of every wire tensor), so the planned bytes are
-what ``hook.stats()`` reports after a compressed step.
+the engine's own (``hook.planner``, :meth:`~tagc.hooks.plan.Planner.make_plan`: the same ``select``
+policy, size floor and pipeline parts), and the bytes are its codecs' wire shapes (:meth:`Codec.wire`),
+counted as the engine counts what it launches (``(N - 1)`` rank rows of every wire tensor), so the
+planned bytes are what ``hook.stats()`` reports after a compressed step.
 
 :func:`warn_if_weak_selection` is the engine's check at the end of the first step: a hook asked to
 compress that compresses nothing, or only the embedding and the LM head, says so once
@@ -25,14 +25,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tagc.hooks.hierarchy import Topology, group_ranks, layout
+from tagc.hooks.plan import BucketPlan
 from tagc.hooks.segment import Segment
 from tagc.hooks.selection import is_embedding_or_head, non_attention_linear, select_none
 from tagc.hooks.stats import plain_bytes
 
 TAGCHook = Any
 """A :class:`tagc.hooks.engine.TAGCHook`, read by duck typing: the engine imports this module."""
-_BucketPlan = Any
-"""A :class:`tagc.hooks.engine._BucketPlan`."""
 
 @dataclasses.dataclass(frozen=True)
 class ParameterRow:
@@ -132,7 +131,7 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
         world = dist.get_world_size(group)
         topo = _topology(hook, group)
         codec_world = topo.hosts if topo.hierarchical else world
-        plan = hook._make_plan(segments, chunk, codec_world)
+        plan = hook.planner.make_plan(segments, chunk, codec_world)
         shares = _column_bytes(plan, chunk, codec_world, dtype)  # per column: its part's wire bytes per step
         step1 = topo.step1_bytes(chunk, dtype)
         planned = None if shares is None else step1 + sum(_part_bytes(p, codec_world, dtype) for p in plan.parts)
@@ -146,9 +145,9 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
                 parameters.append(ParameterRow(label, name, shape, numel, compressed, codec, ratio,
                                                None if share is None else share * numel / max(1, segment.numel),
                                                plain_bytes(world, numel)))
-    select = getattr(hook.select, "__name__", repr(hook.select))
-    ratio = hook.config.ratio if hook.codec.uses_ratio else None
-    return Description(hook.codec.name, ratio, hook.plain_name, select, hook.dense_steps, hook.ramp_steps,
+    select = getattr(hook.settings.select, "__name__", repr(hook.settings.select))
+    ratio = hook.settings.config.ratio if hook.codec.uses_ratio else None
+    return Description(hook.codec.name, ratio, hook.settings.plain, select, hook.dense_steps, hook.settings.ramp_steps,
                        tuple(parameters), tuple(buckets))
 
 
@@ -160,24 +159,25 @@ def warn_if_weak_selection(hook: TAGCHook) -> None:
     The transformer blocks then cross the wire as plain as without the hook, and nothing else
     would say so: the usual cause is a model whose linear layers the ``select`` policy does not
     recognise, or buckets below ``min_compress_numel``."""
-    if not hook.codec.compresses or hook.select is select_none:
+    if not hook.codec.compresses or hook.settings.select is select_none:
         return
-    planned = [(segments, plan) for (segments, _, _, stage), plan in list(hook._plans.items()) if stage is None]
+    planned = [(segments, plan) for (segments, _, _, stage), plan in list(hook.planner.plans.items()) if stage is None]
     if not planned:
         return
     chosen = [s for segments, plan in planned
               for s, compressed, _, _ in _segment_codecs(hook, plan, segments) if compressed]
     see = "hook.describe(model) lists every parameter with its codec"
     if not chosen:
+        select = getattr(hook.settings.select, "__name__", hook.settings.select)
         warnings.warn(f"TAGC compresses nothing: every one of the {len(planned)} buckets goes plain (codec "
-                      f"{hook.codec.name!r}, select={getattr(hook.select, '__name__', hook.select)!r}, "
-                      f"min_compress_numel={hook.config.min_compress_numel}). Check that select recognises the "
-                      f"model's linear layers, or lower min_compress_numel for small units; {see}.", stacklevel=2)
+                      f"{hook.codec.name!r}, select={select!r}, min_compress_numel="
+                      f"{hook.settings.config.min_compress_numel}). Check that select recognises the model's linear "
+                      f"layers, or lower min_compress_numel for small units; {see}.", stacklevel=2)
     elif all(_is_embedding_or_head(s) for s in chosen):
         names = sorted({s.name for s in chosen})
         warnings.warn(f"TAGC compresses only the embedding / LM head ({', '.join(names)}): every transformer block "
                       f"goes plain. Check that select recognises the blocks' linear layers, or that their units reach "
-                      f"min_compress_numel={hook.config.min_compress_numel}; {see}.", stacklevel=2)
+                      f"min_compress_numel={hook.settings.config.min_compress_numel}; {see}.", stacklevel=2)
 
 
 def render(description: Description) -> str:
@@ -238,7 +238,7 @@ def _part_bytes(part, world: int, dtype: torch.dtype) -> int:
     return (world - 1) * sum(wire.row_bytes for wire in part.codec.wire(part.numel, world, dtype))
 
 
-def _column_bytes(plan: _BucketPlan, chunk: int, world: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _column_bytes(plan: BucketPlan, chunk: int, world: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """Per column of the chunk, its part's wire bytes per step spread evenly over the part's columns;
     ``None`` when a part's wire is not fixed by the settings (``powersgd``)."""
     shares = torch.zeros(chunk, dtype=torch.float64, device="cpu")  # a host-side report, never exchanged
@@ -251,7 +251,7 @@ def _column_bytes(plan: _BucketPlan, chunk: int, world: int, dtype: torch.dtype)
     return shares
 
 
-def _segment_codecs(hook: TAGCHook, plan: _BucketPlan,
+def _segment_codecs(hook: TAGCHook, plan: BucketPlan,
                     segments: Sequence[Segment]) -> Iterator[tuple[Segment, bool, str, Optional[float]]]:
     """Each segment with whether the hook's codec takes its columns in ``plan`` (the plain columns'
     part holds the hook's plain codec itself), that codec's name and the segment's ratio (compressed
@@ -264,7 +264,7 @@ def _segment_codecs(hook: TAGCHook, plan: _BucketPlan,
             continue
         part = plan.parts[int(owner[segment.start])]
         compressed = part.codec is not hook.plain
-        ratio = hook._ratio_of(segment) if compressed and part.codec.uses_ratio else None
+        ratio = hook.planner.ratio_of(segment) if compressed and part.codec.uses_ratio else None
         yield segment, compressed, part.codec.name, ratio
 
 
@@ -273,11 +273,11 @@ def _topology(hook: TAGCHook, group) -> Topology:
     before that from the ranks alone (:func:`tagc.hooks.hierarchy.layout`), without making the subgroups
     (a collective): a hierarchical one is then marked by its group standing in for the cross group."""
     ranks = group_ranks(group)
-    if ranks in hook._topologies:
-        return hook._topologies[ranks]
+    if ranks in hook.topologies:
+        return hook.topologies[ranks]
     world = len(ranks)
-    hosts, remote, regular = layout(ranks, dist.get_rank(), hook.ranks_per_host, dist.get_world_size())
-    hierarchical = hook.hierarchy == "auto" and hosts > 1 and regular and world != hosts
+    hosts, remote, regular = layout(ranks, dist.get_rank(), hook.settings.ranks_per_host, dist.get_world_size())
+    hierarchical = hook.settings.hierarchy == "auto" and hosts > 1 and regular and world != hosts
     return Topology(world, hosts, remote, cross=group if hierarchical else None)
 
 
@@ -318,7 +318,7 @@ def _simple_fsdp_buckets(units) -> Iterator[tuple]:
 def _fsdp2_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     from torch.distributed.fsdp import FSDPModule
 
-    from tagc.hooks.torch_fsdp2 import hsdp_mesh_info, packed_segments, param_groups
+    from tagc.hooks.torch_fsdp2 import hsdp_mesh_info, mp_policy, packed_segments, param_groups
 
     names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
     paths = {id(module): name for name, module in model.named_modules()}
@@ -336,7 +336,7 @@ def _fsdp2_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
         # init: before the first forward, from the model
         segments = packed_segments(list(group.fsdp_params), names)
         start = sum(segment.numel for segment in segments)
-        mp = group.mp_policy
+        mp = mp_policy(group)
         dtype = mp.reduce_dtype or mp.param_dtype or group.fsdp_params[0].sharded_param.dtype
         label = paths.get(id(module)) or "<root>"
         yield label, segments, start, group.mesh_info.shard_process_group, dtype, _one_row

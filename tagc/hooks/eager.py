@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from tagc.hooks import strict
-from tagc.hooks.exchange import PartCoder, nonfinite_error, raises_nonfinite, scale_into
+from tagc.hooks.exchange import PartCoder, nonfinite_error, raises_nonfinite
 from tagc.hooks.hierarchy import Topology, host_reduce
 from tagc.hooks.plan import BucketPlan, Part
 from tagc.hooks.state import ExchangeState, UnitTiming
 from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.transport import PendingExchange, all_to_all_rows, reduce_scatter_rows
+from tagc.hooks.transport import PendingExchange, all_to_all_rows, reduce_scatter_rows, scale_into
 
 
 def _on(stream) -> contextlib.AbstractContextManager:

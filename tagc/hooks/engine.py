@@ -35,41 +35,20 @@ from tagc.config import TAGCConfig
 from tagc.hooks import checkpoint, eager, strict, traced
 from tagc.hooks.describe import describe, warn_if_weak_selection
 from tagc.hooks.eager import PendingBucket, SideStreams
-from tagc.hooks.exchange import PartCoder, nonfinite_error, op_scale, raises_nonfinite, scale_into
-from tagc.hooks.feedback import EF21Codec, LearningRateFading
+from tagc.hooks.exchange import PartCoder, nonfinite_error, raises_nonfinite
+from tagc.hooks.feedback import LearningRateFading
 from tagc.hooks.fingerprint import SelectionRecord
 from tagc.hooks.hierarchy import Topology, group_ranks, topology
-from tagc.hooks.local_grads import LocalGradients
 from tagc.hooks.plan import RAMP_STAGES, BucketPlan, Part, Planner, ramp_ratio, ramp_stage
 from tagc.hooks.segment import Segment
 from tagc.hooks.settings import DENSE_STEPS, MIN_PART, NONFINITE, PLAIN_CODECS, HookSettings
 from tagc.hooks.state import ExchangeState, UnitTiming
 from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.transport import op_scale, scale_into
 from tagc.hooks.verify import check_agreement
 
-# the names this module has always offered, now defined in the modules above
-_BucketPlan, _Part = BucketPlan, Part
 __all__ = ["DENSE_STEPS", "MIN_PART", "NONFINITE", "PLAIN_CODECS", "RAMP_STAGES", "PendingBucket", "Segment",
            "TAGCHook", "UnitTiming", "op_scale", "ramp_ratio", "ramp_stage", "scale_into"]
-
-
-class _Setting:
-    """A field of the hook's :class:`HookSettings`, read on the hook (``hook.min_part``); ``writable``
-    ones are set through a validated copy of the settings."""
-
-    def __init__(self, field: str | None = None, writable: bool = False) -> None:
-        self.field, self.writable = field, writable
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.field = self.field or name
-
-    def __get__(self, hook, owner=None):
-        return self if hook is None else getattr(hook.hook_settings, self.field)
-
-    def __set__(self, hook, value) -> None:
-        if not self.writable:
-            raise AttributeError(f"{self.field} is fixed when the hook is built: build another with tagc.hook(...)")
-        hook.hook_settings = hook.hook_settings.replace(**{self.field: value})
 
 
 class TAGCHook:
@@ -88,23 +67,6 @@ class TAGCHook:
     backward pass ends.
     """
 
-    config = _Setting()
-    select = _Setting()
-    nonfinite = _Setting()
-    residual_dtype = _Setting()
-    min_part = _Setting()
-    ramp_steps = _Setting()
-    overlap = _Setting()
-    codec_options = _Setting()
-    hierarchy = _Setting()
-    ranks_per_host = _Setting()
-    """Global ranks per host (host-major numbering), ``None``: one host (:mod:`tagc.hooks.hierarchy`)."""
-    plain_name = _Setting("plain")
-    piece_bytes = _Setting(writable=True)
-    """Bytes per peer of each all-to-all piece: ``None`` cuts them on gloo only (:mod:`tagc.hooks.transport`)."""
-    side_stream = _Setting(writable=True)
-    """On CUDA, run the codec work on a side stream (:meth:`start`); no effect on the CPU."""
-
     def __init__(self, settings: HookSettings | TAGCConfig, **arguments) -> None:
         """``settings``: a :class:`HookSettings`, or a :class:`TAGCConfig` and the other settings as keywords."""
         if isinstance(settings, TAGCConfig):
@@ -112,24 +74,24 @@ class TAGCHook:
         elif arguments:
             raise TypeError("settings are given once: a HookSettings, or a TAGCConfig and keywords "
                             f"(got both: {sorted(arguments)})")
-        self.hook_settings = settings
+        self.settings = settings
         self.codec, self.plain = settings.make_codecs()
-        self._planner = Planner(settings, self.codec, self.plain)
-        self._selection = SelectionRecord(self._planner)
+        self.planner = Planner(settings, self.codec, self.plain)
+        """How buckets are cut into parts (:class:`tagc.hooks.plan.Planner`): the plans made so far (``plans``),
+        a plan made without caching it (``make_plan``, what :mod:`tagc.hooks.describe` reports), the codec at a
+        ratio (``codec_at``), the ratio ``select`` gives a parameter (``ratio_of``)."""
+        self._selection = SelectionRecord(self.planner)
         self.state = ExchangeState(settings.warmup_steps(self.codec), settings.ramp_steps)
         self.step_count = 0  # sets warmed_up too
         self._verified: set[tuple[int, str]] = set()
-        self._topologies: dict[tuple[int, ...], Topology] = {}
+        self.topologies: dict[tuple[int, ...], Topology] = {}
+        """The topology of every group exchanged on, by its ranks (:meth:`topology` makes them)."""
         self._streams = SideStreams()
         self._selection_checked = False  # warn_if_weak_selection ran (after the first warmed-up step)
         self.strict_sync = strict.enabled()
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.strict`)."""
-        self._counting_reads = False
-        self.keep_local_gradients: bool | str = False
-        """Keep each rank's own gradient of its shards of the compressed parameters (:attr:`local_gradients`;
-        ``"all"``: of every parameter, compressed or not: a control for experiments)
-        for :class:`tagc.optim.AdamW`, which sets it."""
-        self.local_gradients = LocalGradients()
+        self.counting_reads = False
+        """Whether an entry point is counting host reads now (strict sync mode: :func:`tagc.hooks.strict.counted`)."""
         self._lr_source: LearningRateFading | None = None
 
     # ------------------------------------------------------------------ public
@@ -165,23 +127,54 @@ class TAGCHook:
         """The codec's error-feedback residuals, ``{bucket key: [one [N, part] tensor per part]}``."""
         return checkpoint.residuals_by_bucket(self.codec)
 
-    def settings(self) -> dict:
-        """Every setting that changes what crosses the wire, or when: must agree across ranks.
+    def agreed_settings(self) -> dict:
+        """Every setting that changes what crosses the wire, or when, as it is now (after :meth:`update`,
+        :meth:`set_feedback_decay` and :meth:`follow_lr` too): must agree across ranks.
 
-        ``select`` is compared by what it selects (:meth:`select_fingerprint`), not by its name."""
-        return self.hook_settings.agreed(self.codec, self.select_fingerprint())
+        ``select`` is compared by what it selects (:meth:`select_fingerprint`), not by its name; ``follow_lr`` is
+        the peak rate the fading follows (``"from the optimizer"`` when it reads it there), ``None`` when it does not
+        follow one."""
+        source = self._lr_source
+        follows = None if source is None else (source.peak_lr or "from the optimizer")
+        return {**self.settings.agreed(self.codec, self.select_fingerprint()), "follow_lr": follows}
 
     @property
     def dense_steps(self) -> int:
         """Steps sent plain first: ``None`` gives :data:`DENSE_STEPS` to error-feedback codecs, 0 to the others."""
         return self.state.dense_steps
 
+    SETTINGS_ONLY = ("config", "select", "nonfinite", "residual_dtype", "min_part", "piece_bytes",
+                     "overlap", "codec_options", "hierarchy", "ranks_per_host", "ramp_steps", "side_stream",
+                     "feedback", "feedback_momentum", "feedback_decay")
+    """Names that are settings only (``hook.settings.<name>``): setting one on the hook is an error, not a no-op."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.SETTINGS_ONLY:
+            raise AttributeError(f"{name} is a setting: read hook.settings.{name}; change it with "
+                                 f"hook.update({name}=...) where allowed ({', '.join(self.RUN_TIME)})")
+        super().__setattr__(name, value)
+
+    RUN_TIME = ("piece_bytes", "side_stream")
+    """The settings :meth:`update` may change between steps: how the bytes travel, not what they are."""
+
+    def update(self, **changes) -> None:
+        """Change settings of :data:`RUN_TIME` between steps (validated; the same on every rank, which the next
+        exchange checks again): ``hook.update(piece_bytes=1 << 16)``. The others are fixed when the hook is built."""
+        fixed = sorted(set(changes) - set(self.RUN_TIME))
+        if fixed:
+            raise AttributeError(f"{', '.join(fixed)} is fixed when the hook is built: build another with "
+                                 f"tagc.hook(...); update() changes only {self.RUN_TIME}")
+        self.settings = self.settings.replace(**changes)
+        self._verified.clear()
+
     def set_feedback_decay(self, decay: float) -> None:
-        """Fade EF21's shifts by ``decay`` from the next step on (``feedback="ef21"`` only; the settings keep the
-        value the hook was made with). Call it between steps, with the same value on every rank, e.g. to fade
-        less as the learning rate decays: ``hook.set_feedback_decay(1 - (1 - 0.9) * lr / peak_lr)``."""
+        """Fade EF21's shifts by ``decay`` from the next step on (``feedback="ef21"`` only): the settings report it,
+        and the next exchange checks again that every rank has it. Call it between steps, with the same value on
+        every rank; :meth:`follow_lr` sets it from the learning rate at each step."""
         self._require_ef21("set_feedback_decay")
+        self.settings = self.settings.replace(feedback_decay=decay)  # validated before the codec takes it
         self.codec.set_decay(decay)
+        self._verified.clear()
 
     def follow_lr(self, optimizer: torch.optim.Optimizer | None, peak_lr: float | None = None) -> None:
         """Fade EF21's shifts less as ``optimizer``'s learning rate decays: at each step's first exchange the fading
@@ -193,14 +186,16 @@ class TAGCHook:
         ``feedback="ef21"`` only; ``None`` stops following (the fading stays where it is)."""
         if optimizer is None:
             self._lr_source = None
+            self._verified.clear()
             return
         self._require_ef21("follow_lr")
-        self._lr_source = LearningRateFading(optimizer, self.hook_settings.feedback_decay, peak_lr)
+        self._lr_source = LearningRateFading(optimizer, self.settings.feedback_decay, peak_lr)
+        self._verified.clear()
 
     def _require_ef21(self, method: str) -> None:
-        if not isinstance(self.codec, EF21Codec):
+        if self.codec.feedback != "ef21":
             raise ValueError(f"{method} fades EF21's shifts: this hook's feedback is "
-                             f"{self.hook_settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
+                             f"{self.settings.feedback!r}; make it with tagc.hook(feedback='ef21', ...)")
 
     @property
     def last_step(self) -> ExchangeStats:
@@ -249,48 +244,45 @@ class TAGCHook:
         self.step_count += 1
         self.state.close_step()
 
-    def _begin_bucket(self, key: str) -> None:
+    def begin_bucket(self, key: str) -> None:
+        """Count the bucket ``key`` in this step, before its exchange: a bucket seen again ends the step
+        (:meth:`end_step`); the step's first bucket sets EF21's fading from the learning rate (:meth:`follow_lr`).
+        Every path calls this once per bucket and step, whatever it sends (an adapter that reduces a bucket
+        itself, e.g. DDP's all-reduce forms, too)."""
         if self.state.repeats(key):  # a bucket repeats: a new step began
             self.end_step()
         if self._lr_source is not None and not self.state.seen_this_step:  # the step's first exchange
             self.codec.set_decay(self._lr_source.decay())
         self.state.seen_this_step.add(key)
 
-    def _record(self, stats: ExchangeStats, timing: UnitTiming | None) -> None:
+    def record(self, stats: ExchangeStats, timing: UnitTiming | None) -> None:
+        """Add an exchange's statistics to this step's and the run's (and its unit's ``timing`` to this step's
+        units, :meth:`stats`). The counters are not locked: record from the thread that runs the exchanges, never
+        from a collective's callback."""
         self.state.record(stats, timing)
 
-    def _note_host_reads(self, reads: strict.HostReads) -> None:
+    def note_host_reads(self, reads: strict.HostReads) -> None:
+        """Count an entry point's host reads in the statistics (strict sync mode, :func:`tagc.hooks.strict.counted`)."""
         self.state.note_host_reads(reads)
 
     # ------------------------------------------------------------------ planning (tagc.hooks.plan)
 
-    @property
-    def _plans(self) -> dict[tuple, BucketPlan]:
-        return self._planner.plans
-
-    def _plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-              steps_into_ramp: int | None = None) -> BucketPlan:
-        return self._planner.plan(segments, chunk, world, steps_into_ramp)
-
-    def _make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int, at=None) -> BucketPlan:
-        codec_at = None if at is None else (lambda ratio: self._codec_at(at(ratio)))
-        return self._planner.make_plan(segments, chunk, world, codec_at)
-
-    def _codec_at(self, ratio: float):
-        return self._planner.codec_at(ratio)
-
-    def _ratio_of(self, segment: Segment) -> float | None:
-        return self._planner.ratio_of(segment)
+    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
+             steps_into_ramp: int | None = None) -> BucketPlan:
+        """The plan of a bucket of ``chunk`` columns over ``world`` ranks (the codec's exchange: the hosts, when
+        hierarchical): its parts and their codecs, cached (:meth:`tagc.hooks.plan.Planner.plan`).
+        ``steps_into_ramp``: the density ramp's plan that many steps into it (the same parts and residuals)."""
+        return self.planner.plan(segments, chunk, world, steps_into_ramp)
 
     def _step_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
         """This step's plan of a bucket (and the bucket counted in the step): the steady plan, the whole
         bucket plain in the dense warm-up, or the density ramp's stage (the same parts and residuals)."""
-        plan = self._plan(segments, chunk, world)
-        self._begin_bucket(plan.key)
+        plan = self.plan(segments, chunk, world)
+        self.begin_bucket(plan.key)
         if self.state.dense:
-            return self._planner.plain_plan(plan.key, chunk)
+            return self.planner.plain_plan(plan.key, chunk)
         if self.warming_up:
-            return self._plan(segments, chunk, world, self.step_count - self.dense_steps)
+            return self.plan(segments, chunk, world, self.step_count - self.dense_steps)
         return plan
 
     # ------------------------------------------------------------------ what select selects, the settings check
@@ -319,7 +311,7 @@ class TAGCHook:
         key = (id(group), self.select_fingerprint())
         if key in self._verified:
             return
-        check_agreement(self.settings(), group, device)
+        check_agreement(self.agreed_settings(), group, device)
         self._verified.add(key)
 
     def topology(self, group: dist.ProcessGroup | None) -> Topology:
@@ -329,9 +321,9 @@ class TAGCHook:
         if not dist.is_initialized():
             return Topology(1)
         ranks = group_ranks(group)
-        if ranks not in self._topologies:
-            self._topologies[ranks] = topology(group, self.hierarchy, self.ranks_per_host)
-        return self._topologies[ranks]
+        if ranks not in self.topologies:
+            self.topologies[ranks] = topology(group, self.settings.hierarchy, self.settings.ranks_per_host)
+        return self.topologies[ranks]
 
     def _enter(self, segments: Sequence[Segment], group, device: torch.device) -> None:
         """Every exchange's first step: fingerprint ``select`` by the bucket (a hook no adapter bound), then
@@ -340,9 +332,10 @@ class TAGCHook:
             self._selection.note_bucket(segments)
         self.verify(group, device)
 
-    def _check_codec_world(self, world: int) -> None:
-        """``index_bits=4`` counts the ranks of the codec's exchange (the hosts, when hierarchical) in 4 bits."""
-        if self.config.index_bits == 4 and world > 15:
+    def check_codec_world(self, world: int) -> None:
+        """Raise unless the codec can exchange over ``world`` ranks (the hosts, when hierarchical):
+        ``index_bits=4`` counts them in 4 bits. Every path checks before its first exchange of a bucket."""
+        if self.settings.config.index_bits == 4 and world > 15:
             raise ValueError("index_bits=4 counts ranks in 4 bits and is exact for at most 15 ranks; this exchange has "
                              f"{world}: use index_bits=1")
 
@@ -352,7 +345,7 @@ class TAGCHook:
         """The codec's state (this rank's residuals, keyed by rank, bucket and part), the step counter,
         and the settings the keys follow from (``config``; ``select``: :meth:`select_fingerprint`)."""
         self._streams.join()
-        return checkpoint.state_dict(self.codec, self.step_count, self.config, self.select_fingerprint())
+        return checkpoint.state_dict(self.codec, self.step_count, self.settings.config, self.select_fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict`'s output, before the first step or later.
@@ -362,7 +355,7 @@ class TAGCHook:
         It is raised here when the checkpoint's ``select`` fingerprint differs from this hook's (once
         the hook is installed on its model), else at the first compressed part the checkpoint holds
         no state for."""
-        restored = checkpoint.restored_from(state, self.config)
+        restored = checkpoint.restored_from(state, self.settings.config)
         checkpoint.check_feedback(state, self.codec)
         self._streams.join()
         self.state.restored = restored
@@ -374,12 +367,15 @@ class TAGCHook:
         if self.state.restored is not None:
             self.state.restored.check_select(self.select_fingerprint(), self._selection.bound)
 
-    def _check_restored_part(self, part: Part) -> None:
+    def check_restored_part(self, part: Part) -> None:
+        """Raise if a loaded checkpoint holds no state for this compressed ``part`` (never a silent restart of
+        error feedback from zeros): what every path checks before it encodes a part
+        (:meth:`tagc.hooks.exchange.PartCoder.check`)."""
         self._coder().check(part)
 
     def _coder(self) -> PartCoder:
         """How this exchange's parts are encoded and decoded (:class:`tagc.hooks.exchange.PartCoder`)."""
-        return PartCoder(self.plain, self.piece_bytes, self.state.restored, self.select_fingerprint)
+        return PartCoder(self.plain, self.settings.piece_bytes, self.state.restored, self.select_fingerprint)
 
     # ------------------------------------------------------------------ the eager exchange (tagc.hooks.eager)
 
@@ -390,7 +386,7 @@ class TAGCHook:
 
     @strict.counted
     def start(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, op,
-              segments: Sequence[Segment], unit: str | None = None, keep_local: bool = True) -> PendingBucket:
+              segments: Sequence[Segment], unit: str | None = None) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
         Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
@@ -403,9 +399,6 @@ class TAGCHook:
         part's encode: part ``k+1`` is encoded while part ``k`` is on the wire, and the caller's
         stream (the next backward) runs on meanwhile. ``input`` and ``output`` are marked
         (``record_stream``) as used on the side stream.
-
-        ``keep_local=False``: the segments are pieces of parameters (an all-reduce cut into pieces), so
-        this rank's row is not its own shard: the caller keeps :attr:`local_gradients` itself.
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world
@@ -416,25 +409,22 @@ class TAGCHook:
         topo = self.topology(group) if world > 1 else Topology(world)
         # hierarchical: the codec exchanges the host-reduced block over the cross group, planned for H ranks
         codec_group, codec_world = (topo.cross, topo.hosts) if topo.hierarchical else (group, world)
-        self._check_codec_world(codec_world)
+        self.check_codec_world(codec_world)
         self.poll()
         for earlier in list(self.state.in_flight):  # the same point, the same order on every rank
             earlier.advance()
         plan = self._step_plan(tuple(segments), chunk, codec_world)
         stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed),
                               plain_equivalent_bytes=plain_bytes(world, chunk))
-        side = self._streams.for_input(input) if self.side_stream else None
+        side = self._streams.for_input(input) if self.settings.side_stream else None
         if side is not None:
             output.record_stream(side)  # written there by wait()
         remote = topo.hosts - 1 if topo.hierarchical else topo.remote_rows
         timing = UnitTiming(unit or plan.key)
         pending = PendingBucket(self, plan, output, op_scale(op, world), codec_group, stats, timing,
-                                coder=self._coder(), state=self.state, nonfinite=self.nonfinite, stream=side,
+                                coder=self._coder(), state=self.state, nonfinite=self.settings.nonfinite, stream=side,
                                 remote_rows=remote)
         rows = input.view(world, chunk)
-        if keep_local:
-            own = rows[dist.get_rank(group) if world > 1 else 0]
-            self._keep_own_row(plan, segments, own, op_scale(op, world) * world)
         pending.send(rows, topo)
         self.state.in_flight.append(pending)
         return pending
@@ -450,31 +440,12 @@ class TAGCHook:
         for pending in list(self.state.in_flight):
             pending.wait()
 
-    def _keep_own_row(self, plan: BucketPlan, segments: Sequence[Segment], row: torch.Tensor,
-                      factor: float | torch.Tensor) -> None:
-        """Keep this rank's ``row`` (its own gradient of its chunk) times ``factor`` for the segments
-        :attr:`keep_local_gradients` asks for: the ones ``plan`` compresses, or all of them (``"all"``)."""
-        if self.keep_local_gradients == "all":
-            self.local_gradients.keep(tuple(segments), row, factor)
-        elif self.keep_local_gradients and plan.compressed:
-            self.local_gradients.keep(plan.chosen, row, factor)
-
-    def keep_local(self, segments: Sequence[Segment], pieces: Sequence[Segment], chunk: int, world: int,
-                   gradient: torch.Tensor, factor: float | torch.Tensor) -> None:
-        """For an exchange cut into ``pieces`` (an all-reduce): keep ``gradient`` (the whole of this rank's
-        ``segments``, not a piece) for the parameters the steady plan of ``pieces`` compresses, when this
-        step compresses (:attr:`keep_local_gradients`; :class:`tagc.hooks.local_grads.LocalGradients`)."""
-        if not self.keep_local_gradients or self.state.dense:
-            return
-        compressed = {s.name for s in self._plan(tuple(pieces), chunk, world).chosen}
-        self.local_gradients.keep([s for s in segments if s.name in compressed], gradient, factor)
-
     # ------------------------------------------------------------------ the traced exchange (tagc.hooks.traced)
 
     def wire_row_bytes(self, segments: Sequence[Segment], chunk: int, world: int, dtype: torch.dtype) -> int:
         """Bytes per rank row of the one tensor :meth:`encode_bucket` returns (every part's wire
         tensors side by side, as bytes). Fixed by the settings, so a compiled graph can hold it."""
-        return traced.wire_row_bytes(self._plan(tuple(segments), chunk, world), world, dtype)
+        return traced.wire_row_bytes(self.plan(tuple(segments), chunk, world), world, dtype)
 
     def traceable(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
         """Whether a bucket can be exchanged in halves around fixed-shape collectives now: its
@@ -486,27 +457,20 @@ class TAGCHook:
         density ramp are over (their wire changes from step to step): it has compressed parts,
         and no setting needs data-dependent sizes (``fallback="raw"``) — otherwise the whole
         exchange stays one opaque call."""
-        return traced.traceable(self._plan(tuple(segments), chunk, world), world)
+        return traced.traceable(self.plan(tuple(segments), chunk, world), world)
 
     @strict.counted
-    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment],
-                      local_factor: float | None = 1.0) -> torch.Tensor:
+    def encode_bucket(self, packed: torch.Tensor, group, segments: Sequence[Segment]) -> torch.Tensor:
         """First half: every part encoded, its wire tensors side by side as bytes (``uint8 [N, B]``):
-        one all-to-all per bucket, whose wait a compiler can move past later compute.
-
-        ``local_factor``: what puts this rank's row on the scale of the averaged result, for
-        :attr:`local_gradients` (1 for a packed gradient); ``None``: the row is not this rank's own
-        gradient (pieces, or a host's sum), as ``keep_local=False`` in :meth:`start`."""
+        one all-to-all per bucket, whose wait a compiler can move past later compute."""
         self._enter(segments, group, packed.device)
         world = dist.get_world_size(group)
-        self._check_codec_world(world)
+        self.check_codec_world(world)
         rows = packed.view(world, -1)
-        plan = self._plan(tuple(segments), rows.shape[1], world)
-        self._begin_bucket(plan.key)
-        if local_factor is not None:
-            self._keep_own_row(plan, segments, rows[dist.get_rank(group)], local_factor)
+        plan = self.plan(tuple(segments), rows.shape[1], world)
+        self.begin_bucket(plan.key)
         wire, timing = traced.encode_bucket(plan, rows, group, self._coder())
-        self._record(ExchangeStats(compress_s=timing.compress_s), None)
+        self.record(ExchangeStats(compress_s=timing.compress_s), None)
         return wire
 
     @strict.counted
@@ -521,14 +485,14 @@ class TAGCHook:
         ``into``: add the statistics there instead of recording them (a caller that decodes several
         chunks of one exchange records them once)."""
         world = dist.get_world_size(group)
-        plan = self._plan(tuple(segments), chunk, world)
+        plan = self.plan(tuple(segments), chunk, world)
         whole = topology if topology is not None and topology.hierarchical else None
         output, stats = traced.decode_bucket(plan, received, group, world, dtype, op, self._coder(), whole,
                                              self.topology(group).remote_rows)
         if into is not None:
             into.add(stats)
         else:
-            self._record(stats, None)
-        if raises_nonfinite(self.nonfinite, stats):
+            self.record(stats, None)
+        if raises_nonfinite(self.settings.nonfinite, stats):
             raise nonfinite_error(plan.key)
         return output

@@ -1,5 +1,6 @@
 """What the eager and the traced exchange share: a part's encode and decode through its codec (timed,
-with a loaded checkpoint's check), FSDP's reduce op as a scale, and the ``nonfinite="raise"`` error.
+with a loaded checkpoint's check) and the ``nonfinite="raise"`` error. FSDP's reduce op as a scale is
+:func:`tagc.hooks.transport.op_scale`.
 """
 
 from __future__ import annotations
@@ -9,41 +10,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from tagc.hooks.checkpoint import Restored
 from tagc.hooks.codecs import Codec
 from tagc.hooks.plan import Part
 from tagc.hooks.state import UnitTiming
 from tagc.hooks.stats import ExchangeStats
-
-
-def op_scale(op, world_size: int) -> float | torch.Tensor:
-    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor).
-
-    A PREMUL_SUM factor given as a tensor is returned as that tensor, never read on the host (on a
-    GPU that read would wait for the device): :func:`scale_into` applies it on the device."""
-    kind = getattr(op, "op", op)
-    if kind == dist.ReduceOp.SUM:
-        return 1.0
-    if kind == dist.ReduceOp.AVG:
-        return 1.0 / world_size
-    if kind == dist.ReduceOp.PREMUL_SUM:
-        factor = op.factor
-        return factor if isinstance(factor, torch.Tensor) else float(factor)
-    raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
-
-
-def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float | torch.Tensor) -> None:
-    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order.
-
-    The scale divides as its float64 reciprocal, a Python float or a tensor alike (a tensor scale
-    stays where it is: no host read)."""
-    output.copy_(summed)
-    if isinstance(scale, torch.Tensor):
-        output.div_(torch.reciprocal(scale.detach().to(torch.float64)))
-    elif scale != 1.0:
-        output.div_(1.0 / scale)
 
 
 def raises_nonfinite(nonfinite: str, stats: ExchangeStats) -> bool:

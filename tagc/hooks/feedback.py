@@ -35,15 +35,23 @@ over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is
 ``feedback_decay``, the residual (each matrix's, for ``powersgd``) is multiplied by ``gamma`` before the encode
 (:meth:`EF21Codec.fade`) and ``H`` before the sum is added.
 
-* :class:`~tagc.hooks.codecs.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and any codec
-  built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose ``decode``
-  returns the sum of what was sent): ``g`` is subtracted right after ``encode``. ``tagc``'s
-  ``fallback="raw"`` re-sends ``(g + r) - r_left`` from a copy it keeps until decode: ``g`` is
-  taken off that copy too, so the re-sent values stay what was sent.
-* ``powersgd`` finalises its residuals in ``decode`` (``r = M - P Q^T / N`` per matrix, ``M = g +
-  r``): the wrapper turns each into ``r_before - P Q^T / N`` there, from the ``M`` the codec kept.
-  The columns it sends plain (shapeless parameters such as biases) have no error feedback under
-  either kind: they reach the optimizer as their plain sum, not through ``H``.
+Where the inner codec's residual becomes final is the codec's to say
+(:attr:`~tagc.hooks.codecs.Codec.feedback_at`):
+
+* ``"encode"``, the :class:`~tagc.hooks.codecs.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and
+  any codec built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose
+  ``decode`` returns the sum of what was sent): ``g`` is subtracted right after ``encode``
+  (:meth:`~tagc.hooks.codecs.Codec.subtract_input`). ``tagc``'s ``fallback="raw"`` re-sends
+  ``(g + r) - r_left`` from a copy it keeps until decode: ``g`` is taken off that copy too, so the
+  re-sent values stay what was sent.
+* ``"decode"``, ``powersgd``, which finalises its residuals in ``decode`` (``r = M - P Q^T / N`` per
+  matrix, ``M = g + r``): the codec turns each into ``r_before - P Q^T / N`` there, from the ``M`` it
+  kept (:meth:`~tagc.hooks.codecs.Codec.decode_shifted`). The columns it sends plain (shapeless
+  parameters such as biases) have no error feedback under either kind: they reach the optimizer as
+  their plain sum, not through ``H``.
+
+In an all-reduce form (DDP's, :mod:`tagc.hooks.allreduce`), where every rank decodes the whole part,
+each part's shift is a :class:`SummedShift`: every rank keeps the whole part's ``H``.
 
 NaN/Inf (the codecs' policy, :mod:`tagc.hooks.codecs`, kept): a rank whose part is not finite
 sends NaN and keeps its residual (its ``h_i``) and ``v_i`` as they were; the owner's part is NaN
@@ -85,8 +93,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.codecs import Codec, ResidualCodec, Wire, finite
-from tagc.hooks.powersgd import PowerSGDCodec
+from tagc.hooks.allreduce import Shift
+from tagc.hooks.codecs import Codec, Wire, finite
 from tagc.hooks.state_keys import part_key
 from tagc.hooks.stats import ExchangeStats
 
@@ -145,7 +153,7 @@ class EF21Codec(Codec):
         if not inner.error_feedback:
             raise ValueError(f"feedback='ef21' shifts an error-feedback codec's residual; codec {inner.name!r} keeps "
                              "none (it sends every element every step): use feedback='classic' with it")
-        if not isinstance(inner, (ResidualCodec, PowerSGDCodec)):
+        if inner.feedback_at not in ("encode", "decode"):
             raise ValueError(f"feedback='ef21' does not know where codec {inner.name!r} finalises its residual: it "
                              "serves ResidualCodec codecs (whose encode leaves r = x - sent) and powersgd")
         if getattr(inner, "residual_dtype", torch.float32) != torch.float32:
@@ -161,7 +169,6 @@ class EF21Codec(Codec):
         self.momenta: dict[str, torch.Tensor] = {}
         """``v_i`` per part, keyed by its state entry name."""
         self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
-        self._columns: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # powersgd: matrix per column
 
     @property
     def decay(self) -> float:
@@ -211,6 +218,17 @@ class EF21Codec(Codec):
         """The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``)."""
         return self.inner.config
 
+    @property
+    def wire_codec(self) -> Codec:
+        return self.inner.wire_codec
+
+    def all_reduce_form(self, parts, plain, plain_codec):
+        """The inner codec's all-reduce form, its parts' feedback this wrapper's (:meth:`summed_shift`)."""
+        return self.inner.all_reduce_form(parts, plain, plain_codec)
+
+    def summed_shift(self, key: str, numel: int) -> "SummedShift":
+        return SummedShift(self, key, numel)
+
     def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
         self.inner.prepare(key, segments, world)
 
@@ -241,13 +259,10 @@ class EF21Codec(Codec):
         self.fade(key)
         feed = self.feed(grad, key)
         wires = self.inner.encode(feed, key, group)
-        if isinstance(self.inner, ResidualCodec):
+        if self.inner.feedback_at == "encode":
             # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
             taken = torch.where(finite(feed), feed, torch.zeros((), dtype=feed.dtype, device=feed.device))
-            self.inner.residuals[key].sub_(taken)
-            accumulated = getattr(self.inner, "_accumulated", {}).get(key)  # tagc's fallback="raw": g + r until decode
-            if accumulated is not None:
-                accumulated.sub_(taken)
+            self.inner.subtract_input(key, taken)
         return wires
 
     def fade(self, key: str) -> None:
@@ -255,8 +270,7 @@ class EF21Codec(Codec):
         step's change is chosen against it; the owners fade ``H`` alike in :meth:`add_decoded`. A no-op at 1."""
         if self.decay == 1.0:
             return
-        names = self.inner.matrix_keys(key) if isinstance(self.inner, PowerSGDCodec) else [key]
-        for name in names:
+        for name in self.inner.residual_keys(key):
             residual = self.inner.residuals.get(name)  # none yet at the first step: h = 0
             if residual is not None:
                 residual.mul_(self.decay)
@@ -278,7 +292,7 @@ class EF21Codec(Codec):
         else:
             held.copy_(torch.where(ok, new, held))
         # powersgd sends its shapeless columns in the gradient's dtype: keep the wire's
-        return new.to(grad.dtype) if isinstance(self.inner, PowerSGDCodec) else new
+        return new.to(grad.dtype) if self.inner.keeps_input_dtype else new
 
     # ------------------------------------------------------------------ decode: H += the decoded sum; H out
 
@@ -287,8 +301,11 @@ class EF21Codec(Codec):
         piece = self._decodes.get(key, 0)
         self._decodes[key] = piece + 1
         name = key + SUM + (str(piece) if piece else "")
-        if isinstance(self.inner, PowerSGDCodec):
-            return self._decode_powersgd(received, numel, key, group, stats, name)
+        if self.inner.feedback_at == "decode":
+            values, shifted = self.inner.decode_shifted(received, numel, key, group, stats)
+            total = self._faded_sum(name, numel, values.device)
+            total.copy_(torch.where(shifted, total + values, total))
+            return torch.where(shifted, total, values)  # the plain columns (and a non-finite matrix) as decoded
         rows_ok, clean = _finite_rows(received)
         total, ok = self.add_decoded(name, numel, self.inner.decode(clean, numel, key, group, stats))
         ok = ok & rows_ok
@@ -312,40 +329,6 @@ class EF21Codec(Codec):
         elif self.decay != 1.0:
             total.mul_(self.decay)
         return total
-
-    def _decode_powersgd(self, received, numel, key, group, stats, name) -> torch.Tensor:
-        """powersgd: each matrix's residual turned from ``M - P Q^T / N`` into ``r - P Q^T / N`` (``M = g + r``), as
-        the codec keeps it (unchanged where the summed ``Q`` is not finite); ``H`` on the matrices' columns."""
-        inner: PowerSGDCodec = self.inner
-        layout, step = inner._layouts[key], inner._steps[key]  # decode pops the step: read it first
-        names = inner.matrix_keys(key)
-        before = [inner.residuals.get(n) for n in names]
-        summed_q = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
-        oks = [finite(q) for q in summed_q.split(layout.q_sizes)]  # the codec's own test, the same on every rank
-        values = inner.decode(received, numel, key, group, stats)
-        for n, m, old, ok in zip(names, step.ms, before, oks):
-            kept = inner.residuals[n]  # M - P Q^T / N where ok, else the residual as it was
-            shifted = kept - m if old is None else (kept - m).add_(old)
-            inner.residuals[n] = torch.where(ok, shifted, kept)
-        matrix, on_matrix = self._matrix_columns(key, numel, dist.get_rank(group), values.device)
-        ok_columns = torch.stack([*oks, torch.ones((), dtype=torch.bool, device=values.device)])[matrix] & on_matrix
-        total = self._faded_sum(name, numel, values.device)
-        total.copy_(torch.where(ok_columns, total + values, total))
-        return torch.where(ok_columns, total, values)  # the plain columns (and a non-finite matrix) as decoded
-
-    def _matrix_columns(self, key: str, numel: int, me: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """powersgd: for each of this rank's ``numel`` columns of part ``key``, its matrix's index (the number of
-        matrices where none: a plain column or padding), and whether it is a matrix column."""
-        if (key, me) not in self._columns:
-            layout = self.inner._layouts[key]
-            count = len(layout.matrices)
-            matrix = torch.full((numel,), count, dtype=torch.int64, device=device)
-            for index, mat in enumerate(layout.matrices):
-                low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
-                if high > low:
-                    matrix[mat.start : mat.start + high - low] = index
-            self._columns[(key, me)] = (matrix, matrix < count)
-        return self._columns[(key, me)]
 
     # ------------------------------------------------------------------ state
 
@@ -381,6 +364,34 @@ class EF21Codec(Codec):
         for held, loaded in ((self.sums, sums), (self.momenta, momenta)):
             held.clear()
             held.update({key: value.clone() for key, value in loaded.items()})
+
+
+class SummedShift(Shift):
+    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.allreduce`), where every rank decodes the whole part:
+    the part compresses ``g - h_i`` (its residual holds ``-h_i``; ``v_i - h_i`` with momentum), its residual becomes the
+    next ``-h_i`` as :meth:`EF21Codec.encode` leaves it, and every rank adds the decoded sum of the changes to its copy
+    of ``H`` (the whole part: ``H`` is replicated). A part whose summed table is not finite (a rank's gradient was)
+    leaves every shift and ``H`` as they were: the sum cannot tell which rank's change was finite, so every rank takes
+    its own back; the part comes out NaN, as the codecs' policy has it."""
+
+    def __init__(self, ef21: EF21Codec, key: str, numel: int) -> None:
+        self.ef21, self.key, self.numel = ef21, key, numel
+        self.residual = self.before = None
+
+    def feed(self, grad: torch.Tensor) -> torch.Tensor:
+        self.ef21.fade(self.key)
+        return self.ef21.feed(grad, self.key)
+
+    def hold(self, residual: torch.Tensor) -> None:
+        self.residual, self.before = residual, residual.clone()
+
+    def sent(self, taken: torch.Tensor) -> None:
+        self.residual.sub_(taken)  # -(h_i + sent), as EF21Codec.encode leaves it
+
+    def decoded(self, decoded: torch.Tensor) -> torch.Tensor:
+        total, ok = self.ef21.add_decoded(self.key + SUM, self.numel, decoded)
+        self.residual.copy_(torch.where(ok, self.residual, self.before))
+        return torch.where(ok, total, torch.nan)
 
 
 def _finite_rows(received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -45,8 +45,8 @@ class _UnitState:
             entries = param_entries(flat_param(self.unit))
             names = [self.prefix + fqn for fqn, _, _ in entries]
             numels = [numel for _, _, numel in entries]
-            choices = [self.hook.select(name, None) for name in names]
-            selected = unit_selection(choices, numels, self.hook.config.ratio)
+            choices = [self.hook.settings.select(name, None) for name in names]
+            selected = unit_selection(choices, numels, self.hook.settings.config.ratio)
             label = "+".join(names) or "<empty>"
             if selected is False and any(choices) and self.hook.codec.compresses:
                 share = sum(n for choice, n in zip(choices, numels) if choice) / sum(numels)
@@ -66,7 +66,7 @@ def unit_selection(choices: list, numels: list[int], default_ratio: float) -> Un
     none is a number; else the smallest ratio asked for (``True`` counting as ``default_ratio``),
     so that no parameter in the shared flat buffer is compressed harder than its policy asked.
     An answer that is neither ``bool`` nor a number is passed on for the hook to name
-    (:meth:`TAGCHook._ratio_of`)."""
+    (:meth:`tagc.hooks.plan.Planner.ratio_of`)."""
     chosen = sum(n for choice, n in zip(choices, numels) if choice)
     if not numels or chosen < FSDP1_SELECTED_FRACTION * sum(numels):
         return False

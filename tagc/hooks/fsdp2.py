@@ -53,6 +53,7 @@ from tagc.hooks.torch_fsdp2 import (
     all_reduce_hook,
     has_post_accumulate_grad_hooks,
     hsdp_mesh_info,
+    is_spmd_mesh,
     local_tensor,
     packed_segments,
     param_groups,
@@ -93,7 +94,7 @@ class TAGCReduceScatter(ReduceScatter):
             self._host_step(output_tensor, input_tensor, group, op)
             return None
         pending = self.hook.start(output_tensor, input_tensor, group, op, self.segments(), self.label)
-        if self.hook.overlap and self._can_defer(output_tensor, op):
+        if self.hook.settings.overlap and self._can_defer(output_tensor, op):
             _DEFERRED.add(self, pending)
         else:
             pending.wait()
@@ -104,9 +105,10 @@ class TAGCReduceScatter(ReduceScatter):
         self.hook.verify(group, input.device)
         world, chunk = dist.get_world_size(group), output.numel()
         begin = time.perf_counter()
-        summed, sent = plain_reduce_scatter(input.view(world, chunk), group, self.hook.piece_bytes)
+        summed, sent = plain_reduce_scatter(input.view(world, chunk), group, self.hook.settings.piece_bytes)
         scale_into(output, summed, op_scale(op, world))
-        remote = layout(group_ranks(group), dist.get_rank(), self.hook.ranks_per_host, dist.get_world_size())[1]
+        remote = layout(group_ranks(group), dist.get_rank(), self.hook.settings.ranks_per_host,
+                        dist.get_world_size())[1]
         self._host_stats = ExchangeStats(wire_bytes=sent, plain_equivalent_bytes=plain_bytes(world, chunk),
                                          inter_host_bytes=remote * chunk * input.element_size(),
                                          exposed_s=time.perf_counter() - begin)
@@ -188,20 +190,18 @@ class _ReplicaAllReduce:
         chunk = reduce_output.new_empty(pieces.index.shape[1])
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
-        gather_dtype = torch.bfloat16 if hook.plain_name == "bf16" else chunk.dtype
-        hook.keep_local(comm.segments(), pieces.segments, chunk.numel(), hosts, reduce_output.reshape(-1),
-                        1.0 if op == dist.ReduceOp.AVG else float(hosts))  # the host's gradient, on the replicas' scale
+        gather_dtype = torch.bfloat16 if hook.settings.plain == "bf16" else chunk.dtype
         if gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
             finish = GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
-            if hook.overlap and comm._can_defer(reduce_output, comm._op):
+            if hook.settings.overlap and comm._can_defer(reduce_output, comm._op):
                 _DEFERRED.add(comm, finish)
             else:
                 finish.wait()
             return
-        remote = layout(group_ranks(group), dist.get_rank(), hook.ranks_per_host, dist.get_world_size())[1]
+        remote = layout(group_ranks(group), dist.get_rank(), hook.settings.ranks_per_host, dist.get_world_size())[1]
         finish = PendingAllReduce.start(hook, chunk, rows, reduce_output, pieces, group, op, gather_dtype, comm.label,
                                         comm.take_host_stats(), remote)
-        if hook.overlap and comm._can_defer(reduce_output, comm._op):
+        if hook.settings.overlap and comm._can_defer(reduce_output, comm._op):
             _DEFERRED.add(comm, finish)
         else:
             finish.wait()
@@ -211,7 +211,7 @@ def _split_hsdp(param_group, comm: TAGCReduceScatter) -> None:
     """Make an HSDP parameter group reduce-scatter over its shard group only, and all-reduce across the
     replicas through ``comm``'s hook (module docstring). Idempotent: a second hook replaces the first."""
     info = hsdp_mesh_info(param_group)
-    if info.is_spmd_mesh:
+    if is_spmd_mesh(info):
         raise ValueError("TAGC's HSDP support takes a (replicate, shard) mesh, not an SPMD mesh with dp_mesh_dims")
     current = all_reduce_hook(param_group)
     if current is not None and not isinstance(current, _ReplicaAllReduce):

@@ -34,20 +34,28 @@ NaN/Inf: the approximation of a matrix whose summed ``Q`` is not finite reaches 
 NaN (as a plain reduce-scatter would); its residual and ``Q`` stay as they were on every rank.
 Every rank counts it in ``nonfinite_parts`` (a device count: no host read), so
 ``nonfinite="raise"`` raises on every rank. NaN/Inf in the plain columns reaches the owner as it is.
+
+Where every rank needs the whole average (DDP), the codec's all-reduce form (:class:`SummedFactors`) is torch's
+DDP hook itself: ``P`` with the uncompressed columns in all-reduces, then ``Q``, each summed in its dtype, and
+every rank forms ``P Q^T``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import zlib
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from tagc.hooks.allreduce import AllReduceForm, Collectives, Summands, by_dtype, ring
 from tagc.hooks.codecs import Codec, finite, resolve_value_dtype
+from tagc.hooks.flights import complete, future_of
 from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.transport import op_scale, scale_into
 from tagc.kernels.fallbacks import warn_fallback
 
 if TYPE_CHECKING:
@@ -146,6 +154,8 @@ class PowerSGDCodec(Codec):
     compresses = True
     rounds = 4
     whole_segments = True
+    feedback_at = "decode"  # r = M - P Q^T / N, made in decode (EF21: decode_shifted)
+    keeps_input_dtype = True  # the shape-less columns ride in the input's dtype
 
     def __init__(self, rank: int = DEFAULT_RANK, warm_start: bool = True,
                  residual_dtype: torch.dtype = torch.float32, value_dtype="float32") -> None:
@@ -162,6 +172,8 @@ class PowerSGDCodec(Codec):
         self.draws: dict[str, int] = {}
         self._layouts: dict[str, _Layout] = {}
         self._steps: dict[str, _Step] = {}
+        self._columns: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # decode_shifted: per column
+        self._bucket_runs: dict[str, tuple] = {}  # part key -> its runs in a DDP bucket (SummedFactors)
 
     # ------------------------------------------------------------------ plan
 
@@ -187,7 +199,7 @@ class PowerSGDCodec(Codec):
             matrices.append(_Matrix(s.name, s.start, s.numel, rows, cols, self.rank))
         self._layouts[key] = _Layout(world, tuple(matrices), tuple(plain))
 
-    def matrix_keys(self, key: str) -> list[str]:
+    def residual_keys(self, key: str) -> list[str]:
         """The residual (and ``Q``) entries of part ``key``'s matrices, as :meth:`encode` names them."""
         return [f"{key}/{mat.name}" for mat in self._layouts[key].matrices]
 
@@ -250,6 +262,38 @@ class PowerSGDCodec(Codec):
             values[start : start + count] = step.plain[at : at + count]
             at += count
         return values
+
+    def decode_shifted(self, received, numel, key, group, stats) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode` for EF21 (:mod:`tagc.hooks.feedback`): each matrix's residual turned from ``M - P Q^T / N``
+        into ``r - P Q^T / N`` (``M = g + r``; unchanged where the summed ``Q`` is not finite); ``shifted`` marks this
+        rank's columns of the matrices whose summed ``Q`` is finite (the plain columns are not shifted)."""
+        layout, step = self._layouts[key], self._steps[key]  # decode pops the step: read it first
+        names = self.residual_keys(key)
+        before = [self.residuals.get(n) for n in names]
+        summed_q = received[0].reshape(-1)[: sum(layout.q_sizes)].float()
+        oks = [finite(q) for q in summed_q.split(layout.q_sizes)]  # decode's own test, the same on every rank
+        values = self.decode(received, numel, key, group, stats)
+        for n, m, old, ok in zip(names, step.ms, before, oks):
+            kept = self.residuals[n]  # M - P Q^T / N where ok, else the residual as it was
+            shifted = kept - m if old is None else (kept - m).add_(old)
+            self.residuals[n] = torch.where(ok, shifted, kept)
+        matrix, on_matrix = self._matrix_columns(key, numel, dist.get_rank(group), values.device)
+        ok_columns = torch.stack([*oks, torch.ones((), dtype=torch.bool, device=values.device)])[matrix] & on_matrix
+        return values, ok_columns
+
+    def _matrix_columns(self, key: str, numel: int, me: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each of this rank's ``numel`` columns of part ``key``, its matrix's index (the number of matrices where
+        none: a plain column or padding), and whether it is a matrix column."""
+        if (key, me) not in self._columns:
+            layout = self._layouts[key]
+            count = len(layout.matrices)
+            matrix = torch.full((numel,), count, dtype=torch.int64, device=device)
+            for index, mat in enumerate(layout.matrices):
+                low, high = me * mat.numel, min((me + 1) * mat.numel, mat.rows * mat.cols)
+                if high > low:
+                    matrix[mat.start : mat.start + high - low] = index
+            self._columns[(key, me)] = (matrix, matrix < count)
+        return self._columns[(key, me)]
 
     def approximate(self, name: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor,
                     world: int, stats: ExchangeStats) -> torch.Tensor:
@@ -324,3 +368,147 @@ class PowerSGDCodec(Codec):
         for held, loaded in ((self.residuals, residuals), (self.qs, qs), (self.draws, draws)):
             held.clear()
             held.update(loaded)
+
+    # ------------------------------------------------------------------ the all-reduce form
+
+    def all_reduce_form(self, parts, plain, plain_codec) -> Optional["SummedFactors"]:
+        """:class:`SummedFactors` for the one part of a bucket (this codec's own feedback), where the plain columns
+        add up (``plain`` ``"fp32"`` or ``"bf16"``; ``fp8``/``int4``'s blockwise scales do not)."""
+        if len(parts) != 1 or not isinstance(parts[0].codec, PowerSGDCodec) or plain_codec.summed_dtype is None:
+            return None
+        return SummedFactors(parts[0], list(plain), plain_codec.summed_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dtypes:
+    """What the all-reduce form sends in which dtype: ``P`` and ``Q`` (the codec's ``value_dtype``), the codec's
+    shape-less columns (the same, or float32 with float32 values), the hook's plain parts."""
+
+    values: torch.dtype
+    columns: torch.dtype
+    plain: torch.dtype
+
+
+class SummedFactors(AllReduceForm):
+    """PowerSGD's all-reduce form, torch's DDP hook on the codec's state: ``P`` (with the uncompressed columns)
+    launched by :meth:`start`, ``Q`` by the flight's ``launch`` once ``P`` is summed (on the backward's thread),
+    ``P Q^T`` formed in ``Q``'s callback.
+
+    Each tensor travels in its dtype and is summed in it by the all-reduce, as torch's ``bf16_compress_hook`` sums
+    in bf16: ``P`` and ``Q`` in the codec's ``value_dtype``, its shape-less columns in the same 16-bit dtype (fp32
+    with float32 values), the plain parts in the plain codec's :attr:`~tagc.hooks.codecs.Codec.summed_dtype`. The
+    first round is one all-reduce per dtype, ``P``'s first; every rank receives the same summed bits, so every rank
+    orthonormalises the same ``P``. The codec's error feedback holds this rank's ``M`` minus the averaged
+    approximation formed from the rounded, summed ``P`` and ``Q``: the rounding of the 16-bit wire lands in the
+    residual, as on the flat lean wire.
+
+    The matrices and the shape-less columns are whole parameters, each a contiguous run of the bucket
+    (:meth:`_runs`): ``M`` is read from the buffer as a view (one pass: the gradient plus the residual) and the
+    averaged approximation is formed in the buffer itself (:meth:`PowerSGDCodec.average_into`), the residual in
+    ``M``'s memory: no gather of the part's columns, no matrix-sized temporaries, as torch's hook decompresses into
+    the bucket.
+
+    Bytes each rank sends: ``ring(v (sum m r + p)) + ring(v sum n r)``, ``v`` bytes per value (one ``ring`` per
+    dtype of the first all-reduces)."""
+
+    def __init__(self, part, plain: list, plain_dtype: torch.dtype) -> None:
+        self.codec: PowerSGDCodec = part.codec
+        self.part, self.plain = part, plain
+        self.dtypes = _Dtypes(self.codec.value_dtype, self.codec._plain_dtype(torch.float32), plain_dtype)
+        self.shapes = self.codec._layouts[part.key]
+
+    def planned_bytes(self, group, device) -> int:
+        world, dtypes, shapes = dist.get_world_size(group), self.dtypes, self.shapes
+        columns = sum(count for _, count in shapes.plain)
+        plain = sum(p.numel for p in self.plain)
+        first = by_dtype([(dtypes.values, sum(shapes.p_sizes)), (dtypes.columns, columns), (dtypes.plain, plain)])
+        return (sum(ring(dtype.itemsize * sum(counts), world) for dtype, counts in first.items())
+                + ring(dtypes.values.itemsize * sum(shapes.q_sizes), world))
+
+    def start(self, buffer: torch.Tensor, collectives: Collectives) -> None:
+        codec, part, plain, dtypes, shapes = self.codec, self.part, self.plain, self.dtypes, self.shapes
+        matrix_at, columns_at = self._runs()
+        device, world, flight = buffer.device, collectives.world, collectives.flight
+        stats = flight.stats
+        ms, qs = [], []
+        for mat, at in zip(shapes.matrices, matrix_at):
+            name = f"{part.key}/{mat.name}"
+            grad = buffer[at : at + mat.rows * mat.cols].view(mat.rows, mat.cols)
+            residual = codec.residuals.get(name)
+            if residual is not None and grad.dtype == torch.float32:
+                m = torch.add(grad, residual)  # float32: this rank's own copy (the buffer is overwritten in the decode)
+            else:
+                m = grad.to(torch.float32, copy=True)
+                if residual is not None:
+                    m.add_(residual)
+            ms.append(m)
+            qs.append(orthonormal(codec._q(name, mat, device)))
+        p_flat = (torch.cat([right_times(m, q).reshape(-1) for m, q in zip(ms, qs)]) if ms
+                  else buffer.new_zeros(0).float())
+        uncompressed = [buffer[at : at + count] for at, count in columns_at]
+        first = Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
+                          *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
+        collectives.release()
+        summed_first = [collectives.all_reduce(tensor) for tensor in first.flat.values()]  # P's dtype first
+        flight.future = future_of(buffer)
+        scale = op_scale(dist.ReduceOp.AVG, world)
+
+        def launch() -> None:
+            begin = time.perf_counter()
+            summed_first[0].wait()
+            flight.waited_s += time.perf_counter() - begin
+            summed_ps = first.summed(0).split(shapes.p_sizes)
+            ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
+            second = (torch.cat([left_times(m, p).reshape(-1) for m, p in zip(ms, ps)]) if ms
+                      else p_flat.new_zeros(0)).to(dtypes.values)
+            launched = [*summed_first[1:], collectives.all_reduce(second)]
+
+            def decode(_: torch.futures.Future) -> torch.Tensor:
+                for done in launched:
+                    done.wait()  # raises a collective's error; on CUDA, orders this stream after the collective
+                summed_qs = second.float().split(shapes.q_sizes)
+                for mat, at, m, q_used, p, q in zip(shapes.matrices, matrix_at, ms, qs, ps, summed_qs):
+                    region = buffer[at : at + mat.rows * mat.cols].view(mat.rows, mat.cols)
+                    averaged = region if region.dtype == torch.float32 else torch.empty_like(m)
+                    codec.average_into(f"{part.key}/{mat.name}", m, p, q.view(mat.cols, mat.rank), q_used, world,
+                                       averaged, stats)
+                    if averaged is not region:
+                        region.copy_(averaged)
+                for index, (at, count) in enumerate(columns_at, start=1):
+                    scale_into(buffer[at : at + count], first.summed(index), scale)
+                for index, p in enumerate(plain, start=1 + len(columns_at)):
+                    columns = p.index(device)
+                    if isinstance(columns, slice):
+                        scale_into(buffer[columns], first.summed(index), scale)
+                    else:
+                        scaled = buffer.new_empty(p.numel)
+                        scale_into(scaled, first.summed(index), scale)
+                        buffer[columns] = scaled
+                return buffer
+
+            complete(flight.future, collectives.decoded(launched, decode, device))
+
+        flight.launch = launch
+
+    def _runs(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """Where the matrices start in the bucket, and the shape-less columns' ``(start, count)`` runs there: each is a
+        whole parameter (the codec takes whole segments), so a contiguous run of the buffer. Found once per part from
+        its column list (on the host), kept by the codec."""
+        part, shapes = self.part, self.shapes
+        runs = self.codec._bucket_runs.get(part.key)
+        if runs is None:
+            columns = part.columns
+
+            def start(at: int, count: int) -> int:
+                if isinstance(columns, slice) or count == 0:  # an empty parameter: any start
+                    return (columns.start if isinstance(columns, slice) else 0) + at
+                first, last = int(columns[at]), int(columns[at + count - 1])
+                if last - first != count - 1:
+                    raise RuntimeError(f"powersgd part {part.key!r}: a parameter is not one run of the DDP bucket "
+                                       "(the codec takes whole parameters); please report this")
+                return first
+
+            runs = (tuple(start(m.start, m.rows * m.cols) for m in shapes.matrices),
+                    tuple((start(at, count), count) for at, count in shapes.plain))
+            self.codec._bucket_runs[part.key] = runs
+        return runs

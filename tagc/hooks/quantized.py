@@ -181,6 +181,7 @@ class BF16Codec(Codec):
 
     name = "bf16"
     compresses = True
+    summed_dtype = torch.bfloat16  # an all-reduce form sums these columns in bf16, as torch's bf16_compress_hook
 
     def wire(self, numel, world, dtype):
         return Wire(numel, torch.bfloat16), Wire(1, torch.uint8)

@@ -71,7 +71,7 @@ class PendingAllReduce:
         """Launch the engine's compressed reduce-scatter of ``rows`` over ``group`` into ``chunk`` and count
         the dense all-gather that :meth:`wait` will make (a ring all-gather's volume in ``dtype``; ``remote_rows``
         of its rows cross hosts), with ``host_stats``, the bytes of the step before, on the same bucket."""
-        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, unit, keep_local=False)
+        pending = hook.start(chunk, rows.reshape(-1), group, op, pieces.segments, unit)
         replicas = dist.get_world_size(group)
         row_bytes = chunk.numel() * dtype.itemsize
         if host_stats is not None:
@@ -87,7 +87,7 @@ class PendingAllReduce:
         gathered = chunk.new_empty(dist.get_world_size(self.group) * chunk.numel())
         all_gather_single(gathered, chunk, group=self.group)
         self._write(gathered)
-        self.pending.hook._record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
+        self.pending.hook.record(ExchangeStats(exposed_s=time.perf_counter() - begin), None)
         return self.output
 
     def gather(self) -> torch.futures.Future:
@@ -131,7 +131,7 @@ def gathers_wires(hook: "tagc.hooks.engine.TAGCHook",  # noqa: F821  named, not 
         return False
     if not decodes_alike_on_every_replica(chunk):
         return False
-    plan = hook._plan(segments, chunk.numel(), hosts)
+    plan = hook.plan(segments, chunk.numel(), hosts)
     if not plan.compressed or not all(part.codec.traceable() for part in plan.parts):
         return False
     row_bytes = hook.wire_row_bytes(segments, chunk.numel(), hosts, chunk.dtype)
@@ -152,7 +152,7 @@ class GatheredWires:
         self.chunk = rows.shape[1]
         self.dtype = rows.dtype
         # uint8 [H, B]: piece h's row for replica h (records its encode time)
-        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments, local_factor=None)
+        wire = hook.encode_bucket(rows.reshape(-1), group, pieces.segments)
         self.gathered = wire.new_empty(dist.get_world_size(group), *wire.shape)  # [from replica, piece, B]
         self.work = all_gather_single(self.gathered.view(-1), wire.reshape(-1), group=group, async_op=True)
         self.stats = host_stats
@@ -165,7 +165,7 @@ class GatheredWires:
         self.work.wait()
         self.stats.add(ExchangeStats(exposed_s=time.perf_counter() - begin))
         self.decode()
-        self.hook._record(self.stats, None)
+        self.hook.record(self.stats, None)
         self.done = True
         return self.output
 

@@ -18,11 +18,12 @@ import torch.nn as nn
 
 SelectPolicy = Callable[[str, Optional[nn.Module]], Union[bool, float]]
 
-_ATTENTION_INPUT = re.compile(r"(^|[._])(c_attn|qkv|q_proj|k_proj|v_proj|query|key|value|in_proj\w*|wq|wk|wv)([._]|$)")
-_POSITIONAL = re.compile(r"(^|[._])(wpe|pos\w*|position\w*)([._]|$)")
-_NORM = re.compile(r"(^|[._])(ln\w*|norm\w*|layernorm\w*)([._]|$)")
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_QKV = frozenset({"q", "k", "v", "qk", "kv", "qkv", "query", "key", "value"})
+_FUSED_QKV = frozenset({"cattn", "inproj", "wpack"})  # GPT-2's c_attn, MultiheadAttention's in_proj, Baichuan's W_pack
+_POSITIONAL = frozenset({"wpe", "pos", "position", "positions", "positional"})
 _EMBEDDING_OR_HEAD = re.compile(
-    r"(^|[._])(wte|embed\w*|tok_embeddings|word_embeddings|lm_head|embed_out)([._]|$)|(^|\.)output$")
+    r"(^|[._])(wte|embed\w*|tok_embeddings|word_embeddings|lm_head|embed_out)([._]|$)|(^|\.)output$", re.IGNORECASE)
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -41,20 +42,37 @@ def is_projection(module: nn.Module) -> bool:
     return "norm" not in type(module).__name__.lower()
 
 
+def _words(owner: str) -> list[list[str]]:
+    """The lower-case words of each component of a module path, so that a role reads the same whatever the
+    case or spelling: ``Q_Proj``, ``qProj`` and ``q_proj`` are ``["q", "proj"]``, ``Wqkv`` and ``WQKV`` are
+    ``["wqkv"]``, ``dense_h_to_4h`` is ``["dense", "h", "to", "4", "h"]``."""
+    return [[word.lower() for word in _WORD.findall(component)] for component in owner.split(".")]
+
+
+def _is_attention_input(words: list[str]) -> bool:
+    """Whether a module named by ``words`` feeds the attention scores: a query, key or value projection, apart
+    (``q_proj``, ``wk``, ``value``; DeepSeek's latent ``q_a_proj``, ``kv_b_proj``) or fused (``qkv_proj``,
+    ``query_key_value``, ``Wqkv``, ``c_attn``)."""
+    return "".join(words) in _FUSED_QKV or any(w in _QKV or (w[:1] == "w" and w[1:] in _QKV) for w in words)
+
+
 def non_attention_linear(fqn: str, module: Optional[nn.Module] = None) -> bool:
     """GPT-2-style selection (the TAGC paper's): weights of the MLP linears, the attention
     output projection, the token embedding and the LM head, whatever class implements them
-    (:func:`is_projection`). Not the attention QKV projection, layer norms, biases or
-    position embeddings. Without ``module`` (FSDP1 units) by the name alone."""
-    name = fqn.rsplit(".", 1)
-    owner, leaf = (name[0], name[1]) if len(name) == 2 else ("", name[0])
+    (:func:`is_projection`). Not the attention input projections, apart or fused (:func:`_is_attention_input`),
+    layer norms, biases or position embeddings. Which linear map plays which role is not in the module, so it
+    is read from the words of the module's path (:func:`_words`), whatever their case: the spellings of
+    HuggingFace's decoder families and of nanoGPT's and Meta's Llama all count. Without ``module`` (FSDP1
+    units) by the name alone."""
+    owner, _, leaf = fqn.rpartition(".")
     if leaf != "weight":
         return False
     if module is not None and not is_projection(module):
         return False
-    if module is None and _NORM.search(owner):
+    words = _words(owner)
+    if module is None and any(w.startswith("ln") or "norm" in w for ws in words for w in ws):
         return False
-    return not (_ATTENTION_INPUT.search(owner) or _POSITIONAL.search(owner))
+    return not any(_is_attention_input(ws) or _POSITIONAL.intersection(ws) for ws in words)
 
 
 def is_embedding_or_head(fqn: str, module: Optional[nn.Module] = None) -> bool:

@@ -65,7 +65,6 @@ import torch.distributed as dist
 from tagc.hooks.hierarchy import Topology
 from tagc.hooks.segment import Segment
 from tagc.hooks.torch_simple_fsdp import funcol
-from tagc.kernels.fallbacks import warn_fallback
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,12 +120,7 @@ def encode(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tens
     """Bytes for the all-to-all: every part's wire tensors side by side (updates the residuals and
     statistics: bumps ``state``)."""
     binding = _registry[handle]
-    hierarchical = binding.topology is not None and binding.topology.hierarchical
-    if hierarchical and binding.hook.keep_local_gradients:  # ``packed`` is the host's sum, not this rank's gradient
-        warn_fallback("traced-hierarchical-local", "tagc.optim.AdamW: a compiled hierarchical exchange keeps no "
-                      "rank's own gradient; its parameters' second moment is fed the decoded gradient (run eager, "
-                      "or hierarchy='flat', for the local second moment)")
-    wire = binding.hook.encode_bucket(packed, binding.codec_group, binding.segments, None if hierarchical else 1.0)
+    wire = binding.hook.encode_bucket(packed, binding.codec_group, binding.segments)
     state.add_(1)
     return wire
 
@@ -229,4 +223,4 @@ def bind(
 
     hooked.handle = handle
     hooked.binding = binding  # the registry's entry lives as long as this function
-    return hooked, (hooked_start if hook.overlap else None)
+    return hooked, (hooked_start if hook.settings.overlap else None)

@@ -43,7 +43,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.exchange import op_scale, scale_into
 from tagc.hooks.hierarchy import group_ranks, layout
 from tagc.hooks.replicas import (
     GatheredWires,
@@ -55,7 +54,7 @@ from tagc.hooks.replicas import (
 from tagc.hooks.segment import Segment
 from tagc.hooks.stats import ExchangeStats, plain_bytes
 from tagc.hooks.torch_simple_fsdp import funcol
-from tagc.hooks.transport import plain_reduce_scatter
+from tagc.hooks.transport import op_scale, plain_reduce_scatter, scale_into
 
 AVG = dist.ReduceOp.AVG
 
@@ -96,7 +95,7 @@ class ReplicaBinding:
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dense all-gather's dtype (the reduce-scatter route): bf16 with ``plain="bf16"``."""
-        return torch.bfloat16 if self.hook.plain_name == "bf16" else dtype
+        return torch.bfloat16 if self.hook.settings.plain == "bf16" else dtype
 
 
 def _host_stats(binding: ReplicaBinding, sent: int, itemsize: int, exposed_s: float) -> ExchangeStats:
@@ -118,15 +117,13 @@ def host_step(binding: ReplicaBinding, packed: torch.Tensor) -> tuple[torch.Tens
     binding.hook.verify(binding.shard, packed.device)
     begin = time.perf_counter()
     summed, sent = plain_reduce_scatter(packed.view(binding.shards, binding.chunk), binding.shard,
-                                        binding.hook.piece_bytes)
+                                        binding.hook.settings.piece_bytes)
     host = _average_host(summed, binding, packed.dtype)
     return host, _host_stats(binding, sent, packed.element_size(), time.perf_counter() - begin)
 
 
 def _piece_rows(binding: ReplicaBinding, host: torch.Tensor) -> torch.Tensor:
-    """``host`` cut into ``[H, piece]`` (row ``h``: piece ``h`` of every parameter), and the host's gradient
-    kept for ``tagc.optim.AdamW``'s local second moment (on the replicas' scale) where it asks for it."""
-    binding.hook.keep_local(binding.segments, binding.pieces.segments, binding.piece, binding.replicas, host, 1.0)
+    """``host`` cut into ``[H, piece]`` (row ``h``: piece ``h`` of every parameter)."""
     return torch.cat([host, host.new_zeros(1)])[binding.pieces.index]
 
 
@@ -190,7 +187,7 @@ def replica_encode(received: torch.Tensor, state: torch.Tensor, handle: int) -> 
     sent = (binding.shards - 1) * binding.chunk * received.element_size()  # the fair reduce-scatter's count
     binding.host_stats = _host_stats(binding, sent, received.element_size(), 0.0)
     rows = _piece_rows(binding, host)
-    wire = binding.hook.encode_bucket(rows.reshape(-1), binding.replicate, binding.pieces.segments, local_factor=None)
+    wire = binding.hook.encode_bucket(rows.reshape(-1), binding.replicate, binding.pieces.segments)
     state.add_(1)
     return wire
 
@@ -217,7 +214,7 @@ def replica_decode(gathered: torch.Tensor, state: torch.Tensor, handle: int, dty
     pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, binding.piece)  # a fp32 ring all-reduce
     stats, binding.host_stats = binding.host_stats or ExchangeStats(), None
     stats.add(pieces)
-    hook._record(stats, None)
+    hook.record(stats, None)
     output = decoded.reshape(-1)[binding.pieces.inverse]
     state.add_(1)
     return output
@@ -251,8 +248,8 @@ def bind_replicated(
     binding = ReplicaBinding(
         hook, bucket.group, bucket.replicate, segments, Pieces.build(segments, bucket.chunk, hosts, device),
         unit.name, bucket.chunk, state,
-        host_remote_rows=layout(group_ranks(bucket.group), me, hook.ranks_per_host, world)[1],
-        replica_remote_rows=layout(group_ranks(bucket.replicate), me, hook.ranks_per_host, world)[1])
+        host_remote_rows=layout(group_ranks(bucket.group), me, hook.settings.ranks_per_host, world)[1],
+        replica_remote_rows=layout(group_ranks(bucket.replicate), me, hook.settings.ranks_per_host, world)[1])
     handle = next(_handles)
     _registry[handle] = binding
     dtype = bucket.reduce_dtype or (unit.params[0].dtype if getattr(unit, "params", None) else torch.float32)
@@ -270,4 +267,4 @@ def bind_replicated(
 
     hooked.handle = handle
     hooked.binding = binding  # the registry's entry lives as long as this function
-    return hooked, (hooked_start if hook.overlap else None)
+    return hooked, (hooked_start if hook.settings.overlap else None)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import os
-import sys
 import threading
 from typing import Callable, Iterator
 
@@ -78,7 +78,7 @@ _thread = threading.local()
 
 def _site() -> tuple[str, bool]:
     """The first caller outside torch and this module, and whether the CPU back end is on the stack."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe().f_back.f_back  # the read's caller: past this function and the read
     site, backend = "?", False
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -160,14 +160,14 @@ def counted(method: Callable) -> Callable:
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
         hook = getattr(self, "hook", self)
-        if not getattr(hook, "strict_sync", False) or getattr(hook, "_counting_reads", False):
+        if not getattr(hook, "strict_sync", False) or getattr(hook, "counting_reads", False):
             return method(self, *args, **kwargs)
-        hook._counting_reads = True
+        hook.counting_reads = True
         try:
             with count_host_reads() as reads:
                 return method(self, *args, **kwargs)
         finally:
-            hook._counting_reads = False
-            hook._note_host_reads(reads)
+            hook.counting_reads = False
+            hook.note_host_reads(reads)
 
     return entry

@@ -25,7 +25,7 @@ __all__ = ["check_torch", "has_rebuilt_buckets"]
 
 
 def check_torch() -> None:
-    """Warn once if the running torch's version was not tested (:data:`NEEDS` is empty)."""
+    """Warn once if the running torch is outside the supported range (:data:`NEEDS` is empty)."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 

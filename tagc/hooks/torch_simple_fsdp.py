@@ -6,28 +6,29 @@ DTensor use. The compiled exchange needs an all-to-all that returns a tensor a g
 no public module offers (``torch.distributed.all_to_all_single`` writes into a buffer and returns a
 ``Work``).
 
-The names are checked against the tested torch versions at import (:func:`check_torch`).
+:data:`funcol` holds the collectives under torch 2.13's names on every supported release (torch 2.11 calls the
+gather ``all_gather_tensor``). The names are checked at import (:func:`check_torch`).
 """
 
 from __future__ import annotations
 
-import torch.distributed._functional_collectives as funcol
-
-from backward_drain.torch_versions import check_internals
+from backward_drain.torch_versions import check_internals, namespace
 
 INTEGRATION = "TAGC's SimpleFSDP binding (tagc.hooks.simple)"
 ADVICE = "use another integration (FSDP2: fully_shard, or DDP)"
-NEEDS = ("torch.distributed._functional_collectives.all_gather_single",
+NEEDS = ("torch.distributed._functional_collectives.all_gather_single|all_gather_tensor",
          "torch.distributed._functional_collectives.all_to_all_single",
          "torch.distributed._functional_collectives.wait_tensor")
-"""The semi-private names checked at import (:func:`check_torch`)."""
+"""The semi-private names checked at import (:func:`check_torch`): ``new|old`` where releases differ."""
 
 __all__ = ["check_torch", "funcol"]
 
 
 def check_torch() -> None:
-    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if its version was not tested."""
+    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if it is outside the range."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 
 check_torch()
+funcol = namespace(NEEDS)
+"""The traceable collectives in :data:`NEEDS`, each under its torch 2.13 name (``funcol.all_gather_single``)."""

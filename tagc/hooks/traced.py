@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from tagc.hooks.codecs import Wire
-from tagc.hooks.exchange import PartCoder, op_scale, scale_into
+from tagc.hooks.exchange import PartCoder
 from tagc.hooks.hierarchy import Topology
 from tagc.hooks.plan import BucketPlan
 from tagc.hooks.state import UnitTiming
 from tagc.hooks.stats import ExchangeStats, plain_bytes
+from tagc.hooks.transport import op_scale, scale_into
 
 
 def wires(plan: BucketPlan, world: int, dtype: torch.dtype) -> list[Wire]:

@@ -53,7 +53,7 @@ def piece_columns(send: torch.Tensor, group: Optional[dist.ProcessGroup], piece_
 
 
 @contextlib.contextmanager
-def _peer_errors() -> Iterator[None]:
+def peer_errors() -> Iterator[None]:
     """Turn a collective's failure (a dead or stuck peer, after the group's timeout) into a clear error."""
     try:
         yield
@@ -100,7 +100,7 @@ class PendingExchange:
         return all(piece.work.is_completed() for piece in self.works)
 
     def wait(self) -> torch.Tensor:
-        with _peer_errors():
+        with peer_errors():
             for work in self.works:
                 work.wait()
         return self.recv
@@ -118,7 +118,7 @@ def gather_from_owners(
     """
     world = rows.shape[0]
     device = rows.device  # every buffer a collective sees lives here (NCCL takes no CPU tensor)
-    with _peer_errors():
+    with peer_errors():
         counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(counts, torch.full((1,), wanted.numel(), dtype=torch.int64, device=device), group=group)
         sizes = torch.cat(counts).tolist()  # one host read: the sizes below are data-dependent (not sync-free)
@@ -150,7 +150,7 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup],
     step = piece_columns(send, group, piece_bytes)
     works = []
     launched = time.perf_counter()
-    with _peer_errors():
+    with peer_errors():
         for start in range(0, columns, step):
             stop = min(columns, start + step)
             if stop - start == columns:
@@ -192,7 +192,7 @@ def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup],
     send = send.contiguous()
     recv = send.new_empty(1, columns)
     launched = time.perf_counter()
-    with _peer_errors():
+    with peer_errors():
         work = _reduce_scatter(recv.view(-1), send.view(-1), group=group, async_op=True)
     sent = (world - 1) * columns * send.element_size()
     return PendingExchange(recv, [_PieceWork(work, recv, recv, 0, columns)], sent, launched)
@@ -202,6 +202,40 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[d
     """``dist.reduce_scatter_single`` where torch has it (``reduce_scatter_tensor`` is its older, deprecated name)."""
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return collective(output, input, group=group, async_op=async_op)
+
+
+def premul_sum_factor(op: dist.ReduceOp) -> float | torch.Tensor:
+    """A ``PREMUL_SUM`` op's factor: ``op.factor`` where torch has it (2.13 on), else its pickled state's (torch
+    2.11's ``ReduceOp`` shows the factor nowhere else)."""
+    return op.factor if hasattr(op, "factor") else op.__getstate__()[1]
+
+
+def op_scale(op, world_size: int) -> float | torch.Tensor:
+    """The factor FSDP's reduce op applies to the sum (SUM 1, AVG 1/N, PREMUL_SUM its factor).
+
+    A PREMUL_SUM factor given as a tensor is returned as that tensor, never read on the host (on a
+    GPU that read would wait for the device): :func:`scale_into` applies it on the device."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.SUM:
+        return 1.0
+    if kind == dist.ReduceOp.AVG:
+        return 1.0 / world_size
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = premul_sum_factor(op)
+        return factor if isinstance(factor, torch.Tensor) else float(factor)
+    raise ValueError(f"TAGC reduces with SUM, AVG or PREMUL_SUM; got {op}")
+
+
+def scale_into(output: torch.Tensor, summed: torch.Tensor, scale: float | torch.Tensor) -> None:
+    """``output = summed * scale``, rounded to ``output``'s (reduce) dtype first and scaled in it: FSDP's own order.
+
+    The scale divides as its float64 reciprocal, a Python float or a tensor alike (a tensor scale
+    stays where it is: no host read)."""
+    output.copy_(summed)
+    if isinstance(scale, torch.Tensor):
+        output.div_(torch.reciprocal(scale.detach().to(torch.float64)))
+    elif scale != 1.0:
+        output.div_(1.0 / scale)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup],

@@ -13,7 +13,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.transport import _peer_errors, backend_of
+from tagc.hooks.transport import backend_of, peer_errors
 
 
 def object_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -33,7 +33,7 @@ def all_gather_settings(settings: dict, group: dist.ProcessGroup | None, device:
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     length = torch.full((1,), len(payload), dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
-    with _peer_errors():
+    with peer_errors():
         dist.all_gather(lengths, length, group=group)
         sizes = torch.cat(lengths).cpu().tolist()
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)

@@ -25,7 +25,7 @@ __all__ = ["check_torch", "is_fake"]
 
 
 def check_torch() -> None:
-    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if its version was not tested."""
+    """Raise if the running torch lacks a name in :data:`NEEDS`; warn once if it is outside the range."""
     check_internals(INTEGRATION, NEEDS, ADVICE)
 
 

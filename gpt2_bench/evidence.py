@@ -1,0 +1,397 @@
+"""The loss evidence: the decision runs, their curves kept in ``docs/rows/evidence``, and the one command that
+rebuilds every quality number of the README and ``docs/evidence.md`` from those files.
+
+The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks, the ``mix`` corpus read without replacement
+(:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by every seed, method
+and batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens,
+500 of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate,
+run on the same machine: each seed gives one gap (the method's val loss over plain's, minus 1), and the verdict is
+the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is below X; an interval
+that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several ``--lr``) with the lowest
+mean final loss, and every method is judged at it.
+
+``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
+one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
+was (``--resume`` from its checkpoint) and a finished curve can be committed at once;
+``python -m gpt2_bench.evidence rebuild`` remakes ``docs/evidence.md``, its plot and the README's quality block;
+``tests/test_evidence.py`` checks that they match the kept files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ROOT / "docs" / "rows" / "evidence"
+REPORT = ROOT / "docs" / "evidence.md"
+PLOT = ROOT / "docs" / "img" / "evidence-gap.png"
+README = ROOT / "README.md"
+README_BEGIN, README_END = "<!-- evidence: python -m gpt2_bench.evidence rebuild -->", "<!-- /evidence -->"
+
+PROTOCOL = ["--preset", "small", "--integration", "ddp", "--dataset", "mix", "--block-size", "128", "--world", "2",
+            "--eval-tokens", "131072", "--threads", "1"]
+TOKENS = 2000 * 4 * 128 * 2
+"""The token budget of every run, whatever its batch."""
+BATCHES = {"1x": 4, "4x": 16, "16x": 64}
+"""Per-rank batch (windows of 128 tokens) at 1x, 4x and 16x the tokens per step."""
+EVALUATIONS = 10
+"""Evaluations per run, evenly spaced (every 200 steps at 1x)."""
+LRS = ("5e-4", "1e-3", "2e-3")
+"""Plain's learning-rate sweep."""
+METHODS: dict[str, tuple[str, list[str]]] = {
+    "plain": ("plain DDP", ["--compression", "none", "--transport", "gloo"]),
+    "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`",
+             ["--compression", "non-attn", "--codec", "tagc", "--feedback-decay-follows-lr"]),
+    "tagc-brief": ("`tagc.hook(ratio=10, index_bits=1)`",
+                   ["--compression", "non-attn", "--codec", "tagc", "--ratio", "10", "--index-bits", "1"]),
+    "int4": ("`tagc.hook(codec=\"int4\", select=\"all\")`", ["--compression", "all", "--codec", "int4"]),
+    "topk": ("`tagc.hook(codec=\"topk\")`", ["--compression", "non-attn", "--codec", "topk"]),
+    "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", rank=16)`)",
+                     ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
+}
+"""The decision set: run name -> (what users call, the trainer's flags)."""
+BEST = "best"
+"""A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one)."""
+QUEUE: tuple[tuple[str, int, str, str], ...] = (
+    *((m, seed, "1x", lr) for seed in (0, 1) for m, lr in (("plain", "1e-3"), ("tagc", BEST))),
+    *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("2e-3", "5e-4")),
+    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4", "topk", "powersgd-r16")),
+    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
+    *((m, seed, b, BEST) for b in ("4x", "16x") for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
+    *(("plain", 0, b, lr) for b in ("4x", "16x") for lr in ("1e-3", "2e-3", "5e-4")),
+)
+"""The CPU's order of work (``queue``): the pairs that decide most first, then the sweep, the rest of the decision
+set, more seeds, and the batch axis."""
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+"""Student's t 0.975 quantile for 1 to 15 degrees of freedom (a 95% two-sided interval)."""
+
+
+def schedule(batch: str) -> tuple[int, int]:
+    """``(steps, eval interval)`` of ``batch`` at the fixed token budget."""
+    if batch not in BATCHES:
+        raise ValueError(f"batch must be one of {sorted(BATCHES)}, got {batch!r}")
+    steps = TOKENS // (BATCHES[batch] * 128 * 2)
+    return steps, steps // EVALUATIONS
+
+
+def run_name(method: str, lr: str) -> str:
+    """A run's file name: the method and its learning rate, ``tagc-lr1e-3``."""
+    return f"{method}-lr{lr}"
+
+
+def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, checkpoint_dir: Path) -> list[str]:
+    """The trainer's arguments for one run of the protocol."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+    steps, interval = schedule(batch)
+    return [*PROTOCOL, *METHODS[method][1], "--batch-size", str(BATCHES[batch]), "--steps", str(steps),
+            "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name", run_name(method, lr),
+            "--out-dir", str(out_dir), "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(interval),
+            "--keep-checkpoints", "1", "--resume"]
+
+
+def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str) -> dict:
+    """A trainer log -> its curve file: the sessions that made it (command, commit, torch, machine), the val loss at
+    each evaluation, the train loss averaged over each evaluation's interval, and the share of an epoch read."""
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steps, interval = schedule(batch)
+    losses = [(r["step"], r["loss"]) for r in records if "step" in r]
+    train = [[end - 1, sum(v for s, v in losses if end - interval <= s < end) / interval]
+             for end in range(interval, (max((s for s, _ in losses), default=-1) + 1) // interval * interval + 1,
+                              interval)]
+    done = 1 + max((s for s, _ in losses), default=-1)
+    kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "steps": steps, "steps_done": done,
+            "epoch_fraction": next((r["epoch_fraction"] for r in reversed(records) if "epoch_fraction" in r), None),
+            "sessions": [r for r in records if "run" in r],
+            "val_loss": [[r["step"], r["val_loss"]] for r in records if "step" in r and "val_loss" in r],
+            "train_loss": train}
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    rows.write_text(json.dumps(kept, indent=1) + "\n")
+    return kept
+
+
+def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path = ROWS, extra: Sequence[str] = (),
+        segments: bool = True) -> dict:
+    """Train (or resume) one run of the protocol, one evaluation interval at a time (``segments``; else in one go),
+    rewriting its curve file after each; returns the curve file's content. ``extra``: more trainer arguments, where
+    the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how."""
+    steps, interval = schedule(batch)
+    name = run_name(method, lr)
+    out_dir, checkpoints = work / batch / f"seed-{seed}", work / "checkpoints" / batch / f"seed-{seed}" / name
+    argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints), *extra]
+    command = shlex.join(["python", "-m", "gpt2_bench.evidence", "run", method, "--seed", str(seed), "--batch", batch,
+                          "--lr", lr, *(["--in-one"] if not segments else []), *(["--", *extra] if extra else [])])
+    rows = rows_dir / batch / f"seed-{seed}" / f"{name}.json"
+    from tqdm.auto import tqdm
+
+    from gpt2_bench.checkpoint import latest, step_of
+
+    log = out_dir / f"{name}.jsonl"
+    kept = keep(log, rows, method, seed, batch, lr) if log.exists() else {}
+    with tqdm(total=steps, desc=f"{name} seed {seed} {batch}", unit="step") as bar:
+        for stop in [*range(interval, steps, interval), steps] if segments else [steps]:
+            newest = latest(checkpoints)
+            done = 0 if newest is None else step_of(newest)  # what --resume starts from
+            bar.update(max(0, min(done, stop) - bar.n))
+            if done >= stop:
+                continue
+            subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(stop)], check=True,
+                           env={**os.environ, "TAGC_TRAIN_COMMAND": command})
+            kept = keep(log, rows, method, seed, batch, lr)
+            bar.update(kept["steps_done"] - bar.n)
+            if kept["steps_done"] < stop:  # stopped early (--max-time): resume later
+                break
+    return kept
+
+
+def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
+    """The queue's runs whose curve file is missing or short of its last step, in the queue's order."""
+    def finished(method: str, seed: int, batch: str, lr: str) -> bool:
+        path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr)}.json"
+        return path.exists() and (kept := json.loads(path.read_text()))["steps_done"] == kept["steps"]
+
+    runs = load(rows_dir)
+    items = [(m, seed, b, best_lr(runs, b) or "1e-3" if lr == BEST else lr) for m, seed, b, lr in QUEUE]
+    return [item for item in dict.fromkeys(items) if not finished(*item)]
+
+
+def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 2) -> None:
+    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(parallel) as pool:
+        for done in pool.map(lambda item: run(*item, work=work, rows_dir=rows_dir), unfinished(rows_dir)):
+            print(f"kept {done.get('method')} seed {done.get('seed')} {done.get('batch')}: {done.get('steps_done')} "
+                  f"of {done.get('steps')} steps", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the 95% Student's t-interval of the mean of ``values``; one value has no interval
+    (``nan`` ends)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan, math.nan
+    if n - 1 > len(T_975):
+        raise ValueError(f"{n} seeds: extend T_975 past {len(T_975)} degrees of freedom")
+    half = T_975[n - 2] * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return mean, mean - half, mean + half
+
+
+def verdict(low: float, high: float) -> str:
+    """The words for a 95% interval of the mean gap (in %): the bound it is within, a tie, or behind / ahead."""
+    if math.isnan(high):
+        return "one seed: no verdict"
+    if low <= 0 <= high:
+        bound = next((f"; within {b:g}%" for b in (0.5, 1.0) if high < b), "")
+        return "tie" + bound
+    if high < 0:
+        return "ahead"
+    return next((f"behind, within {b:g}%" for b in (0.5, 1.0) if high < b), "behind")
+
+
+def load(rows_dir: Path = ROWS) -> list[dict]:
+    """Every kept curve file under ``rows_dir``."""
+    return [json.loads(path.read_text()) for path in sorted(rows_dir.glob("*/seed-*/*.json"))]
+
+
+def best_lr(runs: list[dict], batch: str) -> Optional[str]:
+    """Plain's learning rate at ``batch`` with the lowest mean last val loss over its finished seeds (None: none)."""
+    finished = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["steps_done"] == r["steps"]]
+    means = {lr: sum(r["val_loss"][-1][1] for r in group) / len(group)
+             for lr in {r["lr"] for r in finished} for group in [[r for r in finished if r["lr"] == lr]]}
+    return min(means, key=means.get) if means else None
+
+
+def pairs(runs: list[dict], method: str, batch: str, lr: str) -> dict[int, list[tuple[int, float]]]:
+    """Per evaluation step both have, every seed's gap (%) of ``method`` against plain of the same seed and lr."""
+    by = {(r["method"], r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
+          if r["batch"] == batch and r["lr"] == lr}
+    gaps: dict[int, list[tuple[int, float]]] = {}
+    for (name, seed), curve in sorted(by.items()):
+        plain = by.get(("plain", seed))
+        if name != method or plain is None:
+            continue
+        for step in sorted(set(curve) & set(plain)):
+            gaps.setdefault(step, []).append((seed, 100 * (curve[step] / plain[step] - 1)))
+    return gaps
+
+
+def decisions(runs: list[dict], batch: str) -> list[dict]:
+    """Per method of the decision set, at plain's best lr at ``batch`` (1e-3 until the sweep has finished seeds):
+    one row per evaluation step with the seeds' gaps, their mean and its 95% interval, and the verdict."""
+    lr = best_lr(runs, batch) or "1e-3"
+    out = []
+    for method in METHODS:
+        if method == "plain":
+            continue
+        for step, gaps in sorted(pairs(runs, method, batch, lr).items()):
+            mean, low, high = t_interval([g for _, g in gaps])
+            out.append({"method": method, "batch": batch, "lr": lr, "step": step, "seeds": [s for s, _ in gaps],
+                        "gaps": [g for _, g in gaps], "mean": mean, "low": low, "high": high,
+                        "verdict": verdict(low, high)})
+    return out
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.2f}%"
+
+
+def render_report(runs: list[dict]) -> str:
+    """``docs/evidence.md``: the sweep, every decision at every evaluation, and what each run has done."""
+    lines = ["# The loss evidence", "", "Generated by `python -m gpt2_bench.evidence rebuild` from the curve files in",
+             "`docs/rows/evidence/`: do not edit by hand. The protocol is in the docstring of",
+             "`gpt2_bench/evidence.py`; each run's file holds its command, commit, torch version and machine.", "",
+             "To add runs: `python -m gpt2_bench.evidence queue` on a CPU (the unfinished runs in order, resumable),",
+             "`.gpu/quality.sh` on a lent GPU (the whole decision set at once); then copy the curve files here and run",
+             "the rebuild. A verdict is the 95% t-interval of the paired mean gap: *within X%* when its upper end is",
+             "below X, a *tie* when it holds 0.", "",
+             "![gap against step](img/evidence-gap.png)", "", "## Plain's learning rate", "",
+             "| batch | lr | seeds finished | mean last val loss |", "|---|---|---:|---:|"]
+    for batch in BATCHES:
+        for lr in LRS:
+            done = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["lr"] == lr
+                    and r["steps_done"] == r["steps"]]
+            if done:
+                mean = sum(r["val_loss"][-1][1] for r in done) / len(done)
+                best = " (best)" if lr == best_lr(runs, batch) else ""
+                lines.append(f"| {batch} | {lr}{best} | {len(done)} | {mean:.4f} |")
+    if lines[-1].startswith("|---"):
+        lines.append("| (no finished plain run yet) | | | |")
+    lines += ["", "## Decisions", "",
+              "Gap: the method's val loss against plain's of the same seed, in %; the interval is the 95% t-interval "
+              "of the mean over seeds.", "",
+              "| batch | method | lr | step | seeds | gaps | mean | 95% interval | verdict |",
+              "|---|---|---|---:|---|---|---:|---|---|"]
+    for batch in BATCHES:
+        for row in decisions(runs, batch):
+            lines.append(f"| {batch} | {row['method']} | {row['lr']} | {row['step'] + 1} | "
+                         f"{','.join(map(str, row['seeds']))} | {', '.join(f'{g:+.2f}' for g in row['gaps'])} | "
+                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
+    if lines[-1].startswith("|---"):
+        lines.append("| (no paired runs yet) | | | | | | | | |")
+    lines += ["", "## The runs", "", "| batch | run | seed | steps done | epoch read | machine | torch | commit |",
+              "|---|---|---:|---|---:|---|---|---|"]
+    for r in runs:
+        session = r["sessions"][-1] if r["sessions"] else {}
+        machine = session.get("machine", {})
+        epoch = "-" if r["epoch_fraction"] is None else f"{r['epoch_fraction']:.2f}"
+        lines.append(f"| {r['batch']} | {run_name(r['method'], r['lr'])} | {r['seed']} | {r['steps_done']} of "
+                     f"{r['steps']} | {epoch} | {machine.get('host', '?')} ({machine.get('cores', '?')} cores"
+                     f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
+                     f"{session.get('commit', '?')[:12]} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_readme(runs: list[dict]) -> str:
+    """The README's quality block: per method, its last evaluation at each batch with a verdict."""
+    lines = [README_BEGIN, "| method | batch | step | seeds | mean gap to plain [95% interval] | verdict |",
+             "|---|---|---:|---:|---|---|"]
+    for batch in BATCHES:
+        rows = decisions(runs, batch)
+        for method in METHODS:
+            mine = [r for r in rows if r["method"] == method]
+            if mine:
+                last = mine[-1]
+                lines.append(f"| {METHODS[method][0]} | {batch} | {last['step'] + 1} | {len(last['seeds'])} | "
+                             f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} |")
+    if len(lines) == 3:
+        lines.append("| (no paired runs kept yet) | | | | | |")
+    return "\n".join([*lines, README_END])
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Each method's mean gap against step at each batch, with its 95% interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(BATCHES), figsize=(12, 4), sharey=True)
+    for ax, batch in zip(axes, BATCHES):
+        rows = decisions(runs, batch)
+        for method in METHODS:
+            mine = [r for r in rows if r["method"] == method]
+            if not mine:
+                continue
+            tokens = [(r["step"] + 1) * BATCHES[batch] * 128 * 2 / 1e6 for r in mine]
+            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=method)
+            ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
+                            alpha=0.15)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set(title=f"{batch} ({BATCHES[batch] * 256:,} tokens per step)", xlabel="tokens read (M)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0].set_ylabel("val loss against plain, same seed (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def readme_with(text: str, block: str) -> str:
+    """``text`` (the README) with its quality block replaced by ``block``."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README.md has no {README_BEGIN} ... {README_END} block")
+    return text[:begin] + block + text[end + len(README_END):]
+
+
+def rebuild(rows_dir: Path = ROWS) -> None:
+    """Remake ``docs/evidence.md``, its plot and the README's quality block from the kept curve files."""
+    runs = load(rows_dir)
+    REPORT.write_text(render_report(runs))
+    plot(runs, PLOT)
+    README.write_text(readme_with(README.read_text(), render_readme(runs)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpt2_bench.evidence", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    go = sub.add_parser("run", help="train or resume one run of the protocol, keeping its curve in docs/rows/evidence")
+    go.add_argument("method", choices=sorted(METHODS))
+    go.add_argument("--seed", type=int, required=True)
+    go.add_argument("--batch", default="1x", choices=sorted(BATCHES))
+    go.add_argument("--lr", default="1e-3", help="the peak learning rate as written in the file name (default 1e-3)")
+    go.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
+    go.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
+    go.add_argument("--in-one", action="store_true",
+                    help="one trainer call to the end (a GPU), not one per evaluation (the default, a CPU)")
+    go.add_argument("extra", nargs="*", help="after --: trainer arguments for where it runs, e.g. -- --device "
+                                             "cuda-shared --dataset .gpu/data/mix --max-time 420")
+    line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
+    line.add_argument("--parallel", type=int, default=2, help="runs at once (default 2: one per core pair of ranks)")
+    line.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
+    line.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
+    sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        try:
+            float(args.lr)
+        except ValueError:
+            parser.error(f"--lr takes a number such as 1e-3, got {args.lr!r}")
+        run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra,
+            segments=not args.in_one)
+    elif args.command == "queue":
+        queue(Path(args.work), Path(args.rows), args.parallel)
+    else:
+        rebuild()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The loss evidence: intervals, verdicts, kept curve files, and the README and docs rebuilt from them."""
+
+import json
+import math
+
+import pytest
+
+from gpt2_bench import evidence
+
+
+def test_t_interval_by_hand_and_against_scipy():
+    mean, low, high = evidence.t_interval([1.0, 2.0, 3.0])  # sd 1, se 1/sqrt(3), t(0.975, 2) = 4.303
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3))
+    assert mean - low == pytest.approx(high - mean)
+    assert math.isnan(evidence.t_interval([0.4])[1])
+    with pytest.raises(ValueError):
+        evidence.t_interval([])
+    stats = pytest.importorskip("scipy.stats")
+    for df, t in enumerate(evidence.T_975, start=1):
+        assert t == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4)
+
+
+@pytest.mark.parametrize("low, high, words", [
+    (-0.2, 0.3, "tie; within 0.5%"), (-0.2, 0.8, "tie; within 1%"), (-1.0, 2.0, "tie"),
+    (0.1, 0.4, "behind, within 0.5%"),
+    (0.6, 1.4, "behind"), (-0.9, -0.1, "ahead"), (math.nan, math.nan, "one seed: no verdict"),
+])
+def test_verdicts(low, high, words):
+    assert evidence.verdict(low, high) == words
+
+
+def _log(path, losses, lr="1e-3"):
+    """A trainer log: a session record, then one record per step with val losses at ``losses``' steps."""
+    records = [{"run": "x", "first_step": 0, "command": "c", "commit": "abc", "torch": "2.13.0",
+                "machine": {"host": "h", "cores": 2, "gpu": None}}]
+    records += [{"step": s, "loss": 5.0, **({"val_loss": losses[s]} if s in losses else {})} for s in range(400)]
+    records.append({"summary": True, "epoch_fraction": 0.05})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
+    for seed, (plain, tagc) in enumerate([(5.00, 5.01), (5.10, 5.0898), (4.90, 4.9049)]):
+        for method, loss in (("plain", plain), ("tagc", tagc)):
+            _log(tmp_path / "log.jsonl", {199: loss + 1, 399: loss})
+            kept = evidence.keep(tmp_path / "log.jsonl", tmp_path / "rows" / "1x" / f"seed-{seed}" / f"{method}.json",
+                                 method, seed, "1x", "1e-3")
+    assert kept["steps_done"] == 400 and kept["epoch_fraction"] == 0.05 and kept["sessions"][0]["commit"] == "abc"
+    assert kept["train_loss"] == [[199, 5.0], [399, 5.0]]
+    runs = evidence.load(tmp_path / "rows")
+    last = [row for row in evidence.decisions(runs, "1x") if row["method"] == "tagc"][-1]
+    gaps = [100 * (5.01 / 5.0 - 1), 100 * (5.0898 / 5.1 - 1), 100 * (4.9049 / 4.9 - 1)]  # +0.2, -0.2, +0.1
+    assert last["step"] == 399 and last["seeds"] == [0, 1, 2] and last["gaps"] == pytest.approx(gaps)
+    assert (last["mean"], last["low"], last["high"]) == pytest.approx(evidence.t_interval(gaps))
+    assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
+    assert "| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | 3 |" in evidence.render_readme(runs)
+    assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
+
+
+def test_schedules_share_one_token_budget():
+    for batch, windows in evidence.BATCHES.items():
+        steps, interval = evidence.schedule(batch)
+        assert steps * windows * 128 * 2 == evidence.TOKENS and steps // interval == evidence.EVALUATIONS
+    assert evidence.schedule("1x") == (2000, 200)
+    with pytest.raises(ValueError, match="batch"):
+        evidence.schedule("3x")
+
+
+def test_readme_and_report_match_the_kept_rows():
+    """Every quality number of the README's block and of docs/evidence.md comes from docs/rows/evidence."""
+    runs = evidence.load()
+    assert evidence.render_readme(runs) in evidence.README.read_text(), "run: python -m gpt2_bench.evidence rebuild"
+    assert evidence.REPORT.read_text() == evidence.render_report(runs), "run: python -m gpt2_bench.evidence rebuild"
+
+
+def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
+    assert evidence.unfinished(tmp_path)[:2] == [("plain", 0, "1x", "1e-3"), ("tagc", 0, "1x", "1e-3")]
+    for lr, loss in (("1e-3", 5.0), ("2e-3", 4.9)):
+        path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', lr)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": lr, "steps": 2000,
+                                    "steps_done": 2000, "val_loss": [[1999, loss]]}))
+    todo = evidence.unfinished(tmp_path)
+    assert todo[0] == ("tagc", 0, "1x", "2e-3") and ("plain", 0, "1x", "1e-3") not in todo
+    assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
