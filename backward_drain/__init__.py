@@ -6,7 +6,7 @@ result delivered (accumulated into ``.grad``, or copied into the buffer a wrappe
 of a backward pass queues :meth:`BackwardDrain.finish` as a final callback of that pass, which
 completes everything added, oldest first. Both wrappers that overlap this way use it: SimpleFSDP
 (:class:`fsdp_integration.bucket.PendingGradients`) and TAGC's FSDP2 adapter
-(``tagc.hooks.fsdp2``).
+(``tagc.hooks.adapters.fsdp2``).
 
 This package depends on torch only, so that ``fsdp_integration`` (which never imports ``tagc``)
 and ``tagc`` (which never imports a wrapper) can share it: the autograd internals it needs

@@ -2,8 +2,8 @@
 internals runs.
 
 Private torch names (an underscored attribute, a ``torch._*`` module) can change in any release.
-Each integration reads them in one module of its own (``tagc.hooks.torch_fsdp2``,
-``tagc.hooks.torch_fsdp1``, ``tagc.hooks.torch_ddp``, ``tagc.hooks.torch_simple_fsdp``,
+Each integration reads them in one module of its own (``tagc.hooks.adapters.torch_fsdp2``,
+``tagc.hooks.adapters.torch_fsdp1``, ``tagc.hooks.adapters.torch_ddp``, ``tagc.hooks.adapters.torch_simple_fsdp``,
 ``tagc.kernels.torch_tracing``, ``fsdp_integration.torch_internals``, ``backward_drain.torch_autograd``),
 which maps each supported release's names (``"torch.a.b.new|old"``: the name a later release gives it, then an
 earlier one's) and calls :func:`check_internals` when it is imported:

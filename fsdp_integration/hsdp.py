@@ -11,7 +11,7 @@ The hook point is unchanged (:data:`fsdp_integration.simple_fsdp.CommHook`): ``r
 gets the packed gradients over the shard group and returns this rank's chunk averaged over *every*
 rank of the mesh. A hook learns that it must reduce across replicas too from the unit's bucket,
 an :class:`HSDPBucket` (``bucket.replicate``, ``bucket.replicas``); TAGC's does
-(``tagc.hooks.simple_hsdp``).
+(``tagc.hooks.adapters.simple_hsdp``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 AdamW moves every element by ``lr * u`` with ``u = m_hat / (sqrt(v_hat) + eps)``: close to 1 in size
 where the gradient an element sees keeps one sign and size for many steps, small where it is mostly
-noise. A codec that hands the optimizer a value held for many steps (EF21's shifts, :mod:`tagc.hooks.feedback`)
+noise. A codec that hands the optimizer a value held for many steps (EF21's shifts, :mod:`tagc.hooks.codecs.feedback`)
 shows as a larger ``u`` than plain training's on the compressed weights, and as many more elements near
 full size. This reads ``exp_avg`` and ``exp_avg_sq`` from the trainer's DCP checkpoints
 (``--checkpoint-dir``, ``step-N``) and, per kind of weight (the name with the block index as ``*``, e.g.

@@ -34,7 +34,7 @@ class TrainConfig:
     transport: str = "fair"
     codec: str = "tagc"
     """How the selected (``compression``) columns cross the wire: a name of
-    :func:`tagc.hooks.codec_registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
+    :func:`tagc.hooks.codecs.registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
     codec_options: dict = dataclasses.field(default_factory=dict)
     """The codec's own options, e.g. ``{"block": 128}`` for ``int4``; those not given are filled in as
     ``tagc.hook()`` does (``tagc``: coded positions, float16 cells)."""
@@ -66,7 +66,7 @@ class TrainConfig:
     """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
     feedback: Optional[str] = None
     """``tagc.hook(feedback=...)``: the codec's own error feedback (``classic``) or EF21 (``ef21``,
-    :mod:`tagc.hooks.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd); ``None``: the
+    :mod:`tagc.hooks.codecs.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd); ``None``: the
     library's default for the codec (``ef21`` for ``tagc``, else ``classic``)."""
     feedback_momentum: float = 0.0
     """``tagc.hook(feedback_momentum=...)``, with ``feedback="ef21"``: the beta of each rank's gradient average
@@ -78,7 +78,8 @@ class TrainConfig:
     """With ``feedback_decay`` below 1: call ``hook.follow_lr(optimizer)`` as users do, so that the shifts hold more
     as the learning rate decays (:meth:`tagc.TAGCHook.follow_lr`)."""
     embedding_ratio: Optional[float] = None
-    """The tied embedding / LM head's own compression ratio (``tagc.hooks.selection.ratio_for``); None: ``ratio``."""
+    """The tied embedding / LM head's own compression ratio (``tagc.hooks.core.selection.ratio_for``); None:
+    ``ratio``."""
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -188,7 +189,7 @@ class TrainConfig:
         ``transport="gloo"``)."""
         if self.compression == "none" and self.transport != "fair":
             return None
-        from tagc.hooks.codec_registry import spec
+        from tagc.hooks.codecs.registry import spec
 
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
                   "blocks": "non_attention_block_linear"}.get(self.compression, self.compression)
@@ -197,7 +198,7 @@ class TrainConfig:
             codec).uses_config else {}
         topology = {"hierarchy": self.hierarchy} if self.hosts > 1 else {}  # ranks per host: torchrun's
         if self.embedding_ratio is not None:
-            from tagc.hooks.selection import ratio_for
+            from tagc.hooks.core.selection import ratio_for
 
             try:
                 select = ratio_for(EMBEDDING, self.embedding_ratio, select)
@@ -216,7 +217,7 @@ class TrainConfig:
             raise ValueError(f"dense_steps must be a non-negative integer or None (the library's default), "
                              f"got {self.dense_steps!r}")
         if self.feedback != "classic":
-            from tagc.hooks.codec_registry import error_feedback_codecs
+            from tagc.hooks.codecs.registry import error_feedback_codecs
 
             if self.compression == "none" or self.codec not in error_feedback_codecs() or self.torch_hook:
                 raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs "
@@ -250,7 +251,7 @@ class TrainConfig:
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
         if self.ramp_steps or self.embedding_ratio is not None:
-            from tagc.hooks.codec_registry import codec_names, spec
+            from tagc.hooks.codecs.registry import codec_names, spec
 
             sparsifying = tuple(name for name in codec_names() if spec(name).uses_config)
             if self.compression == "none" or self.codec not in sparsifying:
@@ -260,7 +261,7 @@ class TrainConfig:
             raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
         if self.embedding_ratio is not None and not self.embedding_ratio > 1:
             raise ValueError(f"embedding_ratio must be > 1, got {self.embedding_ratio!r}")
-        from tagc.hooks.engine import PLAIN_CODECS
+        from tagc.hooks.core.engine import PLAIN_CODECS
 
         if self.plain not in PLAIN_CODECS:
             raise ValueError(f"plain must be one of {tuple(PLAIN_CODECS)}, got {self.plain!r}")
@@ -288,7 +289,7 @@ class TrainConfig:
             raise ValueError(f"stop_at must be a step count in 1..steps ({self.steps}), got {self.stop_at!r}")
         if not isinstance(self.hosts, int) or self.hosts < 1 or self.world % self.hosts:
             raise ValueError(f"hosts must be a positive integer dividing world ({self.world}), got {self.hosts!r}")
-        from tagc.hooks.hierarchy import check_hierarchy
+        from tagc.hooks.core.hierarchy import check_hierarchy
 
         check_hierarchy(self.hierarchy)
         if self.hsdp and (self.integration not in HSDP_INTEGRATIONS or self.hosts < 2):
@@ -306,7 +307,7 @@ class TrainConfig:
             parse_rate(self.link)
         arguments = self.hook_arguments()
         if arguments is not None and not self.torch_hook:
-            from tagc.hooks.settings import HookSettings
+            from tagc.hooks.core.settings import HookSettings
 
             HookSettings.from_arguments(**arguments).make_codecs()  # the library validates, once, what the run builds
 
@@ -314,7 +315,7 @@ class TrainConfig:
     def run_name(self) -> str:
         if self.name:
             return self.name
-        from tagc.hooks.codec_registry import spec
+        from tagc.hooks.codecs.registry import spec
 
         if self.compression == "none":
             algo = "fsdp"
@@ -361,10 +362,10 @@ def param_gather(cfg: TrainConfig) -> str | None:
 def library_codec_settings(config: TrainConfig) -> dict[str, Any]:
     """The ``ratio``, ``plain``, ``feedback``, ``feedback_decay`` and ``codec_options`` that ``tagc.hook()`` gives
     ``config``'s codec for those it leaves unset (``None``, or an option not named): the codec's recommended
-    setting (:func:`tagc.hooks.settings.recommended_settings`); a run with ``compression="none"`` or
+    setting (:func:`tagc.hooks.core.settings.recommended_settings`); a run with ``compression="none"`` or
     ``torch_hook`` runs no codec of ours and takes the neutral ones (fp32, classic, no fading)."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.settings import recommended_settings
+    from tagc.hooks.core.settings import recommended_settings
 
     ours = config.compression != "none" and not config.torch_hook
     filled = recommended_settings(config.codec if ours else "plain", config.ratio, config.plain, config.feedback,
@@ -376,13 +377,13 @@ def library_codec_settings(config: TrainConfig) -> dict[str, Any]:
 
 def library_dense_steps(codec: str, compression: str) -> int:
     """The dense warm-up ``tagc.hook(codec=codec)`` gives when ``dense_steps`` is not passed
-    (:data:`tagc.hooks.engine.DENSE_STEPS` for a codec with error feedback, else 0); 0 for
+    (:data:`tagc.hooks.core.engine.DENSE_STEPS` for a codec with error feedback, else 0); 0 for
     ``compression="none"``, which runs no codec."""
     if compression == "none":
         return 0
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
-    from tagc.hooks.engine import DENSE_STEPS
+    from tagc.hooks.codecs.registry import make_codec
+    from tagc.hooks.core.engine import DENSE_STEPS
 
     return DENSE_STEPS if make_codec(codec, TAGCConfig()).error_feedback else 0
 
@@ -390,8 +391,8 @@ def library_dense_steps(codec: str, compression: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.train", description="Train GPT-2 with sharded data "
                                 "parallelism, optionally over an emulated link or emulated hosts.")
-    from tagc.hooks.codec_registry import codec_names
-    from tagc.hooks.settings import NEUTRAL, PLAIN_CODECS, RECOMMENDED
+    from tagc.hooks.codecs.registry import codec_names
+    from tagc.hooks.core.settings import NEUTRAL, PLAIN_CODECS, RECOMMENDED
 
     def library_default(setting: str) -> str:
         """The library's default of ``setting`` per codec, as help text: "int4 for tagc and topk, else fp32"."""
@@ -445,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback", default=None, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
-                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.feedback); default: the "
+                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.codecs.feedback); default: the "  # noqa: E501
                         "library's, " + library_default("feedback"))
     p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
                    help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "

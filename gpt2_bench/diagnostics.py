@@ -63,7 +63,7 @@ _EMBEDDING = re.compile(r"(^|\.)(wte|lm_head)\.weight$")
 
 def parameter_group(name: str, dim: int) -> str:
     """The group (:data:`GROUPS`) of the parameter called ``name`` (wrappers' parts ignored) with ``dim`` dims."""
-    from tagc.hooks.selection import non_attention_linear
+    from tagc.hooks.core.selection import non_attention_linear
 
     name = _WRAPPERS.sub("", name)
     if _EMBEDDING.search(name):
@@ -153,7 +153,7 @@ class StepDiagnostics:
 
     def __init__(self, model, optimizer, hook, path: Optional[str], compression: str, grad_clip: float,
                  header: Optional[dict] = None, replicated: bool = False) -> None:
-        from tagc.hooks.engine import TAGCHook
+        from tagc.hooks.core.engine import TAGCHook
 
         self.optimizer, self.hook, self.grad_clip = optimizer, hook, grad_clip
         engine = getattr(hook, "hook", hook)  # the trainer's DDP counter holds the tagc.hook(...) it installed

@@ -142,7 +142,7 @@ def model_parts(preset: str, compression: str, min_compress_numel: int = 65536, 
     import torch
 
     from gpt2_bench.model import GPT, GPTConfig
-    from tagc.hooks.selection import non_attention_linear
+    from tagc.hooks.core.selection import non_attention_linear
 
     with torch.device("meta"):
         model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {})))
@@ -158,8 +158,8 @@ def model_parts(preset: str, compression: str, min_compress_numel: int = 65536, 
 def _codecs(method: dict, ratio: float):
     """``(codec of the selected columns or None, codec of the others)`` for a method of :data:`ARITHMETIC_METHODS`."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
-    from tagc.hooks.engine import PLAIN_CODECS
+    from tagc.hooks.codecs.registry import make_codec
+    from tagc.hooks.core.engine import PLAIN_CODECS
 
     config = TAGCConfig(ratio=method.get("ratio", ratio))
     codec = (None if method["compression"] == "none"
@@ -183,7 +183,7 @@ def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_
                     plain_bytes_each: int) -> dict:
     """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): their bytes. The
     selected parameters that are no matrix travel as the codec's shape-less columns, in ``value_bytes``
-    (:meth:`tagc.hooks.powersgd.PowerSGDCodec._plain_dtype`); the others in the plain codec's
+    (:meth:`tagc.hooks.codecs.powersgd.PowerSGDCodec._plain_dtype`); the others in the plain codec's
     ``plain_bytes_each``."""
     p = q = columns = plain = 0
     for part in parts:
@@ -203,7 +203,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
     """Bytes one host sends to the others per step, and how (the form), for ``layout`` on ``hosts`` hosts: ``flat``
     (1 rank per host: two parameter all-gathers of ``param_bytes`` per element, :data:`PARAM_BYTES`, and the
     compressed reduce-scatter), ``ddp`` (1 rank per host: the fewest bytes of the all-reduce, ``rs+ag`` and ``gather``
-    forms :mod:`tagc.hooks.ddp` allows; TAGC's index merged by a bitwise-OR all-reduce on gloo, all-gathered on
+    forms :mod:`tagc.hooks.adapters.ddp` allows; TAGC's index merged by a bitwise-OR all-reduce on gloo, all-gathered on
     ``nccl``) or ``hsdp`` (``ranks_per_host`` ranks per host, each exchanging its shard across the replicas by
     ``rs+ag`` or ``gather``; PowerSGD sends a piece plain). The formulas: docs/layout.md, "Bytes between hosts at 2,
     8 and 64 hosts". Codec wires are the engine's per parameter (within a few bytes of its plan per bucket)."""
@@ -263,7 +263,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             size = 2 if method.get("bf16") else 4
             elements = sum(_ceil_div(_ceil_div(part.numel, g), hosts) for part in parts)
             return g * (hosts - 1) * elements * 2 * size, "rs+ag"
-        if powersgd:  # a piece of a shard has no matrix shape: sent plain (tagc.hooks.powersgd)
+        if powersgd:  # a piece of a shard has no matrix shape: sent plain (tagc.hooks.codecs.powersgd)
             codec = None
             parts = [dataclasses.replace(part, compressed=False) for part in parts]
         row, elements = pieces_wire(hosts, g)

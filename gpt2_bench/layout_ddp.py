@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gpt2_bench.config import TORCH_HOOKS, TrainConfig, check_ddp_settings
-from tagc.hooks.ddp import DDPHookState, bind_ddp, ring
-from tagc.hooks.stats import ExchangeStats
-from tagc.hooks.torch_ddp import has_rebuilt_buckets
+from tagc.hooks.adapters.ddp import DDPHookState, bind_ddp, ring
+from tagc.hooks.adapters.torch_ddp import has_rebuilt_buckets
+from tagc.hooks.core.stats import ExchangeStats
 
 MIN_COMPRESSION_RATE = 2
 """``PowerSGDState``'s default ``min_compression_rate``: a matrix is compressed only where it sends
@@ -49,7 +49,7 @@ def wrap_ddp(
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     ranks_per_host = world // max(1, cfg.hosts)
     if cfg.torch_hook:
-        from tagc.hooks.powersgd import DEFAULT_RANK
+        from tagc.hooks.codecs.powersgd import DEFAULT_RANK
 
         rank = int(cfg.codec_options.get("rank", DEFAULT_RANK))  # our codec's default rank
         counter: Any = TorchHook(ddp, cfg.codec, rank, powersgd_start_iter(cfg.dense_steps), ranks_per_host == 1)

@@ -120,7 +120,7 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
              "feedback_decay_follows_lr")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}  # = the library's
     fields = {"codec_options": {}, **defaults, **settings}
-    from tagc.hooks.codec_registry import spec
+    from tagc.hooks.codecs.registry import spec
 
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up
         fields["dense_steps"] = 0
@@ -160,7 +160,7 @@ within 1% of plain DDP's in the DDP quality runs, where rank 4 did not (``docs/l
 def _powersgd_ranks() -> dict[int, str]:
     """Rank 4 (Vogels et al.'s language model, our default) and :data:`HIGH_POWERSGD_RANK`, each with its name's
     suffix (``-r16``; none for 4)."""
-    from tagc.hooks.powersgd import DEFAULT_RANK
+    from tagc.hooks.codecs.powersgd import DEFAULT_RANK
 
     return {rank: "" if rank == 4 else f"-r{rank}" for rank in dict.fromkeys((4, DEFAULT_RANK, HIGH_POWERSGD_RANK))}
 

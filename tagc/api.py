@@ -9,19 +9,19 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from tagc.hooks.ddp import DDPHookState, bind_ddp, register_ddp
-from tagc.hooks.engine import TAGCHook
-from tagc.hooks.selection import SelectPolicy
-from tagc.hooks.settings import HookSettings
+from tagc.hooks.adapters.ddp import DDPHookState, bind_ddp, register_ddp
+from tagc.hooks.core.engine import TAGCHook
+from tagc.hooks.core.selection import SelectPolicy
+from tagc.hooks.core.settings import HookSettings
 
 
 def hook(ratio: float | None = None, index_bits: int | None = None, sparsity: float | str | None = None,
          select: str | SelectPolicy = "non_attention_linear", **settings) -> TAGCHook:
-    """A TAGC comm hook, its settings validated once into a :class:`~tagc.hooks.settings.HookSettings`, which
+    """A TAGC comm hook, its settings validated once into a :class:`~tagc.hooks.core.settings.HookSettings`, which
     documents every one of them.
 
     With no arguments, codec ``tagc`` runs the setting that stayed closest to plain training's loss at no more
-    bytes than ``int4``'s (:data:`~tagc.hooks.settings.RECOMMENDED`): ratio 4.5, the other columns in
+    bytes than ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`): ratio 4.5, the other columns in
     ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every argument given overrides
     its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic", positions="bitmap",
     value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list at the same bytes
@@ -33,7 +33,7 @@ def hook(ratio: float | None = None, index_bits: int | None = None, sparsity: fl
 def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.ProcessGroup | None = None,
              **settings) -> tuple[DDPHookState, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: every codec of
-    :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.ddp`)::
+    :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.adapters.ddp`)::
 
         ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model))
 
@@ -49,8 +49,8 @@ def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.Proc
 
 def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
     """Install ``comm_hook`` on a SimpleFSDP, FSDP2 (``fully_shard``), FSDP1 or DDP
-    (``DistributedDataParallel``: :mod:`tagc.hooks.ddp`) model; returns the model."""
-    from tagc.hooks.fsdp2 import register_fsdp2
+    (``DistributedDataParallel``: :mod:`tagc.hooks.adapters.ddp`) model; returns the model."""
+    from tagc.hooks.adapters.fsdp2 import register_fsdp2
 
     if not isinstance(comm_hook, TAGCHook):
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(comm_hook).__name__}")
@@ -58,7 +58,7 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
         register_ddp(model, comm_hook)
         return model
     if getattr(model, "_simple_fsdp_units", None) is not None:  # SimpleFSDP: through its reduce-scatter hook point
-        from tagc.hooks.simple import bind
+        from tagc.hooks.adapters.simple import bind
 
         return model.register_comm_hook(functools.partial(bind, comm_hook))
     try:
@@ -66,7 +66,7 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
     except ImportError:  # pragma: no cover
         FullyShardedDataParallel = ()
     if isinstance(model, FullyShardedDataParallel):
-        from tagc.hooks.fsdp1 import register_fsdp1
+        from tagc.hooks.adapters.fsdp1 import register_fsdp1
 
         register_fsdp1(model, comm_hook)
         return model

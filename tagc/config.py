@@ -1,7 +1,7 @@
 """The settings of TAGC's selection and sketch: :class:`TAGCConfig`, validated at construction.
 
 The ``tagc`` and ``topk`` codecs read them (ratio, index bits, sparsity, ...); the hook nests them
-in its own settings (:class:`tagc.hooks.settings.HookSettings`, everything :func:`tagc.hook`
+in its own settings (:class:`tagc.hooks.core.settings.HookSettings`, everything :func:`tagc.hook`
 takes), so a bad value fails once, at construction, with a message that says what is allowed.
 """
 
@@ -24,7 +24,7 @@ def is_power_of_two(n: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TAGCConfig:
-    """Settings of the TAGC codec (nested in the hook's :class:`~tagc.hooks.settings.HookSettings`).
+    """Settings of the TAGC codec (nested in the hook's :class:`~tagc.hooks.core.settings.HookSettings`).
 
     Args:
         ratio: count-sketch compression ratio (gradient elements per sketch cell), in
@@ -100,5 +100,5 @@ class TAGCConfig:
         return dataclasses.replace(self, **changes)
 
     def fingerprint(self) -> tuple:
-        """The fields as a tuple: what a checkpoint records (:mod:`tagc.hooks.checkpoint`)."""
+        """The fields as a tuple: what a checkpoint records (:mod:`tagc.hooks.core.checkpoint`)."""
         return dataclasses.astuple(self)

@@ -8,7 +8,7 @@ with tbf (:mod:`testbed.link`; ``--link none`` is the plain loopback). On GPT-2-
 buckets each rank times, median over ``--reps`` rounds after ``--warmup`` (methods
 interleaved round by round so machine-load drift hits them alike):
 
-* ``fair fp32`` / ``fair bf16``: :func:`tagc.hooks.transport.plain_reduce_scatter` (all-to-all
+* ``fair fp32`` / ``fair bf16``: :func:`tagc.hooks.core.transport.plain_reduce_scatter` (all-to-all
   in <= 1 MB pieces + local sum; the (N-1)/N volume of a ring reduce-scatter),
 * ``tagc rR``: :meth:`TAGCHook.reduce_scatter` at ratio R with a 1-bit index on the paper's wire (bitmap, float32
   cells); ``tagc rR lean``: the lean wire (``--wire lean``: Elias-Fano coded positions and bf16 sketch cells);
@@ -108,8 +108,8 @@ def _methods(args, world: int, chunk: int, grad, segments) -> list[dict]:
 
     import tagc
     from tagc.hooks import Segment
-    from tagc.hooks.engine import MIN_PART
-    from tagc.hooks.transport import plain_reduce_scatter
+    from tagc.hooks.core.engine import MIN_PART
+    from tagc.hooks.core.transport import plain_reduce_scatter
 
     n = chunk * world
     rows = grad.view(world, chunk)
@@ -376,7 +376,7 @@ def _defaults(args) -> None:
     args.wire = args.wire or ["bitmap", "lean"]
     args.reps = args.reps if args.reps is not None else (2 if quick else 5)
     args.warmup = args.warmup if args.warmup is not None else 1
-    from tagc.hooks.codec_registry import codec_names
+    from tagc.hooks.codecs.registry import codec_names
 
     unknown = [name for name in args.codecs if name not in codec_names()]
     if unknown:

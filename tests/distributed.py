@@ -42,7 +42,7 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeo
 
 # imported once by the fork server: a rank then starts in ~0.1 s instead of ~2 s of imports (the trainer too: many
 # tests run it in ranks; a preload that fails to import is skipped, so nothing here depends on it)
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "tagc", "tagc.hooks.engine", "fsdp_integration",
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "tagc", "tagc.hooks.core.engine", "fsdp_integration",  # noqa: E501
             "gpt2_bench.train", "tests.distributed")
 _READ_AT_IMPORT = ("NUMBA_", "TRITON_", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "PYTHON", "CUDA_")
 """Variables a library may read when the server imports it: a rank that needs a change to one is spawned."""

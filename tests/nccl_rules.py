@@ -25,7 +25,7 @@ It records, as :attr:`NcclRules.violations` (``"rule: where"``, the first frame 
   host by themselves on a GPU (``nonzero``, ``equal``, boolean-mask indexing, ...).
 
 With ``backend="nccl"`` (the default) the transport also takes its NCCL decisions
-(:func:`tagc.hooks.transport.backend_of` answers ``"nccl"``): whole all-to-alls, and
+(:func:`tagc.hooks.core.transport.backend_of` answers ``"nccl"``): whole all-to-alls, and
 ``reduce_scatter_single`` for plain columns, which gloo runs too.
 
 What it cannot show: CUDA streams and their races, NCCL's own limits beyond tensor placement, a
@@ -117,7 +117,7 @@ class NcclRules:
         for name in READS:
             self._patch(torch.Tensor, name, self._read(getattr(torch.Tensor, name)), own=name in vars(torch.Tensor))
         if self.backend is not None:
-            from tagc.hooks import transport
+            from tagc.hooks.core import transport
 
             self._patch(transport, "backend_of", lambda group, device: self.backend)
         self._mode = _Placement(self)

@@ -1,5 +1,6 @@
 """The TAGC paper's wire, which ``tagc.hook()`` no longer defaults to (its codec ``tagc`` fills what is left out from
-:data:`tagc.hooks.settings.RECOMMENDED`): the tests of the classic codec's mechanics (exact sums, wire-byte formulas,
+:data:`tagc.hooks.core.settings.RECOMMENDED`): the tests of the classic codec's mechanics (exact sums, wire-byte
+formulas,
 residual conservation, bit-for-bit equalities) pass it explicitly, so that they keep testing that codec."""
 
 from __future__ import annotations

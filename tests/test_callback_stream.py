@@ -1,10 +1,11 @@
-"""tagc.hooks.callback_stream: the DDP hook's future callbacks on one stream of its own (CUDA), unchanged elsewhere."""
+"""tagc.hooks.core.callback_stream: the DDP hook's future callbacks on one stream of its own (CUDA), unchanged
+elsewhere."""
 
 import pytest
 import torch
 
-from tagc.hooks import callback_stream
-from tagc.hooks.callback_stream import on_own_stream
+from tagc.hooks.core import callback_stream
+from tagc.hooks.core.callback_stream import on_own_stream
 
 
 def _no_streams(*args, **kwargs):
@@ -52,7 +53,7 @@ def test_cuda_counters_summed_on_another_stream_stay_exact():
 def test_exchange_stats_count_and_add_sum_ints_and_device_counters():
     """``count`` and ``add`` (which tell the allocator which stream reads a CUDA counter) sum Python ints and 0-d
     tensors alike; off CUDA the stream bookkeeping is a no-op and the arithmetic is all there is."""
-    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.core.stats import ExchangeStats
 
     part = ExchangeStats(buckets=1)
     part.count("overflow", 3)

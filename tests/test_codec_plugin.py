@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import tagc
 from tagc.hooks import Segment
-from tagc.hooks.codec_registry import SPECS, codec_names, register
-from tagc.hooks.codec_spec import CodecSpec
-from tagc.hooks.codecs import Codec, Wire
+from tagc.hooks.codecs.codec import Codec, Wire
+from tagc.hooks.codecs.registry import SPECS, codec_names, register
+from tagc.hooks.codecs.spec import CodecSpec
 from tests.distributed import eager_and_traced_step, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ class FP16Codec(Codec):
 FP16_SPEC = CodecSpec(NAME, lambda config, residual_dtype, options: FP16Codec(**options), {"scale": 1.0}, False,
                       "scale * x cast to float16, summed in float32 at the owner (a test's toy codec)")
 
-register(FP16_SPEC)  # the one registration line (a library codec's lives in tagc.hooks.codec_registry)
+register(FP16_SPEC)  # the one registration line (a library codec's lives in tagc.hooks.codecs.registry)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -130,11 +130,11 @@ def _files_that(found) -> dict[str, list[int]]:
 
 
 def _imports_sign(node: ast.AST) -> bool:
-    """An import of ``tagc.hooks.sign`` or of a name from it."""
+    """An import of ``tagc.hooks.codecs.sign`` or of a name from it."""
     if isinstance(node, ast.Import):
-        return any(alias.name == "tagc.hooks.sign" for alias in node.names)
+        return any(alias.name == "tagc.hooks.codecs.sign" for alias in node.names)
     if isinstance(node, ast.ImportFrom):
-        return node.module == "tagc.hooks.sign" or (node.module == "tagc.hooks"
+        return node.module == "tagc.hooks.codecs.sign" or (node.module == "tagc.hooks.codecs"
                                                      and any(alias.name == "sign" for alias in node.names))
     return False
 
@@ -145,10 +145,10 @@ def _names_sign_codec(node: ast.AST) -> bool:
 
 
 def test_the_sign_codec_is_one_module_and_one_registration_line():
-    """``tagc.hooks.sign`` holds the sign codec and its spec; the registry imports it and registers its
+    """``tagc.hooks.codecs.sign`` holds the sign codec and its spec; the registry imports it and registers its
     spec in one line; no other module imports it or names its class (they reach it by its registered name)."""
-    assert list(_files_that(_names_sign_codec)) == ["tagc/hooks/sign.py"]
-    registry = "tagc/hooks/codec_registry.py"
+    assert list(_files_that(_names_sign_codec)) == ["tagc/hooks/codecs/sign.py"]
+    registry = "tagc/hooks/codecs/registry.py"
     importers = _files_that(_imports_sign)
     assert list(importers) == [registry]
     uses = _files_that(lambda node: isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)

@@ -1,5 +1,5 @@
-"""The state the error-feedback codecs share one implementation of (:class:`tagc.hooks.codecs.ResidualCodec`)
-and the one NaN/Inf counter (:meth:`tagc.hooks.stats.ExchangeStats.count_nonfinite`).
+"""The state the error-feedback codecs share one implementation of (:class:`tagc.hooks.codecs.codec.ResidualCodec`)
+and the one NaN/Inf counter (:meth:`tagc.hooks.core.stats.ExchangeStats.count_nonfinite`).
 
 * **Residual set-up.** A part's residual is created at zero, of the part's shape and the codec's
   ``residual_dtype``, the first time the part is encoded, and is the same tensor afterwards.
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from tagc.config import TAGCConfig
-from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.codecs import ResidualCodec
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.codecs.codec import ResidualCodec
+from tagc.hooks.codecs.registry import make_codec
+from tagc.hooks.core.stats import ExchangeStats
 from tests.distributed import run_ranks
 
 KEY = "w#1/part0"

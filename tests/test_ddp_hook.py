@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tagc
-from tagc.hooks.ddp import DDPHookState, ring
+from tagc.hooks.adapters.ddp import DDPHookState, ring
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE, paper
 

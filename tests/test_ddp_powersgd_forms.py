@@ -262,8 +262,8 @@ def test_average_into_is_approximate_in_place_bit_for_bit():
     memory) gives the bits of the codec's own :meth:`approximate` (``p q^T``, then ``M - p q^T / N``): the bucket's
     values, the residual and the next warm-start ``Q``, for 2 and 3 ranks, with a residual held or not, bf16 residuals
     too; and a non-finite summed ``Q`` leaves the residual and ``Q`` as they were, counted, with NaN in the bucket."""
-    from tagc.hooks.powersgd import PowerSGDCodec, orthonormal
-    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.codecs.powersgd import PowerSGDCodec, orthonormal
+    from tagc.hooks.core.stats import ExchangeStats
 
     generator = torch.Generator().manual_seed(7)
     rows, cols, rank = 48, 40, 3

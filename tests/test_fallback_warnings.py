@@ -33,7 +33,7 @@ def test_powersgd_warns_once_when_a_selected_matrix_has_no_shape():
 
 
 def test_hsdp_pieces_warn_when_the_shard_does_not_match_its_parameters():
-    from tagc.hooks.replicas import Pieces as _Pieces
+    from tagc.hooks.adapters.replicas import Pieces as _Pieces
 
     segments = (Segment("w", 0, 96), Segment("b", 96, 32))
     with pytest.warns(RuntimeWarning, match="exchanged as one segment '<shard>'"):

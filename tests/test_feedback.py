@@ -1,4 +1,4 @@
-"""EF21 error feedback (``tagc.hook(feedback="ef21")``, :mod:`tagc.hooks.feedback`) on 2 gloo ranks.
+"""EF21 error feedback (``tagc.hook(feedback="ef21")``, :mod:`tagc.hooks.codecs.feedback`) on 2 gloo ranks.
 
 The bookkeeping is checked against what each rank actually sent, read back from its wire by a fresh codec
 (independent of the wrapper's state): every rank's shift ``h_i`` (``-residual``) is the sum of what it sent,
@@ -17,9 +17,9 @@ import tagc
 from gpt2_bench.config import TrainConfig, build_parser, config_from_args
 from tagc.config import TAGCConfig
 from tagc.hooks import Segment
-from tagc.hooks.checkpoint import check_feedback
-from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.codecs.registry import make_codec
+from tagc.hooks.core.checkpoint import check_feedback
+from tagc.hooks.core.stats import ExchangeStats
 from tests.distributed import run_ranks
 from tests.paper_wire import paper, paper_train_config
 
@@ -501,7 +501,7 @@ def test_settings_are_validated_with_clear_errors():
     assert hook.codec.name == "tagc" and hook.codec.momentum == 0.9 and hook.dense_steps == 10
     assert hook.agreed_settings()["feedback"] == "ef21" and hook.agreed_settings()["feedback_momentum"] == 0.9
     assert hook.codec.decay == 0.95 and hook.agreed_settings()["feedback_decay"] == 0.95
-    default = tagc.hook()  # codec tagc: EF21 fading by 0.9 (tagc.hooks.settings.RECOMMENDED)
+    default = tagc.hook()  # codec tagc: EF21 fading by 0.9 (tagc.hooks.core.settings.RECOMMENDED)
     assert (default.agreed_settings()["feedback"], default.agreed_settings()["feedback_decay"]) == ("ef21", 0.9)
     assert type(default.codec).__name__ == "EF21Codec" and default.codec.decay == 0.9
     assert type(default.codec.inner).__name__ == "TAGCCodec"
@@ -568,7 +568,7 @@ def test_the_fading_follows_the_trainers_learning_rate_from_its_peak_to_its_floo
     """The trainer calls ``hook.follow_lr(optimizer)`` as users do: during the warm-up the rate read is the largest
     seen, so the fading is the one asked for; after the peak it holds more as the rate decays."""
     from gpt2_bench.train import learning_rate
-    from tagc.hooks.feedback import LearningRateFading
+    from tagc.hooks.codecs.feedback import LearningRateFading
 
     cfg = TrainConfig(feedback_decay_follows_lr=True, steps=200, lr=1e-3, min_lr=1e-4, warmup_steps=5)
     optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)

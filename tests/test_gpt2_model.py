@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpt2_bench.model import GPT, PRESETS, GPTConfig
-from tagc.hooks.selection import non_attention_linear
+from tagc.hooks.core.selection import non_attention_linear
 
 
 def tiny(**overrides) -> GPT:

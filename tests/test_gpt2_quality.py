@@ -15,7 +15,7 @@ from gpt2_bench.config import TrainConfig, build_parser, config_from_args
 
 
 def test_dense_steps_default_to_the_librarys_unless_a_flag_says_otherwise():
-    from tagc.hooks.engine import DENSE_STEPS
+    from tagc.hooks.core.engine import DENSE_STEPS
 
     assert TrainConfig().dense_steps == DENSE_STEPS  # tagc on the non-attention layers, as tagc.hook() gives
     assert (

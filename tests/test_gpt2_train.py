@@ -34,8 +34,8 @@ def test_the_trainers_codec_defaults_are_the_librarys():
     import tagc
     from gpt2_bench.sharding import make_hook
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import resolve_options
-    from tagc.hooks.settings import HookSettings
+    from tagc.hooks.codecs.registry import resolve_options
+    from tagc.hooks.core.settings import HookSettings
 
     trainer = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
     library = {f.name: f.default for f in dataclasses.fields(HookSettings) if f.default is not dataclasses.MISSING}

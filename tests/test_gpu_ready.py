@@ -64,7 +64,7 @@ def _host_factories() -> list[tuple[str, str, int, str]]:
     """``(file, function, line, call)`` of every torch tensor factory in tagc/hooks made without
     ``device=`` or with a literal CPU device."""
     found = []
-    for path in sorted(HOOKS.glob("*.py")):
+    for path in sorted(HOOKS.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
@@ -214,7 +214,7 @@ def test_strict_sync_steady_exchange_reads_nothing_on_the_host(settings):
 
 
 def test_strict_mode_counts_each_kind_of_host_read():
-    from tagc.hooks.strict import count_host_reads
+    from tagc.hooks.core.strict import count_host_reads
 
     x = torch.arange(4.0)
     with count_host_reads() as reads:
@@ -292,7 +292,7 @@ def test_gpu_check_gpt2_round_trip_runs_and_can_fail(monkeypatch):
     """The GPT-2 check on a tiny GPT-2 on the CPU, and the same check failing when the decoded values are off."""
     pytest.importorskip("transformers")
     from tagc.bench import gpu_check
-    from tagc.hooks.codecs import TAGCCodec
+    from tagc.hooks.codecs.codec import TAGCCodec
 
     tiny = dict(ranks=3, steps=2, width=64, layers=1, vocab=1024, tokens=(2, 32))
     trip = gpu_check.gpt2_gradients_round_trip(torch.device("cpu"), **tiny)

@@ -315,7 +315,7 @@ def _fsdp2_hsdp(rank, world):
         "native_divide": (None, 3.0), "plain_divide": (dict(codec="plain"), 3.0)})
     tagc_options = dict(ratio=10, select="all", min_compress_numel=256, ranks_per_host=PER_HOST)
     trained = _fsdp2_runs(rank, world, mesh, {"tagc": (tagc_options, None)}, steps=4)
-    import tagc.hooks.fsdp2 as fsdp2
+    import tagc.hooks.adapters.fsdp2 as fsdp2
 
     gathers = fsdp2.gathers_wires
     fsdp2.gathers_wires = lambda *args: False  # the other way across replicas: reduce-scatter, then a dense all-gather

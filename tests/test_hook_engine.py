@@ -426,8 +426,8 @@ def test_step_stats_carry_the_encode_and_decode_time():
 
 
 def test_a_tensor_premul_sum_factor_is_applied_without_a_host_read():
-    from tagc.hooks.engine import op_scale, scale_into
-    from tagc.hooks.strict import count_host_reads
+    from tagc.hooks.core.engine import op_scale, scale_into
+    from tagc.hooks.core.strict import count_host_reads
 
     summed = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):

@@ -19,7 +19,7 @@ def train_fsdp1(rank, world, use_tagc, unit_ratio=None):
     model[0] = FSDP(model[0], device_id=torch.device("cpu"))
     model = FSDP(model, device_id=torch.device("cpu"))
     if use_tagc:
-        from tagc.hooks.selection import ratio_for
+        from tagc.hooks.core.selection import ratio_for
 
         select = (
             "all" if unit_ratio is None else ratio_for("", unit_ratio, "all")
@@ -66,7 +66,7 @@ def decided_segments(rank, world, c_fc_ratio=None):
     first linear at ``c_fc_ratio``."""
     from gpt2_bench.model import GPT, GPTConfig
     from gpt2_bench.sharding import fsdp1_wrap_policy
-    from tagc.hooks.selection import ratio_for
+    from tagc.hooks.core.selection import ratio_for
 
     model = GPT(GPTConfig.preset("tiny"))
     model = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=fsdp1_wrap_policy(model))
@@ -95,7 +95,7 @@ def test_fsdp1_units_are_selected_by_their_full_names():
 
 
 def test_fsdp1_a_unit_takes_the_smallest_ratio_its_parameters_ask_for():
-    from tagc.hooks.fsdp1 import unit_selection
+    from tagc.hooks.adapters.fsdp1 import unit_selection
 
     assert unit_selection([True, True], [90, 10], 10.0) is True
     assert unit_selection([True, False], [90, 10], 10.0) is False  # 90% selected: below the unit's bar

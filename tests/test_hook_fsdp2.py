@@ -94,7 +94,7 @@ def test_replicas_gather_wires_on_cuda_only_where_every_replica_decodes_the_same
     (no float atomics), the torch reference's CUDA scatter-add only under deterministic algorithms."""
     from types import SimpleNamespace
 
-    from tagc.hooks import replicas
+    from tagc.hooks.adapters import replicas
     from tagc.kernels import dispatch
 
     cuda_chunk = SimpleNamespace(device=torch.device("cuda"))

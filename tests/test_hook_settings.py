@@ -8,15 +8,15 @@ import torch
 import torch.distributed as dist
 
 import tagc
-from tagc.hooks.eager import PendingBucket
-from tagc.hooks.engine import TAGCHook
-from tagc.hooks.exchange import PartCoder
-from tagc.hooks.hierarchy import Topology
-from tagc.hooks.plan import Planner
-from tagc.hooks.segment import Segment
-from tagc.hooks.settings import HookSettings
-from tagc.hooks.state import ExchangeState, UnitTiming
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.core.eager import PendingBucket
+from tagc.hooks.core.engine import TAGCHook
+from tagc.hooks.core.exchange import PartCoder
+from tagc.hooks.core.hierarchy import Topology
+from tagc.hooks.core.plan import Planner
+from tagc.hooks.core.segment import Segment
+from tagc.hooks.core.settings import HookSettings
+from tagc.hooks.core.state import ExchangeState, UnitTiming
+from tagc.hooks.core.stats import ExchangeStats
 from tests.paper_wire import paper
 
 
@@ -145,7 +145,7 @@ def test_a_checkpoint_holding_no_state_for_a_compressed_part_is_refused_at_its_e
     settings = HookSettings(select="all", dense_steps=0, min_part=64, config=tagc.TAGCConfig(min_compress_numel=1))
     codec, plain = settings.make_codecs()
     plan = Planner(settings, codec, plain).plan((Segment("w", 0, 64),), 96, 2)  # columns 64.. are padding: plain
-    from tagc.hooks.checkpoint import Restored
+    from tagc.hooks.core.checkpoint import Restored
 
     coder = PartCoder(plain, restored=Restored({"other#96/part0"}, "all"), select_fingerprint=lambda: "mine")
     assert [part.codec is plain for part in plan.parts] == [True, False]

@@ -1,7 +1,7 @@
 """House rules the code is read for (``ast``), not run for.
 
 * A codec is named only in its own file: every other module reaches it through the
-  :class:`~tagc.hooks.codecs.Codec` interface (its attributes, its all-reduce form, ...), so a codec
+  :class:`~tagc.hooks.codecs.codec.Codec` interface (its attributes, its all-reduce form, ...), so a codec
   plugs in without a branch on its class anywhere else. The registry, which builds each codec once, is
   the one exception; a class statement may name the codec base it extends (that is how a codec is
   written, ``class SignCodec(ResidualCodec)``).
@@ -22,7 +22,7 @@ CODEC_PACKAGE = "tagc.hooks"
 """Where codecs live: every class there that extends ``Codec``, directly or through another codec class."""
 CODEC_ROOTS = ("tagc", "fsdp_integration", "backward_drain", "gpt2_bench", "testbed")
 """The code that must not name a codec class outside the codec's own file."""
-REGISTRY = "tagc.hooks.codec_registry"
+REGISTRY = "tagc.hooks.codecs.registry"
 """Builds every registered codec from its spec: the one module that may name them all."""
 PRIVATE_ROOTS = ("tagc", "fsdp_integration", "backward_drain")
 """The library code whose modules must not read each other's private names."""
@@ -95,12 +95,12 @@ def test_codec_classes_are_named_only_in_their_files():
 
 
 def test_the_codec_walk_sees_a_branch_on_a_codec_class():
-    source = ("from tagc.hooks.codecs import ResidualCodec, TAGCCodec\nfrom tagc.hooks import powersgd\n"
+    source = ("from tagc.hooks.codecs.codec import ResidualCodec, TAGCCodec\nfrom tagc.hooks import powersgd\n"
               "class Mine(ResidualCodec):\n    pass\n"
               "def f(codec):\n    return isinstance(codec, TAGCCodec) or isinstance(codec, powersgd.PowerSGDCodec)\n")
     trees = {"tagc.hooks.mine": (Path("mine.py"), ast.parse(source))}
-    codecs = {"ResidualCodec": "tagc.hooks.codecs", "TAGCCodec": "tagc.hooks.codecs",
-              "PowerSGDCodec": "tagc.hooks.powersgd"}
+    codecs = {"ResidualCodec": "tagc.hooks.codecs.codec", "TAGCCodec": "tagc.hooks.codecs.codec",
+              "PowerSGDCodec": "tagc.hooks.codecs.powersgd"}
     assert codec_names_outside_their_files(trees, codecs) == [
         "tagc.hooks.mine:1 names TAGCCodec", "tagc.hooks.mine:6 names PowerSGDCodec",
         "tagc.hooks.mine:6 names TAGCCodec"]
@@ -199,7 +199,7 @@ def test_no_private_cross_module_access():
 
 
 def test_the_private_walk_sees_reads_of_other_modules_privates():
-    source = ("import os, sys\nimport torch\nimport torch.distributed as dist\nfrom tagc.hooks.engine import _Part\n"
+    source = ("import os, sys\nimport torch\nimport torch.distributed as dist\nfrom tagc.hooks.core.engine import _Part\n"  # noqa: E501
               "from tagc.kernels import _numba\n"
               "class A:\n    def __init__(self):\n        self._mine = 1\n"
               "    def f(self, hook, other):\n"
@@ -209,7 +209,23 @@ def test_the_private_walk_sees_reads_of_other_modules_privates():
               "    opdef = OPDEFS.get(name)\n    return opdef._init_fn\n")
     got = sorted(private_accesses("tagc.kernels.cpu", Path("cpu.py"), ast.parse(source),
                                 {"tagc.kernels._numba", "tagc.kernels.cpu"}))
-    assert got == sorted(["tagc.kernels.cpu:4 from tagc.hooks.engine import _Part", "tagc.kernels.cpu:10 hook._plan",
+    assert got == sorted(["tagc.kernels.cpu:4 from tagc.hooks.core.engine import _Part", "tagc.kernels.cpu:10 hook._plan",  # noqa: E501
                           "tagc.kernels.cpu:10 sys._getframe"])
     assert list(private_accesses("tagc.hooks.torch_x", Path("torch_x.py"), ast.parse(source), set())) == []
     assert ROOT.is_dir()
+
+
+def test_core_imports_no_adapter():
+    """The engine's room imports no adapter, at module level or inside a function: adapters plug into it
+    (``tagc.hooks.core.engine.ADAPTERS``)."""
+    import ast
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parent.parent / "tagc" / "hooks" / "core"
+    found = []
+    for path in sorted(core.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {name}" for name in names if name.startswith("tagc.hooks.adapters")]
+    assert len(list(core.glob("*.py"))) > 10 and not found, found

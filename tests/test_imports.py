@@ -101,7 +101,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_walk_sees_the_project():
-    assert {"tagc", "tagc.hooks.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train", "testbed.hosts"} <= set(
+    assert {"tagc", "tagc.hooks.core.engine", "fsdp_integration.simple_fsdp", "gpt2_bench.train", "testbed.hosts"} <= set(  # noqa: E501
         MODULES
     )
     assert "tagc.kernels.ops" in GRAPH["tagc.kernels.dispatch"]  # a function-level import counts

@@ -372,9 +372,9 @@ def test_device_decode_is_the_same_bits_at_any_tile_and_launch_size():
 
 @pytest.mark.parametrize("fallback", [pytest.param("estimate", marks=pytest.mark.slow), "raw"])
 def test_device_decode_reads_the_host_once(fallback):
-    """Strict-sync counting (``tagc.hooks.strict``): one host read per full decode (its statistics), with
+    """Strict-sync counting (``tagc.hooks.core.strict``): one host read per full decode (its statistics), with
     stopping sets solved and a fallback; none for the sync-free decode."""
-    from tagc.hooks.strict import count_host_reads
+    from tagc.hooks.core.strict import count_host_reads
 
     layout, _, table, index = _stopping_sets()
     with count_host_reads() as reads:
@@ -639,8 +639,8 @@ def _codec_exchange(name: str, options: dict, grads: list[torch.Tensor], backend
     """Every rank's codec encodes its rows, every owner decodes what it receives (no process group):
     ``(wires per rank, outputs per owner, residuals per rank)``."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
-    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.codecs.registry import make_codec
+    from tagc.hooks.core.stats import ExchangeStats
 
     monkeypatch.setenv("TAGC_BACKEND", backend)
     world, numel = grads[0].shape

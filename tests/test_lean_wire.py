@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import tagc
 from tagc.config import TAGCConfig
-from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.engine import Segment
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks.codecs.registry import make_codec
+from tagc.hooks.core.engine import Segment
+from tagc.hooks.core.stats import ExchangeStats
 from tagc.sketch.sparsify import capacity, keep_limit
 from tests.distributed import eager_and_traced_step, run_ranks
 from tests.paper_wire import paper
@@ -173,7 +173,7 @@ def test_scaled_values_round_trip_within_their_rounding(columns, dtype):
     """float16 or e4m3 after a power-of-two scale per block, on mixed magnitudes, an all-zero row, 1e30 (beyond
     float16's range before scaling) and 3e-30 beside -7.5 in one block. float8 travels as uint8, and NaN and Inf
     (which e4m3 lacks) both come back as NaN, for their whole block only; float16 keeps a NaN in place."""
-    from tagc.hooks.codecs import SCALE_BLOCK, pack_values, unpack_values, value_wires
+    from tagc.hooks.codecs.codec import SCALE_BLOCK, pack_values, unpack_values, value_wires
 
     significant, floor_bits = SCALED_ROUNDING[dtype]
     gen = torch.Generator().manual_seed(columns)
@@ -212,7 +212,7 @@ def assert_denormal_blocks_come_back(dtype: torch.dtype, columns: int) -> None:
     """A block of float32 denormals (down to the smallest, 2**-149) comes back finite, within half a step of the
     dtype's smallest denormal times the scale (float8: 2**-10 * 2**-126) of itself: its scale stops at float32's
     smallest normal instead of underflowing to 0."""
-    from tagc.hooks.codecs import pack_values, unpack_values
+    from tagc.hooks.codecs.codec import pack_values, unpack_values
 
     tiny = torch.zeros(2, columns)
     tiny[0, 0] = 2.0**-149
@@ -228,8 +228,8 @@ def test_tagc_rows_keep_at_most_the_capacity_and_hold_back_the_rest(monkeypatch,
     """A wire that holds fewer entries than the threshold keeps (here 100 of ~3,500): each row
     sends its first 100 above the threshold in index order, exactly; the rest stay in the
     residual and are counted by the rank that held them back."""
-    from tagc.hooks.codecs import TAGCCodec
-    from tagc.hooks.nonfinite import thresholds
+    from tagc.hooks.codecs.codec import TAGCCodec
+    from tagc.hooks.core.nonfinite import thresholds
 
     world, numel, cap = 2, 100_000, 100
     real = TAGCCodec._capacity

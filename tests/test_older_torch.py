@@ -34,7 +34,8 @@ def test_the_trainer_and_the_ddp_hook_import_on_an_older_torch_without_tiktoken(
     probe = textwrap.dedent("""
         import torch.distributed as dist
         assert not hasattr(dist, "all_gather_single")
-        import gpt2_bench.train, gpt2_bench.host_bytes, gpt2_bench.data, tagc.hooks.ddp, tagc.hooks.replicas
+        import gpt2_bench.train, gpt2_bench.host_bytes, gpt2_bench.data
+        import tagc.hooks.adapters.ddp, tagc.hooks.adapters.replicas
         assert "fsdp_integration" not in __import__("sys").modules, "a DDP run imports SimpleFSDP"
         from gpt2_bench.assets import DataError
         from gpt2_bench.tokenizer import get_tokenizer
@@ -54,7 +55,7 @@ def test_the_trainer_and_the_ddp_hook_import_on_an_older_torch_without_tiktoken(
 
 @pytest.mark.parametrize("has_single", [True, False])
 def test_all_gather_single_takes_the_name_this_torch_has(monkeypatch, has_single):
-    from tagc.hooks import transport
+    from tagc.hooks.core import transport
 
     calls = []
 
@@ -75,7 +76,7 @@ def test_all_gather_single_takes_the_name_this_torch_has(monkeypatch, has_single
 
 def test_gathers_and_reduce_scatters_go_through_the_version_shims():
     """``dist.all_gather_single`` / ``reduce_scatter_single`` are torch 2.13's names, their older ones deprecated
-    there: the library calls either only inside :mod:`tagc.hooks.transport`'s shims."""
+    there: the library calls either only inside :mod:`tagc.hooks.core.transport`'s shims."""
     names = {"all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"}
     found = []
     for path in sorted((ROOT / "tagc").rglob("*.py")):

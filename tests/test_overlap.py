@@ -136,7 +136,7 @@ class _SlowLink:
 
 
 def _slow_link(rank, world, overlap):
-    import tagc.hooks.eager as eager  # where the engine launches its all-to-alls
+    import tagc.hooks.core.eager as eager  # where the engine launches its all-to-alls
 
     real = eager.all_to_all_rows
     eager.all_to_all_rows = lambda *args, **kw: _SlowLink(real(*args, **kw))

@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 import tagc
 from tagc.config import TAGCConfig
-from tagc.hooks import Segment, quantized, topk
-from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.stats import ExchangeStats
+from tagc.hooks import Segment
+from tagc.hooks.codecs import quantized, topk
+from tagc.hooks.codecs.registry import make_codec
+from tagc.hooks.core.stats import ExchangeStats
 from tagc.sketch.sparsify import keep_limit, keep_mask, row_thresholds
 from tests.distributed import eager_and_traced_step, run_ranks
 from tests.paper_wire import paper
@@ -457,7 +458,7 @@ def test_topk_sends_at_most_0_55x_tagc_bytes_at_equal_density(world):
     """The same kept values as a list (16-bit offsets, fp32 values, capacity with slack) against
     TAGC's bitmap index and fp32 sketch, on the compressed columns (ratio 10, planned density)."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.codecs.registry import make_codec
 
     numel = 1 << 22
     tagc_bytes = sum(w.row_bytes for w in make_codec("tagc", TAGCConfig()).wire(numel, world, torch.float32))

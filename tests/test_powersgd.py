@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogona
 
 import tagc
 from tagc.hooks import Segment
-from tagc.hooks.powersgd import PowerSGDCodec, _Matrix
+from tagc.hooks.codecs.powersgd import PowerSGDCodec, _Matrix
 from tests.distributed import run_ranks
 
 RANK = 4

@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 import tagc
 from tagc.hooks import Segment
-from tagc.hooks.codec_registry import make_codec
-from tagc.hooks.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio, ramp_stage
-from tagc.hooks.selection import ratio_for
+from tagc.hooks.codecs.registry import make_codec
+from tagc.hooks.core.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio, ramp_stage
+from tagc.hooks.core.selection import ratio_for
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE, paper
 

@@ -6,7 +6,7 @@ on 2 gloo ranks.
   FSDP2's own reduce-scatter, and so does ``select="none"``.
 * TAGC compresses what it should (the MLP linears, the attention output projection, the embedding
   and the LM head, whatever class implements them), every block's wire is below plain's, and the
-  planned bytes of :func:`tagc.hooks.describe.describe_plan` are what ``hook.stats()`` reports.
+  planned bytes of :func:`tagc.hooks.adapters.describe.describe_plan` are what ``hook.stats()`` reports.
 * A few steps train: finite losses, peeling recovers every element, and elements were sent.
 * HF GPT-2's wire per step is our own GPT's (``gpt2_bench.model``) of the same shapes.
 
@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import tagc
-from tagc.hooks.describe import describe_plan, warn_if_weak_selection
-from tagc.hooks.segment import Segment
+from tagc.hooks.adapters.describe import describe_plan, warn_if_weak_selection
+from tagc.hooks.core.segment import Segment
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE
 
@@ -47,7 +47,7 @@ STEPS = 3
 ONE_LINE = dict(ratio=10, index_bits=1)
 """``tagc.hook(ratio=10, index_bits=1)``; the tests add ``dense_steps=0`` so that every step is compressed
 (the default dense warm-up sends the first 10 steps plain). The rest is ``tagc.hook()``'s recommended setting: the
-columns not selected go in ``int4`` (:data:`tagc.hooks.settings.RECOMMENDED`)."""
+columns not selected go in ``int4`` (:data:`tagc.hooks.core.settings.RECOMMENDED`)."""
 
 
 def _transformers():
@@ -438,7 +438,7 @@ def _warnings_after_planning(model: nn.Module, base: dict = ONE_LINE, **kwargs) 
 
 def _old_selection(fqn, module):
     """``non_attention_linear`` as it was: ``nn.Linear`` and ``nn.Embedding`` only (HF GPT-2's blocks: ``Conv1D``)."""
-    from tagc.hooks.selection import non_attention_linear
+    from tagc.hooks.core.selection import non_attention_linear
 
     return isinstance(module, (nn.Linear, nn.Embedding)) and non_attention_linear(fqn, module)
 

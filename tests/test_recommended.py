@@ -1,4 +1,4 @@
-"""What ``tagc.hook()`` fills in for the settings a caller leaves out (:data:`tagc.hooks.settings.RECOMMENDED`):
+"""What ``tagc.hook()`` fills in for the settings a caller leaves out (:data:`tagc.hooks.core.settings.RECOMMENDED`):
 codecs ``tagc``'s and ``topk``'s recommended settings, every argument given overriding only its part, the other
 codecs' neutral defaults; and the compare, whose paper methods still run the TAGC paper's codec and whose ``topk``
 method is still the paper-style list."""
@@ -12,8 +12,8 @@ import torch
 
 import tagc
 from tagc.config import TAGCConfig
-from tagc.hooks.codec_registry import resolve_options
-from tagc.hooks.settings import NEUTRAL, RECOMMENDED, HookSettings
+from tagc.hooks.codecs.registry import resolve_options
+from tagc.hooks.core.settings import NEUTRAL, RECOMMENDED, HookSettings
 from tests.paper_wire import PAPER_RATIO, PAPER_STYLE_TOPK, PAPER_WIRE
 
 TAGC_RECOMMENDED = {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9, "positions": "coded",

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tagc.hooks.selection import (
+from tagc.hooks.core.selection import (
     is_embedding_or_head,
     is_projection,
     non_attention_block_linear,

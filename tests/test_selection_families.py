@@ -19,7 +19,7 @@ import pytest
 import torch.nn as nn
 
 import tagc
-from tagc.hooks.selection import resolve_policy
+from tagc.hooks.core.selection import resolve_policy
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [test] extra)")
 

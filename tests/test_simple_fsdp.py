@@ -202,7 +202,7 @@ def test_a_model_compiled_during_the_warmup_traces_the_exchange_after_it():
 
 def _traced_halves(rank, world, poison):
     """The traced exchange (custom ops + functional collectives, run eagerly) against the engine's."""
-    from tagc.hooks.simple import _registry, reduce_scatter, traced_reduce_scatter
+    from tagc.hooks.adapters.simple import _registry, reduce_scatter, traced_reduce_scatter
 
     results = []
     for path in ("engine", "traced"):
@@ -381,7 +381,7 @@ def _generic_hook_point(rank, world):
     (a hook over it, or the model)."""
     import gc
 
-    from tagc.hooks.simple import _registry
+    from tagc.hooks.adapters.simple import _registry
 
     _, model = _models(0)
     model = simple_fsdp(model)
@@ -420,7 +420,7 @@ def test_generic_hook_point_and_registry_release():
 
 def test_the_custom_ops_declare_the_state_they_change():
     """Each op that changes a hook's residuals or statistics declares its unit's state token mutated."""
-    import tagc.hooks.simple  # noqa: F401 - registers the ops
+    import tagc.hooks.adapters.simple  # noqa: F401 - registers the ops
 
     for op in (torch.ops.tagc.encode.default, torch.ops.tagc.decode.default, torch.ops.tagc.reduce_scatter.default):
         mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -429,7 +429,7 @@ def test_the_custom_ops_declare_the_state_they_change():
 
 def _unused_results_compiled(rank, world):
     """A compiled function that calls tagc::encode / tagc::reduce_scatter and drops their results."""
-    from tagc.hooks.simple import _registry, encode, reduce_scatter
+    from tagc.hooks.adapters.simple import _registry, encode, reduce_scatter
 
     _, model = _models(0)
     model = simple_fsdp(model)

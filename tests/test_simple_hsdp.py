@@ -211,7 +211,7 @@ def _unit_exchange(rank, world, options, route="gathered"):
     """A block's exchange called with known packed gradients for 3 steps: what every step gives, the exact
     average, each host's average, and the replicas' residuals before and after (summed over replicas)."""
     from fsdp_integration import units
-    from tagc.hooks import simple_hsdp
+    from tagc.hooks.adapters import simple_hsdp
 
     chooses = simple_hsdp.gathers_wires
     if route == "scattered":  # the other route across replicas: a compressed reduce-scatter, then a dense all-gather

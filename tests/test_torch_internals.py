@@ -33,20 +33,20 @@ PACKAGES = ("tagc", "fsdp_integration", "backward_drain", "gpt2_bench")
 
 PRIVATE = {
     # FSDP2 (fully_shard)
-    "_fully_shard": "tagc.hooks.torch_fsdp2", "_fsdp_api": "tagc.hooks.torch_fsdp2",
-    "_fsdp_common": "tagc.hooks.torch_fsdp2", "_get_fsdp_state": "tagc.hooks.torch_fsdp2",
-    "_fsdp_param_groups": "tagc.hooks.torch_fsdp2", "_fsdp_param_group": "tagc.hooks.torch_fsdp2",
-    "_module_info": "tagc.hooks.torch_fsdp2",
-    "_param_fqn": "tagc.hooks.torch_fsdp2", "_orig_size": "tagc.hooks.torch_fsdp2",
-    "_all_reduce_hook": "tagc.hooks.torch_fsdp2", "_local_tensor": "tagc.hooks.torch_fsdp2",
-    "_post_accumulate_grad_hooks": "tagc.hooks.torch_fsdp2",
+    "_fully_shard": "tagc.hooks.adapters.torch_fsdp2", "_fsdp_api": "tagc.hooks.adapters.torch_fsdp2",
+    "_fsdp_common": "tagc.hooks.adapters.torch_fsdp2", "_get_fsdp_state": "tagc.hooks.adapters.torch_fsdp2",
+    "_fsdp_param_groups": "tagc.hooks.adapters.torch_fsdp2", "_fsdp_param_group": "tagc.hooks.adapters.torch_fsdp2",
+    "_module_info": "tagc.hooks.adapters.torch_fsdp2",
+    "_param_fqn": "tagc.hooks.adapters.torch_fsdp2", "_orig_size": "tagc.hooks.adapters.torch_fsdp2",
+    "_all_reduce_hook": "tagc.hooks.adapters.torch_fsdp2", "_local_tensor": "tagc.hooks.adapters.torch_fsdp2",
+    "_post_accumulate_grad_hooks": "tagc.hooks.adapters.torch_fsdp2",
     # FSDP1 (FullyShardedDataParallel)
-    "_handle": "tagc.hooks.torch_fsdp1", "_fqns": "tagc.hooks.torch_fsdp1", "_numels": "tagc.hooks.torch_fsdp1",
-    "_shapes": "tagc.hooks.torch_fsdp1", "_sharded_size": "tagc.hooks.torch_fsdp1",
-    "_comm_hook": "tagc.hooks.torch_fsdp1", "_comm_hook_state": "tagc.hooks.torch_fsdp1",
-    "_reduce_dtype": "tagc.hooks.torch_fsdp1", "_flat_param": "tagc.hooks.torch_fsdp1",
+    "_handle": "tagc.hooks.adapters.torch_fsdp1", "_fqns": "tagc.hooks.adapters.torch_fsdp1", "_numels": "tagc.hooks.adapters.torch_fsdp1",  # noqa: E501
+    "_shapes": "tagc.hooks.adapters.torch_fsdp1", "_sharded_size": "tagc.hooks.adapters.torch_fsdp1",
+    "_comm_hook": "tagc.hooks.adapters.torch_fsdp1", "_comm_hook_state": "tagc.hooks.adapters.torch_fsdp1",
+    "_reduce_dtype": "tagc.hooks.adapters.torch_fsdp1", "_flat_param": "tagc.hooks.adapters.torch_fsdp1",
     # DDP
-    "_has_rebuilt_buckets": "tagc.hooks.torch_ddp",
+    "_has_rebuilt_buckets": "tagc.hooks.adapters.torch_ddp",
     # the autograd engine (the backward drain)
     "_C": "backward_drain.torch_autograd", "_current_graph_task_id": "backward_drain.torch_autograd",
     "_execution_engine": "backward_drain.torch_autograd",
@@ -57,12 +57,12 @@ PRIVATE = {
 }
 """Each private torch name, and the one internals module allowed to use it."""
 
-SEMI_PUBLIC = {"_functional_collectives": ("fsdp_integration.torch_internals", "tagc.hooks.torch_simple_fsdp")}
+SEMI_PUBLIC = {"_functional_collectives": ("fsdp_integration.torch_internals", "tagc.hooks.adapters.torch_simple_fsdp")}
 """Underscored but the documented home of the traceable collectives: one internals module per integration that
 uses it (``fsdp_integration`` and ``tagc`` may not import each other)."""
 
-INTERNALS = ("backward_drain.torch_autograd", "fsdp_integration.torch_internals", "tagc.hooks.torch_fsdp2",
-             "tagc.hooks.torch_fsdp1", "tagc.hooks.torch_ddp", "tagc.hooks.torch_simple_fsdp",
+INTERNALS = ("backward_drain.torch_autograd", "fsdp_integration.torch_internals", "tagc.hooks.adapters.torch_fsdp2",
+             "tagc.hooks.adapters.torch_fsdp1", "tagc.hooks.adapters.torch_ddp", "tagc.hooks.adapters.torch_simple_fsdp",  # noqa: E501
              "tagc.kernels.torch_tracing")
 
 
@@ -244,7 +244,7 @@ def test_missing_name_raises(module, name, monkeypatch, fresh_warnings):
 
 
 def test_missing_run_time_name_raises_where_read():
-    from tagc.hooks import torch_ddp, torch_fsdp1, torch_fsdp2
+    from tagc.hooks.adapters import torch_ddp, torch_fsdp1, torch_fsdp2
 
     stand_in = types.SimpleNamespace()
     cases = [(lambda: torch_ddp.has_rebuilt_buckets(stand_in), torch_ddp, "_has_rebuilt_buckets"),
@@ -263,7 +263,7 @@ def test_missing_run_time_name_raises_where_read():
 
 def test_fsdp2_param_groups_read_each_releases_record():
     """Torch 2.13 keeps a list of a module's parameter groups; torch 2.11 at most one."""
-    from tagc.hooks import torch_fsdp2
+    from tagc.hooks.adapters import torch_fsdp2
 
     def module(**state):
         return types.SimpleNamespace(_get_fsdp_state=lambda: types.SimpleNamespace(**state))
@@ -275,7 +275,7 @@ def test_fsdp2_param_groups_read_each_releases_record():
 
 def test_fsdp2_policy_and_mesh_info_read_each_releases_record():
     """The group's policy (torch 2.13) or its parameters' (2.15); an SPMD mesh flag, which torch 2.11 lacks."""
-    from tagc.hooks import torch_fsdp2
+    from tagc.hooks.adapters import torch_fsdp2
 
     ns = types.SimpleNamespace
     assert torch_fsdp2.mp_policy(ns(mp_policy="group", fsdp_params=[ns(mp_policy="param")])) == "group"

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import tagc
 from tagc.config import TAGCConfig
-from tagc.hooks import Segment, TAGCHook, transport
+from tagc.hooks import Segment, TAGCHook
+from tagc.hooks.core import transport
 from tests.distributed import run_ranks
 
 CHUNK = 300_000  # a plain fp32 row of 1.2 MB: two pieces of PIECE_BYTES on gloo

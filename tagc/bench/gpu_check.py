@@ -74,8 +74,8 @@ def _exchange(codecs: list, rows: list[torch.Tensor], numel: int) -> tuple[list,
     """One emulated all-to-all of part ``"k"``: every rank's codec encodes its ``[ranks, numel]`` rows, owner ``o``
     receives row ``o`` of every rank's wire tensors and decodes. Returns the residuals before the encode, the
     decoded parts, their stats and the host reads counted over the exchange."""
-    from tagc.hooks.stats import ExchangeStats
-    from tagc.hooks.strict import count_host_reads
+    from tagc.hooks.core.stats import ExchangeStats
+    from tagc.hooks.core.strict import count_host_reads
 
     ranks, device = len(codecs), rows[0].device
     before = [c.residuals.get("k", torch.zeros(ranks, numel, device=device)).clone() for c in codecs]
@@ -101,7 +101,7 @@ def codec_round_trip(
 ) -> dict:
     """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.codecs.registry import make_codec
 
     config = TAGCConfig(ratio=ratio)
     codecs = [make_codec("tagc", config) for _ in range(ranks)]
@@ -158,7 +158,7 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
     except ImportError:
         return {"ok": None, "note": "transformers is not installed: GPT-2 check skipped"}
     from tagc.config import TAGCConfig
-    from tagc.hooks.codec_registry import make_codec
+    from tagc.hooks.codecs.registry import make_codec
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=tokens[1], n_embd=width, n_layer=layers,
@@ -209,7 +209,7 @@ def one_rank_group(device: torch.device) -> dict:
 
     import tagc
     from tagc.hooks import Segment
-    from tagc.hooks.transport import all_to_all_rows, gather_from_owners
+    from tagc.hooks.core.transport import all_to_all_rows, gather_from_owners
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,9 +277,9 @@ def kernel_times(device: torch.device, sizes: list[int], ratio: float = 10.0, ra
 def callback_memory(device: torch.device, calls: int = 48, numel: int = 16 << 20) -> dict:
     """What the caching allocator reserves for ``calls`` future callbacks that each allocate two temporaries of a
     ``numel``-element bucket, as the DDP hook's decode does: run where torch runs them (the next stream of its
-    pool, call after call) and on the hook's own stream (:func:`tagc.hooks.callback_stream.on_own_stream`).
+    pool, call after call) and on the hook's own stream (:func:`tagc.hooks.core.callback_stream.on_own_stream`).
     ``ok``: on its own stream the reserve stays within four buckets, whatever ``calls`` is."""
-    from tagc.hooks.callback_stream import on_own_stream
+    from tagc.hooks.core.callback_stream import on_own_stream
 
     bucket = torch.randn(numel, device=device)
 
@@ -311,12 +311,12 @@ def callback_memory(device: torch.device, calls: int = 48, numel: int = 16 << 20
 
 def counters_across_streams(device: torch.device, rounds: int = 64) -> dict:
     """Counters made on one stream and summed on another, as the DDP hook's future callbacks count on the hook's
-    stream and the backward's thread sums on its own (:meth:`tagc.hooks.stats.ExchangeStats.count`, ``add``). The
+    stream and the backward's thread sums on its own (:meth:`tagc.hooks.core.stats.ExchangeStats.count`, ``add``). The
     summing stream is held back (``torch.cuda._sleep``) while the counting stream writes fresh tensors, which is
     when a freed counter's block is handed out again. ``ok``: the :class:`ExchangeStats` sum is exact;
     ``unprotected``: the same sum of bare tensors, whose blocks nothing protects (it may or may not come out wrong:
     the race depends on timing), for comparison."""
-    from tagc.hooks.stats import ExchangeStats
+    from tagc.hooks.core.stats import ExchangeStats
 
     counting, summing = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 

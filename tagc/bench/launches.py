@@ -5,7 +5,7 @@
 
 A GPU codec's cost should follow its bytes, not its parts: the host work of one bucket (Python, the
 torch ops it dispatches, the kernels it launches) must not grow with the number of compressed parts
-the bucket is cut into (``min_part``, :mod:`tagc.hooks.plan`). This measures it on the CPU:
+the bucket is cut into (``min_part``, :mod:`tagc.hooks.core.plan`). This measures it on the CPU:
 
 * one bucket of ``parts`` compressed parts of ``--part-numel`` columns each (``min_part`` is the
   part size, ``select="all"``, no plain columns), exchanged by a real hook (:func:`tagc.hook`) on
@@ -166,9 +166,9 @@ def _counting_wrap(work: HostWork, wrap: Callable) -> Callable:
 
 @contextlib.contextmanager
 def instrument(work: HostWork) -> Iterator[HostWork]:
-    """Open ``work`` with the exchange's phases marked (:class:`tagc.hooks.exchange.PartCoder`'s ``encode`` and
+    """Open ``work`` with the exchange's phases marked (:class:`tagc.hooks.core.exchange.PartCoder`'s ``encode`` and
     ``decode`` of compressed parts) and the Triton launches counted (when :mod:`tagc.kernels.ops` is in use)."""
-    from tagc.hooks.exchange import PartCoder
+    from tagc.hooks.core.exchange import PartCoder
 
     encode, decode = PartCoder.encode, PartCoder.decode
 

@@ -1,0 +1,447 @@
+"""Error feedback of another kind for every error-feedback codec: EF21 (``tagc.hook(feedback="ef21")``).
+
+**Classic error feedback** (the codecs' own): rank ``i`` sends ``C(g_i + r_i)`` and keeps
+``r_i = (g_i + r_i) - C(g_i + r_i)``; the owner hands the optimizer the decoded sum. An element
+that is not selected contributes nothing until it is sent, many steps later, as one burst of
+what it accumulated (staleness: at a density of a few per cent most compressed elements were
+last sent 8 or more steps before).
+
+**EF21** (Richtárik, Sokolov, Fatkhullin 2021, arXiv 2106.05203): rank ``i`` keeps a *shift*
+``h_i``, its last gradient estimate the owners know, and sends the compressed *change*
+``C(g_i - h_i)``; then ``h_i += C(g_i - h_i)``. The owner keeps ``H = sum_i h_i`` by adding the
+decoded sum of the changes every step and hands the optimizer ``H``, dense: an element not
+sent this step keeps its last known value instead of zero, so AdamW moves every element every
+step, and a change is sent when the gradient moves, not when a sum piled up.
+
+**EF21-SGDM** (Fatkhullin, Tyurin, Richtárik 2023, arXiv 2302.00999), ``feedback_momentum=beta``
+(``> 0``): each rank first averages its gradient, ``v_i = beta v_i + (1 - beta) g_i`` (``v_i``
+starts at the first gradient), and compresses ``v_i - h_i``: minibatch noise is averaged before a
+value is held for many steps. The paper's ``eta`` is ``1 - beta``; the optimizer then sees an
+average of the last ``~1 / (1 - beta)`` steps' gradients.
+
+**Fading shifts**, ``feedback_decay=gamma`` (``< 1``): every shift fades before each step's change is
+chosen against it, ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every owner fades ``H`` alike, so ``H`` stays
+the sum of the ``h_i``. With ``gamma = 1`` an element that is not sent holds the value it was last sent with,
+often one picked because it stood out; AdamW, which normalises each element by its own recent size, turns a
+value held for many steps into full-size steps in one direction. Faded, it shrinks toward zero by
+``gamma`` per step (a time constant of ``1 / (1 - gamma)`` steps) unless the gradient keeps it up, in which
+case ``g - gamma h`` grows and it is sent again. ``gamma`` near 0 would send ``C(g)`` and keep nothing.
+
+How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
+The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,
+sends ``C(x)`` and leaves ``r = x - C(x)``; subtracting this step's input ``g`` gives
+``r = -h_i - C(x) = -(h_i + C(x))``, the next step's ``-h_i``. The part's decoded sum ``S`` (the sum
+over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is returned. With
+``feedback_decay``, the residual (each matrix's, for ``powersgd``) is multiplied by ``gamma`` before the encode
+(:meth:`EF21Codec.fade`) and ``H`` before the sum is added.
+
+Where the inner codec's residual becomes final is the codec's to say
+(:attr:`~tagc.hooks.codecs.codec.Codec.feedback_at`):
+
+* ``"encode"``, the :class:`~tagc.hooks.codecs.codec.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and
+  any codec built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose
+  ``decode`` returns the sum of what was sent): ``g`` is subtracted right after ``encode``
+  (:meth:`~tagc.hooks.codecs.codec.Codec.subtract_input`). ``tagc``'s ``fallback="raw"`` re-sends
+  ``(g + r) - r_left`` from a copy it keeps until decode: ``g`` is taken off that copy too, so the
+  re-sent values stay what was sent.
+* ``"decode"``, ``powersgd``, which finalises its residuals in ``decode`` (``r = M - P Q^T / N`` per
+  matrix, ``M = g + r``): the codec turns each into ``r_before - P Q^T / N`` there, from the ``M`` it
+  kept (:meth:`~tagc.hooks.codecs.codec.Codec.decode_shifted`). The columns it sends plain (shapeless
+  parameters such as biases) have no error feedback under either kind: they reach the optimizer as
+  their plain sum, not through ``H``.
+
+In an all-reduce form (DDP's, :mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole part,
+each part's shift is a :class:`SummedShift`: every rank keeps the whole part's ``H``.
+
+NaN/Inf (the codecs' policy, :mod:`tagc.hooks.codecs.codec`, kept): a rank whose part is not finite
+sends NaN and keeps its residual (its ``h_i``) and ``v_i`` as they were; the owner's part is NaN
+(counted in ``nonfinite_parts``). ``H`` stays the sum of the ``h_i``: the owner sums the rows of
+the ranks that sent finite values (what they added to their ``h_j``) into ``H``, and leaves
+the poisoned rows out. ``powersgd`` keeps every rank's residual of a matrix whose summed ``Q`` is
+not finite, and ``H`` keeps those columns as they were.
+
+State, per part (the codec's keys): the residual (``-h_i``, ``[N, n]``, float32), ``H`` (float32,
+this rank's ``n`` columns; in DDP's ``gather`` form, where every rank decodes every replica's piece,
+one per piece) and, with momentum, ``v_i`` (``[N, n]``, float32). All in :meth:`EF21Codec.state_dict`
+(entries ``<part>#ef21_sum``, ``<part>#ef21_momentum``), so a checkpoint resumes bit for bit.
+
+Caveats:
+
+* The dense warm-up (``dense_steps``) does not go through the codec: EF21 starts from ``h_i = 0``
+  and ``H = 0`` at the first compressed step, so that step's ``H`` is as sparse as classic error
+  feedback's, and it fills in over about ``1 / density`` steps.
+* ``H`` is the sum of every decoded change since the start: a decode error (``tagc``'s
+  ``fallback="estimate"`` where peeling fails, rounding of bf16/fp16 sketch cells) stays in ``H``
+  instead of being lost once. ``fallback="raw"`` removes the first.
+* ``h_i`` is kept through float32 rounding (``(g - h) - g``): it drifts from the exact sum of what
+  was sent by about one float32 rounding of ``|g|`` per step, a random walk. A bf16 residual would
+  drift 65,000 times faster, so ``feedback="ef21"`` needs ``residual_dtype=torch.float32``.
+* Memory: ``H`` adds the part's shard (``1 / N`` of the residual); momentum adds a residual's size.
+* DDP: TAGC under EF21 keeps DDP's all-reduce (``sketch``) form, where every rank keeps the whole
+  part's ``H`` (:mod:`tagc.hooks.adapters.ddp`); the other codecs' buckets go ``rs+ag`` or ``gather`` (the
+  engine's exchange), whose bytes differ from their classic all-reduce form's.
+* A staleness measure that reads the residual cannot count a zero as "sent": the residual is
+  ``-h_i``, zero only where the shift is. An element was sent when its residual changed
+  (``gpt2_bench.diagnostics.StaleAges(changed=True)``, which the trainer's diagnostics pick under EF21).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tagc.hooks.codecs.codec import Codec, Wire, finite
+from tagc.hooks.core.allreduce import Shift
+from tagc.hooks.core.state_keys import part_key
+from tagc.hooks.core.stats import ExchangeStats
+
+if TYPE_CHECKING:
+    from tagc.hooks.core.segment import Segment
+
+FEEDBACKS = ("classic", "ef21")
+"""``tagc.hook(feedback=...)``: the codecs' own error feedback, or EF21 (:class:`EF21Codec`)."""
+SUM = "#ef21_sum"
+"""State entry suffix of a part's ``H``: ``<part>#ef21_sum``; in DDP's gather form ``<part>#ef21_sum<k>`` for piece
+``k > 0``."""
+MOMENTUM = "#ef21_momentum"
+"""State entry suffix of a part's ``v_i``."""
+MARK = "#ef21_"
+"""What every EF21 state entry's name holds (:func:`tagc.hooks.core.checkpoint.check_feedback`)."""
+
+
+def check_feedback(feedback: str, momentum: float, decay: float = 1.0) -> None:
+    """Clear errors for ``feedback``, ``feedback_momentum`` and ``feedback_decay`` (the codec is checked by
+    :func:`with_feedback`)."""
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"feedback_momentum must be a number in [0, 1) (0: none; beta of v = beta v + (1 - beta) g), "
+                         f"got {momentum!r}")
+    if momentum and feedback != "ef21":
+        raise ValueError(f"feedback_momentum applies only with feedback='ef21' (EF21-SGDM), got feedback={feedback!r}")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"feedback_decay must be a number in (0, 1] (1: EF21's shifts hold; gamma of "
+                         f"h = gamma h + C(g - gamma h)), got {decay!r}")
+    if decay != 1.0 and feedback != "ef21":
+        raise ValueError(f"feedback_decay applies only with feedback='ef21' (it fades EF21's shifts), got "
+                         f"feedback={feedback!r}")
+
+
+def with_feedback(codec: Codec, feedback: str = "classic", momentum: float = 0.0, decay: float = 1.0) -> Codec:
+    """``codec`` itself (``"classic"``), or wrapped in :class:`EF21Codec` (``"ef21"``). A codec without error
+    feedback (``plain``, ``bf16``, ``fp8``, ``int4``) is an error under ``"ef21"``: it keeps no residual to shift."""
+    check_feedback(feedback, momentum, decay)
+    if feedback == "classic":
+        return codec
+    return EF21Codec(codec, momentum, decay)
+
+
+class EF21Codec(Codec):
+    """``inner`` with EF21 (``momentum > 0``: EF21-SGDM) instead of its own error feedback (module docstring).
+
+    Everything but the error feedback is ``inner``'s: its wire, rounds, planning, name; a copy at another
+    ratio (:meth:`at_ratio`) shares ``inner``'s state and this wrapper's.
+    """
+
+    feedback = "ef21"
+    summed_rows = False  # the rows are needed apart: a NaN rank's are left out of H
+
+    def __init__(self, inner: Codec, momentum: float = 0.0, decay: float = 1.0) -> None:
+        if not inner.error_feedback:
+            raise ValueError(f"feedback='ef21' shifts an error-feedback codec's residual; codec {inner.name!r} keeps "
+                             "none (it sends every element every step): use feedback='classic' with it")
+        if inner.feedback_at not in ("encode", "decode"):
+            raise ValueError(f"feedback='ef21' does not know where codec {inner.name!r} finalises its residual: it "
+                             "serves ResidualCodec codecs (whose encode leaves r = x - sent) and powersgd")
+        if getattr(inner, "residual_dtype", torch.float32) != torch.float32:
+            raise ValueError("feedback='ef21' keeps its shift in the residual through a float32 rounding per step; "
+                             f"residual_dtype={inner.residual_dtype} would drift from the owners' sum: use "
+                             "residual_dtype=torch.float32")
+        check_feedback("ef21", momentum, decay)
+        self.inner = inner
+        self.momentum = float(momentum)
+        self._fading = {"decay": float(decay)}  # one dict for every ratio's copy: set_decay reaches them all
+        self.sums: dict[str, torch.Tensor] = {}
+        """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
+        self.momenta: dict[str, torch.Tensor] = {}
+        """``v_i`` per part, keyed by its state entry name."""
+        self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
+
+    @property
+    def decay(self) -> float:
+        """``gamma``: the factor every shift and ``H`` fade by at each step (1: they hold)."""
+        return self._fading["decay"]
+
+    def set_decay(self, decay: float) -> None:
+        """Fade by ``decay`` from the next step on (in ``(0, 1]``), in this codec and its copies at other ratios.
+        Every rank must set the same value before the same step (e.g. from the learning-rate schedule):
+        the owners fade ``H`` by the value their ranks faded their shifts by."""
+        check_feedback("ef21", self.momentum, decay)
+        self._fading["decay"] = float(decay)
+
+    # ------------------------------------------------------------------ what the inner codec is
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def compresses(self) -> bool:
+        return self.inner.compresses
+
+    @property
+    def rounds(self) -> int:
+        return self.inner.rounds
+
+    @property
+    def whole_segments(self) -> bool:
+        return self.inner.whole_segments
+
+    @property
+    def uses_ratio(self) -> bool:
+        return self.inner.uses_ratio
+
+    @property
+    def error_feedback(self) -> bool:
+        return True
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The inner codec's residuals: ``-h_i`` per part (:attr:`tagc.hooks.core.engine.TAGCHook.residuals`)."""
+        return self.inner.residuals
+
+    @property
+    def config(self):
+        """The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``)."""
+        return self.inner.config
+
+    @property
+    def wire_codec(self) -> Codec:
+        return self.inner.wire_codec
+
+    def all_reduce_form(self, parts, plain, plain_codec):
+        """The inner codec's all-reduce form, its parts' feedback this wrapper's (:meth:`summed_shift`)."""
+        return self.inner.all_reduce_form(parts, plain, plain_codec)
+
+    def summed_shift(self, key: str, numel: int) -> "SummedShift":
+        return SummedShift(self, key, numel)
+
+    def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
+        self.inner.prepare(key, segments, world)
+
+    def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
+        return self.inner.wire(numel, world, dtype)
+
+    def next_round(self, round, received, key, group):
+        return self.inner.next_round(round, received, key, group)
+
+    def overlappable(self) -> bool:
+        return self.inner.overlappable()
+
+    def traceable(self) -> bool:
+        return self.inner.traceable()
+
+    def at_ratio(self, ratio: float) -> "EF21Codec":
+        inner = self.inner.at_ratio(ratio)
+        if inner is self.inner:
+            return self
+        clone = copy.copy(self)  # the same dicts: one state for every ratio
+        clone.inner = inner
+        return clone
+
+    # ------------------------------------------------------------------ encode: g - h_i, then h_i += what was sent
+
+    def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
+        self._decodes[key] = 0
+        self.fade(key)
+        feed = self.feed(grad, key)
+        wires = self.inner.encode(feed, key, group)
+        if self.inner.feedback_at == "encode":
+            # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
+            taken = torch.where(finite(feed), feed, torch.zeros((), dtype=feed.dtype, device=feed.device))
+            self.inner.subtract_input(key, taken)
+        return wires
+
+    def fade(self, key: str) -> None:
+        """``feedback_decay``: ``h_i *= decay`` on every residual of part ``key`` (each holds ``-h_i``), before this
+        step's change is chosen against it; the owners fade ``H`` alike in :meth:`add_decoded`. A no-op at 1."""
+        if self.decay == 1.0:
+            return
+        for name in self.inner.residual_keys(key):
+            residual = self.inner.residuals.get(name)  # none yet at the first step: h = 0
+            if residual is not None:
+                residual.mul_(self.decay)
+
+    def feed(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        """What part ``key`` compresses against its shift this step: the gradient, or with momentum the rank's
+        average ``v_i`` (:meth:`_average`). For an exchange that compresses the part itself (DDP's all-reduce form)."""
+        return self._average(grad, key) if self.momentum else grad
+
+    def _average(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        """EF21-SGDM: ``v = beta v + (1 - beta) g`` (the first: ``v = g``), kept where finite; returns what the
+        codec encodes: ``v`` (NaN where ``g`` is not finite, so the codec's NaN policy applies)."""
+        name = key + MOMENTUM
+        held = self.momenta.get(name)
+        new = grad.float() if held is None else torch.lerp(held, grad.float(), 1.0 - self.momentum)
+        ok = finite(new)
+        if held is None:
+            self.momenta[name] = torch.where(ok, new, 0.0)
+        else:
+            held.copy_(torch.where(ok, new, held))
+        # powersgd sends its shapeless columns in the gradient's dtype: keep the wire's
+        return new.to(grad.dtype) if self.inner.keeps_input_dtype else new
+
+    # ------------------------------------------------------------------ decode: H += the decoded sum; H out
+
+    def decode(self, received: Sequence[torch.Tensor], numel: int, key: str, group: Optional[dist.ProcessGroup],
+               stats: ExchangeStats) -> torch.Tensor:
+        piece = self._decodes.get(key, 0)
+        self._decodes[key] = piece + 1
+        name = key + SUM + (str(piece) if piece else "")
+        if self.inner.feedback_at == "decode":
+            values, shifted = self.inner.decode_shifted(received, numel, key, group, stats)
+            total = self._faded_sum(name, numel, values.device)
+            total.copy_(torch.where(shifted, total + values, total))
+            return torch.where(shifted, total, values)  # the plain columns (and a non-finite matrix) as decoded
+        rows_ok, clean = _finite_rows(received)
+        total, ok = self.add_decoded(name, numel, self.inner.decode(clean, numel, key, group, stats))
+        ok = ok & rows_ok
+        stats.count_nonfinite(ok)
+        return torch.where(ok, total, torch.nan)
+
+    def add_decoded(self, name: str, numel: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``H`` (state entry ``name``) plus the decoded sum of the ranks' changes where it is finite (what the ranks
+        that sent finite values added to their ``h_j``); returns ``(H, ok)``, ``ok`` whether ``decoded`` is finite."""
+        ok = finite(decoded)
+        total = self._faded_sum(name, numel, decoded.device)
+        total.add_(torch.where(ok, decoded, 0.0))
+        return total, ok
+
+    def _faded_sum(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """``H`` of state entry ``name`` (zeros the first time), faded by ``decay`` as every rank faded its ``h_j``
+        in :meth:`fade`, ready for this step's decoded sum."""
+        total = self.sums.get(name)
+        if total is None:
+            total = self.sums[name] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif self.decay != 1.0:
+            total.mul_(self.decay)
+        return total
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.inner.state_dict(), **self.sums, **self.momenta}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The inner codec's entries to it, ``H`` and ``v_i`` here (copies, into the same dicts). A checkpoint of
+        classic error feedback (residuals without ``H``), or one whose momentum differs, is an error: its
+        residuals mean another thing, and EF21 is never restarted from zeros silently."""
+
+        mine = {key: value for key, value in state.items() if MARK in key}
+        theirs = {key: value for key, value in state.items() if MARK not in key}
+        sums = {key: value for key, value in mine.items() if SUM in key}
+        momenta = {key: value for key, value in mine.items() if key.endswith(MOMENTUM)}
+        unknown = sorted(set(mine) - set(sums) - set(momenta))
+        if unknown:
+            raise ValueError(f"unknown EF21 state entries {unknown[:4]}")
+        parts = {part_key(key) for key in theirs}
+        missing = sorted(parts - {part_key(key) for key in sums})
+        if missing:
+            raise ValueError(f"this checkpoint holds residuals without EF21's sums for parts {missing[:4]}: it was "
+                             "written with feedback='classic', whose residuals are not EF21's shifts. Build the hook "
+                             "with feedback='classic' to resume it (and, for a checkpoint of tagc.hook() before "
+                             "2026-11-26, the paper's wire it ran: ratio=10, plain='fp32', positions='bitmap', "
+                             "value_dtype='float32')")
+        with_momentum = {part_key(key) for key in momenta}
+        if self.momentum and parts - with_momentum or not self.momentum and with_momentum:
+            raise ValueError(f"this checkpoint was written with{'out' if self.momentum else ''} EF21's momentum "
+                             f"(feedback_momentum); this hook has feedback_momentum={self.momentum}: build it as the "
+                             "checkpoint was written")
+        self.inner.load_state_dict(theirs)
+        for held, loaded in ((self.sums, sums), (self.momenta, momenta)):
+            held.clear()
+            held.update({key: value.clone() for key, value in loaded.items()})
+
+
+class SummedShift(Shift):
+    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole
+    part:
+    the part compresses ``g - h_i`` (its residual holds ``-h_i``; ``v_i - h_i`` with momentum), its residual becomes the
+    next ``-h_i`` as :meth:`EF21Codec.encode` leaves it, and every rank adds the decoded sum of the changes to its copy
+    of ``H`` (the whole part: ``H`` is replicated). A part whose summed table is not finite (a rank's gradient was)
+    leaves every shift and ``H`` as they were: the sum cannot tell which rank's change was finite, so every rank takes
+    its own back; the part comes out NaN, as the codecs' policy has it."""
+
+    def __init__(self, ef21: EF21Codec, key: str, numel: int) -> None:
+        self.ef21, self.key, self.numel = ef21, key, numel
+        self.residual = self.before = None
+
+    def feed(self, grad: torch.Tensor) -> torch.Tensor:
+        self.ef21.fade(self.key)
+        return self.ef21.feed(grad, self.key)
+
+    def hold(self, residual: torch.Tensor) -> None:
+        self.residual, self.before = residual, residual.clone()
+
+    def sent(self, taken: torch.Tensor) -> None:
+        self.residual.sub_(taken)  # -(h_i + sent), as EF21Codec.encode leaves it
+
+    def decoded(self, decoded: torch.Tensor) -> torch.Tensor:
+        total, ok = self.ef21.add_decoded(self.key + SUM, self.numel, decoded)
+        self.residual.copy_(torch.where(ok, self.residual, self.before))
+        return torch.where(ok, total, torch.nan)
+
+
+def _finite_rows(received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(ok, clean)``: ``ok`` (0-d bool) whether every rank's row of every floating wire tensor is finite; ``clean``
+    the wires with the floating rows of a rank that sent a NaN/Inf zeroed (its part adds nothing at the owner: a
+    rank with a non-finite part keeps its residual and sends nothing else, e.g. an all-zero index)."""
+    floating = [wire for wire in received if wire.is_floating_point()]
+    if not floating:
+        return torch.ones((), dtype=torch.bool, device=received[0].device), list(received)
+    rows = torch.stack([torch.isfinite(wire).all(dim=1) for wire in floating]).all(dim=0)  # [N]
+    clean = [torch.where(rows[:, None], wire, torch.zeros((), dtype=wire.dtype, device=wire.device))
+             if wire.is_floating_point() else wire for wire in received]
+    return rows.all(), clean
+
+
+class LearningRateFading:
+    """EF21's fading from an optimizer's learning rate (``hook.follow_lr``): ``1 - (1 - decay) * lr / peak``.
+
+    ``decay`` at the peak rate; as the rate decays the shifts hold longer, toward 1 (no fading) at a rate of 0.
+    ``lr`` is the first parameter group's; ``peak`` is ``peak_lr``, else the group's ``initial_lr`` (torch's
+    schedulers set it), else the largest rate read so far."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, peak_lr: float | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.param_groups:
+            raise TypeError(f"follow_lr reads a torch.optim.Optimizer's learning rate, got {type(optimizer).__name__}")
+        if peak_lr is not None and (isinstance(peak_lr, bool) or not isinstance(peak_lr, (int, float))
+                                    or not 0 < peak_lr < float("inf")):
+            raise ValueError(f"peak_lr must be a positive number (the schedule's largest rate), got {peak_lr!r}")
+        check_feedback("ef21", 0.0, decay)
+        self.optimizer = optimizer
+        self.base = float(decay)
+        self.peak_lr = peak_lr
+        self._largest = 0.0
+        self.read()  # a rate held as a tensor fails here, not in the backward
+
+    def read(self) -> float:
+        """The first parameter group's rate now, as a Python number (never a device read)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:  # a tensor is neither
+            raise ValueError(f"follow_lr reads the learning rate as a number and got {lr!r} (a rate held in a "
+                             "tensor would cost a device read each step): call hook.set_feedback_decay("
+                             "1 - (1 - feedback_decay) * lr / peak_lr) yourself between steps instead")
+        return float(lr)
+
+    def decay(self) -> float:
+        """This step's fading, in ``[decay, 1]``."""
+        lr = self.read()
+        self._largest = max(self._largest, lr)
+        peak = self.peak_lr or self.optimizer.param_groups[0].get("initial_lr") or self._largest
+        if not peak:
+            return 1.0  # a rate of 0 from the start: nothing moves, so nothing needs fading
+        return 1.0 - (1.0 - self.base) * min(1.0, lr / peak)

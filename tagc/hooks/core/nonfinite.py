@@ -1,0 +1,78 @@
+"""TAGC's NaN/Inf policy and decode statistics on the device: no host read in a steady exchange.
+
+The policy (:mod:`tagc.hooks.codecs.codec`): a rank whose part holds a NaN/Inf keeps its residual
+as it was and sends a NaN table, so every owner's whole part comes out NaN and counts
+``nonfinite_parts``. Deciding that with ``bool(finite(grad))`` waits for the GPU once per
+part; here the decision is a 0-d boolean tensor ``ok`` and every branch is a ``torch.where``:
+
+* encode: the gradient is zeroed where ``ok`` is false (``where(ok, grad, 0)``, one extra
+  pass over the gradient part) and the per-row thresholds are ``+inf``, so the fused compress
+  adds 0 to the residual and keeps nothing: the residual stays as it was (bit for bit, up to
+  the sign of a zero), without a copy of it. The table sent is ``where(ok, table, NaN)``; the
+  index is all zeros (nothing kept). The thresholds are those the fused compress computes
+  itself (:func:`thresholds`), so a finite part is compressed exactly as before.
+* decode (``fallback="estimate"``): the summed table is zeroed where it is not finite, decoded
+  with :func:`tagc.kernels.dispatch.decode_async` (statistics as an int64 device tensor), the
+  values are ``where(ok, values, NaN)``, and the statistics are added to the
+  :class:`~tagc.hooks.core.stats.ExchangeStats` as device tensors (``* ok``: a non-finite part
+  counts only ``nonfinite_parts``). They are read once, by ``stats()``.
+
+``decode_async`` solves peeling's stopping sets on every back end: on the Triton back end on the
+device, in buffers whose sizes follow from the settings (up to ``EXACT_SOLVE_LIMIT`` positions);
+on the CPU back ends it is the full decode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tagc.hooks.core.stats import ExchangeStats
+from tagc.kernels import dispatch
+from tagc.sketch import SketchLayout
+from tagc.sketch.kept_list import finite
+
+DEVICE_STATS = ("support", "peeled", "unpeeled", "estimated")
+"""The decode statistics the hook keeps (of :data:`tagc.kernels.dispatch.STAT_FIELDS`)."""
+
+
+def zero_unless_finite(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ok, where(ok, grad, 0))``: ``ok`` a 0-d bool tensor, whether every entry is finite."""
+    ok = finite(grad)
+    return ok, torch.where(ok, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def thresholds(residual: torch.Tensor, grad: torch.Tensor, density: float, numel: int) -> torch.Tensor:
+    """The per-row thresholds the fused compress computes for ``residual + grad`` (``[N]``):
+    its sample of the sum in the residual's dtype."""
+    rows = residual.reshape(-1, numel)
+    grads = grad.reshape(rows.shape)
+    if residual.dtype != torch.float32 and torch.promote_types(residual.dtype, grad.dtype) != residual.dtype:
+        # compress adds in place, rounding the sum to the residual's dtype before sampling it
+        rows, grads = (rows + grads).to(residual.dtype), None
+    return dispatch.row_thresholds(rows, density, grad=grads)
+
+
+def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout,
+              bits: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused compress under the NaN/Inf policy; ``ok, grad`` from :func:`zero_unless_finite`.
+
+    Returns ``(index, table, held)``: ``held`` (int64 0-d) counts the entries the rows'
+    capacity ``cap`` (:func:`tagc.sketch.sparsify.capacity`) left in the residual.
+    """
+    tau = torch.where(ok, thresholds(residual, grad, density, layout.numel), math.inf)
+    index, table, held = dispatch.compress_(grad, residual, density, layout, bits, tau=tau, return_held=True, cap=cap)
+    return index, torch.where(ok, table, math.nan), held.sum()
+
+
+def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,
+            stats: ExchangeStats) -> torch.Tensor:
+    """Decode a summed table under the NaN/Inf policy; statistics added to ``stats`` on the device."""
+    ok = finite(summed)
+    values, counts = dispatch.decode_async(torch.where(ok, summed, 0.0), union, layout, bits, fallback)
+    counts = counts * ok
+    stats.count_nonfinite(ok)
+    for name in DEVICE_STATS:
+        stats.count(name, counts[dispatch.STAT_FIELDS.index(name)])
+    return torch.where(ok, values, math.nan)

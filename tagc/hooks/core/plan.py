@@ -1,0 +1,183 @@
+"""Planning: how a bucket's columns are cut into parts, and which codec each part goes through.
+
+A bucket is the packed reduce-scatter input of ``chunk`` columns, each parameter a
+:class:`~tagc.hooks.core.segment.Segment` of them. The columns the ``select`` policy leaves alone (and
+the padding) go to the plain codec as one part; the selected ones go to the hook's codec, grouped
+by their ratio and cut into parts of at least ``min_part`` elements, so part ``k+1`` is encoded
+while part ``k`` is on the wire. Plans are device-free and cached (:class:`Planner`): the same
+settings give the same plan, on every rank, at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tagc.hooks.codecs.codec import Codec
+from tagc.hooks.core.segment import Segment
+from tagc.hooks.core.settings import HookSettings
+
+RAMP_STAGES = 4
+"""A density ramp (``ramp_steps``) climbs to the ratio in this many equal-length stages (as Deep
+Gradient Compression's warm-up does over 4 epochs): each stage is a plan of its own."""
+
+
+def ramp_stage(steps_into_ramp: int, ramp_steps: int) -> int:
+    """The stage (``0 .. RAMP_STAGES - 1``) ``steps_into_ramp`` steps into a ``ramp_steps``-step ramp."""
+    return min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // ramp_steps)
+
+
+def ramp_ratio(ratio: float, stage: int) -> float:
+    """The ratio of stage ``stage`` of a density ramp to ``ratio``: ``ratio ** ((stage + 1) /
+    (RAMP_STAGES + 1))``, so the ratio climbs geometrically (ratio 10: 1.58, 2.51, 3.98, 6.31,
+    then 10; on 2 ranks a density of 25%, 15%, 9.2%, 5.7%, then 3.6%), and the kept fraction
+    falls as DGC's does."""
+    return ratio ** ((stage + 1) / (RAMP_STAGES + 1))
+
+
+@dataclasses.dataclass
+class Part:
+    """Columns of a bucket that one codec encodes together."""
+
+    columns: slice | torch.Tensor
+    numel: int
+    codec: Codec
+    key: str  # the codec's state key: the bucket's parameters and the part's place
+    _on_device: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def index(self, device: torch.device) -> slice | torch.Tensor:
+        """``columns`` to index a tensor on ``device``: a slice, or the column list copied there once
+        (a host index on a GPU tensor would be copied to the device at every use)."""
+        if isinstance(self.columns, slice):
+            return self.columns
+        if device not in self._on_device:
+            self._on_device[device] = self.columns.to(device)
+        return self._on_device[device]
+
+
+@dataclasses.dataclass
+class BucketPlan:
+    """A bucket's parts, and the parameters it compresses."""
+
+    key: str
+    chunk: int
+    parts: list[Part]  # the plain columns first (if any), then the compressed parts
+    chosen: tuple[Segment, ...] = ()  # the compressed parameters
+
+    @property
+    def compressed_parts(self) -> list[Part]:
+        return [part for part in self.parts if part.codec.compresses]
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.compressed_parts)
+
+
+def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:
+    """A plan's column list, on the host: plans are device-free; :meth:`Part.index` puts it on the device."""
+    if not segments:
+        return None
+    return torch.cat([torch.arange(s.start, s.start + s.numel, device="cpu") for s in segments])
+
+
+def _selector(columns: torch.Tensor) -> slice | torch.Tensor:
+    """A slice where ``columns`` are consecutive (indexing by it is a view, not a gather)."""
+    if columns.numel() > 1 and not bool((columns[1:] - columns[:-1] == 1).all()):
+        return columns
+    return slice(int(columns[0]), int(columns[-1]) + 1)
+
+
+def ratio_of(segment: Segment, settings: HookSettings, codec: Codec) -> float | None:
+    """``None``: the segment goes plain; else its compression ratio: the config's, or the one
+    the ``select`` policy gave it (a number)."""
+    chosen = settings.select(segment.name, segment.module) if segment.selected is None else segment.selected
+    if isinstance(chosen, bool) or chosen is None:
+        return settings.config.ratio if chosen else None
+    if not isinstance(chosen, (int, float)) or not 1.0 < float(chosen) < float("inf"):
+        raise ValueError(f"select returned {chosen!r} for {segment.name!r}: return True/False, or a compression "
+                         "ratio > 1")
+    if not codec.uses_ratio:
+        raise ValueError(f"select returned the ratio {chosen!r} for {segment.name!r}, but codec {codec.name!r} has no "
+                         "ratio: return True/False (per-parameter ratios apply to tagc and topk)")
+    return float(chosen)
+
+
+def make_plan(segments: tuple[Segment, ...], chunk: int, world: int, settings: HookSettings, codec: Codec, plain: Codec,
+              codec_at: Callable[[float], Codec]) -> BucketPlan:
+    """The plan of a bucket of ``chunk`` columns over ``world`` ranks. ``codec_at(ratio)``: the codec for the
+    parts of that ratio (a density ramp's stage maps the ratios)."""
+    covered = sum(s.numel for s in segments)
+    if covered > chunk:
+        raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
+    tail = [Segment("<padding>", covered, chunk - covered)] if covered < chunk else []
+    ratios = {}
+    if codec.compresses:
+        ratios = {s: ratio for s in segments if (ratio := ratio_of(s, settings, codec)) is not None}
+    chosen = list(ratios)
+    compressed = sum(s.numel for s in chosen)
+    if compressed < max(1, settings.config.min_compress_numel):
+        chosen, compressed = [], 0
+    rest = [s for s in segments if s not in chosen] + tail
+    key = f"{'|'.join(s.name for s in chosen) or '|'.join(s.name for s in segments)}#{chunk}"
+    parts = []
+    plain_columns = _columns(rest)
+    if plain_columns is not None:
+        parts.append(Part(_selector(plain_columns), plain_columns.numel(), plain, f"{key}/plain"))
+    if chosen and codec.whole_segments:  # one part: every selected parameter, whole
+        at = [0] + list(itertools.accumulate(s.numel for s in chosen))
+        codec.prepare(f"{key}/part0", [dataclasses.replace(s, start=a) for s, a in zip(chosen, at)], world)
+        parts.append(Part(_selector(_columns(chosen)), compressed, codec, f"{key}/part0"))
+    elif chosen:  # the config's ratio first, then each other ratio in order of first use
+        numbered = itertools.count()
+        for ratio in dict.fromkeys(sorted(ratios.values(), key=lambda r: r != settings.config.ratio)):
+            group = [s for s in chosen if ratios[s] == ratio]
+            columns = _columns(group)
+            numel = columns.numel()
+            n_parts = max(1, numel // settings.min_part)
+            bounds = [round(i * numel / n_parts) for i in range(n_parts + 1)]
+            part_codec = codec_at(ratio)
+            for a, b in itertools.pairwise(bounds):
+                parts.append(Part(_selector(columns[a:b]), b - a, part_codec, f"{key}/part{next(numbered)}"))
+    return BucketPlan(key=key, chunk=chunk, parts=parts, chosen=tuple(chosen))
+
+
+class Planner:
+    """Plans of buckets, cached by ``(segments, chunk, world, ramp stage)``, and the codec at each ratio
+    (one object per ratio, all sharing the codec's state)."""
+
+    def __init__(self, settings: HookSettings, codec: Codec, plain: Codec) -> None:
+        self.settings, self.codec, self.plain = settings, codec, plain
+        self.plans: dict[tuple, BucketPlan] = {}
+        self._codecs_at: dict[float, Codec] = {}
+
+    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
+             steps_into_ramp: int | None = None) -> BucketPlan:
+        """The bucket's plan; ``steps_into_ramp``: the density ramp's plan for that step (its stage's ratios)."""
+        stage = None if steps_into_ramp is None else ramp_stage(steps_into_ramp, self.settings.ramp_steps)
+        cache_key = (segments, chunk, world, stage)
+        if cache_key not in self.plans:
+            at = self.codec_at if stage is None else (lambda ratio: self.codec_at(ramp_ratio(ratio, stage)))
+            self.plans[cache_key] = self.make_plan(segments, chunk, world, at)
+        return self.plans[cache_key]
+
+    def make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
+                  codec_at: Callable[[float], Codec] | None = None) -> BucketPlan:
+        """A plan, not cached (:func:`make_plan`); ``codec_at`` defaults to :meth:`codec_at`."""
+        return make_plan(segments, chunk, world, self.settings, self.codec, self.plain, codec_at or self.codec_at)
+
+    def plain_plan(self, key: str, chunk: int) -> BucketPlan:
+        """The whole bucket through the plain codec (a dense warm-up step), under the steady plan's ``key``."""
+        return BucketPlan(key=key, chunk=chunk, parts=[Part(slice(0, chunk), chunk, self.plain, f"{key}/plain")])
+
+    def codec_at(self, ratio: float) -> Codec:
+        """The hook's codec at ``ratio`` (one object per ratio, all sharing the codec's state)."""
+        if ratio not in self._codecs_at:
+            self._codecs_at[ratio] = self.codec.at_ratio(ratio)
+        return self._codecs_at[ratio]
+
+    def ratio_of(self, segment: Segment) -> float | None:
+        """:func:`ratio_of` under this planner's settings and codec."""
+        return ratio_of(segment, self.settings, self.codec)
