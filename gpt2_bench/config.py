@@ -192,7 +192,7 @@ class TrainConfig:
         from tagc.hooks.codecs.registry import spec
 
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
-                  "blocks": "non_attention_block_linear"}.get(self.compression, self.compression)
+                  "blocks": "non_attention_block_linear"}[self.compression]
         codec = "plain" if self.compression == "none" else self.codec
         sketch = dict(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity) if spec(
             codec).uses_config else {}

@@ -146,10 +146,9 @@ class TAGCHook:
         """Steps sent plain first: ``None`` gives :data:`DENSE_STEPS` to error-feedback codecs, 0 to the others."""
         return self.state.dense_steps
 
-    SETTINGS_ONLY = ("config", "select", "nonfinite", "residual_dtype", "min_part", "piece_bytes",
-                     "overlap", "codec_options", "hierarchy", "ranks_per_host", "ramp_steps", "side_stream",
-                     "feedback", "feedback_momentum", "feedback_decay")
-    """Names that are settings only (``hook.settings.<name>``): setting one on the hook is an error, not a no-op."""
+    SETTINGS_ONLY = frozenset(HookSettings.__dataclass_fields__) - {"codec", "plain", "dense_steps"}
+    """Names that are settings only (``hook.settings.<name>``): setting one on the hook is an error, not a no-op.
+    ``codec`` and ``plain`` are also the hook's codec objects, ``dense_steps`` its resolved warm-up (read-only)."""
 
     def __setattr__(self, name: str, value) -> None:
         if name in self.SETTINGS_ONLY:
