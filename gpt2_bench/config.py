@@ -21,8 +21,6 @@ PARAM_DTYPES = {**REDUCE_DTYPES, "int8": "int8"}
 """``--param-dtype``: the parameter all-gather's (``int8``: SimpleFSDP's blockwise int8 gather, ZeRO++'s qwZ)."""
 
 
-EMBEDDING = r"(^|\.)(wte|lm_head)\.weight$"
-"""The tied token embedding / LM head (``--embedding-ratio``): one parameter, named by either module."""
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -62,24 +60,16 @@ class TrainConfig:
     default for the codec (:func:`library_dense_steps`: ``tagc.hook()``'s warm-up for error-feedback
     codecs, none for the others), resolved when the config is made so that the run's settings
     record the number."""
-    ramp_steps: int = 0
-    """``tagc.hook(ramp_steps=...)``: after the dense warm-up, climb to ``ratio`` over this many steps (tagc, topk)."""
     feedback: Optional[str] = None
     """``tagc.hook(feedback=...)``: the codec's own error feedback (``classic``) or EF21 (``ef21``,
     :mod:`tagc.hooks.codecs.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd); ``None``: the
     library's default for the codec (``ef21`` for ``tagc``, else ``classic``)."""
-    feedback_momentum: float = 0.0
-    """``tagc.hook(feedback_momentum=...)``, with ``feedback="ef21"``: the beta of each rank's gradient average
-    ``v = beta v + (1 - beta) g`` compressed instead of ``g`` (EF21-SGDM); 0: none."""
     feedback_decay: Optional[float] = None
     """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
     (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
     feedback_decay_follows_lr: bool = False
     """With ``feedback_decay`` below 1: call ``hook.follow_lr(optimizer)`` as users do, so that the shifts hold more
     as the learning rate decays (:meth:`tagc.TAGCHook.follow_lr`)."""
-    embedding_ratio: Optional[float] = None
-    """The tied embedding / LM head's own compression ratio (``tagc.hooks.core.selection.ratio_for``); None:
-    ``ratio``."""
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -197,16 +187,8 @@ class TrainConfig:
         sketch = dict(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity) if spec(
             codec).uses_config else {}
         topology = {"hierarchy": self.hierarchy} if self.hosts > 1 else {}  # ranks per host: torchrun's
-        if self.embedding_ratio is not None:
-            from tagc.hooks.core.selection import ratio_for
-
-            try:
-                select = ratio_for(EMBEDDING, self.embedding_ratio, select)
-            except ValueError as error:
-                raise ValueError(f"embedding_ratio: {error}") from None
         return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
-                    ramp_steps=self.ramp_steps, codec=codec, overlap=self.overlap, plain=self.plain,
-                    feedback=self.feedback, feedback_momentum=self.feedback_momentum,
+                    codec=codec, overlap=self.overlap, plain=self.plain, feedback=self.feedback,
                     feedback_decay=self.feedback_decay, **sketch, **topology, **self.codec_options)
 
     def __post_init__(self) -> None:
@@ -250,17 +232,6 @@ class TrainConfig:
                 raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
-        if self.ramp_steps or self.embedding_ratio is not None:
-            from tagc.hooks.codecs.registry import codec_names, spec
-
-            sparsifying = tuple(name for name in codec_names() if spec(name).uses_config)
-            if self.compression == "none" or self.codec not in sparsifying:
-                raise ValueError(f"ramp_steps and embedding_ratio apply to the sparsifying codecs {sparsifying} "
-                                 "with compression != 'none'")
-        if not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
-            raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
-        if self.embedding_ratio is not None and not self.embedding_ratio > 1:
-            raise ValueError(f"embedding_ratio must be > 1, got {self.embedding_ratio!r}")
         from tagc.hooks.core.engine import PLAIN_CODECS
 
         if self.plain not in PLAIN_CODECS:
@@ -333,14 +304,10 @@ class TrainConfig:
             algo += f"-param-{self.param_dtype}"
         if self.compression != "none" and self.dense_steps:
             algo += f"-dense{self.dense_steps}"
-        if self.ramp_steps:
-            algo += f"-ramp{self.ramp_steps}"
         if self.feedback != "classic":
-            algo += f"-{self.feedback}" + (f"m{self.feedback_momentum:g}" if self.feedback_momentum else "")
+            algo += f"-{self.feedback}"
             algo += f"d{self.feedback_decay:g}" if self.feedback_decay != 1.0 else ""
             algo += "-lr" if self.feedback_decay_follows_lr else ""
-        if self.embedding_ratio is not None:
-            algo += f"-emb{self.embedding_ratio:g}"
         if self.torch_hook:
             algo += "-torch"
         if self.hosts > 1:
@@ -448,9 +415,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
                         "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.codecs.feedback); default: the "  # noqa: E501
                         "library's, " + library_default("feedback"))
-    p.add_argument("--feedback-momentum", type=float, default=defaults.feedback_momentum, metavar="BETA",
-                   help="--feedback ef21: compress each rank's average v = BETA v + (1 - BETA) g instead of g "
-                        "(EF21-SGDM; 0, the default: none)")
     p.add_argument("--feedback-decay", type=float, default=None, metavar="GAMMA",
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
                         "element that is not sent fades instead of holding its last value (default: the "
@@ -458,11 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback-decay-follows-lr", action="store_true", default=defaults.feedback_decay_follows_lr,
                    help="call hook.follow_lr(optimizer) as users do: with EF21's fading GAMMA < 1, fade by "
                         "1 - (1 - GAMMA) * lr / peak lr at each step, holding more as the learning rate decays")
-    p.add_argument("--ramp-steps", type=int, default=defaults.ramp_steps,
-                   help="tagc/topk: after --dense-steps, climb to --ratio over this many steps in 4 geometric stages "
-                        "(DGC's ramp)")
-    p.add_argument("--embedding-ratio", type=float, default=None,
-                   help="tagc/topk: the tied embedding / LM head's own ratio (e.g. 4: denser than --ratio)")
     p.add_argument("--device", default=defaults.device, choices=DEVICES,
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL, bf16 autocast; cuda-shared: every rank on GPU 0 "
                         "over gloo, bf16 autocast (DDP only: quality runs of several ranks on one GPU, not timings); "
@@ -580,7 +539,7 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
     if extra:
         raise ValueError(f"torch_hook with codec {cfg.codec!r} takes codec options {sorted(allowed) or 'none'}, "
                          f"got {sorted(extra)}")
-    if cfg.plain != "fp32" or cfg.ramp_steps or cfg.embedding_ratio is not None:
-        raise ValueError("torch_hook: torch's hooks have no plain codec, ramp or embedding ratio (leave them out)")
+    if cfg.plain != "fp32":
+        raise ValueError("torch_hook: torch's hooks have no plain codec (leave --plain out)")
     if cfg.diagnostics:
         raise ValueError("diagnostics read our codecs' residuals by parameter: not available with torch_hook")

@@ -23,7 +23,7 @@ from gpt2_bench.config import TrainConfig, library_dense_steps
 
 LEAN_RATIO = 7.0
 """The lean methods' ratio: the fewest bytes per step that kept their val loss within 1% of fsdp's
-in the lean-wire quality sweep over ratios, a density ramp and a denser embedding (the sweep and
+in the lean-wire quality sweep over ratios, a density ramp and a denser embedding (both since removed; the sweep and
 its caveats: ``docs/results.md``, "Defaults and how they were chosen"). One ratio for both sparse
 codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries travel.
 
@@ -116,16 +116,11 @@ def method_config(base: TrainConfig, method: str) -> TrainConfig:
 
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
-    reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_momentum", "feedback_decay",
-             "feedback_decay_follows_lr")
+    reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_decay", "feedback_decay_follows_lr")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in reset}  # = the library's
     fields = {"codec_options": {}, **defaults, **settings}
-    from tagc.hooks.codecs.registry import spec
-
     if not library_dense_steps(fields["codec"], fields["compression"]):  # no error feedback: nothing to warm up
         fields["dense_steps"] = 0
-    if fields["compression"] == "none" or not spec(fields["codec"]).uses_config:  # the ratio's own settings
-        fields.update(ramp_steps=0, embedding_ratio=None)
     return base.copy_with(**{"name": method + param_suffix(base.param_dtype), **fields})
 
 

@@ -169,7 +169,6 @@ MISMATCHES = [
     ("select", dict(select="all"), dict(select="non_attention_linear")),
     ("min_part", dict(min_part=1 << 17), dict(min_part=1 << 18)),
     ("dense_steps", dict(dense_steps=0), dict(dense_steps=2)),
-    ("ramp_steps", dict(ramp_steps=0), dict(ramp_steps=4)),
     ("nonfinite", dict(nonfinite="propagate"), dict(nonfinite="raise")),
     ("plain", dict(plain="fp32"), dict(plain="bf16")),
     ("codec_options", dict(positions="bitmap"), dict(positions="coded")),

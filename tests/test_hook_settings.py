@@ -88,19 +88,19 @@ def test_a_hook_from_settings_is_the_hook_from_arguments():
     codec tagc's recommended ones (EF21 fading by 0.9, float16 cells here). ``TAGCHook(TAGCConfig(...), **kw)`` and
     ``HookSettings(...)`` fill nothing: their defaults stay the neutral ones (classic feedback, float32 cells, fp32
     plain columns, ratio 10), the TAGC paper's codec."""
-    given = dict(ratio=4, codec="tagc", select="all", plain="bf16", dense_steps=2, ramp_steps=4, positions="coded")
+    given = dict(ratio=4, codec="tagc", select="all", plain="bf16", dense_steps=2, positions="coded")
     from_settings = TAGCHook(HookSettings.from_arguments(**given))
     assert from_settings.agreed_settings() == tagc.hook(**given).agreed_settings()
     filled = from_settings.agreed_settings()
     assert (filled["feedback"], filled["feedback_decay"], dict(filled["codec_options"])) == (
         "ef21", 0.9, {"positions": "coded", "value_dtype": "float16"})
-    old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2, ramp_steps=4,
+    old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2,
                          codec_options={"positions": "coded"})
     assert old_style.agreed_settings() == TAGCHook(HookSettings.from_arguments(
         **given, feedback="classic", value_dtype="float32")).agreed_settings()  # neutral: nothing filled
     assert old_style.agreed_settings() != from_settings.agreed_settings()
     recommended_old_style = TAGCHook(tagc.TAGCConfig(ratio=4.0), select="all", plain="bf16", dense_steps=2,
-                                     ramp_steps=4, codec_options={"positions": "coded", "value_dtype": "float16"},
+                                     codec_options={"positions": "coded", "value_dtype": "float16"},
                                      feedback="ef21", feedback_decay=0.9)
     assert recommended_old_style.agreed_settings() == from_settings.agreed_settings()
     assert HookSettings() == HookSettings.from_arguments(**paper())  # the field defaults: the paper's codec
@@ -109,12 +109,12 @@ def test_a_hook_from_settings_is_the_hook_from_arguments():
 
 
 def test_the_exchange_state_places_each_step_in_the_schedule():
-    state = ExchangeState(dense_steps=2, ramp_steps=3)
+    state = ExchangeState(dense_steps=2)
     schedule = []
-    for step in range(6):
+    for step in range(4):
         state.step_count = step
-        schedule.append((state.dense, state.warming_up))
-    assert schedule == [(True, True), (True, True), (False, True), (False, True), (False, True), (False, False)]
+        schedule.append(state.dense)
+    assert schedule == [True, True, False, False]
     state.record(ExchangeStats(buckets=1, wire_bytes=10), UnitTiming("u"))
     state.seen_this_step.add("b")
     assert state.repeats("b") and not state.repeats("c")
@@ -129,7 +129,7 @@ def test_a_pending_bucket_works_on_what_it_is_given_not_on_the_hook():
     settings = HookSettings(select="all", dense_steps=0, min_part=64)
     codec, plain = settings.make_codecs()
     plan = Planner(settings, codec, plain).plain_plan("b#96", 96)
-    state = ExchangeState(0, 0)
+    state = ExchangeState(0)
     rows = torch.randn(1, 96, generator=torch.Generator().manual_seed(0))
     output = torch.empty(96)
     pending = PendingBucket(object(), plan, output, 0.5, None, ExchangeStats(buckets=1), UnitTiming("b"),

@@ -11,8 +11,6 @@ BENCHMARKS = {
     "gpu-check": "on a GPU: kernel tests on the device, a one-GPU exchange self-test, times against memcpy",
     "launches": "host work per bucket: aten ops and kernel launches at 1, 8, 64 parts (CPU, Triton interpreter)",
 }
-MOVED = {"exchange": "python -m testbed.exchange"}
-"""Benchmarks that need the experiment tooling (emulated links, the launcher) live in ``testbed``."""
 
 USAGE = "usage: python -m tagc.bench NAME [args...]   (or: tagc-bench NAME [args...])\n\nbenchmarks:\n" + "\n".join(
     f"  {name:<10} {what}" for name, what in BENCHMARKS.items()
@@ -26,10 +24,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(USAGE)
         return
     name, rest = args[0], args[1:]
-    if name in MOVED:
-        raise SystemExit(
-            f"tagc.bench: {name!r} runs over an emulated link, experiment tooling outside the library: {MOVED[name]}"
-        )
     if name not in BENCHMARKS:
         raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     module_name = name.replace("-", "_")

@@ -160,10 +160,7 @@ class DDPHookState:
         if layout.form is None:
             layout.form, layout.planned_bytes = self._choose(layout, buffer, world, steady)
         if layout.form == "sketch" and hook.step_count >= hook.dense_steps:
-            plan = steady
-            if hook.warming_up:  # the density ramp: this stage's ratios, the same parts and residuals
-                plan = hook.plan(layout.segments, layout.numel, world, hook.step_count - hook.dense_steps)
-            return self.flights.defer(self._sketch(buffer, plan, world))
+            return self.flights.defer(self._sketch(buffer, steady, world))
         return self.flights.defer(self._pieces_exchange(layout, buffer, world))
 
     def _layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _Bucket:

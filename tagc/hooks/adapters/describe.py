@@ -89,7 +89,6 @@ class Description:
     plain: str
     select: str
     dense_steps: int
-    ramp_steps: int
     parameters: tuple[ParameterRow, ...]
     buckets: tuple[BucketRow, ...]
 
@@ -147,7 +146,7 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
                                                plain_bytes(world, numel)))
     select = getattr(hook.settings.select, "__name__", repr(hook.settings.select))
     ratio = hook.settings.config.ratio if hook.codec.uses_ratio else None
-    return Description(hook.codec.name, ratio, hook.settings.plain, select, hook.dense_steps, hook.settings.ramp_steps,
+    return Description(hook.codec.name, ratio, hook.settings.plain, select, hook.dense_steps,
                        tuple(parameters), tuple(buckets))
 
 
@@ -161,7 +160,7 @@ def warn_if_weak_selection(hook: TAGCHook) -> None:
     recognise, or buckets below ``min_compress_numel``."""
     if not hook.codec.compresses or hook.settings.select is select_none:
         return
-    planned = [(segments, plan) for (segments, _, _, stage), plan in list(hook.planner.plans.items()) if stage is None]
+    planned = [(segments, plan) for (segments, _, _), plan in list(hook.planner.plans.items())]
     if not planned:
         return
     chosen = [s for segments, plan in planned
@@ -195,8 +194,6 @@ def render(description: Description) -> str:
     warm = []
     if d.dense_steps:
         warm.append(f"the first {d.dense_steps} steps send every bucket plain (dense warm-up)")
-    if d.ramp_steps:
-        warm.append(f"then {d.ramp_steps} steps climb to the ratio (density ramp)")
     lines = [head, f"bytes per step once warmed up; {'; '.join(warm)}" if warm else "bytes per step"]
     table = [("unit", "parameter", "shape", "per rank", "codec", "ratio", "bytes/step", "plain", "")]
     for row in d.parameters:

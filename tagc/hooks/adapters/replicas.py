@@ -123,7 +123,7 @@ def gathers_wires(hook: "tagc.hooks.core.engine.TAGCHook",  # noqa: F821  named,
     """Whether to all-reduce by gathering every replica's wire (:class:`GatheredWires`) instead of a
     compressed reduce-scatter plus a dense all-gather: when it sends fewer bytes (``H`` wire rows
     against one row plus one dense chunk: TAGC and the sparse or quantized peers, not a dense
-    warm-up or a density ramp), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
+    warm-up), every codec of the bucket keeps fixed wire shapes, and every replica's decode gives
     the same bits: on the CPU and on the Triton kernels (no float atomics: the same bits on every
     run), or with ``torch.use_deterministic_algorithms(True)`` on the torch reference's CUDA path (its
     scatter-add sums in any order, and replicas must stay identical)."""

@@ -48,7 +48,7 @@ holds its entries weakly: an entry lives as long as the unit's installed reduce-
 (which holds it), and goes when the model (or a hook installed over it) lets that go. Settings
 with data-dependent sizes (``fallback="raw"``) and buckets with nothing to compress run the
 whole exchange as the single op ``tagc::reduce_scatter`` instead, and so does the dense
-warm-up (with the density ramp): the graph guards on ``hook.warmed_up``, so it is made again,
+warm-up: the graph guards on ``hook.warmed_up``, so it is made again,
 with the traced halves, once the warm-up is over.
 """
 

@@ -179,7 +179,7 @@ class Codec:
     whole_segments: bool = False
     """Whether a part must hold whole segments (one part per bucket, described by :meth:`prepare`)."""
     uses_ratio: bool = False
-    """Whether the codec has a compression ratio (:meth:`at_ratio`): per-parameter ratios and the density ramp."""
+    """Whether the codec has a compression ratio (:meth:`at_ratio`): per-parameter ratios."""
     error_feedback: bool = False
     """Whether the codec keeps what it did not send (a residual): the codecs a dense warm-up serves."""
     summed_rows: bool = False
@@ -197,9 +197,6 @@ class Codec:
     """Where the codec's error feedback makes a part's residual final, for EF21 to shift it
     (:mod:`tagc.hooks.codecs.feedback`): ``"encode"`` (``r = x - sent`` once :meth:`encode` returns; EF21 calls
     :meth:`subtract_input`), ``"decode"`` (EF21 calls :meth:`decode_shifted`); ``None``: no residual EF21 knows."""
-    keeps_input_dtype: bool = False
-    """Whether :meth:`encode` sends some of its input in the input's dtype (powersgd's shape-less columns), so
-    that EF21's momentum average goes back to the gradient's dtype before it is encoded."""
 
     @property
     def wire_codec(self) -> "Codec":
@@ -236,8 +233,8 @@ class Codec:
         return self.rounds == 1
 
     def at_ratio(self, ratio: float) -> "Codec":
-        """This codec at another compression ratio, sharing its state (the residuals): the density
-        ramp and per-parameter ratios (:mod:`tagc.hooks.core.engine`). A codec without a ratio is itself."""
+        """This codec at another compression ratio, sharing its state (the residuals): per-parameter
+        ratios (:mod:`tagc.hooks.core.plan`). A codec without a ratio is itself."""
         return self
 
     def all_reduce_form(self, parts: Sequence, plain: Sequence, plain_codec: "Codec") -> Optional[AllReduceForm]:

@@ -13,12 +13,6 @@ decoded sum of the changes every step and hands the optimizer ``H``, dense: an e
 sent this step keeps its last known value instead of zero, so AdamW moves every element every
 step, and a change is sent when the gradient moves, not when a sum piled up.
 
-**EF21-SGDM** (Fatkhullin, Tyurin, Richtárik 2023, arXiv 2302.00999), ``feedback_momentum=beta``
-(``> 0``): each rank first averages its gradient, ``v_i = beta v_i + (1 - beta) g_i`` (``v_i``
-starts at the first gradient), and compresses ``v_i - h_i``: minibatch noise is averaged before a
-value is held for many steps. The paper's ``eta`` is ``1 - beta``; the optimizer then sees an
-average of the last ``~1 / (1 - beta)`` steps' gradients.
-
 **Fading shifts**, ``feedback_decay=gamma`` (``< 1``): every shift fades before each step's change is
 chosen against it, ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every owner fades ``H`` alike, so ``H`` stays
 the sum of the ``h_i``. With ``gamma = 1`` an element that is not sent holds the value it was last sent with,
@@ -60,10 +54,11 @@ the ranks that sent finite values (what they added to their ``h_j``) into ``H``,
 the poisoned rows out. ``powersgd`` keeps every rank's residual of a matrix whose summed ``Q`` is
 not finite, and ``H`` keeps those columns as they were.
 
-State, per part (the codec's keys): the residual (``-h_i``, ``[N, n]``, float32), ``H`` (float32,
+State, per part (the codec's keys): the residual (``-h_i``, ``[N, n]``, float32) and ``H`` (float32,
 this rank's ``n`` columns; in DDP's ``gather`` form, where every rank decodes every replica's piece,
-one per piece) and, with momentum, ``v_i`` (``[N, n]``, float32). All in :meth:`EF21Codec.state_dict`
-(entries ``<part>#ef21_sum``, ``<part>#ef21_momentum``), so a checkpoint resumes bit for bit.
+one per piece). Both in :meth:`EF21Codec.state_dict` (entries ``<part>#ef21_sum``), so a checkpoint resumes
+bit for bit. (EF21-SGDM, a running average of each rank's gradient compressed instead of the gradient,
+diverged in the project's screens and was removed: ``docs/results.md``, "Removed from the library".)
 
 Caveats:
 
@@ -76,7 +71,7 @@ Caveats:
 * ``h_i`` is kept through float32 rounding (``(g - h) - g``): it drifts from the exact sum of what
   was sent by about one float32 rounding of ``|g|`` per step, a random walk. A bf16 residual would
   drift 65,000 times faster, so ``feedback="ef21"`` needs ``residual_dtype=torch.float32``.
-* Memory: ``H`` adds the part's shard (``1 / N`` of the residual); momentum adds a residual's size.
+* Memory: ``H`` adds the part's shard (``1 / N`` of the residual).
 * DDP: TAGC under EF21 keeps DDP's all-reduce (``sketch``) form, where every rank keeps the whole
   part's ``H`` (:mod:`tagc.hooks.adapters.ddp`); the other codecs' buckets go ``rs+ag`` or ``gather`` (the
   engine's exchange), whose bytes differ from their classic all-reduce form's.
@@ -106,22 +101,14 @@ FEEDBACKS = ("classic", "ef21")
 SUM = "#ef21_sum"
 """State entry suffix of a part's ``H``: ``<part>#ef21_sum``; in DDP's gather form ``<part>#ef21_sum<k>`` for piece
 ``k > 0``."""
-MOMENTUM = "#ef21_momentum"
-"""State entry suffix of a part's ``v_i``."""
 MARK = "#ef21_"
 """What every EF21 state entry's name holds (:func:`tagc.hooks.core.checkpoint.check_feedback`)."""
 
 
-def check_feedback(feedback: str, momentum: float, decay: float = 1.0) -> None:
-    """Clear errors for ``feedback``, ``feedback_momentum`` and ``feedback_decay`` (the codec is checked by
-    :func:`with_feedback`)."""
+def check_feedback(feedback: str, decay: float = 1.0) -> None:
+    """Clear errors for ``feedback`` and ``feedback_decay`` (the codec is checked by :func:`with_feedback`)."""
     if feedback not in FEEDBACKS:
         raise ValueError(f"feedback must be one of {FEEDBACKS}, got {feedback!r}")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"feedback_momentum must be a number in [0, 1) (0: none; beta of v = beta v + (1 - beta) g), "
-                         f"got {momentum!r}")
-    if momentum and feedback != "ef21":
-        raise ValueError(f"feedback_momentum applies only with feedback='ef21' (EF21-SGDM), got feedback={feedback!r}")
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
         raise ValueError(f"feedback_decay must be a number in (0, 1] (1: EF21's shifts hold; gamma of "
                          f"h = gamma h + C(g - gamma h)), got {decay!r}")
@@ -130,17 +117,17 @@ def check_feedback(feedback: str, momentum: float, decay: float = 1.0) -> None:
                          f"feedback={feedback!r}")
 
 
-def with_feedback(codec: Codec, feedback: str = "classic", momentum: float = 0.0, decay: float = 1.0) -> Codec:
+def with_feedback(codec: Codec, feedback: str = "classic", decay: float = 1.0) -> Codec:
     """``codec`` itself (``"classic"``), or wrapped in :class:`EF21Codec` (``"ef21"``). A codec without error
     feedback (``plain``, ``bf16``, ``fp8``, ``int4``) is an error under ``"ef21"``: it keeps no residual to shift."""
-    check_feedback(feedback, momentum, decay)
+    check_feedback(feedback, decay)
     if feedback == "classic":
         return codec
-    return EF21Codec(codec, momentum, decay)
+    return EF21Codec(codec, decay)
 
 
 class EF21Codec(Codec):
-    """``inner`` with EF21 (``momentum > 0``: EF21-SGDM) instead of its own error feedback (module docstring).
+    """``inner`` with EF21 instead of its own error feedback (module docstring).
 
     Everything but the error feedback is ``inner``'s: its wire, rounds, planning, name; a copy at another
     ratio (:meth:`at_ratio`) shares ``inner``'s state and this wrapper's.
@@ -149,7 +136,7 @@ class EF21Codec(Codec):
     feedback = "ef21"
     summed_rows = False  # the rows are needed apart: a NaN rank's are left out of H
 
-    def __init__(self, inner: Codec, momentum: float = 0.0, decay: float = 1.0) -> None:
+    def __init__(self, inner: Codec, decay: float = 1.0) -> None:
         if not inner.error_feedback:
             raise ValueError(f"feedback='ef21' shifts an error-feedback codec's residual; codec {inner.name!r} keeps "
                              "none (it sends every element every step): use feedback='classic' with it")
@@ -160,14 +147,11 @@ class EF21Codec(Codec):
             raise ValueError("feedback='ef21' keeps its shift in the residual through a float32 rounding per step; "
                              f"residual_dtype={inner.residual_dtype} would drift from the owners' sum: use "
                              "residual_dtype=torch.float32")
-        check_feedback("ef21", momentum, decay)
+        check_feedback("ef21", decay)
         self.inner = inner
-        self.momentum = float(momentum)
         self._fading = {"decay": float(decay)}  # one dict for every ratio's copy: set_decay reaches them all
         self.sums: dict[str, torch.Tensor] = {}
         """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
-        self.momenta: dict[str, torch.Tensor] = {}
-        """``v_i`` per part, keyed by its state entry name."""
         self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
 
     @property
@@ -179,7 +163,7 @@ class EF21Codec(Codec):
         """Fade by ``decay`` from the next step on (in ``(0, 1]``), in this codec and its copies at other ratios.
         Every rank must set the same value before the same step (e.g. from the learning-rate schedule):
         the owners fade ``H`` by the value their ranks faded their shifts by."""
-        check_feedback("ef21", self.momentum, decay)
+        check_feedback("ef21", decay)
         self._fading["decay"] = float(decay)
 
     # ------------------------------------------------------------------ what the inner codec is
@@ -257,11 +241,10 @@ class EF21Codec(Codec):
     def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
         self._decodes[key] = 0
         self.fade(key)
-        feed = self.feed(grad, key)
-        wires = self.inner.encode(feed, key, group)
+        wires = self.inner.encode(grad, key, group)
         if self.inner.feedback_at == "encode":
             # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
-            taken = torch.where(finite(feed), feed, torch.zeros((), dtype=feed.dtype, device=feed.device))
+            taken = torch.where(finite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
             self.inner.subtract_input(key, taken)
         return wires
 
@@ -274,25 +257,6 @@ class EF21Codec(Codec):
             residual = self.inner.residuals.get(name)  # none yet at the first step: h = 0
             if residual is not None:
                 residual.mul_(self.decay)
-
-    def feed(self, grad: torch.Tensor, key: str) -> torch.Tensor:
-        """What part ``key`` compresses against its shift this step: the gradient, or with momentum the rank's
-        average ``v_i`` (:meth:`_average`). For an exchange that compresses the part itself (DDP's all-reduce form)."""
-        return self._average(grad, key) if self.momentum else grad
-
-    def _average(self, grad: torch.Tensor, key: str) -> torch.Tensor:
-        """EF21-SGDM: ``v = beta v + (1 - beta) g`` (the first: ``v = g``), kept where finite; returns what the
-        codec encodes: ``v`` (NaN where ``g`` is not finite, so the codec's NaN policy applies)."""
-        name = key + MOMENTUM
-        held = self.momenta.get(name)
-        new = grad.float() if held is None else torch.lerp(held, grad.float(), 1.0 - self.momentum)
-        ok = finite(new)
-        if held is None:
-            self.momenta[name] = torch.where(ok, new, 0.0)
-        else:
-            held.copy_(torch.where(ok, new, held))
-        # powersgd sends its shapeless columns in the gradient's dtype: keep the wire's
-        return new.to(grad.dtype) if self.inner.keeps_input_dtype else new
 
     # ------------------------------------------------------------------ decode: H += the decoded sum; H out
 
@@ -333,18 +297,17 @@ class EF21Codec(Codec):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {**self.inner.state_dict(), **self.sums, **self.momenta}
+        return {**self.inner.state_dict(), **self.sums}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """The inner codec's entries to it, ``H`` and ``v_i`` here (copies, into the same dicts). A checkpoint of
-        classic error feedback (residuals without ``H``), or one whose momentum differs, is an error: its
-        residuals mean another thing, and EF21 is never restarted from zeros silently."""
+        """The inner codec's entries to it, ``H`` here (copies, into the same dict). A checkpoint of classic error
+        feedback (residuals without ``H``) is an error: its residuals mean another thing, and EF21 is never
+        restarted from zeros silently."""
 
         mine = {key: value for key, value in state.items() if MARK in key}
         theirs = {key: value for key, value in state.items() if MARK not in key}
         sums = {key: value for key, value in mine.items() if SUM in key}
-        momenta = {key: value for key, value in mine.items() if key.endswith(MOMENTUM)}
-        unknown = sorted(set(mine) - set(sums) - set(momenta))
+        unknown = sorted(set(mine) - set(sums))
         if unknown:
             raise ValueError(f"unknown EF21 state entries {unknown[:4]}")
         parts = {part_key(key) for key in theirs}
@@ -355,21 +318,15 @@ class EF21Codec(Codec):
                              "with feedback='classic' to resume it (and, for a checkpoint of tagc.hook() before "
                              "2026-11-26, the paper's wire it ran: ratio=10, plain='fp32', positions='bitmap', "
                              "value_dtype='float32')")
-        with_momentum = {part_key(key) for key in momenta}
-        if self.momentum and parts - with_momentum or not self.momentum and with_momentum:
-            raise ValueError(f"this checkpoint was written with{'out' if self.momentum else ''} EF21's momentum "
-                             f"(feedback_momentum); this hook has feedback_momentum={self.momentum}: build it as the "
-                             "checkpoint was written")
         self.inner.load_state_dict(theirs)
-        for held, loaded in ((self.sums, sums), (self.momenta, momenta)):
-            held.clear()
-            held.update({key: value.clone() for key, value in loaded.items()})
+        self.sums.clear()
+        self.sums.update({key: value.clone() for key, value in sums.items()})
 
 
 class SummedShift(Shift):
     """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole
     part:
-    the part compresses ``g - h_i`` (its residual holds ``-h_i``; ``v_i - h_i`` with momentum), its residual becomes the
+    the part compresses ``g - h_i`` (its residual holds ``-h_i``), its residual becomes the
     next ``-h_i`` as :meth:`EF21Codec.encode` leaves it, and every rank adds the decoded sum of the changes to its copy
     of ``H`` (the whole part: ``H`` is replicated). A part whose summed table is not finite (a rank's gradient was)
     leaves every shift and ``H`` as they were: the sum cannot tell which rank's change was finite, so every rank takes
@@ -381,7 +338,7 @@ class SummedShift(Shift):
 
     def feed(self, grad: torch.Tensor) -> torch.Tensor:
         self.ef21.fade(self.key)
-        return self.ef21.feed(grad, self.key)
+        return grad
 
     def hold(self, residual: torch.Tensor) -> None:
         self.residual, self.before = residual, residual.clone()
@@ -421,7 +378,7 @@ class LearningRateFading:
         if peak_lr is not None and (isinstance(peak_lr, bool) or not isinstance(peak_lr, (int, float))
                                     or not 0 < peak_lr < float("inf")):
             raise ValueError(f"peak_lr must be a positive number (the schedule's largest rate), got {peak_lr!r}")
-        check_feedback("ef21", 0.0, decay)
+        check_feedback("ef21", decay)
         self.optimizer = optimizer
         self.base = float(decay)
         self.peak_lr = peak_lr

@@ -155,7 +155,6 @@ class PowerSGDCodec(Codec):
     rounds = 4
     whole_segments = True
     feedback_at = "decode"  # r = M - P Q^T / N, made in decode (EF21: decode_shifted)
-    keeps_input_dtype = True  # the shape-less columns ride in the input's dtype
 
     def __init__(self, rank: int = DEFAULT_RANK, warm_start: bool = True,
                  residual_dtype: torch.dtype = torch.float32, value_dtype="float32") -> None:

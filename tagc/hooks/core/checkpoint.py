@@ -102,8 +102,7 @@ def check_feedback(state: dict, codec: Codec) -> None:
     written = sorted(key for key in codec_state(state) if MARK in key)
     if written:
         raise ValueError(f"this checkpoint was written with feedback='ef21' (entries such as {written[0]!r}); this "
-                         "hook has feedback='classic': build it with feedback='ef21' (and the checkpoint's "
-                         "feedback_momentum) to resume it")
+                         "hook has feedback='classic': build it with feedback='ef21' to resume it")
 
 
 def codec_state(state: dict) -> dict:

@@ -8,8 +8,8 @@ chunk (each parameter's padded shard). The pieces:
 * :mod:`tagc.hooks.core.settings`: :class:`~tagc.hooks.core.settings.HookSettings`, every setting, validated once;
 * :mod:`tagc.hooks.core.plan`: how a bucket is cut into parts (the plain columns, the compressed ones in
   pipeline parts of at least ``min_part`` elements) and which codec takes each part;
-* :mod:`tagc.hooks.core.state`: :class:`~tagc.hooks.core.state.ExchangeState`, steps (dense warm-up, density
-  ramp), statistics, the buckets in flight, a loaded checkpoint's bookkeeping;
+* :mod:`tagc.hooks.core.state`: :class:`~tagc.hooks.core.state.ExchangeState`, steps (the dense warm-up),
+  statistics, the buckets in flight, a loaded checkpoint's bookkeeping;
 * :mod:`tagc.hooks.core.eager`: :meth:`TAGCHook.start` launches a bucket's exchange and returns a
   :class:`~tagc.hooks.core.eager.PendingBucket` whose ``wait`` finishes it, decoding earlier buckets'
   parts as their bytes arrive; :meth:`TAGCHook.reduce_scatter` is ``start(...).wait()``;
@@ -38,7 +38,7 @@ from tagc.hooks.core.eager import PendingBucket, SideStreams
 from tagc.hooks.core.exchange import PartCoder, nonfinite_error, raises_nonfinite
 from tagc.hooks.core.fingerprint import SelectionRecord
 from tagc.hooks.core.hierarchy import Topology, group_ranks, topology
-from tagc.hooks.core.plan import RAMP_STAGES, BucketPlan, Part, Planner, ramp_ratio, ramp_stage
+from tagc.hooks.core.plan import BucketPlan, Part, Planner
 from tagc.hooks.core.segment import Segment
 from tagc.hooks.core.settings import DENSE_STEPS, MIN_PART, NONFINITE, PLAIN_CODECS, HookSettings
 from tagc.hooks.core.state import ExchangeState, UnitTiming
@@ -46,8 +46,8 @@ from tagc.hooks.core.stats import ExchangeStats, plain_bytes
 from tagc.hooks.core.transport import op_scale, scale_into
 from tagc.hooks.core.verify import check_agreement
 
-__all__ = ["DENSE_STEPS", "MIN_PART", "NONFINITE", "PLAIN_CODECS", "RAMP_STAGES", "PendingBucket", "Segment",
-           "TAGCHook", "UnitTiming", "op_scale", "ramp_ratio", "ramp_stage", "scale_into"]
+__all__ = ["DENSE_STEPS", "MIN_PART", "NONFINITE", "PLAIN_CODECS", "PendingBucket", "Segment", "TAGCHook",
+           "UnitTiming", "op_scale", "scale_into"]
 
 
 ADAPTERS: dict[str, Callable] = {}
@@ -85,7 +85,7 @@ class TAGCHook:
         a plan made without caching it (``make_plan``, what :mod:`tagc.hooks.adapters.describe` reports), the codec at a
         ratio (``codec_at``), the ratio ``select`` gives a parameter (``ratio_of``)."""
         self._selection = SelectionRecord(self.planner)
-        self.state = ExchangeState(settings.warmup_steps(self.codec), settings.ramp_steps)
+        self.state = ExchangeState(settings.warmup_steps(self.codec))
         self.step_count = 0  # sets warmed_up too
         self._verified: set[tuple[int, str]] = set()
         self.topologies: dict[tuple[int, ...], Topology] = {}
@@ -227,13 +227,13 @@ class TAGCHook:
     def step_count(self, step: int) -> None:
         self.state.step_count = step
         self.warmed_up = not self.warming_up
-        """Whether the dense warm-up and the density ramp are over: a plain attribute, kept with the
-        step, so that a compiled graph guards on it (one graph for the warm-up, one for after it)."""
+        """Whether the dense warm-up is over: a plain attribute, kept with the step, so that a compiled
+        graph guards on it (one graph for the warm-up, one for after it)."""
 
     @property
     def warming_up(self) -> bool:
-        """Whether this step is in the dense warm-up or the density ramp (the bucket's wire differs)."""
-        return self.state.warming_up
+        """Whether this step is in the dense warm-up (the bucket goes plain)."""
+        return self.state.dense
 
     def end_step(self) -> None:
         """Close this step's statistics (``stats()["last_step"]``, ``stats()["units"]``). Optional: a
@@ -270,22 +270,18 @@ class TAGCHook:
 
     # ------------------------------------------------------------------ planning (tagc.hooks.core.plan)
 
-    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-             steps_into_ramp: int | None = None) -> BucketPlan:
+    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
         """The plan of a bucket of ``chunk`` columns over ``world`` ranks (the codec's exchange: the hosts, when
-        hierarchical): its parts and their codecs, cached (:meth:`tagc.hooks.core.plan.Planner.plan`).
-        ``steps_into_ramp``: the density ramp's plan that many steps into it (the same parts and residuals)."""
-        return self.planner.plan(segments, chunk, world, steps_into_ramp)
+        hierarchical): its parts and their codecs, cached (:meth:`tagc.hooks.core.plan.Planner.plan`)."""
+        return self.planner.plan(segments, chunk, world)
 
     def _step_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
-        """This step's plan of a bucket (and the bucket counted in the step): the steady plan, the whole
-        bucket plain in the dense warm-up, or the density ramp's stage (the same parts and residuals)."""
+        """This step's plan of a bucket (and the bucket counted in the step): the steady plan, or the whole
+        bucket plain in the dense warm-up."""
         plan = self.plan(segments, chunk, world)
         self.begin_bucket(plan.key)
         if self.state.dense:
             return self.planner.plain_plan(plan.key, chunk)
-        if self.warming_up:
-            return self.plan(segments, chunk, world, self.step_count - self.dense_steps)
         return plan
 
     # ------------------------------------------------------------------ what select selects, the settings check
@@ -456,8 +452,8 @@ class TAGCHook:
         return self.warmed_up and self.traceable_settings(segments, chunk, world)
 
     def traceable_settings(self, segments: Sequence[Segment], chunk: int, world: int) -> bool:
-        """Whether a bucket's settings allow the traced halves once the dense warm-up and the
-        density ramp are over (their wire changes from step to step): it has compressed parts,
+        """Whether a bucket's settings allow the traced halves once the dense warm-up is over
+        (its wire differs from the steady one): it has compressed parts,
         and no setting needs data-dependent sizes (``fallback="raw"``) — otherwise the whole
         exchange stays one opaque call."""
         return traced.traceable(self.plan(tuple(segments), chunk, world), world)

@@ -20,23 +20,6 @@ from tagc.hooks.codecs.codec import Codec
 from tagc.hooks.core.segment import Segment
 from tagc.hooks.core.settings import HookSettings
 
-RAMP_STAGES = 4
-"""A density ramp (``ramp_steps``) climbs to the ratio in this many equal-length stages (as Deep
-Gradient Compression's warm-up does over 4 epochs): each stage is a plan of its own."""
-
-
-def ramp_stage(steps_into_ramp: int, ramp_steps: int) -> int:
-    """The stage (``0 .. RAMP_STAGES - 1``) ``steps_into_ramp`` steps into a ``ramp_steps``-step ramp."""
-    return min(RAMP_STAGES - 1, steps_into_ramp * RAMP_STAGES // ramp_steps)
-
-
-def ramp_ratio(ratio: float, stage: int) -> float:
-    """The ratio of stage ``stage`` of a density ramp to ``ratio``: ``ratio ** ((stage + 1) /
-    (RAMP_STAGES + 1))``, so the ratio climbs geometrically (ratio 10: 1.58, 2.51, 3.98, 6.31,
-    then 10; on 2 ranks a density of 25%, 15%, 9.2%, 5.7%, then 3.6%), and the kept fraction
-    falls as DGC's does."""
-    return ratio ** ((stage + 1) / (RAMP_STAGES + 1))
-
 
 @dataclasses.dataclass
 class Part:
@@ -108,7 +91,7 @@ def ratio_of(segment: Segment, settings: HookSettings, codec: Codec) -> float | 
 def make_plan(segments: tuple[Segment, ...], chunk: int, world: int, settings: HookSettings, codec: Codec, plain: Codec,
               codec_at: Callable[[float], Codec]) -> BucketPlan:
     """The plan of a bucket of ``chunk`` columns over ``world`` ranks. ``codec_at(ratio)``: the codec for the
-    parts of that ratio (a density ramp's stage maps the ratios)."""
+    parts of that ratio."""
     covered = sum(s.numel for s in segments)
     if covered > chunk:
         raise ValueError(f"segments cover {covered} elements of a {chunk}-element chunk")
@@ -145,22 +128,19 @@ def make_plan(segments: tuple[Segment, ...], chunk: int, world: int, settings: H
 
 
 class Planner:
-    """Plans of buckets, cached by ``(segments, chunk, world, ramp stage)``, and the codec at each ratio
-    (one object per ratio, all sharing the codec's state)."""
+    """Plans of buckets, cached by ``(segments, chunk, world)``, and the codec at each ratio (one object per
+    ratio, all sharing the codec's state)."""
 
     def __init__(self, settings: HookSettings, codec: Codec, plain: Codec) -> None:
         self.settings, self.codec, self.plain = settings, codec, plain
         self.plans: dict[tuple, BucketPlan] = {}
         self._codecs_at: dict[float, Codec] = {}
 
-    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-             steps_into_ramp: int | None = None) -> BucketPlan:
-        """The bucket's plan; ``steps_into_ramp``: the density ramp's plan for that step (its stage's ratios)."""
-        stage = None if steps_into_ramp is None else ramp_stage(steps_into_ramp, self.settings.ramp_steps)
-        cache_key = (segments, chunk, world, stage)
+    def plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
+        """The bucket's plan, made once."""
+        cache_key = (segments, chunk, world)
         if cache_key not in self.plans:
-            at = self.codec_at if stage is None else (lambda ratio: self.codec_at(ramp_ratio(ratio, stage)))
-            self.plans[cache_key] = self.make_plan(segments, chunk, world, at)
+            self.plans[cache_key] = self.make_plan(segments, chunk, world)
         return self.plans[cache_key]
 
     def make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int,

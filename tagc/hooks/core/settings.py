@@ -132,10 +132,6 @@ class HookSettings:
             Steps are counted by :meth:`TAGCHook.end_step` (or a bucket seen twice). A compiled
             model runs the warm-up's exchange as one opaque op per block, then recompiles once
             with the traced halves (its graph guards on :attr:`TAGCHook.warmed_up`).
-        ramp_steps: after the warm-up, climb to the ratio over this many steps in
-            :data:`~tagc.hooks.core.plan.RAMP_STAGES` geometric stages (DGC's density ramp; ratio 10:
-            1.58, 2.51, 3.98, 6.31, then 10). ``tagc`` and ``topk`` only; counted in the warm-up
-            a compiled model runs as one opaque exchange per block.
         plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
             and everything during ``dense_steps``): ``"fp32"`` (as they are),
             ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.codecs.quantized`, summed in float32
@@ -161,8 +157,6 @@ class HookSettings:
             an unsent element keeps its last known value instead of zero; :mod:`tagc.hooks.codecs.feedback`).
             Error-feedback codecs only, with ``residual_dtype=torch.float32``. ``None`` (default): ``"ef21"``
             for ``tagc`` and ``topk``, ``"classic"`` for the others.
-        feedback_momentum: with ``"ef21"``, the ``beta`` of each rank's running average of its gradient,
-            compressed instead of the gradient (EF21-SGDM); 0 (default): none.
         feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
             by before each step's change is chosen against it: ``h = gamma h + C(g - gamma h)``. An element
             that is not sent then fades toward zero instead of holding its last value, which AdamW would
@@ -196,13 +190,11 @@ class HookSettings:
     plain: str = "fp32"
     hierarchy: str = "auto"
     ranks_per_host: int | None = None
-    ramp_steps: int = 0
     side_stream: bool = True
     """On CUDA, run the codec work on a side stream (:mod:`tagc.hooks.core.eager`); no effect on the CPU."""
     feedback: str = "classic"
     """The error feedback of the codec: its own (``"classic"``) or EF21 (``"ef21"``,
     :mod:`tagc.hooks.codecs.feedback`)."""
-    feedback_momentum: float = 0.0
     """``feedback="ef21"``: the beta of each rank's gradient average before compression (EF21-SGDM); 0: none."""
     feedback_decay: float = 1.0
     """``feedback="ef21"``: the factor every shift and sum fade by each step before its change is added; 1: none."""
@@ -227,8 +219,6 @@ class HookSettings:
         if self.dense_steps is not None and (not _is_int(self.dense_steps) or self.dense_steps < 0):
             raise ValueError(f"dense_steps must be a non-negative integer or None (the codec's default), "
                              f"got {self.dense_steps!r}")
-        if not _is_int(self.ramp_steps) or self.ramp_steps < 0:
-            raise ValueError(f"ramp_steps must be a non-negative integer, got {self.ramp_steps!r}")
         # a wrong type is a ValueError like every other bad setting (callers and tests catch one kind)
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")  # noqa: TRY004
@@ -236,7 +226,7 @@ class HookSettings:
             raise ValueError(f"side_stream must be True or False, got {self.side_stream!r}")  # noqa: TRY004
         object.__setattr__(self, "select", resolve_policy(self.select))
         object.__setattr__(self, "codec_options", resolve_options(self.codec, self.codec_options))
-        check_feedback(self.feedback, self.feedback_momentum, self.feedback_decay)
+        check_feedback(self.feedback, self.feedback_decay)
         if self.feedback != "classic":
             if self.codec not in error_feedback_codecs():
                 raise ValueError(f"feedback={self.feedback!r} changes a codec's error feedback; codec {self.codec!r} "
@@ -282,12 +272,9 @@ class HookSettings:
 
     def make_codecs(self) -> tuple[Codec, Codec]:
         """``(codec, plain)``: the codec of the selected columns, and the one of the columns left plain (and of a
-        dense warm-up). Checks what only the codec knows (whether it has a ratio for ``ramp_steps``)."""
+        dense warm-up)."""
         codec = make_codec(self.codec, self.config, self.residual_dtype, self.codec_options)
-        codec = with_feedback(codec, self.feedback, self.feedback_momentum, self.feedback_decay)
-        if self.ramp_steps and not codec.uses_ratio:
-            raise ValueError(f"ramp_steps ramps a compression ratio; codec {self.codec!r} has none (ramp_steps applies "
-                             "to tagc and topk)")
+        codec = with_feedback(codec, self.feedback, self.feedback_decay)
         plain = make_codec(PLAIN_CODECS[self.plain], self.config)
         return codec, plain
 
@@ -304,6 +291,6 @@ class HookSettings:
         return {**dataclasses.asdict(self.config), "codec": codec.name,
                 "codec_options": sorted(self.codec_options.items()), "select": select_fingerprint,
                 "min_part": self.min_part, "piece_bytes": self.piece_bytes, "dense_steps": self.warmup_steps(codec),
-                "ramp_steps": self.ramp_steps, "nonfinite": self.nonfinite, "plain": self.plain,
+                "nonfinite": self.nonfinite, "plain": self.plain,
                 "hierarchy": self.hierarchy, "ranks_per_host": self.ranks_per_host, "feedback": self.feedback,
-                "feedback_momentum": self.feedback_momentum, "feedback_decay": self.feedback_decay}
+                "feedback_decay": self.feedback_decay}

@@ -1,4 +1,4 @@
-"""The exchange state of a hook: where the run is (steps, the dense warm-up and the density ramp),
+"""The exchange state of a hook: where the run is (steps and the dense warm-up),
 its statistics, and the buckets in flight.
 
 The codecs hold their own state (error-feedback residuals); this is everything else that changes
@@ -46,12 +46,11 @@ class UnitTiming:
 class ExchangeState:
     """Steps, statistics, buckets in flight and a loaded checkpoint's bookkeeping.
 
-    ``dense_steps`` and ``ramp_steps`` (resolved settings) place each step in the schedule: the dense
-    warm-up sends everything plain, the density ramp climbs to the ratio, then the steady plan runs."""
+    ``dense_steps`` (resolved) places each step in the schedule: the dense warm-up sends everything plain,
+    then the steady plan runs."""
 
-    def __init__(self, dense_steps: int, ramp_steps: int) -> None:
+    def __init__(self, dense_steps: int) -> None:
         self.dense_steps = dense_steps
-        self.ramp_steps = ramp_steps
         self.step_count = 0
         """Steps completed."""
         self.seen_this_step: set[str] = set()
@@ -71,11 +70,6 @@ class ExchangeState:
     def dense(self) -> bool:
         """Whether this step is in the dense warm-up (every bucket goes plain)."""
         return self.step_count < self.dense_steps
-
-    @property
-    def warming_up(self) -> bool:
-        """Whether this step is in the dense warm-up or the density ramp (the bucket's wire differs)."""
-        return self.step_count < self.dense_steps + self.ramp_steps
 
     def record(self, stats: ExchangeStats, timing: UnitTiming | None = None) -> None:
         """Add an exchange's statistics to this step's and the run's (and its timing to this step's units)."""

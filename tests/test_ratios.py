@@ -1,4 +1,4 @@
-"""The density ramp (``ramp_steps``) and per-parameter ratios (``select`` returning a ratio)."""
+"""Per-parameter ratios (``select`` returning a ratio) and the dense warm-up."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import tagc
 from tagc.hooks import Segment
 from tagc.hooks.codecs.registry import make_codec
-from tagc.hooks.core.engine import DENSE_STEPS, RAMP_STAGES, ramp_ratio, ramp_stage
+from tagc.hooks.core.engine import DENSE_STEPS
 from tagc.hooks.core.selection import ratio_for
 from tests.distributed import run_ranks
 from tests.paper_wire import PAPER_WIRE, paper
@@ -20,14 +20,6 @@ SEGMENTS = (Segment("emb.weight", 0, EMB), Segment("mlp.weight", EMB, MLP), Segm
 SELECT = ratio_for(r"^emb\.", 4)  # the "embedding" at ratio 4, the MLP weight at the config's 10, the bias plain
 
 
-def test_ramp_ratio_climbs_geometrically_in_stages():
-    assert [ramp_ratio(10.0, ramp_stage(j, RAMP_STAGES)) for j in range(RAMP_STAGES)] == pytest.approx(
-        [10 ** (k / 5) for k in (1, 2, 3, 4)])
-    assert [ramp_stage(j, 10) for j in range(10)] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]  # 10 steps over 4 stages
-    assert [ramp_stage(j, 2) for j in range(2)] == [0, 2]  # a ramp shorter than the stages skips some
-    assert all(1 < ramp_ratio(10.0, k) < 10 for k in range(RAMP_STAGES))
-
-
 def _owned_sum(rows: torch.Tensor, rank: int) -> torch.Tensor:
     """Every rank's ``rows[rank]`` summed (what this rank owns, over all senders)."""
     everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
@@ -35,14 +27,14 @@ def _owned_sum(rows: torch.Tensor, rank: int) -> torch.Tensor:
     return sum(r[rank] for r in everyone)
 
 
-def ramp_and_ratios(rank, world, codec):
-    """7 steps: 1 dense, 4 ramp stages, 2 steady. Error feedback conserves the gradient: what the
-    owners decoded plus what every rank holds back equals everything every rank produced."""
-    hook = tagc.hook(**paper(ratio=10, codec=codec, select=SELECT, dense_steps=1, ramp_steps=RAMP_STAGES,
+def ratios(rank, world, codec):
+    """4 steps: 1 dense, 3 steady. Error feedback conserves the gradient: what the owners decoded plus what
+    every rank holds back equals everything every rank produced."""
+    hook = tagc.hook(**paper(ratio=10, codec=codec, select=SELECT, dense_steps=1,
                              min_part=1 << 16))  # tagc: classic error feedback, whose residual holds what waits
     torch.manual_seed(rank)
     decoded, produced, wire = torch.zeros(CHUNK), torch.zeros(world, CHUNK), []
-    for _ in range(1 + RAMP_STAGES + 2):
+    for _ in range(4):
         grad = torch.randn(world, CHUNK)
         produced += grad
         out = torch.empty(CHUNK)
@@ -74,23 +66,17 @@ def ramp_and_ratios(rank, world, codec):
 
 
 @pytest.mark.parametrize("codec", ["tagc", "topk"])
-def test_ramp_and_per_parameter_ratios_conserve_the_gradient_and_send_the_planned_bytes(codec):
-    for conserved, wire, steady, kept, density10, density4 in run_ranks(ramp_and_ratios, 2, codec):
-        assert conserved < 1e-5  # nothing lost across the stages: one residual serves every ratio
-        dense, ramp, after = wire[0], wire[1:1 + RAMP_STAGES], wire[1 + RAMP_STAGES:]
-        assert dense == CHUNK * 4  # the warm-up: the plain exchange (one remote row of fp32)
-        assert all(a > b for a, b in zip([dense, *ramp], [*ramp, after[0]]))  # denser first, then the ratio
-        assert after == [steady, steady]
+def test_per_parameter_ratios_conserve_the_gradient_and_send_the_planned_bytes(codec):
+    for conserved, wire, steady, kept, density10, density4 in run_ranks(ratios, 2, codec):
+        assert conserved < 1e-5  # nothing lost: one residual serves every ratio
+        assert wire[0] == CHUNK * 4  # the warm-up: the plain exchange (one remote row of fp32)
+        assert wire[1:] == [steady] * 3
         # the last step sent about each ratio's density of the embedding and of the MLP (the rest held back)
         emb_kept, mlp_kept = kept
         assert emb_kept == pytest.approx(density4, rel=0.25) and mlp_kept == pytest.approx(density10, rel=0.25)
 
 
-def test_a_ratio_policy_and_a_ramp_are_checked():
-    with pytest.raises(ValueError, match="ramp_steps must be a non-negative integer"):
-        tagc.hook(dense_steps=0, ramp_steps=-1)
-    with pytest.raises(ValueError, match="ramp_steps applies to tagc and topk"):
-        tagc.hook(dense_steps=0, codec="int4", ramp_steps=5)
+def test_a_ratio_policy_is_checked():
     with pytest.raises(ValueError, match="ratio must be a finite number > 1"):
         ratio_for("emb", 1.0)
     hook = tagc.hook(dense_steps=0, select=lambda name, module: 0.5)
@@ -119,9 +105,9 @@ def test_error_feedback_codecs_warm_up_by_default_and_trace_only_after_it():
     assert [tagc.hook(codec=c).dense_steps for c in ("topk", "sign", "powersgd")] == [DENSE_STEPS] * 3
     assert [tagc.hook(codec=c).dense_steps for c in ("plain", "bf16", "fp8", "int4")] == [0] * 4
     assert tagc.hook(dense_steps=0).dense_steps == 0 and tagc.hook(codec="int4", dense_steps=3).dense_steps == 3
-    hook = tagc.hook(dense_steps=1, ramp_steps=2, select="all")
+    hook = tagc.hook(dense_steps=2, select="all")
     traced = []
-    for _ in range(4):  # a graph made now would trace the exchange in halves only once both are over
+    for _ in range(4):  # a graph made now would trace the exchange in halves only once the warm-up is over
         traced.append(hook.traceable(SEGMENTS, CHUNK, 2))
         hook.end_step()
-    assert traced == [False, False, False, True]
+    assert traced == [False, False, True, True]
