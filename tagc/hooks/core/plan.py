@@ -11,15 +11,18 @@ settings give the same plan, on every rank, at every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from tagc.hooks.codecs.codec import Codec
+from tagc.hooks.codecs.codec import Codec, Wire
 from tagc.hooks.core.segment import Segment
 from tagc.hooks.core.settings import HookSettings
 
+BATCHING = True
+"""Whether plans batch their parts (:attr:`BucketPlan.batches`); ``False`` (tests only): one part per codec call."""
 RAMP_STAGES = 4
 """A density ramp (``ramp_steps``) climbs to the ratio in this many equal-length stages (as Deep
 Gradient Compression's warm-up does over 4 epochs): each stage is a plan of its own."""
@@ -59,6 +62,32 @@ class Part:
 
 
 @dataclasses.dataclass
+class Batch(Part):
+    """Parts that one codec call encodes and one exchange per wire tensor carries (issue 61): parts of one codec
+    object and one size whose codec can batch (:attr:`Codec.batchable`), so that a bucket's host work follows its
+    batches, not its parts. ``columns``: every member's, in order; ``numel``: theirs together. A batch of one part
+    is the per-part case."""
+
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(part.key for part in self.parts)
+
+    def wire(self, world: int, dtype: torch.dtype) -> list[Wire]:
+        """The batch's wire tensors: each of a member's, its columns once per member (members side by side)."""
+        member = self.parts[0]
+        return [Wire(w.columns * len(self.parts), w.dtype) for w in self.codec.wire(member.numel, world, dtype)]
+
+
+def batch(parts: Sequence[Part]) -> Batch:
+    """``parts`` (one codec, one size) as a :class:`Batch` keyed by its first part."""
+    columns = torch.cat([torch.arange(p.columns.start, p.columns.stop) if isinstance(p.columns, slice) else p.columns
+                         for p in parts])
+    return Batch(_selector(columns), columns.numel(), parts[0].codec, parts[0].key, parts=tuple(parts))
+
+
+@dataclasses.dataclass
 class BucketPlan:
     """A bucket's parts, and the parameters it compresses."""
 
@@ -74,6 +103,16 @@ class BucketPlan:
     @property
     def compressed(self) -> bool:
         return bool(self.compressed_parts)
+
+    @functools.cached_property
+    def batches(self) -> list[Batch]:
+        """The parts as :class:`Batch` es, in order of their first parts: each codec that can batch takes its parts
+        of one size in one call, every other part goes alone. Made once per plan, the same on every rank."""
+        groups: dict = {}
+        for part in self.parts:
+            same = (id(part.codec), part.numel) if BATCHING and part.codec.batchable else id(part)
+            groups.setdefault(same, []).append(part)
+        return [batch(members) for members in groups.values()]
 
 
 def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:
