@@ -4,14 +4,15 @@ A bucket is the packed reduce-scatter input of ``chunk`` columns, each parameter
 :class:`~tagc.hooks.core.segment.Segment` of them. The columns the ``select`` policy leaves alone (and
 the padding) go to the plain codec as one part; the selected ones go to the hook's codec, grouped
 by their ratio and cut into parts of at least ``min_part`` elements, so part ``k+1`` is encoded
-while part ``k`` is on the wire. Plans are device-free and cached (:class:`Planner`): the same
-settings give the same plan, on every rank, at every step.
+while part ``k`` is on the wire. A codec that can batch takes its parts of one size in one call
+(:attr:`BucketPlan.batches`: a ratio group's parts have two sizes at most), so a bucket's host work follows
+its batches, not its parts. Plans are device-free and cached (:class:`Planner`): the same settings give the
+same plan, on every rank, at every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -81,10 +82,15 @@ class Batch(Part):
 
 
 def batch(parts: Sequence[Part]) -> Batch:
-    """``parts`` (one codec, one size) as a :class:`Batch` keyed by its first part."""
-    columns = torch.cat([torch.arange(p.columns.start, p.columns.stop) if isinstance(p.columns, slice) else p.columns
-                         for p in parts])
-    return Batch(_selector(columns), columns.numel(), parts[0].codec, parts[0].key, parts=tuple(parts))
+    """``parts`` (one codec, one size) as a :class:`Batch` keyed by its first part. Its columns: one part's own,
+    else every part's in one list (a host tensor of 8 bytes per column, copied to the device once by
+    :meth:`Part.index`; a slice where they follow one another)."""
+    first = parts[0]
+    columns = first.columns
+    if len(parts) > 1:
+        columns = _selector(torch.cat([torch.arange(p.columns.start, p.columns.stop) if isinstance(p.columns, slice)
+                                       else p.columns for p in parts]))
+    return Batch(columns, sum(p.numel for p in parts), first.codec, first.key, parts=tuple(parts))
 
 
 @dataclasses.dataclass
@@ -95,6 +101,17 @@ class BucketPlan:
     chunk: int
     parts: list[Part]  # the plain columns first (if any), then the compressed parts
     chosen: tuple[Segment, ...] = ()  # the compressed parameters
+    batches: list[Batch] = dataclasses.field(init=False, repr=False, compare=False)
+    """The parts as :class:`Batch` es, in order of their first parts: each codec that can batch takes its parts of
+    one size in one call, every other part goes alone. Made with the plan (not under a compiler's fake tensors, which
+    may ask a cached plan for its wire), the same on every rank."""
+
+    def __post_init__(self) -> None:
+        groups: dict = {}
+        for part in self.parts:
+            same = (id(part.codec), part.numel) if BATCHING and part.codec.batchable else id(part)
+            groups.setdefault(same, []).append(part)
+        self.batches = [batch(members) for members in groups.values()]
 
     @property
     def compressed_parts(self) -> list[Part]:
@@ -104,15 +121,6 @@ class BucketPlan:
     def compressed(self) -> bool:
         return bool(self.compressed_parts)
 
-    @functools.cached_property
-    def batches(self) -> list[Batch]:
-        """The parts as :class:`Batch` es, in order of their first parts: each codec that can batch takes its parts
-        of one size in one call, every other part goes alone. Made once per plan, the same on every rank."""
-        groups: dict = {}
-        for part in self.parts:
-            same = (id(part.codec), part.numel) if BATCHING and part.codec.batchable else id(part)
-            groups.setdefault(same, []).append(part)
-        return [batch(members) for members in groups.values()]
 
 
 def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:
