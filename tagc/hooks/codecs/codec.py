@@ -501,8 +501,7 @@ class TAGCCodec(ResidualCodec):
         layout = self.layout(numel)
         union = self._union(indexes, numel, parts, keys[0], stats)
         if self.config.fallback == "estimate":  # no host read: flags and counts stay on the device
-            return torch.cat([nonfinite.decode_(table, index, layout, self.config.index_bits, "estimate", stats)
-                              for table, index in zip(summed, union)])
+            return nonfinite.decode_(summed, union, layout, self.config.index_bits, "estimate", stats)
         return self._decode_on_host(summed[0], union[0], indexes, numel, keys[0], group, stats)
 
     def decode(self, received, numel, key, group, stats):
