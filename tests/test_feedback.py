@@ -44,16 +44,17 @@ def _step(hook, grad: torch.Tensor, segments) -> torch.Tensor:
 
 
 def _recording(hook) -> list:
-    """Record every wire the wrapped codec's inner codec encodes (this rank's rows for every owner)."""
+    """Record every wire the wrapped codec's inner codec encodes (this rank's rows for every owner; one part per
+    bucket here, so one part per call)."""
     inner, wires = hook.codec.inner, []
-    encode = inner.encode
+    encode = inner.encode_batch
 
-    def recorded(grad, key, group):
-        out = encode(grad, key, group)
+    def recorded(grad, keys, group):
+        out = encode(grad, keys, group)
         wires.append(tuple(w.clone() for w in out))
         return out
 
-    inner.encode = recorded
+    inner.encode_batch = recorded
     return wires
 
 

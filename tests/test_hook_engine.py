@@ -387,7 +387,7 @@ def test_dense_warmup_sends_the_first_steps_plain():
 
 
 ENCODE_S, DECODE_S = 0.03, 0.02
-"""What each compressed part's encode and decode is made to take (a sleep) in the timing test."""
+"""What each compressed batch's encode and decode is made to take (a sleep) in the timing test."""
 
 
 def codec_times(rank, world):
@@ -404,7 +404,7 @@ def codec_times(rank, world):
             return method(*args, **kwargs)
         return run
 
-    codec.encode, codec.decode = slowed("encode", codec.encode), slowed("decode", codec.decode)
+    codec.encode_batch, codec.decode_batch = slowed("encode", codec.encode_batch), slowed("decode", codec.decode_batch)
     start = time.perf_counter()
     exchange(rank, world, hook, torch.randn(world, CHUNK))
     hook.end_step()
@@ -415,7 +415,7 @@ def codec_times(rank, world):
 
 def test_step_stats_carry_the_encode_and_decode_time():
     for step_compress, unit_compress, decode_s, calls, elapsed in run_ranks(codec_times, 2):
-        assert calls["encode"] == calls["decode"] >= 2  # the compressed columns in parts
+        assert calls["encode"] == calls["decode"] == 1  # two compressed parts of one size: one batch, one call
         assert step_compress == unit_compress  # the step's time is its one unit's
         assert step_compress >= calls["encode"] * ENCODE_S and decode_s >= calls["decode"] * DECODE_S
         assert step_compress + decode_s <= elapsed  # one after the other, inside the exchange

@@ -3,8 +3,8 @@
 On 2 gloo ranks and the torch reference back end (fast; no kernels, so no launches), one bucket of
 ``tagc.hook()``'s wire is exchanged at 1 and at 8 compressed parts, twice each with fresh hooks: the aten
 ops of a steady step are counted (:class:`tagc.bench.launches.HostWork`), positive and the same both times.
-The target of issue 61, a host cost per bucket that does not grow with its parts, fails today: the
-engine encodes and decodes part after part.
+The target of issue 61, a host cost per bucket that does not grow with its parts: the engine encodes a
+batch of parts in one codec call and sends it in one all-to-all per wire tensor.
 """
 
 import pytest
@@ -41,7 +41,6 @@ def test_host_work_is_counted_and_deterministic(counted):
         assert first == second, (parts, first, second)
 
 
-@pytest.mark.xfail(strict=True, reason="per-part codec passes: issue 61")
 def test_host_work_per_bucket_does_not_grow_with_its_parts(counted):
     """Encode and transport only: the torch reference's decode runs one pass per peeling round, which follows the
     data, so its count differs between buckets whatever the batching (the kernels' decode is compared on a GPU)."""

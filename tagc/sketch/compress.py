@@ -90,7 +90,9 @@ def compress_(
     cells = cells + (chunk * layout.table_numel)[:, None]
     kept = rows.view(-1).index_select(0, positions).float()
     table.scatter_add_(0, cells.reshape(-1), (signs * kept[:, None]).reshape(-1))
-    index = torch.stack([pack_mask(m, bits) for m in mask]) if n_chunks else torch.zeros(0, 0, dtype=torch.uint8)
+    per_byte = 8 // bits  # each row padded to whole bytes, then every row packed in one pass
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -layout.numel % per_byte))
+    index = pack_mask(padded, bits).view(n_chunks, -1) if n_chunks else torch.zeros(0, 0, dtype=torch.uint8)
     rows.masked_fill_(mask, 0)
     table = table.view(n_chunks, layout.table_numel)
     return (index, table, held) if return_held else (index, table)

@@ -197,6 +197,9 @@ class Codec:
     """Where the codec's error feedback makes a part's residual final, for EF21 to shift it
     (:mod:`tagc.hooks.codecs.feedback`): ``"encode"`` (``r = x - sent`` once :meth:`encode` returns; EF21 calls
     :meth:`subtract_input`), ``"decode"`` (EF21 calls :meth:`decode_shifted`); ``None``: no residual EF21 knows."""
+    batchable: bool = False
+    """Whether :meth:`encode_batch` and :meth:`decode_batch` take several parts of one size in one call (a plan
+    batches such parts: :attr:`tagc.hooks.core.plan.BucketPlan.batches`)."""
 
     @property
     def wire_codec(self) -> "Codec":
@@ -222,6 +225,20 @@ class Codec:
     def decode(self, received: Sequence[torch.Tensor], numel: int, key: str, group: Optional[dist.ProcessGroup],
                stats: ExchangeStats) -> torch.Tensor:
         raise NotImplementedError
+
+    def encode_batch(self, grad: torch.Tensor, keys: Sequence[str],
+                     group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
+        """:meth:`encode` of the parts ``keys`` of one size at once: ``grad`` is ``[N, P * n]``, the parts side by
+        side; each wire tensor holds every part's, side by side (``[N, P * columns]``), as :meth:`encode` would
+        send them. Only a :attr:`batchable` codec takes more than one part."""
+        (key,) = keys
+        return self.encode(grad, key, group)
+
+    def decode_batch(self, received: Sequence[torch.Tensor], numel: int, keys: Sequence[str],
+                     group: Optional[dist.ProcessGroup], stats: ExchangeStats) -> torch.Tensor:
+        """:meth:`decode` of what :meth:`encode_batch` sent: every part's ``numel`` summed values, side by side."""
+        (key,) = keys
+        return self.decode(received, numel, key, group, stats)
 
     def overlappable(self) -> bool:
         """Whether :meth:`decode` is free of collectives, so it may run whenever its bytes arrived."""
@@ -272,6 +289,38 @@ class Codec:
         pass
 
 
+class Stacks:
+    """Per-part tensors of ``store`` (a codec's state dict, keyed by part) that a batch of parts uses as one: each
+    part's entry is a view of one tensor per batch, so the checkpoint keeps its keys and shapes. Entries that are not
+    (yet) views of it, a loaded checkpoint's, are copied into a new one once and the keys re-pointed."""
+
+    def __init__(self, store: dict[str, torch.Tensor]) -> None:
+        self.store = store
+        self.held: dict[tuple[str, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def stack(self, keys: Sequence[str], shape: Sequence[int], dim: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """The tensor of ``shape`` whose slices along ``dim`` are the entries ``keys`` (zeros where there is none;
+        ``dtype``, or the existing entries')."""
+        keys = tuple(keys)
+        whole, views = self.held.get(keys, (None, ()))
+        if whole is not None and all(self.store.get(key) is view for key, view in zip(keys, views)):
+            return whole
+        old = [self.store.get(key) for key in keys]
+        if len(keys) == 1 and old[0] is not None and old[0].is_contiguous():  # one part: its own tensor, as it is
+            whole, views = old[0].unsqueeze(dim), (old[0],)
+        else:
+            dtype = next((entry.dtype for entry in old if entry is not None), dtype)
+            whole = torch.zeros(shape, dtype=dtype, device=device)
+            for i, entry in enumerate(old):
+                if entry is not None:
+                    whole.select(dim, i).copy_(entry)
+            views = whole.unbind(dim)
+            self.store.update(zip(keys, views))
+        self.held[keys] = (whole, views)
+        return whole
+
+
 class ResidualCodec(Codec):
     """A codec with error feedback whose state is one residual per part: ``[N, n]`` (the part's rows),
     in ``residual_dtype``, keyed by the part, created at zero the first time the part is encoded.
@@ -286,6 +335,8 @@ class ResidualCodec(Codec):
     def __init__(self, residual_dtype: torch.dtype = torch.float32) -> None:
         self.residual_dtype = residual_dtype
         self.residuals: dict[str, torch.Tensor] = {}
+        self.stacks = Stacks(self.residuals)
+        """The residuals of the parts :meth:`encode_batch` takes together (:meth:`residual_batch`)."""
 
     def residual(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Part ``key``'s residual; zeros of ``grad``'s shape, on its device, the first time."""
@@ -293,6 +344,12 @@ class ResidualCodec(Codec):
         if residual is None:
             residual = self.residuals[key] = torch.zeros(grad.shape, dtype=self.residual_dtype, device=grad.device)
         return residual
+
+    def residual_batch(self, keys: Sequence[str], grad: torch.Tensor) -> torch.Tensor:
+        """The residuals of the parts ``keys`` (``grad``: ``[N, P * n]``) as one ``[N, P, n]`` tensor, each part's
+        entry of :attr:`residuals` a view of it (:class:`Stacks`)."""
+        shape = (grad.shape[0], len(keys), grad.shape[1] // len(keys))
+        return self.stacks.stack(keys, shape, 1, self.residual_dtype, grad.device)
 
     def subtract_input(self, key: str, taken: torch.Tensor) -> None:
         self.residuals[key].sub_(taken)
@@ -304,6 +361,7 @@ class ResidualCodec(Codec):
         """Replace the residuals with copies of ``state``'s, in the same dict (see the class docstring)."""
         self.residuals.clear()
         self.residuals.update({key: value.clone() for key, value in state.items()})
+        self.stacks.held.clear()
 
 
 class PlainCodec(Codec):
@@ -392,51 +450,74 @@ class TAGCCodec(ResidualCodec):
     def traceable(self) -> bool:
         return self.config.fallback == "estimate"  # the raw re-send has data-dependent sizes; "error" raises
 
+    @property
+    def batchable(self) -> bool:
+        return self.config.fallback == "estimate"  # "raw" and "error" decode part by part, with collectives
+
     def encode(self, grad, key, group):
-        world, numel = grad.shape
+        return self.encode_batch(grad, (key,), group)
+
+    def encode_batch(self, grad, keys, group):
+        # rows [N * P, n] (row j * P + p: part p's row for rank j): every kernel works row by row, so each part is
+        # encoded exactly as alone
+        world, parts = grad.shape[0], len(keys)
+        numel = grad.shape[1] // parts
         layout = self.layout(numel)
-        residual = self.residual(key, grad)
+        residual = self.residual_batch(keys, grad)
         # NaN/Inf on the device (no host read): a non-finite part keeps the residual, sends NaN
         # (tagc.hooks.core.nonfinite)
-        ok, grad = nonfinite.zero_unless_finite(grad)
+        ok, grad = nonfinite.zero_unless_finite(grad.reshape(world, parts, numel))
         if self.config.fallback == "raw":
-            self._accumulated[key] = residual.to(torch.float32, copy=True).add_(grad)
+            self._accumulated.update(zip(keys, residual.to(torch.float32, copy=True).add_(grad).unbind(1)))
         cap, low = self._capacity(numel, world)  # no row keeps more: the coded wire holds it
         index, table, held = nonfinite.compress_(ok, grad, residual, self.config.density(world), layout,
                                                  self.config.index_bits, cap)
-        self._overflow[key] = held
+        self._overflow[keys[0]] = held
         if self.positions == "coded":
             index = code_index(index, numel, cap, low)
-        return (index, *pack_values(table, self.value_dtype))
+        return tuple(wire.reshape(world, -1).contiguous() for wire in (index, *pack_values(table, self.value_dtype)))
 
-    def _union(self, indexes: torch.Tensor, numel: int, key: str, stats: ExchangeStats) -> torch.Tensor:
-        """Every rank's support merged: the union of the coded rows, or the bitmaps' OR / sum."""
+    def _union(self, indexes: torch.Tensor, numel: int, parts: int, key: str, stats: ExchangeStats) -> torch.Tensor:
+        """Every rank's support merged, per part (``[P, index bytes]``): the union of the coded rows, or the
+        bitmaps' OR / sum."""
         stats.count("overflow", self._overflow.pop(key, 0))  # counted by the rank that held them back
+        world = indexes.shape[0]
         if self.positions == "coded":
-            cap, low = self._capacity(numel, indexes.shape[0])
-            stats.count("bitmap_blocks", bitmap_blocks(indexes, numel, low))
-            return union_index(indexes.contiguous(), numel, cap, low)
+            cap, low = self._capacity(numel, world)
+            rows = indexes.reshape(world * parts, -1)
+            stats.count("bitmap_blocks", bitmap_blocks(rows, numel, low))
+            return torch.stack([union_index(code.contiguous(), numel, cap, low)
+                                for code in rows.view(world, parts, -1).unbind(1)])
         bits = self.config.index_bits
-        return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0))
+        return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0)).view(parts, -1)
+
+    def decode_batch(self, received, numel, keys, group, stats):
+        indexes, *cells = received
+        world, parts = indexes.shape[0], len(keys)
+        summed = unpack_values([c.reshape(world * parts, -1) for c in cells]).view(world, parts, -1).sum(dim=0)
+        layout = self.layout(numel)
+        union = self._union(indexes, numel, parts, keys[0], stats)
+        if self.config.fallback == "estimate":  # no host read: flags and counts stay on the device
+            return nonfinite.decode_(summed, union, layout, self.config.index_bits, "estimate", stats)
+        return self._decode_on_host(summed[0], union[0], indexes, numel, keys[0], group, stats)
 
     def decode(self, received, numel, key, group, stats):
-        indexes, *cells = received
-        tables = unpack_values(cells)
+        return self.decode_batch(received, numel, (key,), group, stats)
+
+    def _decode_on_host(self, summed: torch.Tensor, union: torch.Tensor, indexes: torch.Tensor, numel: int, key: str,
+                        group, stats: ExchangeStats) -> torch.Tensor:
+        """One part's decode under ``fallback="raw"`` or ``"error"``."""
         layout = self.layout(numel)
-        summed = tables.sum(dim=0)
         bits = self.config.index_bits
-        union = self._union(indexes, numel, key, stats)
-        if self.config.fallback == "estimate":  # no host read: flags and counts stay on the device
-            return nonfinite.decode_(summed, union, layout, bits, self.config.fallback, stats)
         # "raw" (data-dependent re-send sizes) and "error" (raises) read on the host: not sync-free
         ok = finite(summed)
         if not bool(ok):
             stats.count_nonfinite(ok)
             self._accumulated.pop(key, None)
-            values = torch.full((numel,), float("nan"), dtype=torch.float32, device=tables.device)
+            values = torch.full((numel,), float("nan"), dtype=torch.float32, device=summed.device)
             if self.config.fallback == "raw":  # every rank takes part in the re-send round, asking nothing
-                gather_from_owners(torch.zeros(0, dtype=torch.int64, device=tables.device),
-                                   torch.zeros(indexes.shape[0], 0, device=tables.device), group)
+                gather_from_owners(torch.zeros(0, dtype=torch.int64, device=summed.device),
+                                   torch.zeros(indexes.shape[0], 0, device=summed.device), group)
             else:
                 raise_on_every_rank(None, group, summed.device)
             return values

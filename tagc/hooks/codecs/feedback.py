@@ -88,7 +88,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.codecs.codec import Codec, Wire, finite
+from tagc.hooks.codecs.codec import Codec, Stacks, Wire, finite
+from tagc.hooks.core import nonfinite
 from tagc.hooks.core.allreduce import Shift
 from tagc.hooks.core.state_keys import part_key
 from tagc.hooks.core.stats import ExchangeStats
@@ -153,6 +154,7 @@ class EF21Codec(Codec):
         self.sums: dict[str, torch.Tensor] = {}
         """``H`` per part (and per DDP gather piece), keyed by its state entry name."""
         self._decodes: dict[str, int] = {}  # decodes of a part since its encode: the piece a gather form decodes
+        self.stacks = Stacks(self.sums)  # the H of a batch of parts (decode_batch)
 
     @property
     def decay(self) -> float:
@@ -238,10 +240,27 @@ class EF21Codec(Codec):
 
     # ------------------------------------------------------------------ encode: g - h_i, then h_i += what was sent
 
+    @property
+    def batchable(self) -> bool:
+        return self.inner.batchable and self.inner.feedback_at == "encode"
+
+    def encode_batch(self, grad, keys, group):
+        """:meth:`encode` of parts side by side: the inner codec's residuals as one tensor, faded and shifted once."""
+        if not self.batchable:
+            (key,) = keys
+            return self.encode(grad, key, group)
+        self._decodes.update(dict.fromkeys(keys, 0))
+        residual = self.inner.residual_batch(keys, grad)  # [N, P, n]: h = 0 where new, as fade() finds it
+        if self.decay != 1.0:
+            residual.mul_(self.decay)
+        wires = self.inner.encode_batch(grad, keys, group)
+        residual.sub_(nonfinite.zero_unless_finite(grad.reshape(residual.shape))[1])  # a non-finite part: nothing
+        return wires
+
     def encode(self, grad: torch.Tensor, key: str, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
         self._decodes[key] = 0
         self.fade(key)
-        wires = self.inner.encode(grad, key, group)
+        wires = self.inner.encode_batch(grad, (key,), group)
         if self.inner.feedback_at == "encode":
             # a non-finite part: the codec kept the residual as it was, so nothing is subtracted either
             taken = torch.where(finite(grad), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
@@ -262,19 +281,41 @@ class EF21Codec(Codec):
 
     def decode(self, received: Sequence[torch.Tensor], numel: int, key: str, group: Optional[dist.ProcessGroup],
                stats: ExchangeStats) -> torch.Tensor:
-        piece = self._decodes.get(key, 0)
-        self._decodes[key] = piece + 1
-        name = key + SUM + (str(piece) if piece else "")
+        if self.inner.feedback_at == "encode":
+            return self.decode_batch(received, numel, (key,), group, stats)
+        name = self._sum_names((key,))[0]
+        values, shifted = self.inner.decode_shifted(received, numel, key, group, stats)
+        total = self._faded_sum(name, numel, values.device)
+        total.copy_(torch.where(shifted, total + values, total))
+        return torch.where(shifted, total, values)  # the plain columns (and a non-finite matrix) as decoded
+
+    def decode_batch(self, received, numel, keys, group, stats):
+        """``H += `` the decoded sums of the parts ``keys`` (``feedback_at == "encode"``), every ``H`` a view of one
+        tensor per batch; a part some rank sent NaN/Inf for is NaN (its rows left out of ``H``)."""
         if self.inner.feedback_at == "decode":
-            values, shifted = self.inner.decode_shifted(received, numel, key, group, stats)
-            total = self._faded_sum(name, numel, values.device)
-            total.copy_(torch.where(shifted, total + values, total))
-            return torch.where(shifted, total, values)  # the plain columns (and a non-finite matrix) as decoded
-        rows_ok, clean = _finite_rows(received)
-        total, ok = self.add_decoded(name, numel, self.inner.decode(clean, numel, key, group, stats))
+            (key,) = keys
+            return self.decode(received, numel, key, group, stats)
+        parts = len(keys)
+        rows_ok, clean = _finite_rows(received, parts)
+        decoded = self.inner.decode_batch(clean, numel, keys, group, stats).view(parts, numel)
+        ok = nonfinite.finite_parts(decoded[None])
+        total = self.stacks.stack(self._sum_names(keys), (parts, numel), 0, torch.float32, decoded.device)
+        if self.decay != 1.0:
+            total.mul_(self.decay)  # as every rank faded its h_j (zeros where new)
+        total.add_(torch.where(ok[:, None], decoded, 0.0))
         ok = ok & rows_ok
         stats.count_nonfinite(ok)
-        return torch.where(ok, total, torch.nan)
+        return torch.where(ok[:, None], total, torch.nan).view(-1)
+
+    def _sum_names(self, keys: Sequence[str]) -> list[str]:
+        """The state entries of the parts' ``H`` this decode adds to: a DDP gather form decodes every replica's
+        piece after one encode, each into an ``H`` of its own."""
+        names = []
+        for key in keys:
+            piece = self._decodes.get(key, 0)
+            self._decodes[key] = piece + 1
+            names.append(key + SUM + (str(piece) if piece else ""))
+        return names
 
     def add_decoded(self, name: str, numel: int, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``H`` (state entry ``name``) plus the decoded sum of the ranks' changes where it is finite (what the ranks
@@ -321,6 +362,7 @@ class EF21Codec(Codec):
         self.inner.load_state_dict(theirs)
         self.sums.clear()
         self.sums.update({key: value.clone() for key, value in sums.items()})
+        self.stacks.held.clear()
 
 
 class SummedShift(Shift):
@@ -352,17 +394,19 @@ class SummedShift(Shift):
         return torch.where(ok, total, torch.nan)
 
 
-def _finite_rows(received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(ok, clean)``: ``ok`` (0-d bool) whether every rank's row of every floating wire tensor is finite; ``clean``
-    the wires with the floating rows of a rank that sent a NaN/Inf zeroed (its part adds nothing at the owner: a
-    rank with a non-finite part keeps its residual and sends nothing else, e.g. an all-zero index)."""
-    floating = [wire for wire in received if wire.is_floating_point()]
+def _finite_rows(received: Sequence[torch.Tensor], parts: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(ok, clean)`` of ``parts`` parts side by side: ``ok`` (bool ``[P]``) whether every rank's row of every
+    floating wire tensor is finite, per part; ``clean`` the wires with a part's floating rows of a rank that sent a
+    NaN/Inf zeroed (its part adds nothing at the owner: a rank with a non-finite part keeps its residual and sends
+    nothing else, e.g. an all-zero index)."""
+    floating = [wire.reshape(wire.shape[0], parts, -1) for wire in received if wire.is_floating_point()]
     if not floating:
-        return torch.ones((), dtype=torch.bool, device=received[0].device), list(received)
-    rows = torch.stack([torch.isfinite(wire).all(dim=1) for wire in floating]).all(dim=0)  # [N]
-    clean = [torch.where(rows[:, None], wire, torch.zeros((), dtype=wire.dtype, device=wire.device))
-             if wire.is_floating_point() else wire for wire in received]
-    return rows.all(), clean
+        return torch.ones(parts, dtype=torch.bool, device=received[0].device), list(received)
+    rows = torch.stack([torch.isfinite(wire).all(dim=2) for wire in floating]).all(dim=0)  # [N, P]
+    clean = [torch.where(rows[..., None], wire.reshape(rows.shape + (-1,)), torch.zeros((), dtype=wire.dtype,
+                         device=wire.device)).view(wire.shape) if wire.is_floating_point() else wire
+             for wire in received]
+    return rows.all(dim=0), clean
 
 
 class LearningRateFading:

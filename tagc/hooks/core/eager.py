@@ -1,6 +1,7 @@
 """The eager exchange: a bucket's parts encoded and launched at once, decoded as their bytes arrive.
 
-* :meth:`PendingBucket.send` encodes every part, launches its all-to-all and returns a
+* :meth:`PendingBucket.send` encodes every batch of parts (one codec call each,
+  :attr:`~tagc.hooks.core.plan.BucketPlan.batches`), launches its all-to-all and returns a
   :class:`PendingBucket` at once; the bytes travel while the caller computes (the rest of the
   backward pass). The hook's ``start`` first polls the buckets in flight, so the parts of earlier
   buckets whose bytes have arrived are decoded between later buckets (on the caller's thread);
@@ -9,8 +10,8 @@
   later ``start`` (:meth:`PendingBucket.advance`) and finishes the rest in :meth:`PendingBucket.wait`:
   points every rank reaches in the same order, never on local arrival (which differs between
   ranks), so every rank issues the same all-to-alls in the same order.
-* On CUDA the codec work runs on a side stream (:class:`SideStreams`), so part ``k+1`` is encoded
-  while part ``k`` is on the wire and the caller's stream runs on meanwhile.
+* On CUDA the codec work runs on a side stream (:class:`SideStreams`), so batch ``k+1`` is encoded
+  while batch ``k`` is on the wire and the caller's stream runs on meanwhile.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from tagc.hooks.core import strict
 from tagc.hooks.core.exchange import PartCoder, nonfinite_error, raises_nonfinite
 from tagc.hooks.core.hierarchy import Topology, host_reduce
-from tagc.hooks.core.plan import BucketPlan, Part
+from tagc.hooks.core.plan import Batch, BucketPlan
 from tagc.hooks.core.state import ExchangeState, UnitTiming
 from tagc.hooks.core.stats import ExchangeStats
 from tagc.hooks.core.transport import PendingExchange, all_to_all_rows, reduce_scatter_rows, scale_into
@@ -80,15 +81,15 @@ def launch(wires: Sequence[torch.Tensor], group, piece_bytes: int | None, stats:
 
 @dataclasses.dataclass
 class Flight:
-    """A part's current exchange round on the wire."""
+    """A batch of parts' current exchange round on the wire (:attr:`BucketPlan.batches`)."""
 
-    part: Part
+    batch: Batch
     round: int
     exchanges: list[PendingExchange]
 
     @property
     def last(self) -> bool:
-        return self.round == self.part.codec.rounds - 1
+        return self.round == self.batch.codec.rounds - 1
 
 
 class PendingBucket:
@@ -122,9 +123,10 @@ class PendingBucket:
         self.done = False
 
     def send(self, rows: torch.Tensor, topo: Topology) -> None:
-        """Encode ``rows`` (``[world, chunk]``: row ``j`` for rank ``j``) part by part and launch each part's
-        exchange, on this bucket's stream. Hierarchical (``topo``): first the plain, blocking sum inside the
-        host, then the codec over the cross group (:attr:`group`). One rank: the sum is its own row."""
+        """Encode ``rows`` (``[world, chunk]``: row ``j`` for rank ``j``) batch by batch (:attr:`BucketPlan.batches`)
+        and launch each batch's exchange, on this bucket's stream. Hierarchical (``topo``): first the plain,
+        blocking sum inside the host, then the codec over the cross group (:attr:`group`). One rank: the sum is its
+        own row."""
         stats, timing, coder = self.stats, self.timing, self.coder
         with _on(self.stream):
             if rows.shape[0] == 1:
@@ -138,11 +140,11 @@ class PendingBucket:
                 stats.exposed_s += end - begin
                 timing.exposed_s += end - begin
                 timing.events.append(("wait", begin, end))  # the caller blocked on bytes, as in a wait
-            for part in self.plan.parts:
-                wires = coder.encode(part, rows[:, part.index(rows.device)], self.group, timing)
+            for batch in self.plan.batches:
+                wires = coder.encode(batch, rows[:, batch.index(rows.device)], self.group, timing)
                 launched = launch(wires, self.group, coder.piece_bytes, stats, timing, self.remote_rows,
-                                  summed=part.codec.summed_rows)
-                self._in_flight.append(Flight(part, 0, launched))
+                                  summed=batch.codec.summed_rows)
+                self._in_flight.append(Flight(batch, 0, launched))
 
     def poll(self) -> None:
         """Decode the parts whose last round has arrived, in order, without blocking (never launches)."""
@@ -205,13 +207,13 @@ class PendingBucket:
     def _decode_next(self) -> None:
         flight = self._in_flight.popleft()
         received = self._receive(flight.exchanges)
-        self.summed[flight.part.index(self.summed.device)] = self.coder.decode(flight.part, received, self.group,
-                                                                               self.stats, self.timing)
+        self.summed[flight.batch.index(self.summed.device)] = self.coder.decode(flight.batch, received, self.group,
+                                                                                self.stats, self.timing)
 
     def _next_round(self, flight: Flight) -> None:
         received = self._receive(flight.exchanges)
         flight.round += 1
-        wires = self.coder.encode(flight.part, received, self.group, self.timing, flight.round)
+        wires = self.coder.encode(flight.batch, received, self.group, self.timing, flight.round)
         flight.exchanges = launch(wires, self.group, self.coder.piece_bytes, self.stats, self.timing, self.remote_rows)
 
 

@@ -1,4 +1,4 @@
-"""What the eager and the traced exchange share: a part's encode and decode through its codec (timed,
+"""What the eager and the traced exchange share: a batch of parts' encode and decode through its codec (timed,
 with a loaded checkpoint's check) and the ``nonfinite="raise"`` error. FSDP's reduce op as a scale is
 :func:`tagc.hooks.core.transport.op_scale`.
 """
@@ -13,7 +13,7 @@ import torch
 
 from tagc.hooks.codecs.codec import Codec
 from tagc.hooks.core.checkpoint import Restored
-from tagc.hooks.core.plan import Part
+from tagc.hooks.core.plan import Batch, Part
 from tagc.hooks.core.state import UnitTiming
 from tagc.hooks.core.stats import ExchangeStats
 
@@ -46,28 +46,31 @@ class PartCoder:
         if self.restored is not None:
             self.restored.check_part(part, self.plain, self.select_fingerprint)
 
-    def encode(self, part: Part, grad: torch.Tensor | Sequence[torch.Tensor], group, timing: UnitTiming,
+    def encode(self, batch: Batch, grad: torch.Tensor | Sequence[torch.Tensor], group, timing: UnitTiming,
                round: int = 0) -> tuple[torch.Tensor, ...]:
-        """Round 0: ``grad`` is this rank's rows; a later round: what the previous round received."""
+        """Round 0: ``grad`` is this rank's rows of the batch's columns (``[N, numel]``); a later round: what the
+        previous round received."""
         if round == 0:
-            self.check(part)
+            for part in batch.parts:
+                self.check(part)
         start = time.perf_counter()
         if round == 0:
-            wires = part.codec.encode(grad, part.key, group)
+            wires = batch.codec.encode_batch(grad, batch.keys, group)
         else:
-            wires = part.codec.next_round(round, grad, part.key, group)
-        if part.codec.compresses:
+            wires = batch.codec.next_round(round, grad, batch.key, group)
+        if batch.codec.compresses:
             end = time.perf_counter()
             timing.compress_s += end - start
             timing.events.append(("compress", start, end))
         return wires
 
-    def decode(self, part: Part, received: Sequence[torch.Tensor], group, stats: ExchangeStats,
+    def decode(self, batch: Batch, received: Sequence[torch.Tensor], group, stats: ExchangeStats,
                timing: UnitTiming | None = None) -> torch.Tensor:
-        """``part``'s summed values from what every rank sent it (the codec adds its statistics to ``stats``)."""
+        """The batch's summed values (its columns') from what every rank sent it (the codec adds its statistics to
+        ``stats``)."""
         start = time.perf_counter()
-        values = part.codec.decode(received, part.numel, part.key, group, stats)
-        if part.codec.compresses:
+        values = batch.codec.decode_batch(received, batch.parts[0].numel, batch.keys, group, stats)
+        if batch.codec.compresses:
             end = time.perf_counter()
             stats.decode_s += end - start
             if timing is not None:

@@ -37,10 +37,18 @@ DEVICE_STATS = ("support", "peeled", "unpeeled", "estimated")
 """The decode statistics the hook keeps (of :data:`tagc.kernels.dispatch.STAT_FIELDS`)."""
 
 
+def finite_parts(grad: torch.Tensor) -> torch.Tensor:
+    """Whether each part of ``grad`` (``[N, P, n]``: part ``p``'s rows ``grad[:, p]``) is finite: bool ``[P]``."""
+    low, high = torch.aminmax(grad, dim=-1)
+    return (torch.isfinite(low) & torch.isfinite(high)).all(dim=0)
+
+
 def zero_unless_finite(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ok, where(ok, grad, 0))``: ``ok`` a 0-d bool tensor, whether every entry is finite."""
-    ok = finite(grad)
-    return ok, torch.where(ok, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    """``(ok, grad zeroed where not ok)``: for one part's ``[N, n]``, ``ok`` a 0-d bool tensor, whether every entry
+    is finite; for parts side by side, ``[N, P, n]``, ``ok`` per part (:func:`finite_parts`)."""
+    ok = finite(grad) if grad.dim() < 3 else finite_parts(grad)
+    return ok, torch.where(ok[..., None] if ok.dim() else ok, grad, torch.zeros((), dtype=grad.dtype,
+                                                                                 device=grad.device))
 
 
 def thresholds(residual: torch.Tensor, grad: torch.Tensor, density: float, numel: int) -> torch.Tensor:
@@ -58,21 +66,29 @@ def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, dens
               bits: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused compress under the NaN/Inf policy; ``ok, grad`` from :func:`zero_unless_finite`.
 
-    Returns ``(index, table, held)``: ``held`` (int64 0-d) counts the entries the rows'
-    capacity ``cap`` (:func:`tagc.sketch.sparsify.capacity`) left in the residual.
+    Several parts side by side (``[N, P, n]``, ``ok`` ``[P]``) are compressed in one call, each as alone: every
+    back end works row by row. Returns ``(index, table, held)`` (rows ``[N * P, ...]``): ``held`` (int64 0-d)
+    counts the entries the rows' capacity ``cap`` (:func:`tagc.sketch.sparsify.capacity`) left in the residual.
     """
-    tau = torch.where(ok, thresholds(residual, grad, density, layout.numel), math.inf)
+    parts = ok.numel()
+    tau = torch.where(ok, thresholds(residual, grad, density, layout.numel).view(-1, parts), math.inf)
     index, table, held = dispatch.compress_(grad, residual, density, layout, bits, tau=tau, return_held=True, cap=cap)
-    return index, torch.where(ok, table, math.nan), held.sum()
+    table = torch.where(ok[..., None], table.view(-1, parts, layout.table_numel), math.nan)
+    return index, table.view(-1, layout.table_numel), held.sum()
 
 
 def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,
             stats: ExchangeStats) -> torch.Tensor:
-    """Decode a summed table under the NaN/Inf policy; statistics added to ``stats`` on the device."""
-    ok = finite(summed)
-    values, counts = dispatch.decode_async(torch.where(ok, summed, 0.0), union, layout, bits, fallback)
-    counts = counts * ok
+    """Decode summed tables under the NaN/Inf policy; statistics added to ``stats`` on the device. One part's table
+    ``[T]`` and union index, or several parts' ``[P, T]`` and ``[P, I]``: the checks and the counts once for all,
+    the decode itself (peeling follows the data) part by part; the values side by side."""
+    tables = summed.view(-1, layout.table_numel)
+    ok = finite_parts(tables[None])
+    clean = torch.where(ok[:, None], tables, 0.0)
+    decoded = [dispatch.decode_async(table, index, layout, bits, fallback)
+               for table, index in zip(clean, union.view(tables.shape[0], -1))]
+    counts = (torch.stack([c for _, c in decoded]) * ok[:, None]).sum(dim=0)
     stats.count_nonfinite(ok)
     for name in DEVICE_STATS:
         stats.count(name, counts[dispatch.STAT_FIELDS.index(name)])
-    return torch.where(ok, values, math.nan)
+    return torch.where(ok[:, None], torch.stack([v for v, _ in decoded]), math.nan).view(-1)

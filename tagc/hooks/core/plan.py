@@ -4,8 +4,10 @@ A bucket is the packed reduce-scatter input of ``chunk`` columns, each parameter
 :class:`~tagc.hooks.core.segment.Segment` of them. The columns the ``select`` policy leaves alone (and
 the padding) go to the plain codec as one part; the selected ones go to the hook's codec, grouped
 by their ratio and cut into parts of at least ``min_part`` elements, so part ``k+1`` is encoded
-while part ``k`` is on the wire. Plans are device-free and cached (:class:`Planner`): the same
-settings give the same plan, on every rank, at every step.
+while part ``k`` is on the wire. A codec that can batch takes its parts of one size in one call
+(:attr:`BucketPlan.batches`: a ratio group's parts have two sizes at most), so a bucket's host work follows
+its batches, not its parts. Plans are device-free and cached (:class:`Planner`): the same settings give the
+same plan, on every rank, at every step.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tagc.hooks.codecs.codec import Codec
+from tagc.hooks.codecs.codec import Codec, Wire
 from tagc.hooks.core.segment import Segment
 from tagc.hooks.core.settings import HookSettings
+
+BATCHING = True
+"""Whether plans batch their parts (:attr:`BucketPlan.batches`); ``False`` (tests only): one part per codec call."""
 
 
 @dataclasses.dataclass
@@ -42,6 +47,37 @@ class Part:
 
 
 @dataclasses.dataclass
+class Batch(Part):
+    """Parts that one codec call encodes and one exchange per wire tensor carries (issue 61): parts of one codec
+    object and one size whose codec can batch (:attr:`Codec.batchable`), so that a bucket's host work follows its
+    batches, not its parts. ``columns``: every member's, in order; ``numel``: theirs together. A batch of one part
+    is the per-part case."""
+
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(part.key for part in self.parts)
+
+    def wire(self, world: int, dtype: torch.dtype) -> list[Wire]:
+        """The batch's wire tensors: each of a member's, its columns once per member (members side by side)."""
+        member = self.parts[0]
+        return [Wire(w.columns * len(self.parts), w.dtype) for w in self.codec.wire(member.numel, world, dtype)]
+
+
+def batch(parts: Sequence[Part]) -> Batch:
+    """``parts`` (one codec, one size) as a :class:`Batch` keyed by its first part. Its columns: one part's own,
+    else every part's in one list (a host tensor of 8 bytes per column, copied to the device once by
+    :meth:`Part.index`; a slice where they follow one another)."""
+    first = parts[0]
+    columns = first.columns
+    if len(parts) > 1:
+        columns = _selector(torch.cat([torch.arange(p.columns.start, p.columns.stop) if isinstance(p.columns, slice)
+                                       else p.columns for p in parts]))
+    return Batch(columns, sum(p.numel for p in parts), first.codec, first.key, parts=tuple(parts))
+
+
+@dataclasses.dataclass
 class BucketPlan:
     """A bucket's parts, and the parameters it compresses."""
 
@@ -49,6 +85,17 @@ class BucketPlan:
     chunk: int
     parts: list[Part]  # the plain columns first (if any), then the compressed parts
     chosen: tuple[Segment, ...] = ()  # the compressed parameters
+    batches: list[Batch] = dataclasses.field(init=False, repr=False, compare=False)
+    """The parts as :class:`Batch` es, in order of their first parts: each codec that can batch takes its parts of
+    one size in one call, every other part goes alone. Made with the plan (not under a compiler's fake tensors, which
+    may ask a cached plan for its wire), the same on every rank."""
+
+    def __post_init__(self) -> None:
+        groups: dict = {}
+        for part in self.parts:
+            same = (id(part.codec), part.numel) if BATCHING and part.codec.batchable else id(part)
+            groups.setdefault(same, []).append(part)
+        self.batches = [batch(members) for members in groups.values()]
 
     @property
     def compressed_parts(self) -> list[Part]:
@@ -57,6 +104,7 @@ class BucketPlan:
     @property
     def compressed(self) -> bool:
         return bool(self.compressed_parts)
+
 
 
 def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:

@@ -122,7 +122,8 @@ class HookSettings:
             eager and compiled models.
         residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
         min_part: compressed columns are cut into pipeline parts of at least this many
-            elements (part ``k+1`` is compressed while part ``k`` is on the wire).
+            elements (part ``k+1`` is compressed while part ``k`` is on the wire; a codec that batches,
+            ``tagc`` with ``fallback="estimate"``, takes a ratio's parts of one size in one call).
         dense_steps: send everything uncompressed for the first this many steps (a dense
             warm-up, as in Deep Gradient Compression): early gradients carry the large,
             dense moves (e.g. every vocabulary row of the LM head) that sparsification with

@@ -67,9 +67,9 @@ class ExchangeStats:
     """Strict sync mode: host reads inside the CPU-only Numba back end (CPU tensors, no synchronisation)."""
 
     def count_nonfinite(self, ok: torch.Tensor) -> None:
-        """``nonfinite_parts += 1`` where ``ok`` (0-d bool: the part was finite) is false, on ``ok``'s
-        device: the one place a codec counts a NaN/Inf part, with no host read."""
-        self.count("nonfinite_parts", (~ok).to(torch.int64))
+        """``nonfinite_parts += 1`` where ``ok`` (bool, 0-d or one per part: the part was finite) is false, on
+        ``ok``'s device: the one place a codec counts a NaN/Inf part, with no host read."""
+        self.count("nonfinite_parts", (~ok).sum())
 
     def count(self, name: str, amount: Count) -> None:
         """``self.<name> += amount`` for a field (a :data:`Count`, or an int or float), where either may be a device

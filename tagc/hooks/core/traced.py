@@ -1,9 +1,9 @@
-"""The traced exchange: the eager path's per-part encode and decode around one fixed-shape collective.
+"""The traced exchange: the eager path's encode and decode (per batch of parts) around one fixed-shape collective.
 
-:func:`encode_bucket` puts every part's wire tensors side by side as bytes (``uint8 [N, B]``), one
+:func:`encode_bucket` puts every batch's wire tensors side by side as bytes (``uint8 [N, B]``), one
 all-to-all per bucket (a compiled graph's functional collective, :mod:`tagc.hooks.adapters.simple`), whose
 wait a compiler can move past later compute; :func:`decode_bucket` cuts what arrived back into the
-parts' wires and decodes them. ``B`` follows from the settings alone (:func:`wire_row_bytes`), so a
+batches' wires and decodes them. ``B`` follows from the settings alone (:func:`wire_row_bytes`), so a
 compiled graph can hold it.
 """
 
@@ -21,8 +21,8 @@ from tagc.hooks.core.transport import op_scale, scale_into
 
 
 def wires(plan: BucketPlan, world: int, dtype: torch.dtype) -> list[Wire]:
-    """Every part's wire tensors, in order."""
-    return [wire for part in plan.parts for wire in part.codec.wire(part.numel, world, dtype)]
+    """Every batch's wire tensors (:attr:`BucketPlan.batches`), in order."""
+    return [wire for batch in plan.batches for wire in batch.wire(world, dtype)]
 
 
 def wire_row_bytes(plan: BucketPlan, world: int, dtype: torch.dtype) -> int:
@@ -37,10 +37,10 @@ def traceable(plan: BucketPlan, world: int) -> bool:
 
 
 def encode_bucket(plan: BucketPlan, rows: torch.Tensor, group, coder: PartCoder) -> tuple[torch.Tensor, UnitTiming]:
-    """Every part of ``rows`` (``[N, chunk]``) encoded, its wire tensors side by side as bytes, and the timing."""
+    """Every batch of ``rows`` (``[N, chunk]``) encoded, its wire tensors side by side as bytes, and the timing."""
     timing = UnitTiming(plan.key)
-    encoded = [w.contiguous().view(torch.uint8) for part in plan.parts
-               for w in coder.encode(part, rows[:, part.index(rows.device)], group, timing)]
+    encoded = [w.contiguous().view(torch.uint8) for batch in plan.batches
+               for w in coder.encode(batch, rows[:, batch.index(rows.device)], group, timing)]
     return torch.cat(encoded, dim=1), timing
 
 
@@ -62,12 +62,12 @@ def decode_bucket(plan: BucketPlan, received: torch.Tensor, group, world: int, d
                           inter_host_bytes=remote_rows * received.shape[1])
     summed = torch.zeros(chunk, dtype=torch.float32, device=received.device)
     at = 0
-    for part in plan.parts:
-        part_received = []
-        for wire in part.codec.wire(part.numel, world, dtype):
-            part_received.append(received[:, at : at + wire.row_bytes].contiguous().view(wire.dtype))
+    for batch in plan.batches:
+        batch_received = []
+        for wire in batch.wire(world, dtype):
+            batch_received.append(received[:, at : at + wire.row_bytes].contiguous().view(wire.dtype))
             at += wire.row_bytes
-        summed[part.index(summed.device)] = coder.decode(part, part_received, group, stats)
+        summed[batch.index(summed.device)] = coder.decode(batch, batch_received, group, stats)
     output = torch.empty(chunk, dtype=dtype, device=summed.device)
     scale_into(output, summed, op_scale(op, full))
     return output, stats
