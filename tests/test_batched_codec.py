@@ -172,3 +172,73 @@ def test_a_plan_batches_by_codec_and_size():
         assert torch.equal(columns, torch.cat([torch.arange(CHUNK)[p.columns] for p in b.parts]))
         assert [w.row_bytes for w in b.wire(2, torch.float32)] == [
             len(b.parts) * w.row_bytes for w in b.codec.wire(b.parts[0].numel, 2, torch.float32)]
+
+
+# ---------------------------------------------------------------- the codec alone, on every back end
+
+CODECS = {  # (TAGCConfig fields, residual dtype, codec options, EF21 decay or None)
+    "paper": (dict(ratio=10.0), torch.float32, dict(positions="bitmap", value_dtype="float32"), None),
+    "4bit-bf16": (dict(ratio=6.0, index_bits=4), torch.bfloat16, dict(positions="bitmap", value_dtype="bfloat16"),
+                  None),
+    "coded-ef21": (dict(ratio=4.5), torch.float32, dict(positions="coded", value_dtype="float16"), 0.9),
+}
+
+
+def codec_parity(rank: int, world: int, backend: str) -> list:
+    """``R = 3`` emulated ranks, one codec each, batched and alone: three parts of 301 columns, three steps (a NaN
+    in one part on one rank at the second), every owner decoding what every rank sent it (Triton's interpreter:
+    2 ranks, 2 parts of 97, 2 steps). Returns what differs."""
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+    os.environ["TAGC_BACKEND"] = backend
+    from tagc.config import TAGCConfig
+    from tagc.hooks.codecs.feedback import with_feedback
+    from tagc.hooks.codecs.registry import make_codec
+    from tagc.hooks.core.stats import ExchangeStats
+
+    ranks, parts, numel, steps = (2, 2, 97, 2) if backend == "triton" else (3, 3, 301, 3)  # the interpreter is slow
+    keys = [f"w#903/part{p}" for p in range(parts)]
+    differ = []
+    def build(config, dtype, options, decay):
+        codec = make_codec("tagc", TAGCConfig(**config), dtype, options)
+        return codec if decay is None else with_feedback(codec, "ef21", 0.0, decay)
+
+    for name, settings in CODECS.items():
+        batched, alone = [build(*settings) for _ in range(ranks)], [build(*settings) for _ in range(ranks)]
+        for step in range(steps):
+            grads = [torch.randn(ranks, parts * numel, generator=torch.Generator().manual_seed(10 * step + r))
+                     for r in range(ranks)]
+            if step == 1:
+                grads[0][1, numel + 5] = float("nan")  # part 1, rank 0's row for owner 1
+            sent = [c.encode_batch(g, keys, None) for c, g in zip(batched, grads)]
+            sent_alone = [[c.encode_batch(g[:, p * numel:(p + 1) * numel], keys[p:p + 1], None) for p in range(parts)]
+                          for c, g in zip(alone, grads)]
+            for mine, theirs in zip(sent, sent_alone):
+                if any(not torch.equal(bits(w.float()), bits(torch.cat([t[i] for t in theirs], 1).float()))
+                       for i, w in enumerate(mine)):
+                    differ.append((name, step, "wire"))
+            for owner in range(ranks):
+                stats, stats_alone = ExchangeStats(), ExchangeStats()
+                received = [torch.stack([w[i][owner] for w in sent]) for i in range(len(sent[0]))]
+                values = batched[owner].decode_batch(received, numel, keys, None, stats)
+                alone_values = torch.cat([alone[owner].decode_batch(
+                    [torch.stack([w[p][i][owner] for w in sent_alone]) for i in range(len(sent[0]))], numel,
+                    keys[p:p + 1], None, stats_alone) for p in range(parts)])
+                if not torch.equal(bits(values), bits(alone_values)) or stats.as_dict() != stats_alone.as_dict():
+                    differ.append((name, step, "decode", owner))
+            for c, c_alone in zip(batched, alone):
+                state, state_alone = c.state_dict(), c_alone.state_dict()
+                if state.keys() != state_alone.keys() or any(
+                        not torch.equal(bits(state[k].float()), bits(state_alone[k].float())) for k in state):
+                    differ.append((name, step, "state"))
+    return differ
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba",
+                                     pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.slow])])
+def test_a_batch_encodes_and_decodes_as_its_parts_on_every_back_end(backend):
+    """The Triton kernels run in their interpreter here (``TRITON_INTERPRET=1``, a few minutes: ``-m slow``), as on a
+    GPU but for races."""
+    pytest.importorskip({"torch": "torch", "numba": "numba", "triton": "triton"}[backend])
+    (differ,) = run_ranks(codec_parity, 1, backend, timeout_s=600)
+    assert differ == []
