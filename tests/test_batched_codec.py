@@ -201,7 +201,7 @@ def codec_parity(rank: int, world: int, backend: str) -> list:
     differ = []
     def build(config, dtype, options, decay):
         codec = make_codec("tagc", TAGCConfig(**config), dtype, options)
-        return codec if decay is None else with_feedback(codec, "ef21", 0.0, decay)
+        return codec if decay is None else with_feedback(codec, "ef21", decay)
 
     for name, settings in CODECS.items():
         batched, alone = [build(*settings) for _ in range(ranks)], [build(*settings) for _ in range(ranks)]
