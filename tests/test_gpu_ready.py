@@ -41,6 +41,7 @@ FACTORIES = {
 ALLOWED_HOST_FACTORIES = {
     # (file, enclosing function): why the tensor never feeds a collective
     ("plan.py", "_columns"): "a plan's column list (device-free plans); indexes go through Part.index(device)",
+    ("plan.py", "batch"): "a batch's column list (device-free plans); indexes go through Part.index(device)",
     (
         "powersgd.py",
         "_q",
