@@ -3,7 +3,8 @@
 The policy (:mod:`tagc.hooks.codecs.codec`): a rank whose part holds a NaN/Inf keeps its residual
 as it was and sends a NaN table, so every owner's whole part comes out NaN and counts
 ``nonfinite_parts``. Deciding that with ``bool(finite(grad))`` waits for the GPU once per
-part; here the decision is a 0-d boolean tensor ``ok`` and every branch is a ``torch.where``:
+part; here the decision is a boolean tensor ``ok`` (0-d, or one per part of a batch encoded and
+decoded together) and every branch is a ``torch.where``:
 
 * encode: the gradient is zeroed where ``ok`` is false (``where(ok, grad, 0)``, one extra
   pass over the gradient part) and the per-row thresholds are ``+inf``, so the fused compress

@@ -73,8 +73,7 @@ def batch(parts: Sequence[Part]) -> Batch:
     columns = first.columns
     if len(parts) > 1:
         columns = _selector(torch.cat([torch.arange(p.columns.start, p.columns.stop, device="cpu")
-                                       if isinstance(p.columns, slice)
-                                       else p.columns for p in parts]))
+                                       if isinstance(p.columns, slice) else p.columns for p in parts]))
     return Batch(columns, sum(p.numel for p in parts), first.codec, first.key, parts=tuple(parts))
 
 
