@@ -11,12 +11,12 @@ default); the plain run is also timed without overlap (``fsdp no-overlap``) to s
 overlap buys and to keep the link's calibration (the plain exchange's share of a
 non-overlapped plain step). ``--no-overlap`` runs everything the old, blocking way.
 
-Each run's val loss is its own (the timed run's); ``--loss-from`` takes them from another compare's rows. The loss
-decisions are :mod:`gpt2_bench.evidence`'s (paired seeds, 95% intervals).
+Each run's val loss is its own (the timed run's); the loss decisions are :mod:`gpt2_bench.evidence`'s (paired seeds,
+95% intervals).
 
 This module is the command line only: it parses the arguments and hands them to the mode's
 module: :mod:`gpt2_bench.compare_paper` (the main job) or :mod:`gpt2_bench.compare_layout` (``--methods``,
-``--shares``, ``--loss-from``, ``--timed-from``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated hosts).
+``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated hosts).
 
 ``--param-dtype bf16`` (or ``int8``, SimpleFSDP's blockwise gather) sets the parameter all-gather of every
 method that gathers parameters alike (:mod:`gpt2_bench.methods`): no method has a gather of its own.
@@ -60,9 +60,6 @@ def build_compare_parser() -> argparse.ArgumentParser:
                              "(torch's hooks and ours through tagc.ddp_hook); hsdp: FSDP2 HSDP on 2 x 2. Each is timed "
                              "on the link the flat compare calibrates for the share, beside flat FSDP on the same "
                              "hosts (gpt2_bench.compare_layout)")
-    parser.add_argument("--flat-from", default=None,
-                        help="--layout ddp/hsdp: take the flat-FSDP rows beside the layout's from an earlier layout "
-                             "compare's --json instead of timing them again")
     parser.add_argument("--flat-methods", default=None,
                         help="--layout ddp/hsdp: the flat-FSDP methods timed beside the layout's (comma-separated; "
                              "default: every flat method with one of the layout's codecs)")
@@ -72,15 +69,9 @@ def build_compare_parser() -> argparse.ArgumentParser:
                              f"the layout's (default: all of them)")
     parser.add_argument("--shares", default=None,
                         help="comma-separated shares to sweep (e.g. 0.31,0.6,0.9): one scaled link per share, every "
-                             "method timed on each, and a speed-up-against-share plot")
+                             "method timed on each")
     parser.add_argument("--rounds", type=int, default=2,
                         help="timing rounds per share, every other one in reverse (default 2)")
-    parser.add_argument("--loss-from", default=None,
-                        help="take each method's val loss from another compare's --json rows (e.g. the small preset's "
-                             "longer runs, for a timing-only sweep of gpt2-untied)")
-    parser.add_argument("--timed-from", default=None,
-                        help="take the timed rows (and their shares) from an earlier compare's --json instead of "
-                             "timing again: its report made again, e.g. with --loss-from a longer run's losses")
     return parser
 
 
@@ -88,10 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m gpt2_bench.compare``: parse the command line and run its mode."""
     parser = build_compare_parser()
     args = parser.parse_args(argv)
-    if args.layout == "flat" and (args.flat_from or args.flat_methods):
-        parser.error("--flat-from and --flat-methods go with --layout ddp or hsdp")
-    if (args.layout != "flat" or args.methods != "paper" or args.shares or args.loss_from or args.timed_from
-            or args.hosts > 1):
+    if args.layout == "flat" and args.flat_methods:
+        parser.error("--flat-methods goes with --layout ddp or hsdp")
+    if args.layout != "flat" or args.methods != "paper" or args.shares or args.hosts > 1:
         from gpt2_bench.compare_layout import layout_main
 
         return layout_main(parser, args)

@@ -169,32 +169,6 @@ def test_torch_hook_runs_have_their_own_names():
     assert torch_bf16.run_name != ours_bf16.run_name and torch_bf16.run_name.startswith("ddp-")
 
 
-def _layout_row(method: str, iter_ms: float, delta: float | None = None):
-    from gpt2_bench.compare_rows import Row
-
-    row = Row(method=method, algorithm=method, compressed="-", iter_ms=iter_ms, val_loss=float("nan"), layout="ddp")
-    row.val_loss_delta = delta
-    return row
-
-
-def test_layout_verdict_names_the_fastest_within_the_loss_target_and_says_when_losses_are_missing():
-    from gpt2_bench.compare_layout import format_layout_verdict
-
-    timed = [_layout_row("ddp", 900.0), _layout_row("ddp-bf16", 600.0), _layout_row("powersgd-lean", 150.0),
-             _layout_row("int4", 200.0)]
-    without = format_layout_verdict(timed, "ddp")
-    assert "No val losses" in without and "**powersgd-lean**" in without and "4.00x over ddp-bf16" in without
-    assert "No method kept" not in without
-
-    scored = [_layout_row("ddp", 900.0, 0.0), _layout_row("ddp-bf16", 600.0, 0.002),
-              _layout_row("powersgd-lean", 150.0, 0.02), _layout_row("int4", 200.0, 0.008)]
-    verdict = format_layout_verdict(scored, "ddp")
-    assert "**int4**" in verdict and "3.00x over ddp-bf16" in verdict and "target 3x at share 0.9: met" in verdict
-    for row in scored:
-        row.share = 0.31
-    assert "target" not in format_layout_verdict(scored, "ddp")  # the target is set at share 0.9
-
-
 def test_flat_methods_choose_the_flat_rows_and_belong_to_a_layout():
     from gpt2_bench.compare import main
     from gpt2_bench.methods import LAYOUT_METHODS, parse_layout_methods
@@ -256,44 +230,6 @@ def test_ddp_layout_puts_ours_and_torchs_powersgd_side_by_side_at_each_rank():
         assert mine.dense_steps == theirs.dense_steps
         names |= {mine.name, theirs.name}
     assert len(names) == 4  # no two runs share a log
-
-
-def test_a_layout_report_is_made_again_from_timed_rows_with_losses_from_other_runs(tmp_path, monkeypatch):
-    """``--layout ddp --timed-from`` times nothing: the earlier rows, the losses of ``--loss-from`` (longer runs'),
-    and a row without such a loss never counts for the verdict (its timed run's loss is marked with that run's
-    length)."""
-    from gpt2_bench import compare, compare_layout
-
-    def fail(*args, **kwargs):
-        raise AssertionError("--timed-from must not train or time")
-
-    monkeypatch.setattr(compare_layout, "time_layout", fail)
-    monkeypatch.setattr(compare_layout, "run", fail)
-    monkeypatch.setattr("gpt2_bench.data.prepare", lambda *args, **kwargs: tmp_path)
-    timed = [{"method": m, "layout": layout, "algorithm": m, "compressed": "all", "iter_ms": t, "n_params": 10,
-              "wire_bytes_per_step": 8, "val_loss": 9.1, "share": 0.9, "link": "86.5mbit", "rounds": 2, "steps": 10,
-              "preset": "small", "dense_steps": 2,
-              "link_info": {"rate": "86.5mbit", "exchange_share": None}}
-             for layout, m, t in [("ddp", "ddp-bf16", 7000.0), ("ddp", "powersgd", 1400.0),
-                                  ("ddp", "powersgd-r16", 1800.0), ("flat", "fsdp-bf16", 9000.0)]]
-    (tmp_path / "timed.json").write_text(json.dumps(timed))
-    losses = [{"layout": "ddp", "method": m, "val_loss": v, "val_loss_steps": 600, "preset": "small"}
-              for m, v in [("ddp", 6.16), ("powersgd-r16", 6.20)]]
-    (tmp_path / "losses.json").write_text(json.dumps(losses))
-    out = tmp_path / "out"
-    args = ["--layout", "ddp", "--preset", "small", "--shares", "0.9", "--methods", "ddp-bf16,powersgd,powersgd-r16",
-            "--flat-methods", "fsdp-bf16", "--timed-from", str(tmp_path / "timed.json"),
-            "--loss-from", str(tmp_path / "losses.json"), "--out-dir", str(out), "--json", str(out / "rows.json")]
-    assert compare.main(args) == 0
-    text = (out / "layout-ddp.md").read_text()
-    assert "Fastest within 1% of ddp's val loss: **powersgd-r16**" in text and "3.89x over ddp-bf16" in text
-    assert "9.1000 (10 steps) | - |" in text  # powersgd: faster, but no loss of its own, so not the winner
-    assert "timed runs of 10 steps, 2 round(s)" in text and "dense for the first 2 steps" in text
-    rows = {r["method"]: r for r in json.loads((out / "rows.json").read_text())}
-    assert rows["powersgd-r16"]["val_loss_delta"] == pytest.approx(6.20 / 6.16 - 1)
-    assert rows["powersgd"]["val_loss_delta"] is None
-    with pytest.raises(SystemExit):  # a method the timed rows do not have: a clear error
-        compare.main([*args[:6], "ddp-bf16,int4", *args[7:]])
 
 
 def test_host_bytes_int8_parameter_gathers_are_the_int8_wire_counted_by_hand():

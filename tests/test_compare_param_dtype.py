@@ -10,7 +10,6 @@ import pytest
 
 from gpt2_bench import compare, compare_layout
 from gpt2_bench.compare_layout import format_methods_table, format_param_gather
-from gpt2_bench.compare_rows import Row
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.methods import LAYOUT_METHODS, METHODS, layout_config, method_config
 
@@ -89,17 +88,6 @@ def test_layout_rows_carry_the_param_dtype_each_run_used(monkeypatch, tmp_path):
     table = format_methods_table([row for row in rows if row.layout == "flat"])
     assert table.splitlines()[0].endswith("| param gather |") and table.count("| bf16 |") == 2
     assert json.loads(json.dumps(rows[-1].to_json()))["param_dtype"] == rows[-1].param_dtype
-
-
-def test_flat_rows_from_another_param_dtype_are_refused(tmp_path):
-    path = tmp_path / "rows.json"
-    row = Row(method="fsdp", algorithm="fsdp", compressed="none", iter_ms=10.0, val_loss=5.0, layout="flat", share=0.9)
-    path.write_text(json.dumps([dataclasses.replace(row, param_dtype="fp32").to_json()]))
-    assert compare_layout.flat_rows_from(str(path), ["fsdp"], 0.9)[0].param_dtype == "fp32"
-    with pytest.raises(ValueError, match="gathered their parameters in fp32, this compare in bf16"):
-        compare_layout.flat_rows_from(str(path), ["fsdp"], 0.9, "bf16")
-    path.write_text(json.dumps([row.to_json()]))  # a row written before rows said their gathers: taken as it is
-    assert compare_layout.flat_rows_from(str(path), ["fsdp"], 0.9, "bf16")[0].param_dtype is None
 
 
 def test_the_report_line_says_the_gathers_and_what_the_cpu_computes_with():
