@@ -1,1 +1,1 @@
-"""GPT-2 on OpenWebText over an emulated slow link (see issue: GPT-2 benchmark)."""
+"""GPT-2 over an emulated slow link: the benchmark that times and trains the codecs (docs/results.md)."""

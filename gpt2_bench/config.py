@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s, the paper's; 0.9 for an H100-class GPU over 10 GbE)")
     p.add_argument("--dataset", "--corpus", dest="dataset", default=defaults.dataset,
                    help="bbc (offline default), mix (offline, 9.0M tokens: a 2,000-step run reads no token twice), "
-                        "openwebtext, a local file, or a prepared folder (holding meta.json: used as it is)")
+                        "a local file, or a prepared folder (holding meta.json: used as it is)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out-dir", default=defaults.out_dir)
     p.add_argument("--name", default=None)

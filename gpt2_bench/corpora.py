@@ -1,6 +1,5 @@
 """Where documents come from: the BBC News corpus (offline), the ``mix`` corpus (offline, 9.0M
-tokens from six registry packages), local text/JSON/parquet files, and OpenWebText through the
-Hugging Face Hub (only when asked for).
+tokens from six registry packages) and local text/JSON/parquet files.
 
 The ``mix`` corpus exists so that a quality run reads no token twice: BBC's 1.1M tokens are
 read twice by a 2,000-step run of the small preset (1,024 tokens per step) and its val loss
@@ -46,14 +45,12 @@ from gpt2_bench.assets import (
     MIX_PIP,
     OFFLINE_ASSETS_PIP,
     DataError,
-    _offline_env,
     bbc_corpus_dir,
     ensure_offline_assets,
     npm_package_dir,
     pip_package_dir,
 )
 
-OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"
 LOCAL_SUFFIXES = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -263,42 +260,19 @@ def local_corpus(paths: Sequence[Union[str, Path]], text_field: str = "text", sa
     return Corpus(f"local-{files[0].stem}-{key}", config, load)
 
 
-def openwebtext_corpus(hub_id: str = OPENWEBTEXT_HUB_ID, num_proc: Optional[int] = None) -> Corpus:
-    """OpenWebText from the Hugging Face Hub (~8M documents, ~9B tokens; needs the network and ~55 GB)."""
-
-    def load() -> tuple[Iterable[str], Optional[int]]:
-        import datasets
-
-        if _offline_env() or datasets.config.HF_HUB_OFFLINE:
-            raise DataError("openwebtext needs the network but HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is set; "
-                            "use --dataset bbc or a local file offline")
-        try:
-            ds = datasets.load_dataset(hub_id, split="train", num_proc=num_proc)
-        except Exception as exc:  # offline, missing, script-based...: all reported below
-            raise DataError(
-                f"could not load OpenWebText ({hub_id!r}) from the Hugging Face Hub: {type(exc).__name__}: {exc}\n"
-                f"Offline? Use --dataset bbc (after: {OFFLINE_ASSETS_PIP}) or a local text/jsonl/parquet file."
-            ) from exc
-        return _hf_documents(ds, "text"), len(ds)
-
-    return Corpus("openwebtext", {"source": f"hf:{hub_id}"}, load)
-
-
-CORPUS_NAMES = ("bbc", "mix", "openwebtext", "owt")
+CORPUS_NAMES = ("bbc", "mix")
 """The corpora :func:`resolve_corpus` knows by name (anything else is a path)."""
 
 
 def resolve_corpus(dataset: Union[str, Path, Sequence[Union[str, Path]]], **kwargs: Any) -> Corpus:
-    """``"bbc"``, ``"mix"``, ``"openwebtext"``, or local file path(s); ``kwargs`` go to the matching constructor."""
+    """``"bbc"``, ``"mix"``, or local file path(s); ``kwargs`` go to :func:`local_corpus`."""
     if dataset == "bbc":
         return bbc_corpus()
     if dataset == "mix":
         return mix_corpus()
-    if dataset in ("openwebtext", "owt"):
-        return openwebtext_corpus(**{k: v for k, v in kwargs.items() if k in ("hub_id", "num_proc")})
     paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
     if not all(Path(p).expanduser().exists() for p in paths):
         raise DataError(
-            f"unknown dataset {dataset!r}: use 'bbc', 'mix', 'openwebtext' or paths of local text/jsonl/parquet files"
+            f"unknown dataset {dataset!r}: use 'bbc', 'mix' or paths of local text/jsonl/parquet files"
         )
     return local_corpus(paths, **{k: v for k, v in kwargs.items() if k in ("text_field", "sample_by", "hf_cache_dir")})

@@ -15,7 +15,6 @@ Sources (``prepare(dataset=...)``):
   :mod:`gpt2_bench.assets`.
 - a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (or several), read with
   ``datasets.load_dataset`` under ``HF_DATASETS_OFFLINE=1``.
-- ``"openwebtext"``: only when asked for, through the Hugging Face Hub (needs the network).
 
 The tokenizer is GPT-2's BPE via ``tiktoken``; offline, its ranks come from the
 ``openai-whisper`` package's ``whisper/assets/gpt2.tiktoken`` (byte-identical to tiktoken's
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 
 from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError
-from gpt2_bench.corpora import CORPUS_NAMES, OPENWEBTEXT_HUB_ID, Corpus, resolve_corpus
+from gpt2_bench.corpora import CORPUS_NAMES, Corpus, resolve_corpus
 from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
 
 if TYPE_CHECKING:
@@ -59,7 +58,6 @@ __all__ = [
     "OFFLINE_ASSETS_PIP",
 ]
 
-_DEFAULT_VAL_EVERY = {"openwebtext": 2000}  # OWT: 0.05% of ~8M documents, like nanoGPT; others 5%
 _WRITE_BATCH = 512  # documents per tokenizer call
 
 
@@ -83,7 +81,7 @@ def prepare(
     """Tokenise ``dataset`` once into ``<cache_dir>/<name>/{train,val}.bin`` + ``meta.json``; return that folder.
 
     Reuses an existing preparation made with the same settings unless ``force``. Document ``i``
-    goes to validation when ``i % val_every == val_every - 1`` (default 20, i.e. 5%; 2000 for OWT).
+    goes to validation when ``i % val_every == val_every - 1`` (default 20, i.e. 5%).
     ``dataset`` may also be a prepared folder (one holding ``meta.json``, e.g. copied to a machine that
     lacks the corpus' packages): it is returned as it is, its splits checked when read.
     """
@@ -93,7 +91,7 @@ def prepare(
                              "prepare its corpus by name instead")
         return Path(dataset).expanduser()
     corpus = resolve_corpus(dataset, **corpus_kwargs)
-    val_every = val_every or _DEFAULT_VAL_EVERY.get(corpus.name, 20)
+    val_every = val_every or 20
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2, got {val_every}")
     out = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -244,19 +242,6 @@ class TokenData:
             raise DataError(f"{path} is empty")
         return np.memmap(path, dtype=np.uint16, mode="r")
 
-    def unigram_loss(self, split: str = "val", smoothing: float = 1.0) -> float:
-        """Cross-entropy (nats per token) of ``split`` under the train split's token frequencies,
-        add-``smoothing`` over the vocabulary: the plateau a language model sits on before it
-        learns anything past token frequencies, and the bar a quality run must fall clearly below."""
-        if smoothing <= 0:
-            raise ValueError(f"smoothing must be > 0 (unseen tokens need a probability), got {smoothing}")
-        vocab = int(self.meta.get("vocab_size", 0))
-        train, target = np.asarray(self.tokens("train")), np.asarray(self.tokens(split))
-        vocab = max(vocab, int(train.max()) + 1, int(target.max()) + 1)
-        counts = np.bincount(train, minlength=vocab).astype(np.float64)
-        log_p = np.log(counts + smoothing) - np.log(counts.sum() + smoothing * vocab)
-        return float(-log_p[target].mean())
-
     def windows(self, split: str, block_size: int) -> int:
         """How many non-overlapping windows of ``block_size`` tokens (and their next tokens) ``split`` holds."""
         count = (len(self.tokens(split)) - 1) // block_size
@@ -341,17 +326,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.data", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--dataset", "--corpus", dest="dataset", nargs="+", default=["bbc"],
-        help="bbc (default, offline), mix (offline, 9.0M tokens), openwebtext, or local file path(s)",
+        help="bbc (default, offline), mix (offline, 9.0M tokens), or local file path(s)",
     )
     p.add_argument("--cache-dir", default=None, help=f"default $TAGC_DATA_DIR or {default_cache_dir()}")
-    p.add_argument("--val-every", type=int, default=None, help="every N-th document goes to val (default 20; OWT 2000)")
+    p.add_argument("--val-every", type=int, default=None, help="every N-th document goes to val (default 20)")
     p.add_argument("--text-field", default="text", help="column holding the text in json/parquet files")
     p.add_argument(
         "--sample-by", default="paragraph", choices=["paragraph", "line", "document"], help=".txt document unit"
     )
     p.add_argument("--hf-cache-dir", default=None, help="where datasets keeps its Arrow copy of local files")
-    p.add_argument("--hub-id", default=OPENWEBTEXT_HUB_ID, help="Hub id for --dataset openwebtext")
-    p.add_argument("--num-proc", type=int, default=None, help="download/convert processes for openwebtext")
     p.add_argument("--force", action="store_true", help="re-tokenise even if a matching preparation exists")
     args = p.parse_args(argv)
     dataset: Union[str, list[str]] = args.dataset[0] if len(args.dataset) == 1 else args.dataset
@@ -364,8 +347,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             text_field=args.text_field,
             sample_by=args.sample_by,
             hf_cache_dir=args.hf_cache_dir,
-            hub_id=args.hub_id,
-            num_proc=args.num_proc,
         )
         data = TokenData(out)
     except DataError as exc:

@@ -228,14 +228,6 @@ def test_empty_or_unknown_corpus(enc, tmp_path):
         prepare(weird, cache_dir=tmp_path / "c", progress=False)
 
 
-def test_openwebtext_offline_error(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    corpus = corpora.resolve_corpus("openwebtext")
-    assert corpus.name == "openwebtext"  # resolving loads nothing: a cached preparation needs no network
-    with pytest.raises(DataError, match="needs the network"):
-        corpus.load()
-
-
 def test_cli_prints_stats(enc, text_file, tmp_path, capsys):
     rc = data.main(
         [
@@ -266,24 +258,6 @@ def test_bbc_corpus(enc, tmp_path):
     assert x.shape == (2, 64)
     first = documents(np.asarray(TokenData(out).tokens("val")), enc)[0]
     assert first.startswith("Call centre users 'lose patience'")
-
-
-def test_unigram_loss_is_the_val_cross_entropy_under_train_frequencies(prepared):
-    import math
-    from collections import Counter
-
-    ds = TokenData(prepared)
-    train, val = ds.tokens("train").tolist(), ds.tokens("val").tolist()
-    vocab = ds.meta["vocab_size"]
-    counts = Counter(train)
-    expected = -sum(math.log((counts[t] + 0.5) / (len(train) + 0.5 * vocab)) for t in val) / len(val)
-    assert ds.unigram_loss("val", smoothing=0.5) == pytest.approx(expected, rel=1e-12)
-    assert ds.unigram_loss("train") < ds.unigram_loss("val")  # the train split's own frequencies fit it best here
-    assert ds.unigram_loss("val", smoothing=1e12) == pytest.approx(math.log(vocab), rel=1e-6)  # uniform in the limit
-    with pytest.raises(ValueError, match="smoothing"):
-        ds.unigram_loss("val", smoothing=0)
-    with pytest.raises(ValueError, match="split"):
-        ds.unigram_loss("test")
 
 
 # ----------------------------------------------------------------------------- the mix corpus
