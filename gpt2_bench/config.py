@@ -129,8 +129,6 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in ``checkpoint_dir`` (from scratch if there is none)."""
     fault_step: Optional[int] = None
     """Fault drill: the last rank kills itself (SIGKILL) in the middle of this step."""
-    keep_freed_memory: bool = True
-    """glibc keeps freed memory for reuse (:func:`keep_freed_memory`): faster steps, peak RSS stays resident."""
     overlap: bool = True
     """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
     diagnostics: bool = False
@@ -456,9 +454,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "~0.4-0.6 GB")
     p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--return-freed-memory", dest="keep_freed_memory", action="store_false",
-                   help="let glibc return freed memory to the kernel (its default: slower steps here, but RSS "
-                        "measures live memory); by default the ranks keep it for reuse")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of "
                         "the units before it and all finish at the end of backward)")

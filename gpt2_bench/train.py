@@ -186,8 +186,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
     from gpt2_bench.model import GPT, GPTConfig
 
     torch.set_num_threads(cfg.threads)
-    if cfg.keep_freed_memory:
-        keep_freed_memory()
+    keep_freed_memory()
     device_type, _ = resolve_device(cfg.device)
     device = torch.device(device_type, gpu_index(cfg.device, rank)) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":

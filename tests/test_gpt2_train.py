@@ -71,15 +71,11 @@ def test_the_trainers_codec_defaults_are_the_librarys():
         assert built == settings.replace(dense_steps=settings.warmup_steps(hook.codec)), config.codec
 
 
-def test_freed_memory_is_kept_by_default_and_the_flag_returns_it():
+def test_freed_memory_is_kept_for_reuse():
     import platform
     import subprocess
     import sys
 
-    from gpt2_bench.config import build_parser, config_from_args
-
-    assert config_from_args(build_parser().parse_args([])).keep_freed_memory
-    assert not config_from_args(build_parser().parse_args(["--return-freed-memory"])).keep_freed_memory
     # process-wide allocator setting: try it in a fresh interpreter, then allocate and free under it
     code = ("import torch; from gpt2_bench.train import keep_freed_memory; ok = keep_freed_memory(); "
             "[torch.ones(1 << 22).sum() for _ in range(3)]; print(ok)")
