@@ -6,9 +6,7 @@ split, so the last ranks may hold fewer rows or none). The bucket packs every lo
 padded to ``R`` rows, into one chunk of ``S`` elements; row ``j`` of the gathered ``[world, S]``
 buffer is rank ``j``'s chunk — the same packed layout FSDP2 hands its reduce-scatter, so
 the TAGC hook sees one large aligned buffer per block with each parameter as a segment.
-
-The all-gather sends the chunk in ``param_dtype`` (or the parameters' dtype), or, with
-``param_gather="int8"``, quantized blockwise to int8 (:mod:`fsdp_integration.quantized_gather`).
+The all-gather sends the chunk in ``param_dtype`` (or the parameters' dtype).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from backward_drain import BackwardDrain
-from fsdp_integration import quantized_gather
 from fsdp_integration.torch_internals import funcol, tensor_version
 
 
@@ -124,11 +121,7 @@ class Bucket:
         reduce_dtype: Optional[torch.dtype],
         pending: Optional[PendingGradients] = None,
         compute_dtype: Optional[torch.dtype] = None,
-        param_gather: Optional[str] = None,
-        gather_block: int = quantized_gather.DEFAULT_BLOCK,
     ) -> None:
-        if param_gather not in quantized_gather.PARAM_GATHERS:
-            raise ValueError(f"param_gather must be one of {quantized_gather.PARAM_GATHERS}, got {param_gather!r}")
         self.name = name
         self.group = group
         self.world = dist.get_world_size(group)
@@ -137,8 +130,6 @@ class Bucket:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.compute_dtype = compute_dtype  # the gathered parameters are cast to it (None: as gathered)
-        self.param_gather = param_gather  # "int8": the chunk travels blockwise-quantized (None: in the gather dtype)
-        self.gather_block = gather_block
         self.reduce_scatter: ReduceScatter = self.plain_reduce_scatter
         self.pending = pending  # shared by a model's buckets; None: every reduce-scatter blocks in its backward
         self.reduce_scatter_start: Optional[ReduceScatterStart] = self.plain_reduce_scatter_start if pending else None
@@ -205,27 +196,8 @@ class Bucket:
         """Start this unit's all-gather now, without waiting; the next gather of the same,
         unchanged shards takes its result (see :mod:`fsdp_integration.prefetch`)."""
         if self._prefetched is None:
-            wire = self.gather_wire([s.detach() for s in shards])
+            wire = self.pack_shards([s.detach() for s in shards], self.param_dtype or shards[0].dtype)
             self._prefetched = (_versions(shards), funcol.all_gather_single(wire, 0, self.group))
-
-    def gather_wire(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """What this rank all-gathers: its chunk in the gather dtype (``param_dtype``, else the shards'), or
-        with ``param_gather="int8"`` the chunk's int8 codes and block scales."""
-        packed = self.pack_shards(shards, self.param_dtype or shards[0].dtype)
-        return packed if self.param_gather is None else quantized_gather.quantize(packed, self.gather_block)
-
-    def _from_wire(self, gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Every rank's wire, gathered -> the ``[world * S]`` buffer in ``dtype`` (the gather dtype)."""
-        if self.param_gather is None:
-            return gathered
-        return quantized_gather.dequantize(gathered, self.world, self.chunk, self.gather_block, dtype)
-
-    def gather_input_bytes(self, shard_dtype: torch.dtype) -> int:
-        """Bytes this rank puts into one all-gather of the unit (its wire; int8: the codes and the float32
-        scales), for shards of ``shard_dtype``. A ring all-gather sends ``world - 1`` times this per rank."""
-        if self.param_gather == "int8":
-            return quantized_gather.wire_numel(self.chunk, self.gather_block)
-        return self.chunk * (self.param_dtype or shard_dtype).itemsize
 
     def _all_gather(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """The gathered ``[world * S]`` buffer: the prefetched one if still valid, else gathered now."""
@@ -234,9 +206,9 @@ class Bucket:
         if prefetched is not None:
             gathered = funcol.wait_tensor(prefetched[1])  # every rank started it: finish it either way
             if prefetched[0] == _versions(shards):
-                return self._from_wire(gathered, dtype)
-        wire = self.gather_wire(shards)
-        return self._from_wire(funcol.wait_tensor(funcol.all_gather_single(wire, 0, self.group)), dtype)
+                return gathered
+        wire = self.pack_shards(shards, dtype)
+        return funcol.wait_tensor(funcol.all_gather_single(wire, 0, self.group))
 
 
 def _versions(shards: Sequence[torch.Tensor]) -> tuple[int, ...]:

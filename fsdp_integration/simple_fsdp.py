@@ -32,7 +32,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_integration import quantized_gather
 from fsdp_integration.bucket import Bucket, PendingGradients, ReduceScatter, ReduceScatterStart
 from fsdp_integration.hsdp import mesh_layout
 from fsdp_integration.prefetch import Prefetcher
@@ -46,28 +45,11 @@ class MixedPrecisionPolicy:
     bf16 compute still reduces in fp32). ``compute_dtype``: what the gathered parameters are
     cast to for compute (``None``: ``param_dtype``). On the CPU, where bf16 matrix products are
     slow, ``param_dtype=torch.bfloat16, compute_dtype=torch.float32`` halves the all-gather's
-    bytes and computes in float32 with the bf16-rounded weights.
-
-    ``param_gather="int8"``: ZeRO++'s qwZ. Each rank's chunk is quantized blockwise to int8 (one float32
-    scale per ``gather_block`` elements) for the all-gather and dequantized after it, to ``param_dtype``
-    (or the parameters' dtype): about a quarter of an fp32 gather's bytes, each gathered element within
-    half its block's scale of the exact one. The sharded parameters stay exact and the reduce-scatter is
-    unchanged (:mod:`fsdp_integration.quantized_gather`). ``None``: gather in the dtype."""
+    bytes and computes in float32 with the bf16-rounded weights."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     compute_dtype: Optional[torch.dtype] = None
-    param_gather: Optional[str] = None
-    gather_block: int = quantized_gather.DEFAULT_BLOCK
-
-    def __post_init__(self) -> None:
-        if self.param_gather not in quantized_gather.PARAM_GATHERS:
-            raise ValueError(f"param_gather must be one of {quantized_gather.PARAM_GATHERS} (None: gather in "
-                             f"param_dtype; 'int8': blockwise int8 with a float32 scale per block), "
-                             f"got {self.param_gather!r}")
-        if isinstance(self.gather_block, bool) or not isinstance(self.gather_block, int) or self.gather_block < 1:
-            raise ValueError(f"gather_block must be a positive integer (elements per int8 block), "
-                             f"got {self.gather_block!r}")
 
 
 class Unit:
@@ -242,8 +224,7 @@ def simple_fsdp(
             continue
         params = [(fqn, sharded[pid]) for fqn, _, pid in firsts]
         bucket = layout.bucket(unit_name or "<root>", [f for f, _ in params], [p.shape for _, p in params],
-                               mp_policy.param_dtype, mp_policy.reduce_dtype, pending, mp_policy.compute_dtype,
-                               param_gather=mp_policy.param_gather, gather_block=mp_policy.gather_block)
+                               mp_policy.param_dtype, mp_policy.reduce_dtype, pending, mp_policy.compute_dtype)
         bucket.params = [p for _, p in params]
         unit = Unit(unit_name or "<root>", [p for _, p in params], [m for _, m, _ in firsts], bucket,
                     reshard_after_forward and unit_name != "", prefetcher)
@@ -274,19 +255,6 @@ def units(model: nn.Module) -> list[Unit]:
     if found is None:
         raise ValueError("not a simple_fsdp model: wrap it with fsdp_integration.simple_fsdp(model) first")
     return found
-
-
-def param_gather_bytes(model: nn.Module) -> int:
-    """Bytes one rank sends per training step in the parameter all-gathers of a ``simple_fsdp`` model, as a
-    ring sends them (``world - 1`` times its wire per gather, :meth:`Bucket.gather_input_bytes`; int8: the
-    codes and the scales): every unit once in forward, and once more in backward where it reshards.
-    Prefetches dropped as stale gather again and are not counted."""
-    total = 0
-    for unit in units(model):
-        bucket = unit.bucket
-        passes = 2 if unit.reshard else 1
-        total += passes * (bucket.world - 1) * bucket.gather_input_bytes(unit.params[0].dtype)
-    return total
 
 
 CommHook = Callable[[Unit], tuple[ReduceScatter, Optional[ReduceScatterStart]]]

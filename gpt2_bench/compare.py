@@ -18,7 +18,7 @@ This module is the command line only: it parses the arguments and hands them to 
 module: :mod:`gpt2_bench.compare_paper` (the main job) or :mod:`gpt2_bench.compare_layout` (``--methods``,
 ``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated hosts).
 
-``--param-dtype bf16`` (or ``int8``, SimpleFSDP's blockwise gather) sets the parameter all-gather of every
+``--param-dtype bf16`` sets the parameter all-gather of every
 method that gathers parameters alike (:mod:`gpt2_bench.methods`): no method has a gather of its own.
 """
 
@@ -51,9 +51,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
     param_dtype.help = ("the parameter all-gather dtype of every method that gathers parameters, alike: every "
                         "flat-FSDP method (fsdp and fsdp-bf16 included) and, with --layout hsdp, every HSDP one; "
                         "never a DDP one (DDP gathers none). bf16: torchtitan's MixedPrecisionPolicy("
-                        "param_dtype=bf16, reduce_dtype=fp32); int8: SimpleFSDP's blockwise int8 gather (ZeRO++ "
-                        "qwZ). The link of a share is calibrated on the plain step with the same gathers. "
-                        "Default: fp32")
+                        "param_dtype=bf16, reduce_dtype=fp32). The link of a share is calibrated on the plain step "
+                        "with the same gathers. Default: fp32")
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
     parser.add_argument("--layout", default="flat", choices=("flat", "ddp", "hsdp"),
                         help="flat (default): FSDP sharded over every rank; ddp: DDP on 2 emulated hosts x 1 rank "

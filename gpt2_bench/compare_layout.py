@@ -72,12 +72,9 @@ def format_param_gather(param_dtype: str | None, integration: str, layout: str =
     gathered = param_dtype or "fp32"
     who = {"flat": "every flat-FSDP method", "ddp": "every flat-FSDP method (DDP gathers no parameters)",
            "hsdp": "every flat-FSDP and HSDP method"}[layout]
-    compute = {None: "",
-               "bf16": (" On the CPU SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (the "
-                        "bf16-rounded weights, float32 products); FSDP2 and FSDP1 compute in bf16."),
-               "int8": (" Each rank's shard is quantized blockwise to int8 (one float32 scale per block) for the "
-                        "all-gather and dequantized after it: compute uses the quantized weights, the sharded fp32 "
-                        "master weights stay exact.")}.get(param_dtype, "")
+    compute = "" if param_dtype is None else (" On the CPU SimpleFSDP upcasts the gathered bf16 weights to float32 "
+                                              "for compute (the bf16-rounded weights, float32 products); FSDP2 and "
+                                              "FSDP1 compute in bf16.")
     where = "" if integration == "simple" else f" (integration `{integration}`)"
     return (f"Parameter all-gathers: **{gathered}** for {who}, `fsdp` and `fsdp-bf16` included, and for the plain "
             f"step the link is calibrated on{where}.{compute}")

@@ -68,7 +68,7 @@ class Row:
     link_info: dict | None = None
     layout: str | None = None
     param_dtype: str | None = None
-    """The parameters' all-gather dtype (``fp32``, ``bf16``, ``int8``) where the run gathers them (flat FSDP,
+    """The parameters' all-gather dtype (``fp32``, ``bf16``) where the run gathers them (flat FSDP,
     HSDP); ``None`` under DDP (it gathers none), or where the row does not say (rows written before it)."""
     preset: str | None = None
     dense_steps: int | None = None

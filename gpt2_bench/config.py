@@ -17,8 +17,7 @@ COMPRESSIONS = ("none", "all", "non-attn", "blocks")
 TRANSPORTS = ("fair", "gloo")
 DEVICES = ("auto", "cpu", "cuda", "cuda-shared")
 REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
-PARAM_DTYPES = {**REDUCE_DTYPES, "int8": "int8"}
-"""``--param-dtype``: the parameter all-gather's (``int8``: SimpleFSDP's blockwise int8 gather, ZeRO++'s qwZ)."""
+"""``--reduce-dtype`` and ``--param-dtype``: FSDP's gradient reduce and parameter all-gather dtypes."""
 
 
 
@@ -46,10 +45,7 @@ class TrainConfig:
     """FSDP's parameter all-gather dtype (``"bf16"``: torchtitan's default
     ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``); on the CPU
     SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (bf16 matrix products are
-    slow there), FSDP2 and FSDP1 compute in bf16. ``"int8"`` (SimpleFSDP only): each rank's shard is
-    quantized blockwise to int8 for the all-gather (``MixedPrecisionPolicy(param_gather="int8")``, ZeRO++'s
-    qwZ) and dequantized to float32 for compute; the sharded master weights stay exact. ``None``: the
-    parameters' (fp32)."""
+    slow there), FSDP2 and FSDP1 compute in bf16. ``None``: the parameters' (fp32)."""
     ratio: Optional[float] = None
     """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 1.2 for ``topk``)."""
     index_bits: int = 1
@@ -224,11 +220,8 @@ class TrainConfig:
                 raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
         if self.warmup_steps < 0 or not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
             raise ValueError("need warmup_steps >= 0 and 0 <= min_lr <= lr, lr > 0")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)}, got {self.param_dtype!r}")
-        if self.param_dtype == "int8" and self.integration not in ("simple", "ddp"):
-            raise ValueError(f"param_dtype='int8' is SimpleFSDP's blockwise int8 all-gather: use integration='simple' "
-                             f"(FSDP2 and FSDP1 gather in a float dtype: 'bf16'), got {self.integration!r}")
+        if self.param_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"param_dtype must be one of {tuple(REDUCE_DTYPES)}, got {self.param_dtype!r}")
         if self.param_dtype and self.integration == "ddp":
             raise ValueError("param_dtype is FSDP's parameter all-gather dtype: DDP gathers no parameters "
                              "(leave it out)")
@@ -306,7 +299,7 @@ class TrainConfig:
 
 
 def param_gather(cfg: TrainConfig) -> str | None:
-    """A run's parameter all-gather dtype as reports give it: ``fp32`` (the parameters' own), ``bf16`` or ``int8``;
+    """A run's parameter all-gather dtype as reports give it: ``fp32`` (the parameters' own) or ``bf16``;
     ``None`` under DDP, which gathers no parameters."""
     return None if cfg.integration == "ddp" else cfg.param_dtype or "fp32"
 
@@ -372,11 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", default=None, choices=tuple(PLAIN_CODECS),
                    help="the codec of the columns not compressed (attention, biases, norms, embeddings by "
                         "default); default: the library's, " + library_default("plain"))
-    p.add_argument("--param-dtype", default=None, choices=[d for d in PARAM_DTYPES if d],
+    p.add_argument("--param-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's parameter all-gather dtype (bf16: MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-                        "reduce_dtype=torch.float32); SimpleFSDP on the CPU computes in float32; int8, "
-                        "--integration simple only: each rank's shard quantized blockwise to int8, a float32 scale "
-                        "per 256 elements, for the all-gather, as ZeRO++'s qwZ; the master weights stay exact)")
+                        "reduce_dtype=torch.float32); SimpleFSDP on the CPU computes in float32)")
     p.add_argument("--reduce-dtype", default=None, choices=[d for d in REDUCE_DTYPES if d],
                    help="FSDP's own gradient reduce dtype (bf16: MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))")
     p.add_argument("--ratio", type=float, default=None,

@@ -106,14 +106,12 @@ own settings."""
 
 
 INT8_GATHER_BLOCK = 256
-"""Elements per float32 scale of SimpleFSDP's int8 gather (``fsdp_integration.quantized_gather.DEFAULT_BLOCK``,
-held equal by a test): written here so that the DDP runs, which gather nothing, never import SimpleFSDP, which
-needs torch internals that other torch versions lack."""
+"""Elements per float32 scale of a blockwise int8 parameter gather (ZeRO++'s qwZ), as SimpleFSDP's ran it until it
+was removed (docs/results.md, "Removed from the bench"): the arithmetic of docs/layout.md keeps it."""
 
 
 PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_GATHER_BLOCK}  # the int8 code, a float32 scale per block
-"""Bytes per element of flat FSDP's parameter all-gathers, by their dtype (``int8``: SimpleFSDP's blockwise
-gather, :mod:`fsdp_integration.quantized_gather`)."""
+"""Bytes per element of flat FSDP's parameter all-gathers, by their dtype."""
 
 
 def _ring(nbytes: float, world: int) -> float:

@@ -125,7 +125,7 @@ def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
 
 
 def param_suffix(param_dtype: str | None) -> str:
-    """What a run's name gains from its parameter all-gather dtype: ``-param-bf16``, ``-param-int8``; none for
+    """What a run's name gains from its parameter all-gather dtype: ``-param-bf16``; none for
     the parameters' own (fp32), so runs made before ``--param-dtype`` keep their names."""
     return f"-param-{param_dtype}" if param_dtype else ""
 

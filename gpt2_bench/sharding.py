@@ -60,8 +60,7 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         return wrap_ddp(model, cfg, world, device, None if cfg.torch_hook else make_hook(cfg))
     hook = make_hook(cfg)
     reduce_dtype = getattr(torch, REDUCE_DTYPES[cfg.reduce_dtype]) if cfg.reduce_dtype else None
-    int8_gather = cfg.param_dtype == "int8"  # SimpleFSDP's blockwise int8 gather, dequantized to the parameters' dtype
-    param_dtype = getattr(torch, REDUCE_DTYPES[cfg.param_dtype]) if cfg.param_dtype and not int8_gather else None
+    param_dtype = getattr(torch, REDUCE_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
     if param_dtype is not None and reduce_dtype is None:
         reduce_dtype = torch.float32  # torchtitan's policy: gather in bf16, reduce in fp32
     if cfg.integration == "simple":
@@ -70,8 +69,7 @@ def shard(model, cfg: TrainConfig, world: int, device=None):
         # one unit per transformer block + the root, like fsdp2 below; on the CPU bf16-gathered weights compute in fp32
         on_cpu = device is None or torch.device(device).type == "cpu"
         compute_dtype = torch.float32 if param_dtype is not None and on_cpu else None
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, compute_dtype=compute_dtype,
-                                      param_gather="int8" if int8_gather else None)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
         model = simple_fsdp(model, mesh=hsdp_mesh(cfg, world, device), mp_policy=policy, overlap=cfg.overlap)
     elif cfg.integration == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

@@ -234,14 +234,13 @@ def test_ddp_layout_puts_ours_and_torchs_powersgd_side_by_side_at_each_rank():
 
 def test_host_bytes_int8_parameter_gathers_are_the_int8_wire_counted_by_hand():
     """``--param-dtype int8``: the flat layout's two gathers at the int8 wire's bytes per element (a code, and a
-    float32 scale per block), the reduce-scatter unchanged."""
-    from fsdp_integration.quantized_gather import DEFAULT_BLOCK, wire_numel
+    float32 scale per block of 256), the reduce-scatter unchanged."""
     from gpt2_bench import host_bytes
 
     parts = {c: host_bytes.model_parts("tiny", c) for c in ("none", "all", "non-attn")}
     n = sum(part.numel for part in parts["all"])
     per_element = host_bytes.PARAM_BYTES["int8"]
-    assert per_element == wire_numel(DEFAULT_BLOCK * 1000, DEFAULT_BLOCK) / (DEFAULT_BLOCK * 1000)
+    assert per_element == 1 + 4 / 256
     by_dtype = {dtype: host_bytes.per_host_bytes("flat", "int4", 8, parts, param_bytes=host_bytes.PARAM_BYTES[dtype])[0]
                 for dtype in ("fp32", "int8")}
     assert by_dtype["fp32"] - by_dtype["int8"] == pytest.approx(2 * 7 / 8 * n * (4 - per_element))

@@ -89,14 +89,6 @@ def test_gathers_and_reduce_scatters_go_through_the_version_shims():
     assert not found, found
 
 
-def test_int8_gather_bytes_match_simple_fsdp_block():
-    from fsdp_integration.quantized_gather import DEFAULT_BLOCK
-    from gpt2_bench.host_bytes import INT8_GATHER_BLOCK, PARAM_BYTES
-
-    assert INT8_GATHER_BLOCK == DEFAULT_BLOCK
-    assert PARAM_BYTES["int8"] == 1 + 4 / DEFAULT_BLOCK
-
-
 def test_cuda_shared_is_ddp_on_one_host_only():
     from gpt2_bench.config import TrainConfig
 
