@@ -514,5 +514,8 @@ def check_ddp_settings(cfg: TrainConfig) -> None:
                          f"got {sorted(extra)}")
     if cfg.plain != "fp32":
         raise ValueError("torch_hook: torch's hooks have no plain codec (leave --plain out)")
+    if cfg.codec == "powersgd" and (cfg.checkpoint_every or cfg.resume):
+        raise ValueError("torch_hook: torch's powerSGD_hook keeps its state (errors, warm-start P and Q) in no "
+                         "checkpoint here: run it without --checkpoint-every and --resume")
     if cfg.diagnostics:
         raise ValueError("diagnostics read our codecs' residuals by parameter: not available with torch_hook")

@@ -9,7 +9,8 @@ NCCL on GPUs) and reduces its buckets with DDP's own all-reduce (``--compression
 
 How each counts its bytes (``ring(x) = 2 (N-1) x / N`` per bucket; torch's ``powerSGD_hook`` by its documented
 compression rule, :func:`powersgd_sizes`), when ``powerSGD_hook`` starts (:func:`powersgd_start_iter`), what its
-timing columns mean and how each checkpoints and resumes: docs/layout.md, "Training under DDP".
+timing columns mean and how each checkpoints and resumes (``powerSGD_hook`` does not): docs/layout.md, "Training
+under DDP".
 """
 
 from __future__ import annotations
@@ -239,44 +240,6 @@ class TorchHook(_Counter):
             self.state.min_compression_rate,
         )
         return ring(size * uncompressed, self.world) + ring(size * p, self.world) + ring(size * q, self.world)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict:
-        """The step count and, for PowerSGD, its state: the iteration, this rank's error and warm-start
-        ``P``/``Q`` per bucket index (keyed by rank), and the seed generator that draws new ``Q``s."""
-        out: dict = {"step": self.step_count}
-        if self.codec != "powersgd":
-            return out
-        state, me = self.state, dist.get_rank()
-        _, keys, pos, has_gauss, cached = state.rng.get_state()
-        out.update(iter=state.iter, rng_keys=torch.from_numpy(keys.astype("int64")), rng_pos=int(pos),
-                   rng_has_gauss=int(has_gauss), rng_cached=float(cached))
-        for kind, table in (("error", state.error_dict), ("p", state.p_memory_dict), ("q", state.q_memory_dict)):
-            out.update({f"residual.rank{me}.{kind}.{index}": tensor for index, tensor in table.items()})
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.codec != "powersgd":
-            return
-        import numpy as np
-
-        mine = self.state
-        mine.iter = int(state["iter"])
-        keys = state["rng_keys"].numpy().astype(np.uint32)
-        mine.rng.set_state(
-            ("MT19937", keys, int(state["rng_pos"]), int(state["rng_has_gauss"]), float(state["rng_cached"]))
-        )
-        prefix = f"residual.rank{dist.get_rank()}."
-        device = next(self.ddp.module.parameters()).device
-        tables = {"error": mine.error_dict, "p": mine.p_memory_dict, "q": mine.q_memory_dict}
-        for table in tables.values():
-            table.clear()
-        for key, tensor in state.items():
-            if key.startswith(prefix):
-                kind, index = key[len(prefix):].split(".")
-                tables[kind][int(index)] = tensor.to(device)
 
 
 def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = MIN_COMPRESSION_RATE

@@ -157,6 +157,8 @@ def test_powersgd_starts_where_ours_does_and_never_before_iteration_2():
     ({"integration": "ddp", "torch_hook": True, "codec": "powersgd", "compression": "all",
       "codec_options": {"value_dtype": "bfloat16"}}, "takes codec options"),
     ({"integration": "ddp", "reduce_dtype": "bf16", "compression": "none"}, "reduce_dtype"),
+    ({"integration": "ddp", "torch_hook": True, "codec": "powersgd", "compression": "all", "checkpoint_dir": "c",
+      "checkpoint_every": 2}, "keeps its state"),
 ])
 def test_ddp_settings_it_cannot_take_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
