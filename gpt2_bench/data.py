@@ -16,7 +16,7 @@ Sources (``prepare(dataset=...)``):
 - a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (or several), read with
   ``datasets.load_dataset`` under ``HF_DATASETS_OFFLINE=1``.
 
-The tokenizer is GPT-2's BPE via ``tiktoken``; offline, its ranks come from the
+The tokenizer is GPT-2's BPE via ``tiktoken``; its ranks come from the
 ``openai-whisper`` package's ``whisper/assets/gpt2.tiktoken`` (byte-identical to tiktoken's
 ``r50k_base``), found on disk without importing whisper. Both packages install without
 their dependencies: see :data:`OFFLINE_ASSETS_PIP`.

@@ -1,13 +1,12 @@
-"""GPT-2's BPE through ``tiktoken``: its download when that works, else the ranks shipped in
-``openai-whisper`` (byte-identical to tiktoken's ``r50k_base``, checked by hash)."""
+"""GPT-2's BPE through ``tiktoken``, from the ranks shipped in ``openai-whisper`` (byte-identical to tiktoken's
+``r50k_base``, checked by hash): no download."""
 
 from __future__ import annotations
 
 import hashlib
-import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 try:
     import tiktoken
@@ -15,7 +14,7 @@ try:
 except ImportError:  # reading prepared token files needs no tokenizer: the error waits for the first encoding
     tiktoken = None
 
-from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError, _offline_env, ensure_offline_assets, whisper_bpe_path
+from gpt2_bench.assets import OFFLINE_ASSETS_PIP, DataError, ensure_offline_assets, whisper_bpe_path
 
 EOT_TOKEN = 50256  # <|endoftext|>
 GPT2_VOCAB = 50257
@@ -29,22 +28,6 @@ def _check_gpt2(enc: tiktoken.Encoding) -> tiktoken.Encoding:
     if enc.n_vocab != GPT2_VOCAB or enc.eot_token != EOT_TOKEN or enc.encode_ordinary("Hello world") != [15496, 995]:
         raise DataError(f"tokenizer {enc.name!r} is not GPT-2's BPE (n_vocab={enc.n_vocab}, eot={enc.eot_token})")
     return enc
-
-
-def _tiktoken_gpt2(timeout: float) -> Optional[tiktoken.Encoding]:
-    """``tiktoken.get_encoding("gpt2")`` (downloads once, then cached); None if it fails or hangs past ``timeout``."""
-    result: list[Any] = []
-    worker = threading.Thread(target=lambda: result.append(_try(tiktoken.get_encoding, "gpt2")), daemon=True)
-    worker.start()
-    worker.join(timeout)  # a hung download is left behind in its daemon thread
-    return result[0] if result and isinstance(result[0], tiktoken.Encoding) else None
-
-
-def _try(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:  # any failure means "not available", reported by the caller
-        return exc
 
 
 def load_whisper_bpe(path: Optional[Path] = None) -> tiktoken.Encoding:
@@ -63,32 +46,21 @@ def load_whisper_bpe(path: Optional[Path] = None) -> tiktoken.Encoding:
 
 
 @lru_cache(maxsize=None)
-def _tokenizer(allow_download: bool, timeout: float) -> tuple[tiktoken.Encoding, str]:
+def _tokenizer() -> tuple[tiktoken.Encoding, str]:
     if tiktoken is None:
         raise DataError("tokenising needs tiktoken, which is not installed: pip install tiktoken")
-    if allow_download:
-        enc = _tiktoken_gpt2(timeout)
-        if enc is not None:
-            return _check_gpt2(enc), "tiktoken:gpt2"
     path = whisper_bpe_path()
     if path is None:
-        raise DataError(
-            "GPT-2 BPE unavailable: tiktoken could not download it"
-            + (" (downloads disabled)" if not allow_download else "")
-            + f" and the offline copy is not installed.\nInstall it with:\n    {OFFLINE_ASSETS_PIP}"
-        )
+        raise DataError(f"GPT-2 BPE unavailable: the offline copy is not installed.\nInstall it with:\n"
+                        f"    {OFFLINE_ASSETS_PIP}")
     return load_whisper_bpe(path), f"openai-whisper:{path.name}"
 
 
-def get_tokenizer(allow_download: Optional[bool] = None, timeout: float = 10.0) -> tiktoken.Encoding:
-    """GPT-2's BPE: tiktoken's download when it works, else the offline copy from ``openai-whisper``.
-
-    ``allow_download=None`` tries the download unless ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` /
-    ``TAGC_OFFLINE`` is set. Both routes give byte-identical encodings.
-    """
-    return _tokenizer(not _offline_env() if allow_download is None else allow_download, timeout)[0]
+def get_tokenizer() -> tiktoken.Encoding:
+    """GPT-2's BPE from the offline copy in ``openai-whisper``."""
+    return _tokenizer()[0]
 
 
-def tokenizer_source(allow_download: Optional[bool] = None, timeout: float = 10.0) -> str:
+def tokenizer_source() -> str:
     """Where :func:`get_tokenizer` got its ranks from (recorded in ``meta.json``)."""
-    return _tokenizer(not _offline_env() if allow_download is None else allow_download, timeout)[1]
+    return _tokenizer()[1]

@@ -64,10 +64,9 @@ def test_whisper_bpe_is_gpt2():
     assert enc.decode(enc.encode_ordinary(text)) == text
 
 
-def test_get_tokenizer_offline_uses_whisper(monkeypatch):
+def test_get_tokenizer_uses_whisper():
     if assets.whisper_bpe_path() is None:
         pytest.skip("openai-whisper not installed: " + OFFLINE_ASSETS_PIP)
-    monkeypatch.setenv("TAGC_OFFLINE", "1")
     assert tokenizer.tokenizer_source().startswith("openai-whisper")
     assert tokenizer.get_tokenizer().encode_ordinary("Hello world") == [15496, 995]
 
@@ -81,7 +80,7 @@ def test_missing_assets_name_the_install_command(monkeypatch):
     tokenizer._tokenizer.cache_clear()
     try:
         with pytest.raises(DataError, match="GPT-2 BPE unavailable"):
-            tokenizer.get_tokenizer(allow_download=False)
+            tokenizer.get_tokenizer()
     finally:
         tokenizer._tokenizer.cache_clear()
 
