@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, bits_per_param, bytes_model_ms, write_rows
+from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, write_rows
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link
 from gpt2_bench.methods import on_the_papers_wire
@@ -49,15 +49,9 @@ def compare(base: TrainConfig) -> tuple[list[Row], dict]:
         rows.append(runs[compressed])
     if serial is not plain:
         rows.append(dataclasses.replace(serial, algorithm="fsdp no-overlap", compressed="-"))
-    rate_bps = parse_rate(link_info["rate"])
+    add_method_columns(rows, parse_rate(link_info["rate"]))  # against the plain row (method fsdp)
     for row in rows:
-        row.speedup = plain.iter_ms / row.iter_ms
-        model_ms = bytes_model_ms(plain.iter_ms, plain.wire_bytes_per_step, row.wire_bytes_per_step, rate_bps)
-        row.bytes_model_ms = model_ms
-        row.bytes_model = None if model_ms is None or model_ms <= 0 else plain.iter_ms / model_ms
         row.speedup_total = plain.train_s / row.train_s
-        row.val_loss_delta = row.val_loss / plain.val_loss - 1
-        row.bits_per_param = bits_per_param(row)
     return rows, link_info
 
 

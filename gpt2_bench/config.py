@@ -49,7 +49,6 @@ class TrainConfig:
     ratio: Optional[float] = None
     """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 1.2 for ``topk``)."""
     index_bits: int = 1
-    sparsity: Any = "auto"
     min_compress_numel: int = 65536
     dense_steps: Optional[int] = None
     """Steps sent uncompressed before the codec starts. ``None`` (the default): the library's own
@@ -82,7 +81,6 @@ class TrainConfig:
     """Seeds the model's initialisation (``torch.manual_seed``) and the order in which the training windows are read
     (:meth:`gpt2_bench.data.TokenData.train_batch`: a permutation per epoch, no window read twice within one)."""
     compile: bool = False
-    compile_backend: str = "inductor"
     world: int = 2
     """Ranks in all (``hosts`` x ranks per host)."""
     hosts: int = 1
@@ -178,7 +176,7 @@ class TrainConfig:
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
                   "blocks": "non_attention_block_linear"}[self.compression]
         codec = "plain" if self.compression == "none" else self.codec
-        sketch = dict(ratio=self.ratio, index_bits=self.index_bits, sparsity=self.sparsity) if spec(
+        sketch = dict(ratio=self.ratio, index_bits=self.index_bits) if spec(
             codec).uses_config else {}
         return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
                     codec=codec, overlap=self.overlap, plain=self.plain, feedback=self.feedback,
@@ -374,7 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compression ratio of tagc and topk (default: the library's, "
                         + ", ".join(f"{filled['ratio']} for {codec}" for codec, filled in RECOMMENDED.items()) + ")")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
-    p.add_argument("--sparsity", default="auto", help="fraction zeroed before encoding, or 'auto'")
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_tokens", "seed", "world", "threads",
                   "warmup_steps", "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
@@ -436,7 +433,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait for each unit's reduce-scatter in its backward (by default it overlaps the backward of "
                         "the units before it and all finish at the end of backward)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (simple: fullgraph, Inductor)")
-    p.add_argument("--compile-backend", default=defaults.compile_backend, help="inductor (default), aot_eager, ...")
     p.add_argument("--link", default=defaults.link, help="none, scaled, or a rate such as 10gbit, 1gbit, 100mbit")
     p.add_argument("--share", dest="link_share", type=float, default=defaults.link_share,
                    help="--link scaled: the plain exchange's share of a non-overlapped plain step on the scaled link "
@@ -456,10 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    sparsity = args.sparsity if args.sparsity == "auto" else float(args.sparsity)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    values["sparsity"] = sparsity
     values["codec_options"] = parse_codec_options(args.codec_options)
     if getattr(args, "nproc_per_host", None):
         values["world"] = args.hosts * args.nproc_per_host

@@ -97,5 +97,5 @@ def compiled(model, cfg: TrainConfig):
     if cfg.integration == "simple":
         from fsdp_integration import CompileSettings, compile_model
 
-        return compile_model(model, CompileSettings(backend=cfg.compile_backend))
-    return torch.compile(model, backend=cfg.compile_backend)
+        return compile_model(model, CompileSettings())
+    return torch.compile(model)

@@ -51,7 +51,7 @@ def test_the_trainers_codec_defaults_are_the_librarys():
 
     shared = {name: default(name) for name in trainer
               if (name in library or name in sketch) and name not in per_codec}
-    assert {"index_bits", "min_compress_numel", "sparsity", "overlap"} <= set(shared)
+    assert {"index_bits", "min_compress_numel", "overlap", "hierarchy"} <= set(shared)
     assert {name: trainer[name] for name in shared} == shared
 
     for config, arguments in [(TrainConfig(), {}),  # codec tagc on the non-attention layers
