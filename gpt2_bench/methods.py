@@ -107,13 +107,6 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def method_config(base: TrainConfig, method: str) -> TrainConfig:
-    """``base`` with ``method``'s codec settings (and its own run name)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
-    return _with_method(base, method, METHODS[method])
-
-
 def _with_method(base: TrainConfig, method: str, settings: dict) -> TrainConfig:
     """``base`` with a method's codec ``settings`` and its name; the dense warm-up only for error-feedback codecs."""
     reset = ("codec", "reduce_dtype", "plain", "torch_hook", "feedback", "feedback_decay", "feedback_decay_follows_lr")
@@ -190,7 +183,7 @@ FLAT_PEER = {"ddp": "fsdp", "ddp-bf16": "fsdp-bf16", "ddp-powersgd": "powersgd",
 
 
 def layout_config(base: TrainConfig, layout: str, method: str, link: str | None = None) -> TrainConfig:
-    """``base`` with ``layout``'s fields and ``method``'s codec settings (as :func:`method_config`),
+    """``base`` with ``layout``'s fields and ``method``'s codec settings (``flat``: any of :data:`METHODS`),
     on ``link`` (a rate; emulated hosts cannot take ``"scaled"``: it is resolved before). Its run is
     named ``<layout>-<method>`` (``ddp-tagc``), or the method where it names its layout (``hsdp-bf16``),
     torch's hooks ``<method>-torch`` (``ddp-powersgd-torch``, beside our ``ddp-powersgd``), each with its

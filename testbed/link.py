@@ -1,7 +1,7 @@
 """An emulated network link: a private network namespace with a shaped loopback (docs/design.md §10).
 
-``with ShapedLink("1gbit", world=2) as link: procs = link.launch([argv0, argv1])`` runs the
-commands inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
+``with ShapedLink("1gbit", world=2) as link: subprocess.run(link.wrap(argv))`` runs a
+command inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
 through ``tc qdisc ... tbf``. One tbf on one loopback is shared by every flow on it, so
 ``world`` ranks each sending at ``rate`` (full duplex) need a tbf rate of ``world * rate``.
 
@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 __all__ = ["LinkError", "Namespaces", "ShapedLink", "SignalUnwind", "parse_rate", "format_rate", "tbf_params"]
 
@@ -217,7 +217,6 @@ class ShapedLink(Namespaces):
         self.kind: Optional[str] = None  # "netns" or "unshare" once open
         self.qdisc = ""
         self._holder: Optional[subprocess.Popen] = None
-        self._procs: list[subprocess.Popen] = []
         super().__init__()
 
     what = "a shaped link"
@@ -287,15 +286,7 @@ class ShapedLink(Namespaces):
             raise LinkError(f"tbf qdisc missing on lo after setup ({self.qdisc!r}); refusing to run unshaped")
 
     def _remove(self) -> None:
-        """Stop the processes this link started and remove the namespace."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        """Remove the namespace (the commands run inside it are their launcher's to stop)."""
         if self.kind == "netns" or (self.kind is None and self.mode != "unshare"):
             self._delete_netns(self.name)
         if self._holder is not None:
@@ -315,17 +306,6 @@ class ShapedLink(Namespaces):
         if self.kind == "unshare":
             return ["nsenter", "-t", str(self._holder.pid), "-U", "-n", "--preserve-credentials", *argv]
         raise LinkError("the link is not open")
-
-    def launch(
-        self, argvs: Sequence[Sequence[str]], env: Optional[Mapping[str, str]] = None, **popen_kw
-    ) -> list[subprocess.Popen]:
-        """Start each command inside the namespace; the link kills them (by pid) when it closes."""
-        procs = []
-        for argv in argvs:
-            proc = subprocess.Popen(self.wrap(argv), env=dict(env) if env is not None else None, **popen_kw)
-            self._procs.append(proc)
-            procs.append(proc)
-        return procs
 
     def exists(self) -> bool:
         """Whether the namespace is currently there."""

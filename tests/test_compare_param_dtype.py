@@ -11,7 +11,7 @@ import pytest
 from gpt2_bench import compare, compare_layout
 from gpt2_bench.compare_layout import format_methods_table, format_param_gather
 from gpt2_bench.config import TrainConfig
-from gpt2_bench.methods import LAYOUT_METHODS, METHODS, layout_config, method_config
+from gpt2_bench.methods import LAYOUT_METHODS, METHODS, layout_config
 
 
 @pytest.mark.parametrize("param_dtype", ["bf16"])
@@ -19,12 +19,12 @@ def test_every_flat_method_gets_the_param_dtype_and_a_name_of_its_own(param_dtyp
     base = TrainConfig(preset="tiny")
     gathered = dataclasses.replace(base, param_dtype=param_dtype)
     for method in METHODS:
-        exact, cfg = method_config(base, method), method_config(gathered, method)
+        exact, cfg = layout_config(base, "flat", method), layout_config(gathered, "flat", method)
         assert exact.param_dtype is None and cfg.param_dtype == param_dtype, method
         assert cfg.run_name == f"{method}-param-{param_dtype}" and exact.run_name == method
         # only the gather differs: every codec setting is the method's own, as with fp32 gathers
         assert dataclasses.replace(cfg, param_dtype=None, name=None) == dataclasses.replace(exact, name=None)
-    assert method_config(gathered, "fsdp-bf16").reduce_dtype == "bf16"  # the baseline keeps its bf16 reduce
+    assert layout_config(gathered, "flat", "fsdp-bf16").reduce_dtype == "bf16"  # the baseline keeps its bf16 reduce
 
 
 def test_layouts_pass_the_param_dtype_to_flat_and_hsdp_methods_and_never_to_ddp():

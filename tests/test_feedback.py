@@ -539,10 +539,10 @@ def test_trainer_flags_reach_the_config_and_the_run_name():
                 dict(compression="none")):
         with pytest.raises(ValueError, match="feedback_decay_follows_lr"):
             TrainConfig(feedback_decay_follows_lr=True, **bad)
-    from gpt2_bench.methods import method_config  # a compare's other methods do not inherit it
+    from gpt2_bench.methods import layout_config  # a compare's other methods do not inherit it
 
-    assert not method_config(follows, "int4").feedback_decay_follows_lr
-    assert not method_config(follows, "tagc-int4").feedback_decay_follows_lr
+    assert not layout_config(follows, "flat", "int4").feedback_decay_follows_lr
+    assert not layout_config(follows, "flat", "tagc-int4").feedback_decay_follows_lr
 
 
 def test_the_fading_follows_the_trainers_learning_rate_from_its_peak_to_its_floor():

@@ -271,13 +271,13 @@ def test_the_papers_methods_run_the_papers_wire_whatever_the_base_filled_in(base
     """A compare whose command line names another codec, or no compression, still runs its paper methods on the
     paper's wire with the library's warm-up; an explicit setting of a copy made by ``copy_with`` stays."""
     from gpt2_bench.config import TrainConfig
-    from gpt2_bench.methods import method_config, on_the_papers_wire
+    from gpt2_bench.methods import layout_config, on_the_papers_wire
 
     base = TrainConfig(ratio=PAPER_RATIO, **base_fields)
     for method in ("tagc-non-attn", "tagc-all"):
-        cfg = method_config(base, method)
+        cfg = layout_config(base, "flat", method)
         assert _codec_fields(cfg) == PAPER and cfg.dense_steps == 10, (method, base_fields)
-    assert _codec_fields(method_config(base, "tagc-int4")) == TAGC_RECOMMENDED
+    assert _codec_fields(layout_config(base, "flat", "tagc-int4")) == TAGC_RECOMMENDED
     paper = base.copy_with(compression="non-attn", codec="tagc", **on_the_papers_wire(base))
     assert _codec_fields(paper) == PAPER
     explicit = base.copy_with(compression="non-attn", codec="tagc", plain="fp32", feedback="classic")

@@ -58,8 +58,8 @@ def test_link_creates_shapes_and_removes_its_namespace():
     try:
         assert link.exists() and link.name in ShapedLink.list_netns()
         assert "tbf" in link.qdisc and "200Mbit" in link.qdisc
-        (proc,) = link.launch([["cat", "/proc/net/dev"]], stdout=subprocess.PIPE, text=True)
-        devices = [line.split(":")[0].strip() for line in proc.communicate(timeout=30)[0].splitlines() if ":" in line]
+        out = subprocess.run(link.wrap(["cat", "/proc/net/dev"]), capture_output=True, text=True, timeout=30).stdout
+        devices = [line.split(":")[0].strip() for line in out.splitlines() if ":" in line]
         assert devices == ["lo"]  # private: only its own loopback
     finally:
         link.close()

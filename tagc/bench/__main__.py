@@ -26,16 +26,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     name, rest = args[0], args[1:]
     if name not in BENCHMARKS:
         raise SystemExit(f"tagc.bench: unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
-    module_name = name.replace("-", "_")
-    try:
-        module = importlib.import_module(f"tagc.bench.{module_name}")
-    except ModuleNotFoundError as err:
-        if err.name != f"tagc.bench.{module_name}":
-            raise
-        raise SystemExit(
-            f"tagc.bench: benchmark {name!r} is not available in this checkout (no tagc/bench/{module_name}.py)"
-        ) from err
-    status = module.main(rest)
+    status = importlib.import_module(f"tagc.bench.{name.replace('-', '_')}").main(rest)
     if isinstance(status, int) and status:
         raise SystemExit(status)
 
