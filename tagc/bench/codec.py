@@ -1,12 +1,11 @@
 """Codec benchmark: the peeling success curve of TAGC's count sketch.
 
-``python -m tagc.bench codec [--peel-sizes 1M,16K] [--loads 0.5,0.7,0.9] [--json out.json] [--plot out.png]
-[--quick]``
+``python -m tagc.bench codec [--peel-sizes 1M,16K] [--loads 0.5,0.7,0.9] [--json out.json] [--quick]``
 
 It decodes random supports at a sweep of loads (union non-zeros per row of a lane) and counts how often, and how
 much of, the support is recovered exactly: the margin ``PLANNED_LOAD`` keeps below the threshold (docs/design.md,
-section 9). Its CPU throughput part (``clone`` multiples, the issue's targets) was removed (docs/results.md,
-"Removed from the bench").
+section 9), printed as a table per size. Its CPU throughput part (``clone`` multiples, the issue's targets) and its
+plot were removed (docs/results.md, "Removed from the bench").
 """
 
 from __future__ import annotations
@@ -124,43 +123,6 @@ def measured_thresholds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return result
 
 
-def plot_peeling(rows: list[dict[str, Any]], path: str, ratio: float) -> None:
-    """Success rate and recovered fraction vs load, one line per size, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
-    for i, numel in enumerate(dict.fromkeys(r["numel"] for r in rows)):
-        curve = sorted((r for r in rows if r["numel"] == numel), key=lambda r: r["load"])
-        loads = [r["load"] for r in curve]
-        color = f"C{i}"
-        lanes = curve[0]["lanes"]
-        label = f"{human(numel)} elements ({lanes} lane{'s' if lanes > 1 else ''} x {curve[0]['rows_per_lane']} rows)"
-        left.plot(loads, [r["success"] for r in curve], "o-", color=color, label=f"{label}: peel + exact solve")
-        left.plot(loads, [r["peel_only"] for r in curve], "s:", color=color, alpha=0.7, label=f"{label}: peeling alone")
-        right.plot(loads, [r["recovered"] for r in curve], "o-", color=color, label=label)
-    for ax in (left, right):
-        ax.axvline(PEELING_THRESHOLD, color="k", ls="--", lw=1, label=f"threshold {PEELING_THRESHOLD:g}")
-        ax.axvline(PLANNED_LOAD, color="g", ls="-.", lw=1, label=f"planned load {PLANNED_LOAD:g}")
-        ax.set_xlabel("load (union non-zeros per row of a lane)")
-        ax.set_ylim(-0.03, 1.03)
-        ax.grid(alpha=0.3)
-    trials = rows[0]["trials"]
-    left.set_ylabel(f"fraction of {trials} trials recovered exactly")
-    left.set_title("Whole support recovered")
-    right.set_ylabel("mean fraction of the support recovered exactly")
-    right.set_title("Positions recovered")
-    left.legend(fontsize=7, loc="lower left")
-    right.legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"TAGC count-sketch peeling, ratio {ratio:g}, 3 hashes")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def print_peeling(rows: list[dict[str, Any]], thresholds: list[dict[str, Any]]) -> None:
     print(f"\nPeeling vs load (theoretical threshold {PEELING_THRESHOLD}, planned load {PLANNED_LOAD}):")
     print(f"{'size':>6} {'lanes':>5} {'rows':>6} {'load':>6} {'success':>8} {'peel-only':>9} {'recovered':>10} "
@@ -186,8 +148,6 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help=f"chunk sizes for the peeling curve (default {DEFAULT_PEEL_SIZES})")
     parser.add_argument("--loads", type=parse_loads, default=None, help="comma-separated loads for the peeling curve")
     parser.add_argument("--json", metavar="PATH", help="write machine-readable results here")
-    parser.add_argument("--plot", metavar="PATH", default="bench_out/peeling.png",
-                        help="peeling curve PNG (default bench_out/peeling.png)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few trials (smoke test)")
     parser.add_argument("--seed", type=int, default=0, help="torch RNG seed (default 0)")
     args = parser.parse_args(argv)
@@ -201,8 +161,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     peel_rows = peeling(peel_sizes, args.ratio, loads, trials, args.bits)
     thresholds = measured_thresholds(peel_rows)
     print_peeling(peel_rows, thresholds)
-    plot_peeling(peel_rows, args.plot, args.ratio)
-    print(f"peeling curve: {args.plot}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
