@@ -241,7 +241,6 @@ def simple_fsdp(
         elif id(module) in slots or id(module) in unit_of_module:
             _swap_class(module, slots.get(id(module), {}), unit_of_module.get(id(module)))
     model._simple_fsdp_units = unit_objects
-    model._simple_fsdp_mesh = mesh
     return model
 
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, pooled_median, write_rows
+from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, fmt, pooled_median, write_rows
 from gpt2_bench.config import TrainConfig, param_gather
 from gpt2_bench.launch import run, scaled_link
 from gpt2_bench.methods import (
@@ -42,10 +42,6 @@ from testbed.link import parse_rate
 # ----------------------------------------------------------------------------- report pieces
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
 def format_methods_table(rows: Sequence[Row], plain_method: str = "fsdp", bf16_method: str = "fsdp-bf16") -> str:
     """One share's methods: time, speed-ups (against ``plain_method`` and ``bf16_method``), bytes, codec time,
     loss and the parameters' all-gather dtype (``param gather``; ``-`` where the run gathers none, DDP, or the
@@ -58,10 +54,10 @@ def format_methods_table(rows: Sequence[Row], plain_method: str = "fsdp", bf16_m
         delta = row.val_loss_delta
         lines.append(
             f"| {row.method} | {row.compressed if row.algorithm != 'fsdp' else '-'} | {row.iter_ms:.0f} | "
-            f"{_fmt(row.speedup, '.2f', 'x')} | {_fmt(row.speedup_vs_fsdp_bf16, '.2f', 'x')} | "
-            f"{_fmt(row.bytes_model, '.2f', 'x')} | {_fmt(None if wire is None else wire / 1e6, '.2f')} | "
-            f"{_fmt(row.bits_per_param, '.2f')} | {_fmt(row.codec_ms, '.0f')} | {_fmt(row.exposed_ms, '.0f')} | "
-            f"{row.val_loss:.4f} | {_fmt(None if delta is None else 100 * delta, '+.2f', '%')} | "
+            f"{fmt(row.speedup, '.2f', 'x')} | {fmt(row.speedup_vs_fsdp_bf16, '.2f', 'x')} | "
+            f"{fmt(row.bytes_model, '.2f', 'x')} | {fmt(None if wire is None else wire / 1e6, '.2f')} | "
+            f"{fmt(row.bits_per_param, '.2f')} | {fmt(row.codec_ms, '.0f')} | {fmt(row.exposed_ms, '.0f')} | "
+            f"{row.val_loss:.4f} | {fmt(None if delta is None else 100 * delta, '+.2f', '%')} | "
             f"{row.param_dtype or '-'} |")
     return "\n".join(lines)
 
@@ -139,7 +135,7 @@ def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_met
 
 
 def _mb(row: Row) -> str:
-    return "-" if row.wire_bytes_per_step is None else f"{row.wire_bytes_per_step / 1e6:.2f}"
+    return fmt(None if row.wire_bytes_per_step is None else row.wire_bytes_per_step / 1e6, ".2f")
 
 
 def format_beside(layout_rows: list[Row], flat_rows: list[Row], layout: str) -> str:
@@ -219,7 +215,7 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
     return rows, report
 
 
-LAYOUT_DEFAULTS = {"out_dir": "bench_out/compare-layout"}
+LAYOUT_OUT_DIR = "bench_out/compare-layout"
 """Where a layout compare writes (its own folder: its flat rows run on emulated hosts)."""
 
 
@@ -241,7 +237,7 @@ def layout_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             flat_methods = parse_layout_methods("flat", args.flat_methods)
         shares = [float(x) for x in args.shares.split(",")] if args.shares else [args.link_share]
         if layout != "flat" and args.out_dir == parser.get_default("out_dir"):
-            args.out_dir = LAYOUT_DEFAULTS["out_dir"]
+            args.out_dir = LAYOUT_OUT_DIR
         base = config_from_args(args)
         base = dataclasses.replace(base, world=LAYOUT_FIELDS[layout].get("world", base.world))
         for which, names in ((layout, methods), ("flat", flat_methods)):  # every run's settings, checked up front

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, write_rows
+from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, fmt, write_rows
 from gpt2_bench.config import TrainConfig
 from gpt2_bench.launch import run, scaled_link
 from gpt2_bench.methods import on_the_papers_wire
@@ -62,10 +62,6 @@ def block_hidden(row: Row) -> float | None:
     return None if not blocks or wire <= 0 else 1 - sum(u["exposed_ms"] for u in blocks) / wire
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
 def format_table(rows: list[Row], link_info: dict) -> str:
     """The main job's rows beside the paper's (its iteration and exchange ms/MB), with the link's calibration."""
     scaled = (f" per rank (scaled: 10gbit / {link_info['slowdown']:.0f}, so the plain exchange takes the paper's "
@@ -82,7 +78,7 @@ def format_table(rows: list[Row], link_info: dict) -> str:
         lines.append(
             f"| {row.algorithm} | {row.compressed} | {row.iter_ms:.0f} | {row.speedup:.2f}x | "
             f"{'-' if model is None else f'{model:.2f}x'} | {row.train_s:.1f} | {row.speedup_total:.2f}x | "
-            f"{row.exchange_ms_per_mb:.2f} | {_ms(row.wire_ms)} | {_ms(row.exposed_ms)} | "
+            f"{row.exchange_ms_per_mb:.2f} | {fmt(row.wire_ms, '.0f')} | {fmt(row.exposed_ms, '.0f')} | "
             f"{'-' if hidden is None else f'{hidden:.0%}'} | {wire / 2**20:.2f} | {row.val_loss:.4f} | "
             f"{100 * row.val_loss_delta:+.2f}% | {'-' if peel is None else f'{100 * peel:.2f}%'} | {paper['iter']} | "
             f"{paper['exchange_ms_per_mb']} |")

@@ -117,6 +117,11 @@ class Row:
         return {**self.extra, **own}
 
 
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """A table cell: ``value`` in ``spec`` (and ``suffix``), ``-`` where there is none."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
 def write_rows(rows: list[Row], path: str | Path) -> None:
     """``rows`` as a JSON list at ``path`` (``--json``), its folder made if needed."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

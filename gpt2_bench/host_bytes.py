@@ -327,8 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                         help="how TAGC's 1-bit index merges in DDP: nccl all-gathers it, gloo ORs it in an all-reduce")
     parser.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_BYTES),
-                        help="flat FSDP's parameter all-gathers: fp32 (default), bf16, or int8 (SimpleFSDP's blockwise "
-                             "int8 gather: a float32 scale per block)")
+                        help="flat FSDP's parameter all-gathers: fp32 (default), bf16, or int8 (ZeRO++'s qwZ: a "
+                             "float32 scale per block of 256)")
     args = parser.parse_args(argv)
     hosts = [int(h) for h in args.hosts.split(",")]
     layouts = LAYOUT_NAMES if args.layout == "all" else (args.layout,)

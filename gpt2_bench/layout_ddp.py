@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpt2_bench.config import TORCH_HOOKS, TrainConfig, check_ddp_settings
+from gpt2_bench.config import TORCH_HOOKS, TrainConfig
 from tagc.hooks.adapters.ddp import DDPHookState, bind_ddp, ring
 from tagc.hooks.adapters.torch_ddp import has_rebuilt_buckets
 from tagc.hooks.core.stats import ExchangeStats
@@ -260,7 +260,3 @@ def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rat
         else:
             uncompressed += numel
     return p, q, uncompressed
-
-
-__all__ = ["TORCH_HOOKS", "DDPOwnReduction", "OurHook", "TorchHook", "check_ddp_settings", "powersgd_sizes",
-           "powersgd_start_iter", "wrap_ddp"]
