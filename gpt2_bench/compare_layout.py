@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, fmt, pooled_median, write_rows
+from gpt2_bench.compare_rows import RUN_ATTEMPTS, Row, add_method_columns, fmt, write_rows
 from gpt2_bench.config import TrainConfig, param_gather
-from gpt2_bench.launch import run, scaled_link
+from gpt2_bench.launch import median, run, scaled_link
 from gpt2_bench.methods import (
     FLAT_PEER,
     LAYOUT_BASELINES,
@@ -128,7 +128,7 @@ def time_layout(base: TrainConfig, layout: str, methods: Sequence[str], flat_met
     rows = [Row.from_summary(results[-1], method=method, layout=which, param_dtype=gathers[(which, method)],
                              share=share, link=rate, link_info=link_info, preset=base.preset,
                              dense_steps=base.dense_steps, rounds=rounds,
-                             iter_ms=pooled_median([ms for result in results for ms in result["steady_iter_ms"]]),
+                             iter_ms=median([ms for result in results for ms in result["steady_iter_ms"]]),
                              iter_ms_per_round=[result["iter_ms"] for result in results])
             for (which, method), results in runs.items()]
     return rows, link_info

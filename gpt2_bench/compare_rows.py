@@ -25,12 +25,6 @@ RUN_ATTEMPTS = 3
 """Every run a compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.launch.run`."""
 
 
-def pooled_median(values: list[float]) -> float:
-    """The median of steady step times pooled over rounds (the upper middle of an even count; NaN for none)."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
-
-
 @dataclasses.dataclass
 class Row:
     """One timed run of a compare: what it ran, what it measured, and its figures against the baselines."""

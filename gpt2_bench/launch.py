@@ -26,7 +26,13 @@ from testbed.launch import Launch, RankFailed, torchrun_argv
 from testbed.link import ShapedLink, format_rate
 from testbed.paper import LINK_BPS
 
-__all__ = ["run", "summarise", "scaled_link", "RankFailed"]
+__all__ = ["run", "summarise", "scaled_link", "RankFailed", "median"]
+
+
+def median(values: list[float]) -> float:
+    """The median of step times (the upper middle of an even count; NaN for none)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
@@ -36,7 +42,6 @@ def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
     summary = next(r for r in records if r.get("summary"))
     first_steady = max(1, len(steps) // 5, cfg.dense_steps + 1 if cfg.compression != "none" else 0)
     steady = steps[min(len(steps) - 1, first_steady) :]  # drop warm-up steps and the dense warm-up
-    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     total = summary.get("hook_total") or {}
     hooked = lambda key: median([r[key] for r in steady if key in r]) if total else None  # noqa: E731
     coded = cfg.compression != "none"
