@@ -25,8 +25,8 @@ All statistics are sums over ranks (one ``all_reduce`` of a small vector per ste
 reading them syncs the host every step: a diagnostic run is for diagnosis, not for timing.
 
 ``python -m gpt2_bench.diagnostics PLAIN RUN [--windows N] [--out DIR]`` sets a run's diagnostics against plain's
-at the same steps (:func:`compare_runs`): a Markdown table per span of steps, the per-group ratios, the staleness
-histogram, and a plot.
+at the same steps (:func:`compare_runs`): a Markdown table per span of steps, the per-group ratios and the staleness
+histogram.
 """
 
 from __future__ import annotations
@@ -357,8 +357,8 @@ def _mean(values: list) -> Optional[float]:
 def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10) -> dict:
     """A run's diagnostics against plain's at the steps both logged: per step the ratios (run / plain) of the
     update RMS and of ``exp_avg_sq`` (mean, geometric mean; per group median and 90th percentile) on the run's
-    compressed groups (all groups when it compresses none), both clip flags and grad norms, the run's staleness and
-    estimate. Then the same averaged over ``windows`` equal spans of steps, and the staleness histogram summed over
+    compressed groups (all groups when it compresses none), both clip flags and the grad norms', the run's staleness
+    and estimate. Then the same averaged over ``windows`` equal spans of steps, and the staleness histogram summed over
     the run's compressed steps."""
     plain_header, plain = read_diagnostics(plain_path)
     run_header, run = read_diagnostics(run_path)
@@ -372,7 +372,6 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
         pooled_a, pooled_b = _pooled(a, groups), _pooled(b, groups)
         per_step.append({
             "step": step, "plain_clipped": a["clipped"], "run_clipped": b["clipped"],
-            "plain_grad_norm": a["grad_norm"], "run_grad_norm": b["grad_norm"],
             "grad_norm_ratio": _ratio(b["grad_norm"], a["grad_norm"]),
             **{f"{key}_ratio": _ratio(pooled_b.get(key), pooled_a.get(key))
                for key in ("update_rms", "v_mean", "v_geomean")},
@@ -444,51 +443,12 @@ def format_comparison(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_comparison(result: dict, path: Path) -> None:
-    """Four panels: update-RMS and ``exp_avg_sq`` ratios against step, both grad norms with the clip threshold,
-    and the staleness histogram."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["per_step"]
-    steps = [r["step"] for r in rows]
-    fig, ((rms, v), (norms, stale)) = plt.subplots(2, 2, figsize=(12, 7.5))
-    rms.plot(steps, [r["update_rms_ratio"] for r in rows], label="compressed groups", color="black", lw=1)
-    for group in result["groups"]:
-        rms.plot(steps, [r["groups"].get(group, {}).get("update_rms_ratio") for r in rows], label=group, lw=0.7,
-                 alpha=0.7)
-    rms.set(xlabel="step", ylabel="run / plain", title="AdamW update RMS")
-    v.plot(steps, [r["v_mean_ratio"] for r in rows], label="mean", color="black", lw=1)
-    v.plot(steps, [r["v_geomean_ratio"] for r in rows], label="geometric mean", color="tab:orange", lw=1)
-    v.set(xlabel="step", ylabel="run / plain", title="Adam exp_avg_sq (compressed groups)")
-    for ax in (rms, v):
-        ax.axhline(1.0, color="grey", lw=0.8)
-    for which in ("plain", "run"):
-        norms.plot(steps, [r[f"{which}_grad_norm"] for r in rows], label=which, lw=0.8)
-    if result["run"].get("grad_clip"):
-        norms.axhline(result["run"]["grad_clip"], color="red", lw=0.8, label="clip")
-    norms.set(xlabel="step", ylabel="grad norm (before clipping)", title="gradient norm", yscale="log")
-    total = sum(result["staleness_histogram"])
-    stale.bar(range(len(AGE_LABELS)), [c / total if total else 0 for c in result["staleness_histogram"]])
-    stale.set_xticks(range(len(AGE_LABELS)), AGE_LABELS, fontsize=7)
-    stale.set(xlabel="steps since last sent", ylabel="share of elements", title="staleness (compressed steps)")
-    for ax in (rms, v, norms, stale):
-        ax.grid(alpha=0.3)
-    for ax in (rms, v, norms):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m gpt2_bench.diagnostics PLAIN RUN [--out DIR]``: the comparison as Markdown and a plot."""
+    """``python -m gpt2_bench.diagnostics PLAIN RUN [--out DIR]``: the comparison as Markdown."""
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.diagnostics", description=__doc__.split("\n\n")[0])
     p.add_argument("plain", help="plain training's run log (<run>.jsonl) or its <run>.diagnostics.jsonl")
     p.add_argument("run", help="the run to set against it (same settings but the codec)")
-    p.add_argument("--out", default=None, help="folder for the report and its plot (default: the run's folder)")
+    p.add_argument("--out", default=None, help="folder for the report (default: the run's folder)")
     p.add_argument("--windows", type=int, default=10, help="spans of steps in the table (default %(default)s)")
     args = p.parse_args(argv)
     try:
@@ -499,9 +459,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out) if args.out else diagnostics_path(args.run).parent
     out.mkdir(parents=True, exist_ok=True)
     stem = f"diagnostics-{result['run'].get('run', 'run')}-vs-{result['plain'].get('run', 'plain')}"
-    report = format_comparison(result) + f"\n![diagnostics]({stem}.png)\n"
+    report = format_comparison(result)
     (out / f"{stem}.md").write_text(report)
-    plot_comparison(result, out / f"{stem}.png")
     print(report)
     print(f"report: {out / f'{stem}.md'}", file=sys.stderr)
     return 0
