@@ -76,16 +76,6 @@ def format_param_gather(param_dtype: str | None, integration: str, layout: str =
             f"step the link is calibrated on{where}.{compute}")
 
 
-SHARE_ARITHMETIC = (
-    "Where the shares come from. **0.31** is the paper's: TAGC cut its exchange from 0.76 to 0.51 ms/MB (x0.67) and "
-    "its iteration from 25.2 to 22.6, so the exchange was 2.6 / (1 - 0.67) = 7.9 of 25.2 units. **0.9** is an "
-    "H100-class GPU over 10 GbE: GPT-2 (124M) on 16 x 1024 tokens per GPU is 6 x 124e6 x 16384 = 1.2e13 FLOP, "
-    "30 ms at 400 TFLOP/s (40% of bf16 peak), while its fp32 gradient reduce-scatter moves ~(N-1)/N x 496 MB, "
-    "~0.4 s at 1.25 GB/s, and its parameter all-gathers (bf16, forward and backward) ~0.4 s more: the link holds "
-    "0.8 / 0.83 = 0.96 of a non-overlapped step, the reduce-scatter alone ~0.5. Here too the all-gathers cross the "
-    "emulated link, so at 0.9 the link-bound time gets the share.")
-
-
 def format_share_arithmetic(link_info: dict) -> str:
     """How the scaled link gives the plain exchange its share of a step."""
     if not link_info.get("rate_bps"):
@@ -197,7 +187,8 @@ def layout_report(base: TrainConfig, layout: str, methods: Sequence[str], flat_m
                   f"at ratio {base.ratio:g}; {dense}.\n\n{format_param_gather(base.param_dtype, base.integration)}\n\n"
                   f"`bytes model`: the speed-up if a method differed from fsdp only in its bytes on the link; "
                   f"`bits/param`: wire bits per gradient element per rank and step (plain fp32 on 2 ranks: 16); "
-                  f"`codec ms`: encode + decode on the training thread per step.\n\n{SHARE_ARITHMETIC}\n\n"
+                  f"`codec ms`: encode + decode on the training thread per step. Where the shares come from: "
+                  f"docs/results.md, \"Who wins at which share\".\n\n"
                   + "\n".join(sections))
         (out / "methods.md").write_text(report)
         return rows, report

@@ -330,10 +330,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--cache-dir", default=None, help=f"default $TAGC_DATA_DIR or {default_cache_dir()}")
     p.add_argument("--val-every", type=int, default=None, help="every N-th document goes to val (default 20)")
-    p.add_argument("--text-field", default="text", help="column holding the text in json/parquet files")
-    p.add_argument(
-        "--sample-by", default="paragraph", choices=["paragraph", "line", "document"], help=".txt document unit"
-    )
     p.add_argument("--hf-cache-dir", default=None, help="where datasets keeps its Arrow copy of local files")
     p.add_argument("--force", action="store_true", help="re-tokenise even if a matching preparation exists")
     args = p.parse_args(argv)
@@ -344,8 +340,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cache_dir=args.cache_dir,
             val_every=args.val_every,
             force=args.force,
-            text_field=args.text_field,
-            sample_by=args.sample_by,
             hf_cache_dir=args.hf_cache_dir,
         )
         data = TokenData(out)

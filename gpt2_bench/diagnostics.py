@@ -18,7 +18,7 @@ The trainer's ``--diagnostics`` logs per step, to ``<run>.diagnostics.jsonl`` be
   on the compressed parameters, per group, the decoded gradient ``d`` against the exact mean ``m`` of the ranks' own
   gradients ``g_i`` (copied as autograd accumulates them, before DDP's reducer sends them; one more all-reduce per
   step): ``error_sq = |d - m|^2``, the minibatch noise of ``m`` ``noise_sq = sum_i |g_i - m|^2 / (N (N - 1))``,
-  ``signal_sq = |m|^2``, ``gain = <d, m> / |m|^2`` and the cosine of ``d`` and ``m``. An error ``r`` times the noise
+  ``signal_sq = |m|^2`` and ``gain = <d, m> / |m|^2``. An error ``r`` times the noise
   is a gradient as noisy as plain training's at a batch ``1 + r`` times smaller, if it is as unbiased as noise.
 
 All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they are the whole model's;
@@ -50,7 +50,7 @@ V_RANGE = (-30.0, 2.0)
 V_BIN = 0.01
 """Width of an ``exp_avg_sq`` histogram bin in log10: quantiles are exact to 2.3%."""
 V_BINS = round((V_RANGE[1] - V_RANGE[0]) / V_BIN)
-ESTIMATE_FIELDS = ("n", "error_sq", "own_sq", "signal_sq", "dot", "decoded_sq")
+ESTIMATE_FIELDS = ("n", "error_sq", "own_sq", "signal_sq", "dot")
 """Per group, the sums :meth:`StepDiagnostics.after_backward` takes (``own_sq``: ``|g_i - m|^2`` of this rank)."""
 AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
@@ -213,7 +213,7 @@ class StepDiagnostics:
             at += p.numel()
             sums[GROUPS.index(group)] += torch.stack([
                 torch.tensor(float(p.numel()), dtype=torch.float64, device=own.device),
-                (d - m).square().sum(), (g - m).square().sum(), m.square().sum(), (d * m).sum(), d.square().sum(),
+                (d - m).square().sum(), (g - m).square().sum(), m.square().sum(), (d * m).sum(),
             ])
         self._estimate = sums
 
@@ -292,15 +292,14 @@ def estimate_summary(sums: Sequence[float], world: int) -> Optional[dict]:
     """One group's ``estimate`` from :data:`ESTIMATE_FIELDS` summed over ``world`` ranks (every field but ``own_sq``
     is the same on every rank, so counted ``world`` times); ``None`` where the group was not measured. The noise
     needs two ranks or more."""
-    n, error_sq, own_sq, signal_sq, dot, decoded_sq = sums
+    n, error_sq, own_sq, signal_sq, dot = sums
     if not n:
         return None
-    error_sq, signal_sq, dot, decoded_sq = (value / world for value in (error_sq, signal_sq, dot, decoded_sq))
+    error_sq, signal_sq, dot = (value / world for value in (error_sq, signal_sq, dot))
     noise_sq = own_sq / (world * (world - 1)) if world > 1 else math.nan
     return {"n": int(n / world), "error_sq": error_sq, "noise_sq": noise_sq, "signal_sq": signal_sq,
             "error_to_noise": error_sq / noise_sq if noise_sq else math.nan,
-            "gain": dot / signal_sq if signal_sq else math.nan,
-            "cosine": dot / math.sqrt(signal_sq * decoded_sq) if signal_sq and decoded_sq else math.nan}
+            "gain": dot / signal_sq if signal_sq else math.nan}
 
 
 # ----------------------------------------------------------------------------- two runs side by side

@@ -349,7 +349,7 @@ def test_ddp_diagnostics_estimate_the_codec_error_without_changing_the_losses(tm
     for record in records[3:]:
         assert set(record["estimate"]) == {"embedding", "linear"}  # the compressed groups, the tied embedding too
         linear = record["estimate"]["linear"]
-        assert linear["error_sq"] > 0 and linear["noise_sq"] > 0 and 0 < linear["cosine"] <= 1
+        assert linear["error_sq"] > 0 and linear["noise_sq"] > 0 and 0 < linear["gain"]
         assert 0 < linear["n"] <= record["groups"]["linear"]["n"]  # the compressed ones (min_compress_numel)
 
 
