@@ -28,7 +28,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpt2_bench.methods import METHODS, PAPER_METHODS, PAPER_RATIO
+from gpt2_bench.methods import LAYOUTS, METHODS, PAPER_METHODS, PAPER_RATIO
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
@@ -54,7 +54,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
                         "param_dtype=bf16, reduce_dtype=fp32). The link of a share is calibrated on the plain step "
                         "with the same gathers. Default: fp32")
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
-    parser.add_argument("--layout", default="flat", choices=("flat", "ddp", "hsdp"),
+    parser.add_argument("--layout", default="flat", choices=LAYOUTS,
                         help="flat (default): FSDP sharded over every rank; ddp: DDP on 2 emulated hosts x 1 rank "
                              "(torch's hooks and ours through tagc.ddp_hook); hsdp: FSDP2 HSDP on 2 x 2. Each is timed "
                              "on the link the flat compare calibrates for the share, beside flat FSDP on the same "

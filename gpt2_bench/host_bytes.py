@@ -22,6 +22,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpt2_bench.methods import LAYOUTS
+
 COUNT_DEVICE_ENV = "GPT2_BENCH_COUNT_DEVICE"
 
 
@@ -77,7 +79,6 @@ def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> float | N
 # What each layout and codec sends between hosts per step, worked out from the model's shapes and the
 # codecs' own wire shapes (Codec.wire), not measured: ``python -m gpt2_bench.host_bytes``.
 
-LAYOUT_NAMES = ("flat", "ddp", "hsdp")
 HOST_COUNTS = (2, 8, 64)
 
 def _compare_method(name: str) -> dict:
@@ -270,10 +271,10 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             forms["gather"] = (hosts - 1) * hosts * row
         form = min(forms, key=forms.get)
         return g * forms[form], form
-    raise ValueError(f"layout must be one of {LAYOUT_NAMES}, got {layout!r}")
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def arithmetic_rows(preset: str = "gpt2", hosts: Sequence[int] = HOST_COUNTS, layouts: Sequence[str] = LAYOUT_NAMES,
+def arithmetic_rows(preset: str = "gpt2", hosts: Sequence[int] = HOST_COUNTS, layouts: Sequence[str] = LAYOUTS,
                     ranks_per_host: int = 8, backend: str = "nccl", param_bytes: float = 4,
                     block_size: int | None = None, min_compress_numel: int = 65536) -> list[dict]:
     """One row per layout and method: bytes per host and step at each host count, and the form."""
@@ -320,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpt2_bench.host_bytes",
                                      description="Bytes per step between hosts for each layout and codec, "
                                                  "by arithmetic.")
-    parser.add_argument("--layout", default="all", choices=("all", *LAYOUT_NAMES))
+    parser.add_argument("--layout", default="all", choices=("all", *LAYOUTS))
     parser.add_argument("--hosts", default=",".join(map(str, HOST_COUNTS)), help="comma-separated host counts")
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--ranks-per-host", type=int, default=8, help="HSDP: GPUs per host (default 8)")
@@ -331,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "float32 scale per block of 256)")
     args = parser.parse_args(argv)
     hosts = [int(h) for h in args.hosts.split(",")]
-    layouts = LAYOUT_NAMES if args.layout == "all" else (args.layout,)
+    layouts = LAYOUTS if args.layout == "all" else (args.layout,)
     param_bytes = PARAM_BYTES[args.param_dtype]
     rows = arithmetic_rows(args.preset, hosts, layouts, args.ranks_per_host, args.backend, param_bytes)
     print(f"Preset `{args.preset}`, index merge on {args.backend}, flat parameter gathers in {args.param_dtype} "

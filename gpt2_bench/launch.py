@@ -63,7 +63,7 @@ def summarise(cfg: TrainConfig, log_path: Path, link: str) -> dict:
         "units": _unit_medians(steady), "val_loss": summary["val_loss"],
         "resumed_from_step": summary.get("first_step") or None, "stopped_at": summary.get("stopped_at"),
         "peel_success": total.get("peel_success") if coded else None, "n_params": summary["n_params"],
-        "peak_rss_mb": summary.get("peak_rss_mb"), "grad_mb": summary["grad_mb"], "log": str(log_path),
+        "grad_mb": summary["grad_mb"], "log": str(log_path),
         "curve": [{k: r[k] for k in ("step", "loss", "elapsed_s", "val_loss") if k in r} for r in steps],
         "hosts": cfg.hosts, "hierarchy": cfg.hierarchy if cfg.hosts > 1 else None, "hsdp": cfg.hsdp,
         "inter_host_bytes_per_step": (inter_host_bytes_per_step(log_path, [r["step"] for r in steady])

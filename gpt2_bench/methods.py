@@ -145,12 +145,9 @@ HIGH_POWERSGD_RANK = 16
 within 1% of plain DDP's in the DDP quality runs, where rank 4 did not (``docs/layout.md``, "Loss under DDP")."""
 
 
-def _powersgd_ranks() -> dict[int, str]:
-    """Rank 4 (Vogels et al.'s language model, our default) and :data:`HIGH_POWERSGD_RANK`, each with its name's
-    suffix (``-r16``; none for 4)."""
-    from tagc.hooks.codecs.powersgd import DEFAULT_RANK
-
-    return {rank: "" if rank == 4 else f"-r{rank}" for rank in dict.fromkeys((4, DEFAULT_RANK, HIGH_POWERSGD_RANK))}
+POWERSGD_RANKS = {4: "", HIGH_POWERSGD_RANK: f"-r{HIGH_POWERSGD_RANK}"}
+"""Rank 4 (Vogels et al.'s language model, our codec's default) and :data:`HIGH_POWERSGD_RANK`, each with its
+name's suffix."""
 
 
 OURS_ON_A_LAYOUT = {"tagc": "tagc-non-attn", **{name: name for name in (
@@ -164,10 +161,10 @@ LAYOUT_METHODS: dict[str, dict[str, dict]] = {
             "ddp-bf16": {"compression": "all", "codec": "bf16", "torch_hook": True},  # torch's bf16_compress_hook
             **{f"ddp-powersgd{suffix}": {"compression": "all", "codec": "powersgd", "torch_hook": True,
                                          "codec_options": {"rank": rank}}
-               for rank, suffix in _powersgd_ranks().items()},  # torch's powerSGD_hook
+               for rank, suffix in POWERSGD_RANKS.items()},  # torch's powerSGD_hook
             **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()},  # ours, through tagc.ddp_hook
             **{f"powersgd{suffix}": {**METHODS["powersgd"], "codec_options": {"rank": rank}}
-               for rank, suffix in _powersgd_ranks().items() if suffix}},  # ours at torch's other ranks
+               for rank, suffix in POWERSGD_RANKS.items() if suffix}},  # ours at torch's other ranks
     "hsdp": {"hsdp": METHODS["fsdp"], "hsdp-bf16": METHODS["fsdp-bf16"],
              **{name: METHODS[flat] for name, flat in OURS_ON_A_LAYOUT.items()}},
 }

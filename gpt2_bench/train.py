@@ -76,13 +76,6 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 # ----------------------------------------------------------------------------- one rank
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory (the CPU stand-in for peak device memory)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _evaluate(model, data, cfg: TrainConfig, rank: int, world: int, block_size: int, device=None) -> float:
     """Mean loss over the fixed eval set (:meth:`gpt2_bench.data.TokenData.eval_batches`), the same windows for every
     seed, method and batch size."""
@@ -308,7 +301,7 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
                                                 "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
         log.write(json.dumps({
             "summary": True, "n_params": n_params, "grad_mb": grad_mb, "val_loss": val_loss, "hook_total": total,
-            "peak_rss_mb": _peak_rss_mb(), "first_step": first_step, "stopped_at": stopped_at,
+            "first_step": first_step, "stopped_at": stopped_at,
             "epoch_fraction": data.epoch_fraction((stopped_at or cfg.steps) * cfg.batch_size * world,
                                                   model_cfg.block_size),
             "device": str(device), **gpu}) + "\n")
