@@ -85,10 +85,6 @@ def format_table(rows: list[Row], link_info: dict) -> str:
     return "\n".join(lines)
 
 
-def _label(row: Row) -> str:
-    return row.algorithm if row.algorithm != "tagc" else f"tagc {row.compressed}"
-
-
 def plot(rows: list[Row], path: Path) -> None:
     """Training loss against step and against wall time, one line per distinct run."""
     import matplotlib
@@ -99,7 +95,7 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
     runs: dict[str, Row] = {}
     for row in rows:
-        runs.setdefault(_label(row), row)  # each distinct run once
+        runs.setdefault(row.method, row)  # each distinct run once
     for label, row in runs.items():
         curve = row.curve
         by_step.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=label)

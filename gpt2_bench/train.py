@@ -54,15 +54,10 @@ def resolve_device(choice: str) -> tuple[str, str]:
     return "cuda", "cpu:gloo,cuda:nccl"
 
 
-def local_rank(rank: int) -> int:
-    """This rank's index on its node: ``LOCAL_RANK`` under torchrun (several nodes too), else the rank
-    (:func:`run` starts every rank on this machine)."""
-    return int(os.environ.get("LOCAL_RANK", rank))
-
-
 def gpu_index(device_choice: str, rank: int) -> int:
-    """The GPU this rank computes on: its local rank, or GPU 0 for every rank under ``cuda-shared``."""
-    return 0 if device_choice == "cuda-shared" else local_rank(rank)
+    """The GPU this rank computes on: GPU 0 for every rank under ``cuda-shared``, else its index on its node
+    (``LOCAL_RANK`` under torchrun, several nodes too; else the rank, every rank being on this machine)."""
+    return 0 if device_choice == "cuda-shared" else int(os.environ.get("LOCAL_RANK", rank))
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
