@@ -111,17 +111,9 @@ def _accumulate(param: torch.Tensor, local_grad: torch.Tensor) -> None:
 class Bucket:
     """A unit's layout, process group, dtypes and reduce-scatter (plain or a comm hook)."""
 
-    def __init__(
-        self,
-        name: str,
-        fqns: Sequence[str],
-        shapes: Sequence[torch.Size],
-        group: dist.ProcessGroup,
-        param_dtype: Optional[torch.dtype],
-        reduce_dtype: Optional[torch.dtype],
-        pending: Optional[PendingGradients] = None,
-        compute_dtype: Optional[torch.dtype] = None,
-    ) -> None:
+    def __init__(self, name: str, fqns: Sequence[str], shapes: Sequence[torch.Size], group: dist.ProcessGroup,
+                 param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+                 pending: Optional[PendingGradients] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
         self.name = name
         self.group = group
         self.world = dist.get_world_size(group)

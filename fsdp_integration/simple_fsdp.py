@@ -126,9 +126,7 @@ def _swap_class(
     """Give ``module`` a subclass whose parameter attributes are unsharding properties and,
     for a unit's module, whose ``forward`` binds the unit's gathered parameters."""
     base = type(module)
-    namespace: dict = {
-        name: property(lambda self, u=u, i=i: u.unsharded(i)) for name, (u, i) in params.items()
-    }
+    namespace: dict = {name: property(lambda self, u=u, i=i: u.unsharded(i)) for name, (u, i) in params.items()}
     if unit is not None:
         def forward(self, *args, **kwargs):
             return unit.run(super(cls, self).forward, args, kwargs)
@@ -139,15 +137,10 @@ def _swap_class(
     module.__class__ = cls
 
 
-def simple_fsdp(
-    model: nn.Module,
-    mesh: Optional[DeviceMesh] = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    reshard_after_forward: bool = True,
-    units: Optional[Sequence[str]] = None,
-    prefetch: bool = True,
-    overlap: bool = True,
-) -> "SimpleFSDPModel":
+def simple_fsdp(model: nn.Module, mesh: Optional[DeviceMesh] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), reshard_after_forward: bool = True,
+                units: Optional[Sequence[str]] = None, prefetch: bool = True,
+                overlap: bool = True) -> "SimpleFSDPModel":
     """Shard ``model`` in place (SimpleFSDP) and return it with ``register_comm_hook``.
 
     Args:

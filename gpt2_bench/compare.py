@@ -1,25 +1,11 @@
 """Plain FSDP against TAGC, all layers against non-attention layers, side by side in one run.
 
-``python -m gpt2_bench.compare`` trains the same model on the same tokens with the same seed
-three times — uncompressed FSDP (the fair all-to-all reduce-scatter), TAGC on all layers and
-TAGC on the non-attention linear layers — over the same emulated link, then prints the TAGC
-paper's table beside ours, writes ``--json`` rows, loss-vs-step and loss-vs-time plots and a
-Markdown report.
-
-Every run overlaps each unit's exchange with the backward of the units before it (the
-default); the plain run is also timed without overlap (``fsdp no-overlap``) to show what
-overlap buys and to keep the link's calibration (the plain exchange's share of a
-non-overlapped plain step). ``--no-overlap`` runs everything the old, blocking way.
-
-Each run's val loss is its own (the timed run's); the loss decisions are :mod:`gpt2_bench.evidence`'s (paired seeds,
-95% intervals).
-
-This module is the command line only: it parses the arguments and hands them to the mode's
-module: :mod:`gpt2_bench.compare_paper` (the main job) or :mod:`gpt2_bench.compare_layout` (``--methods``,
-``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated hosts).
-
-``--param-dtype bf16`` sets the parameter all-gather of every
-method that gathers parameters alike (:mod:`gpt2_bench.methods`): no method has a gather of its own.
+This module is the command line only: it parses the arguments and hands them to the mode's module:
+:mod:`gpt2_bench.compare_paper` (the main job: ``python -m gpt2_bench.compare`` with no mode flag) or
+:mod:`gpt2_bench.compare_layout` (``--methods``, ``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated
+hosts). Each run's val loss is its own (the timed run's); the loss decisions are :mod:`gpt2_bench.evidence`'s.
+``--param-dtype bf16`` sets the parameter all-gather of every method that gathers parameters alike
+(:mod:`gpt2_bench.methods`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ REDUCE_DTYPES = {None: None, "bf16": "bfloat16"}
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Every knob of one training run (validated in ``__post_init__``)."""
+    """Every knob of one training run (validated in ``__post_init__``). A field with a command-line flag is
+    described by that flag's help (:func:`build_parser`); the docstrings below say what the help does not."""
 
     preset: str = "small"
     integration: str = "simple"
@@ -36,35 +37,21 @@ class TrainConfig:
     """The codec's own options, e.g. ``{"block": 128}`` for ``int4``; those not given are filled in as
     ``tagc.hook()`` does (``tagc``: coded positions, float16 cells)."""
     plain: Optional[str] = None
-    """The codec of the columns not compressed (``tagc.hook(plain=...)``): fp32, bf16, fp8 or int4; ``None``:
-    the library's default for the codec (``int4`` for ``tagc``, else ``fp32``)."""
+    """``None`` (and ``ratio``, ``feedback``, ``feedback_decay`` ``None``): the library's default for the codec,
+    filled in when the config is made (:meth:`fill_library_defaults`)."""
     reduce_dtype: Optional[str] = None
-    """FSDP's own reduce dtype (``"bf16"``: gradients reduce-scattered in bfloat16, as
-    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``); ``None``: the parameters' (fp32)."""
     param_dtype: Optional[str] = None
-    """FSDP's parameter all-gather dtype (``"bf16"``: torchtitan's default
-    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``); on the CPU
-    SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (bf16 matrix products are
-    slow there), FSDP2 and FSDP1 compute in bf16. ``None``: the parameters' (fp32)."""
+    """On the CPU SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (bf16 matrix products are
+    slow there); FSDP2 and FSDP1 compute in bf16."""
     ratio: Optional[float] = None
-    """``tagc.hook(ratio=...)``; ``None``: the library's default for the codec (4.5 for ``tagc``, 1.2 for ``topk``)."""
     index_bits: int = 1
     min_compress_numel: int = 65536
     dense_steps: Optional[int] = None
-    """Steps sent uncompressed before the codec starts. ``None`` (the default): the library's own
-    default for the codec (:func:`library_dense_steps`: ``tagc.hook()``'s warm-up for error-feedback
-    codecs, none for the others), resolved when the config is made so that the run's settings
-    record the number."""
+    """``None``: the library's default (:func:`library_dense_steps`), resolved when the config is made so that the
+    run's settings record the number."""
     feedback: Optional[str] = None
-    """``tagc.hook(feedback=...)``: the codec's own error feedback (``classic``) or EF21 (``ef21``,
-    :mod:`tagc.hooks.codecs.feedback`), for the error-feedback codecs (tagc, topk, sign, powersgd); ``None``: the
-    library's default for the codec (``ef21`` for ``tagc``, else ``classic``)."""
     feedback_decay: Optional[float] = None
-    """``tagc.hook(feedback_decay=...)``, with ``feedback="ef21"``: the factor every shift fades by each step
-    (``h = gamma h + C(g - gamma h)``); 1: none; ``None``: the library's default (0.9 for tagc's EF21, else 1)."""
     feedback_decay_follows_lr: bool = False
-    """With ``feedback_decay`` below 1: call ``hook.follow_lr(optimizer)`` as users do, so that the shifts hold more
-    as the learning rate decays (:meth:`tagc.TAGCHook.follow_lr`)."""
     steps: int = 40
     batch_size: int = 4
     block_size: Optional[int] = None
@@ -84,59 +71,38 @@ class TrainConfig:
     world: int = 2
     """Ranks in all (``hosts`` x ranks per host)."""
     hosts: int = 1
-    """Emulated hosts (:class:`testbed.hosts.EmulatedHosts`): each runs ``world // hosts`` ranks in a
-    network namespace of its own, and ``link`` shapes the links between hosts."""
+    """Emulated hosts (:class:`testbed.hosts.EmulatedHosts`)."""
     hierarchy: str = "auto"
-    """``tagc.hook(hierarchy=...)``: ``auto`` exchanges hierarchically when the ranks span several
-    hosts (plain within a host, the codec between hosts); ``flat``: every rank with every rank."""
+    """``tagc.hook(hierarchy=...)``: ``auto``, or ``flat`` (``--flat``)."""
     hsdp: bool = False
-    """FSDP2 or SimpleFSDP: a 2-D mesh (hosts x ranks per host), parameters sharded within a host and
-    replicated across hosts; the gradient crosses hosts once, as an all-reduce."""
     torch_hook: bool = False
-    """``integration="ddp"``: run the codec as torch's own DDP comm hook instead of through
-    ``tagc.ddp_hook`` (``bf16``: ``bf16_compress_hook``; ``powersgd``: ``powerSGD_hook``;
-    :mod:`gpt2_bench.layout_ddp`)."""
+    """:mod:`gpt2_bench.layout_ddp` runs torch's hooks."""
     threads: int = 1
     link: str = "none"
     link_share: float = EXCHANGE_SHARE
-    """With ``link="scaled"``: the share of a non-overlapped plain step the plain exchange takes on
-    the scaled link (the paper's 0.31 by default; about 0.9 for an H100-class GPU over 10 GbE). Past
-    what the exchange can take while the all-gathers share the link, the link-bound time gets it."""
+    """Past what the exchange can take while the all-gathers share the link, the link-bound time gets the share."""
     dataset: str = "bbc"
     cache_dir: Optional[str] = None
     out_dir: str = "bench_out/gpt2"
     name: Optional[str] = None
     group_timeout_s: float = 600.0
-    """How long a rank waits on a collective before it gives up (detects hangs and dead peers;
-    not a limit on the run)."""
     max_time_s: Optional[float] = None
-    """Stop cleanly (checkpointing first, when checkpoints are on) once a run has trained this long; None: no limit."""
     stop_at: Optional[int] = None
-    """Stop cleanly (checkpointing first, when checkpoints are on) after this many steps of the ``steps``-step schedule,
-    so that a screen can run the first part of a long run and ``resume`` the rest later; None: run every step."""
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
-    """Write a sharded checkpoint (:mod:`gpt2_bench.checkpoint`) every this many steps (0: never)."""
+    """Sharded checkpoints: :mod:`gpt2_bench.checkpoint`."""
     keep_checkpoints: int = 0
-    """Keep only the newest this many complete checkpoints, removing older ones as new ones land (0: keep all)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in ``checkpoint_dir`` (from scratch if there is none)."""
     fault_step: Optional[int] = None
     """Fault drill: the last rank kills itself (SIGKILL) in the middle of this step."""
     overlap: bool = True
-    """Each unit's reduce-scatter overlaps the backward of the units before it (SimpleFSDP eager, FSDP2)."""
     diagnostics: bool = False
-    """Log, per step, the grad norm and clipping, the AdamW update's RMS and ``exp_avg_sq`` per
-    parameter group, and the steps since each compressed element was last sent
-    (:mod:`gpt2_bench.diagnostics`), to ``<run>.diagnostics.jsonl`` beside the run's log. Reads
-    device values every step: for diagnosis, not for timing."""
+    """:mod:`gpt2_bench.diagnostics`; reads device values every step: for diagnosis, not for timing."""
     library_filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """Name -> ``(given, filled)`` for each codec setting the library filled in (:meth:`fill_library_defaults`), so
     that a copy (``dataclasses.replace``) that does not change it leaves it to the library again, for the copy's
     codec. Not part of the run's settings (:meth:`to_json` leaves it out)."""
     device: str = "auto"
-    """``cuda``: one GPU per rank (``LOCAL_RANK``), NCCL for CUDA tensors (``cpu:gloo,cuda:nccl``: gloo
-    for the few CPU ones), bf16 autocast; ``cpu``: gloo; ``auto``: ``cuda`` when a GPU is visible."""
 
     def fill_library_defaults(self) -> None:
         """Set the codec settings left unset to the library's (:func:`library_codec_settings`, and the dense

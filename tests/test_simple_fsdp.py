@@ -202,7 +202,7 @@ def test_a_model_compiled_during_the_warmup_traces_the_exchange_after_it():
 
 def _traced_halves(rank, world, poison):
     """The traced exchange (custom ops + functional collectives, run eagerly) against the engine's."""
-    from tagc.hooks.adapters.simple import _registry, reduce_scatter, traced_reduce_scatter
+    from tagc.hooks.adapters.simple import _registry, _traced, reduce_scatter
 
     results = []
     for path in ("engine", "traced"):
@@ -223,7 +223,7 @@ def _traced_halves(rank, world, poison):
                 packed[first_compressed] = float("nan")  # bound for rank 0: every rank must still agree
             before = {k: [p.clone() for p in v] for k, v in hook.residuals.items()}
             if path == "traced":
-                outs.append(traced_reduce_scatter(packed, handle))
+                outs.append(_traced(packed, handle, _registry[handle].state, bucket.group, world))
             else:
                 outs.append(reduce_scatter(packed, _registry[handle].state, handle))
         after_equal = all(torch.equal(a, b) for k, v in before.items() for a, b in zip(v, hook.residuals[k]))

@@ -1,30 +1,10 @@
 """``python -m tagc.bench gpu-check``: check, on a GPU, what the CPU test suite cannot show.
 
-For a user with a GPU (one is enough). Without one it says so and exits 0. With one:
-
-1. **kernel tests on the device**: ``pytest -m "" tests/test_kernels.py`` (every case) with real Triton kernels
-   (``TRITON_INTERPRET=0``) on CUDA tensors, in a source checkout (skipped when the tests are
-   not there). They assert the device contract of :mod:`tests.test_kernels`: exact index,
-   support, residual, thresholds, tables and statistics; decoded values the same bits from run
-   to run and within float32 rounding of the CPU back ends, stopping sets included.
-2. **one-GPU exchange self-test**:
-
-   * the codec round trip over emulated ranks: every rank's :meth:`TAGCCodec.encode` on the
-     GPU, rows exchanged as an all-to-all would, every owner's :meth:`TAGCCodec.decode`; the
-     decoded chunk has exactly the support of what the ranks sent and values within float32
-     rounding of its exact sum; a NaN rank poisons only its part and keeps its residual;
-     strict sync mode counts the host reads of the steady steps (must be 0);
-   * a one-rank NCCL group (``cpu:gloo,cuda:nccl``): the hook's start/wait (side stream), the
-     transport's all-to-all and the ``fallback="raw"`` gathers on CUDA buffers (NCCL rejects CPU
-     ones), with strict counting.
-   * the memory the caching allocator reserves for the DDP hook's future callbacks, on torch's pool streams and
-     on the hook's own stream (must stay within four buckets there);
-   * device counters made on one stream and summed on another, as the callbacks and the backward's thread do
-     (the sum must be exact).
-   * HF GPT-2's own gradients (124M shapes, one micro-batch per emulated rank) through the codec:
-     the decoded support within what was sent, values within float32 rounding of the exact sum.
-3. **times**: the fused compress and the sync-free decode of one part against a device memcpy
-   of the same bytes (CUDA events, medians).
+For a user with a GPU (one is enough). Without one it says so and exits 0. With one: the kernel tests on the device
+(:func:`run_kernel_tests`: the device contract of ``tests/test_kernels.py`` with real Triton kernels); a one-GPU
+exchange self-test (:func:`codec_round_trip`, :func:`gpt2_gradients_round_trip`, :func:`one_rank_group`,
+:func:`callback_memory`, :func:`counters_across_streams`); and the kernels' times against a device memcpy of the same
+bytes (:func:`kernel_times`).
 
 Exit status 1 when a check fails. A check that raises (an out-of-memory beside other jobs) fails with the error in
 its result, and the checks after it still run. ``--json PATH`` writes the results.
@@ -43,6 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from tagc.bench.codec import parse_sizes
 
 NO_GPU = "gpu-check: no CUDA device here ({why}); nothing to check on this machine. Run it where a GPU is visible."
 
@@ -99,7 +81,9 @@ def _sent(before: list[torch.Tensor], rows: list[torch.Tensor], codecs: list) ->
 def codec_round_trip(
     device: torch.device, ranks: int = 4, numel: int = 1 << 20, ratio: float = 10.0, steps: int = 3
 ) -> dict:
-    """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec."""
+    """Emulated ``ranks``-rank exchange of one part on one GPU through the TAGC codec: the decoded chunk has exactly
+    the support the ranks sent and values within float32 rounding of its exact sum; a NaN rank poisons only its part
+    and keeps its residual; the steady steps make no host read (strict sync mode)."""
     from tagc.config import TAGCConfig
     from tagc.hooks.codecs.registry import make_codec
 
@@ -204,7 +188,8 @@ def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int =
 
 
 def one_rank_group(device: torch.device) -> dict:
-    """A one-rank ``cpu:gloo,cuda:nccl`` group: the hook and the transport on CUDA buffers."""
+    """A one-rank ``cpu:gloo,cuda:nccl`` group: the hook's start/wait (side stream) and the transport's collectives on
+    CUDA buffers (NCCL rejects CPU ones), with strict counting."""
     import torch.distributed as dist
 
     import tagc
@@ -360,7 +345,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tagc.bench gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, the current one)")
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py")
-    parser.add_argument("--sizes", default="1M,4M,16M", help="part sizes for the times (K/M suffixes)")
+    parser.add_argument("--sizes", type=parse_sizes, default="1M,4M,16M",
+                        help="part sizes for the times (K/M/G suffixes)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -399,11 +385,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"memory reserved by the hook's future callbacks: {results['callback_memory']}")
     results["counters_across_streams"] = _guarded(counters_across_streams, device)
     print(f"counters made on one stream, summed on another: {results['counters_across_streams']}")
-    sizes = [
-        int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1].upper()]) if s[-1].isalpha() else int(s)
-        for s in args.sizes.split(",")
-    ]
-    times = _guarded(kernel_times, device, sizes)
+    times = _guarded(kernel_times, device, args.sizes)
     results["times"] = times if isinstance(times, list) else []
     if not isinstance(times, list):
         print(f"kernel times: FAILED {times}")

@@ -73,8 +73,6 @@ class BucketRow:
     planned_bytes: Optional[int]
     """Bytes this rank sends per step once the warm-up is over (``None``: not fixed by the settings, ``powersgd``;
     ``fallback="raw"``'s re-sends depend on the data and are not counted)."""
-    warmup_bytes: int
-    """Bytes per step of the dense warm-up (every column through the plain codec)."""
     plain_bytes: int
     """Bytes of a plain fp32 reduce-scatter of the bucket (the engine's ``plain_equivalent_bytes``)."""
 
@@ -134,9 +132,8 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
         shares = _column_bytes(plan, chunk, codec_world, dtype)  # per column: its part's wire bytes per step
         step1 = topo.step1_bytes(chunk, dtype)
         planned = None if shares is None else step1 + sum(_part_bytes(p, codec_world, dtype) for p in plan.parts)
-        warmup = step1 + (codec_world - 1) * sum(w.row_bytes for w in hook.plain.wire(chunk, codec_world, dtype))
         compressed_numel = sum(p.numel for p in plan.parts if p.codec is not hook.plain)  # plain="bf16" compresses too
-        buckets.append(BucketRow(label, world, codec_world, chunk, compressed_numel, planned, warmup,
+        buckets.append(BucketRow(label, world, codec_world, chunk, compressed_numel, planned,
                                  plain_bytes(world, chunk)))
         for segment, compressed, codec, ratio in _segment_codecs(hook, plan, segments):
             share = None if shares is None else float(shares[segment.start : segment.start + segment.numel].sum())
@@ -289,10 +286,8 @@ def _buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     if units is not None:
         yield from _simple_fsdp_buckets(units)
         return
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        FullyShardedDataParallel = ()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     if isinstance(model, FullyShardedDataParallel):
         yield from _fsdp1_buckets(hook, model)
         return

@@ -193,14 +193,11 @@ class _ReplicaAllReduce:
         gather_dtype = torch.bfloat16 if hook.settings.plain == "bf16" else chunk.dtype
         if gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
             finish = GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
-            if hook.settings.overlap and comm._can_defer(reduce_output, comm._op):
-                _DEFERRED.add(comm, finish)
-            else:
-                finish.wait()
-            return
-        remote = layout(group_ranks(group), dist.get_rank(), hook.settings.ranks_per_host, dist.get_world_size())[1]
-        finish = PendingAllReduce.start(hook, chunk, rows, reduce_output, pieces, group, op, gather_dtype, comm.label,
-                                        comm.take_host_stats(), remote)
+        else:
+            remote = layout(group_ranks(group), dist.get_rank(), hook.settings.ranks_per_host,
+                            dist.get_world_size())[1]
+            finish = PendingAllReduce.start(hook, chunk, rows, reduce_output, pieces, group, op, gather_dtype,
+                                            comm.label, comm.take_host_stats(), remote)
         if hook.settings.overlap and comm._can_defer(reduce_output, comm._op):
             _DEFERRED.add(comm, finish)
         else:

@@ -153,16 +153,8 @@ def _all_to_all(rows: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_to_all_single(rows, None, None, group))
 
 
-def traced_reduce_scatter(packed: torch.Tensor, handle: int) -> torch.Tensor:
-    """The exchange as custom ops around functional collectives (fixed shapes; see the module docstring)."""
-    binding = _registry[handle]
-    topo = binding.topology
-    if topo is not None and topo.hierarchical:
-        return _traced_hierarchical(packed, handle, binding.state, topo)
-    return _traced(packed, handle, binding.state, binding.group, dist.get_world_size(binding.group))
-
-
 def _traced(packed: torch.Tensor, handle: int, state: torch.Tensor, group, world: int) -> torch.Tensor:
+    """The exchange as custom ops around functional collectives (fixed shapes; see the module docstring)."""
     received = _all_to_all(encode(packed, state, handle), group)
     return decode(received, state, handle, packed.numel() // world, packed.dtype)
 

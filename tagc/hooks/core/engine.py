@@ -3,23 +3,12 @@ and functions with one job each, in the manner of torch's ``powerSGD_hook.py``.
 
 An adapter hands the hook a bucket: the packed reduce-scatter input (``[N, S]``: row ``j`` is
 rank ``j``'s chunk), the output shard, the group, FSDP's reduce op, and the *segments* of a
-chunk (each parameter's padded shard). The pieces:
-
-* :mod:`tagc.hooks.core.settings`: :class:`~tagc.hooks.core.settings.HookSettings`, every setting, validated once;
-* :mod:`tagc.hooks.core.plan`: how a bucket is cut into parts (the plain columns, the compressed ones in
-  pipeline parts of at least ``min_part`` elements) and which codec takes each part;
-* :mod:`tagc.hooks.core.state`: :class:`~tagc.hooks.core.state.ExchangeState`, steps (the dense warm-up),
-  statistics, the buckets in flight, a loaded checkpoint's bookkeeping;
-* :mod:`tagc.hooks.core.eager`: :meth:`TAGCHook.start` launches a bucket's exchange and returns a
-  :class:`~tagc.hooks.core.eager.PendingBucket` whose ``wait`` finishes it, decoding earlier buckets'
-  parts as their bytes arrive; :meth:`TAGCHook.reduce_scatter` is ``start(...).wait()``;
-* :mod:`tagc.hooks.core.traced`: :meth:`TAGCHook.encode_bucket` / :meth:`TAGCHook.decode_bucket`, the
-  same per-part encode and decode around fixed-shape collectives, for a compiled graph
-  (:mod:`tagc.hooks.adapters.simple`);
-* :mod:`tagc.hooks.core.exchange`: what both paths share (a part's timed encode and decode);
-* :mod:`tagc.hooks.core.verify` and :mod:`tagc.hooks.core.fingerprint`: the cross-rank settings check, with
-  ``select`` compared by what it selects;
-* :mod:`tagc.hooks.core.checkpoint`: ``state_dict`` / ``load_state_dict`` and their checks.
+chunk (each parameter's padded shard). The pieces, one module each (its docstring says what it does):
+:mod:`~tagc.hooks.core.settings`, :mod:`~tagc.hooks.core.plan`, :mod:`~tagc.hooks.core.state`, the eager path
+(:mod:`~tagc.hooks.core.eager`: :meth:`TAGCHook.start`) and the traced one (:mod:`~tagc.hooks.core.traced`:
+:meth:`TAGCHook.encode_bucket` / :meth:`TAGCHook.decode_bucket`, for a compiled graph), what both share
+(:mod:`~tagc.hooks.core.exchange`), the cross-rank settings check (:mod:`~tagc.hooks.core.verify`,
+:mod:`~tagc.hooks.core.fingerprint`) and checkpoints (:mod:`~tagc.hooks.core.checkpoint`).
 
 Bytes are counted once, from the codecs' wire shapes, the same for every path.
 """

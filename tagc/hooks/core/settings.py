@@ -183,7 +183,6 @@ class HookSettings:
     residual_dtype: torch.dtype = torch.float32
     min_part: int = MIN_PART
     piece_bytes: int | None = None
-    """Bytes per peer of each all-to-all piece: ``None`` cuts them on gloo only (:mod:`tagc.hooks.core.transport`)."""
     dense_steps: int | None = None
     codec: str = "tagc"
     overlap: bool = True
@@ -192,13 +191,8 @@ class HookSettings:
     hierarchy: str = "auto"
     ranks_per_host: int | None = None
     side_stream: bool = True
-    """On CUDA, run the codec work on a side stream (:mod:`tagc.hooks.core.eager`); no effect on the CPU."""
     feedback: str = "classic"
-    """The error feedback of the codec: its own (``"classic"``) or EF21 (``"ef21"``,
-    :mod:`tagc.hooks.codecs.feedback`)."""
-    """``feedback="ef21"``: the beta of each rank's gradient average before compression (EF21-SGDM); 0: none."""
     feedback_decay: float = 1.0
-    """``feedback="ef21"``: the factor every shift and sum fade by each step before its change is added; 1: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, TAGCConfig):
