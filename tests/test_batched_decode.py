@@ -211,3 +211,33 @@ def test_nonfinite_decode_of_a_batch_is_its_parts_alone(backend, monkeypatch):
     assert values.view(len(tables), -1)[[0, 2]].isnan().all() and not values.view(len(tables), -1)[1].isnan().any()
     assert batched.as_dict() == alone.as_dict()
     assert batched.as_dict()["nonfinite_parts"] == 2 and batched.as_dict()["support"] > 0
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
+def test_a_batch_decodes_in_one_set_of_launches_and_ops(backend, monkeypatch):
+    """The host work of a batch's decode and union does not follow its parts: the aten ops dispatched and the
+    Triton kernels launched for one part and for eight are the same (parts that all peel: the CPU back ends solve
+    the stopping sets part by part, and the torch reference, left out, runs a pass of ops per peeling round)."""
+    from tagc.bench.launches import HostWork, instrument
+
+    if backend == "triton":
+        import tagc.kernels.ops  # noqa: F401  (instrument() counts its launches)
+    monkeypatch.setenv("TAGC_BACKEND", backend)
+    layout = SketchLayout(1000, 8.0, lane=2, seed=21)
+    g = torch.Generator().manual_seed(21)
+    parts = [_part(_sparse(1000, 0.4, layout, g), layout, 1) for _ in range(8)]
+    tables, indexes = (torch.stack(t) for t in zip(*parts))
+    world, density = 2, 0.05
+    cap, low = capacity(1000, density), low_bits(density)
+    code = dispatch.code_index(torch.stack([build_index(torch.rand(1000, generator=g) < density, 1)
+                                            for _ in range(world * 8)]), 1000, cap, low, backend="torch")
+    counts = []
+    for n in (1, 8):
+        with instrument(HostWork()) as work:
+            dispatch.union_index(code[: world * n], 1000, cap, low, n)
+            stats = ExchangeStats()
+            nonfinite.decode_(tables[:n], indexes[:n], layout, 1, "estimate", stats)
+        assert stats.as_dict()["unpeeled"] == 0 and stats.as_dict()["support"] > 0
+        counts.append((work.count("other"), work.launch_count()))
+    assert counts[0] == counts[1], counts
+    assert counts[0][1] == (6 if backend == "triton" else 0), counts

@@ -218,6 +218,9 @@ def finish_decode(
     The solve runs part by part, on the parts that have stopping sets small enough
     (:data:`EXACT_SOLVE_LIMIT` positions), each exactly as alone; everything else is done for all parts at once.
     """
+    if not stuck.numel():  # every position peeled (a shape: no host read)
+        stats[:, _FIELD["peeled"]] = stats[:, _FIELD["support"]]
+        return stuck, torch.zeros(0, dtype=torch.float64, device=work.device), stuck
     numel = layout.numel
     part = torch.div(stuck, numel, rounding_mode="floor")
     cells, signs = layout.cells(stuck - part * numel)
