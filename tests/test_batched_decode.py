@@ -241,3 +241,10 @@ def test_a_batch_decodes_in_one_set_of_launches_and_ops(backend, monkeypatch):
         counts.append((work.count("other"), work.launch_count()))
     assert counts[0] == counts[1], counts
     assert counts[0][1] == (6 if backend == "triton" else 0), counts
+    if backend == "triton":  # and no host read: the statistics stay on the device
+        from tagc.hooks.core.strict import count_host_reads
+
+        with count_host_reads() as reads:
+            dispatch.union_index(code, 1000, cap, low, 8)
+            nonfinite.decode_(tables, indexes, layout, 1, "estimate", ExchangeStats())
+        assert reads.count == 0, dict(reads.sites)

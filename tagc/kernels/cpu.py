@@ -16,7 +16,8 @@ index operations per round. These kernels do the same arithmetic in one loop eac
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback
   (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
-  rounding of the order of subtractions. The same index/table consistency check.
+  rounding of the order of subtractions. The same index/table consistency check. A batch of
+  parts (:func:`decode_parts_cpu`) peels part after part in one kernel call.
 * :func:`list_kept_cpu` / :func:`sum_lists_cpu` - the ``topk`` peer: the same pass as
   :func:`compress_cpu` writing the kept entries into lists (:mod:`tagc.sketch.kept_list`)
   instead of a sketch, and the owner's scatter-add. Bit-identical to the reference.

@@ -46,7 +46,13 @@ table and index decode to the same bits on every run and every replica, without
 rounding (a position owning several pure cells may read another of them; the solve
 eliminates instead of taking an SVD).
 
-Statistics are accumulated on the device into an int64 ``stats`` tensor: the
+**A batch of parts.** Parts of one layout (``P`` tables ``[P, T]`` and union indexes ``[P, I]``) decode in the
+same five launches: every kernel's grid has the parts as one more axis (the solve's, its only one), and each
+program moves its pointers to its part's rows of every buffer (table, counts, lists, values, statistics, stuck
+list, normal equations). Parts share nothing but the layout's tables, so each part's programs do exactly what
+they do for the part alone, bit for bit.
+
+Statistics are accumulated on the device into an int64 ``stats`` tensor (a row per part): the
 :class:`~tagc.sketch.DecodeStats` fields in order, then the inconsistent, NaN and Inf cells
 (:data:`PEEL_STATS`). :func:`tagc.kernels.ops.decode_triton` reads it once;
 :func:`tagc.kernels.ops.decode_async` never does.

@@ -4,7 +4,8 @@
 gradient. ``decode`` recovers the summed chunk from that table and the union support:
 peeling first (vectorised rounds, each settling every position that owns a cell no other
 position touches), then an exact linear solve of the small stopping sets peeling leaves,
-then the fallback policy for whatever is still undetermined.
+then the fallback policy for whatever is still undetermined. ``decode_parts`` decodes several
+parts of one layout at once, each exactly as ``decode`` does alone.
 
 The precision contract (exact support, values within float32 rounding of the magnitudes
 summed into their cells, float32/bf16/fp16 input only, index/table consistency) is stated
