@@ -152,7 +152,7 @@ def decode_parts_cpu(
     arguments, same results)."""
     tables, indexes = parts_of(table, index, layout, bits, fallback)
     check_finite(tables, "sketch table")
-    work = tables.to(torch.float64, copy=True)
+    work = tables.reshape(-1).to(torch.float64, copy=True).view(tables.shape)  # contiguous, the caller's untouched
     out = torch.zeros(tables.shape[0], layout.numel, dtype=torch.float32)
     stuck, support, rounds, inconsistent = _kernels().peel_parts(
         indexes.contiguous().numpy(), layout.numel, bits, work.numpy(), out.numpy(), *_tables(layout),
