@@ -45,7 +45,7 @@ def _calls() -> dict[str, tuple]:
                              ((positions, count, 64, 5, 2), {})),
         "decode_positions": (dispatch.decode_positions, (code, 64, 5, 2), {}, ((code, 64, 5, 2), {})),
         "code_index": (dispatch.code_index, (code, 64, 5, 2), {}, ((code, 64, 5, 2), {})),
-        "union_index": (dispatch.union_index, (code, 64, 5, 2), {}, ((code, 64, 5, 2), {})),
+        "union_index": (dispatch.union_index, (code, 64, 5, 2, 2), {}, ((code, 64, 5, 2, 2), {})),
         "decode": (dispatch.decode, (table, index, LAYOUT, 1, "raw"), {}, ((table, index, LAYOUT, 1, "raw"), {})),
         "decode_async": (dispatch.decode_async, (table, index, LAYOUT, 1), {},
                          ((table, index, LAYOUT, 1, "estimate"), {})),

@@ -40,6 +40,8 @@ from tagc.sketch.positions import coded_row_bytes  # noqa: E402
 COLUMNS = 70_000_000
 """More than 65,535 programs of 1,024 elements: a grid with blocks on axis 1 or 2 cannot launch."""
 RANKS = 2
+PARTS = 64
+"""A batch of parts (issue 61): one more grid axis of the decode kernels."""
 AXIS_LIMITS = (2**31 - 1, 65_535, 65_535)
 
 
@@ -83,6 +85,8 @@ def _every_launcher(record: _Recorder) -> None:
     narrow = SketchLayout(n, 10.0, lane=1)
     peel.launch_peel(_meta(narrow.table_numel), index, _meta(n, 3, dtype=torch.int64), _meta(n, 3),
                      _meta(n, dtype=torch.int64), n, 0, bits, 0, wrap=record)
+    peel.launch_peel(_meta(PARTS, layout.table_numel), _meta(PARTS, index_nbytes(n, bits), dtype=torch.uint8), rows,
+                     signs, xor, n, layout.lane_bits, bits, 0, wrap=record)  # a batch: parts on a grid axis
     bitmap = _meta(RANKS, index_nbytes(n, 1), dtype=torch.uint8)
     launch_code_index(bitmap, n, cap, low, wrap=record)
     launch_encode_positions(_meta(RANKS, cap, dtype=torch.int64), _meta(RANKS, dtype=torch.int64), n, cap, low,
@@ -90,6 +94,8 @@ def _every_launcher(record: _Recorder) -> None:
     code = _meta(RANKS, coded_row_bytes(n, cap, low), dtype=torch.uint8)
     launch_decode_positions(code, n, cap, low, wrap=record)
     launch_union_index(code, n, cap, low, wrap=record)
+    launch_union_index(_meta(RANKS * PARTS, coded_row_bytes(n, cap, low), dtype=torch.uint8), n, cap, low, PARTS,
+                       wrap=record)
     launch_list_kept(grad, residual, tau, cap, 2_000_000, wrap=record)
     launch_sum_lists(_meta(RANKS, position_blocks(n) + 1, dtype=torch.int32), _meta(RANKS, cap, dtype=torch.uint16),
                      _meta(RANKS, cap), n, wrap=record)

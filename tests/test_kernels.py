@@ -366,7 +366,7 @@ def test_device_decode_is_the_same_bits_at_any_tile_and_launch_size():
         for a, b in zip(base, other):
             assert torch.equal(a, b), (tile, setup)
     want, stats_r = decode(table, index, layout, 1)
-    assert dict(zip(PEEL_STATS, base[2].tolist()))["solved"] == stats_r.solved
+    assert dict(zip(PEEL_STATS, base[2][0].tolist()))["solved"] == stats_r.solved
     _assert_close_to_cpu(base[0], want)
 
 
@@ -707,7 +707,9 @@ def test_ops_fake_implementations():
         assert held.shape == (2,) and held.dtype == torch.int64
         out, state, stats, rest = ops.peel(table[0], index[0], t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4,
                                            0)
-        assert out.shape == (1000,) and state.dtype == torch.int8 and stats.shape == (len(PEEL_STATS),)
+        assert out.shape == (1, 1000) and state.dtype == torch.int8 and stats.shape == (1, len(PEEL_STATS))  # a row
+        out, _, stats, rest = ops.peel(table, index, t.rows, t.signs, t.lane_xor, 1000, layout.lane_bits, 4, 0)
+        assert out.shape == (2, 1000) and stats.shape == (2, len(PEEL_STATS)) and rest.shape == (2, 256)  # per part
         assert rest.dtype == torch.int64
 
 
@@ -864,6 +866,8 @@ _BUILD_KERNELS = textwrap.dedent(
                     xor_ptr="*i64",
                     numel="i32",
                     blocks="i32",
+                    index_bytes="i32",
+                    table_numel="i32",
                 ),
                 dict(LANE_BITS=lane_bits, BITS=bits, BB=bb),
             )
@@ -875,7 +879,7 @@ _BUILD_KERNELS = textwrap.dedent(
         build(
             peel._check_kernel,
             dict(work_ptr="*fp64", counts_ptr="*i32", stats_ptr="*i64", table_numel="i32"),
-            dict(INCONSISTENT=7, BLOCK=1024),
+            dict(INCONSISTENT=7, STATS=10, BLOCK=1024),
         )
         for fallback, lane_bits in ((0, 10), (1, 0), (2, 4)):
             build(
@@ -894,8 +898,10 @@ _BUILD_KERNELS = textwrap.dedent(
                     signs_ptr="*fp32",
                     xor_ptr="*i64",
                     blocks="i32",
+                    numel="i32",
+                    table_numel="i32",
                 ),
-                dict(LANE_BITS=lane_bits, TILE=1024, FALLBACK=fallback, STUCK_CAP=256),
+                dict(LANE_BITS=lane_bits, TILE=1024, FALLBACK=fallback, STUCK_CAP=256, STATS=10),
             )
             build(
                 peel._solve_kernel,
@@ -911,8 +917,10 @@ _BUILD_KERNELS = textwrap.dedent(
                     rows_ptr="*i64",
                     signs_ptr="*fp32",
                     xor_ptr="*i64",
+                    numel="i32",
+                    table_numel="i32",
                 ),
-                dict(LANE_BITS=lane_bits, M=256, ROWS=16, FALLBACK=fallback, TOL=3e-9),
+                dict(LANE_BITS=lane_bits, M=256, ROWS=16, FALLBACK=fallback, TOL=3e-9, STATS=10),
             )
 
     def the_others():
@@ -963,6 +971,8 @@ _BUILD_KERNELS = textwrap.dedent(
                     cap="i32",
                     blocks="i32",
                     row_bytes="i32",
+                    parts="i32",
+                    out_words="i32",
                 ),
                 dict(LOW=low, B_BITS=12, UNION=union),
             )

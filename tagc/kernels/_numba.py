@@ -203,6 +203,33 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
 
 
 @njit(cache=True, nogil=True)
+def peel_parts(indexes, numel, bits, work, out, block_rows, block_signs, lane_xor, lane_bits):
+    """:func:`peel` of every part (row) of ``indexes``, ``work`` and ``out``, each alone. Returns the positions
+    peeling left (part ``q``'s position ``i`` as ``q * numel + i``, in increasing order), and per part its
+    support, rounds and inconsistent cells."""
+    n_parts = indexes.shape[0]
+    supports = np.zeros(n_parts, dtype=np.int64)
+    rounds = np.zeros(n_parts, dtype=np.int64)
+    inconsistent = np.zeros(n_parts, dtype=np.int64)
+    found = [support(indexes[q], numel, bits) for q in range(n_parts)]
+    total = 0
+    for q in range(n_parts):
+        total += found[q].size
+    stuck = np.empty(total, dtype=np.int64)
+    n = 0
+    for q in range(n_parts):
+        positions = found[q]
+        known, rounds[q], inconsistent[q] = peel(positions, work[q], out[q], block_rows, block_signs, lane_xor,
+                                                 lane_bits)
+        supports[q] = positions.size
+        for i in range(positions.size):
+            if not known[i]:
+                stuck[n] = q * numel + positions[i]
+                n += 1
+    return stuck[:n], supports, rounds, inconsistent
+
+
+@njit(cache=True, nogil=True)
 def list_rows(grad, residual, tau, limit, block_bits, counts, offsets, values):
     """Per row, error feedback and the selection rule of :func:`compress_rows`, the kept entries
     written into the lists of :mod:`tagc.sketch.kept_list` (``counts`` per block of
@@ -443,11 +470,13 @@ def decode_positions(code, blocks, low, block_bits, numel, positions, count):
 
 @njit(cache=True, nogil=True)
 def union_bitmap(code, blocks, low, block_bits, numel, cap, index):
-    """Coded rows -> the packed bitmap of the union of their positions (the owner's merge)."""
+    """Coded rows -> the packed bitmap of the union of their positions (the owner's merge): row ``r`` into part
+    ``r % P``'s, ``index`` ``[P, bytes]``."""
     scratch = np.empty(cap, dtype=np.int64)
+    parts = index.shape[0]
     for r in range(code.shape[0]):
         total = min(_decode_row(code, r, blocks, low, block_bits, numel, scratch), cap)
         for i in range(total):
             p = scratch[i]
             if p < numel:
-                index[p >> 3] |= np.uint8(1 << (p & 7))
+                index[r % parts, p >> 3] |= np.uint8(1 << (p & 7))

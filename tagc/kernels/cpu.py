@@ -16,7 +16,8 @@ index operations per round. These kernels do the same arithmetic in one loop eac
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback
   (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
-  rounding of the order of subtractions. The same index/table consistency check.
+  rounding of the order of subtractions. The same index/table consistency check. A batch of
+  parts (:func:`decode_parts_cpu`) peels part after part in one kernel call.
 * :func:`list_kept_cpu` / :func:`sum_lists_cpu` - the ``topk`` peer: the same pass as
   :func:`compress_cpu` writing the kept entries into lists (:mod:`tagc.sketch.kept_list`)
   instead of a sketch, and the owner's scatter-add. Bit-identical to the reference.
@@ -32,7 +33,7 @@ import functools
 import torch
 
 from tagc.kernels.fallbacks import warn_fallback
-from tagc.sketch.codec import DecodeStats, check_consistent, check_decode_args, finish_decode
+from tagc.sketch.codec import DECODE_STATS, DecodeStats, as_decode_stats, check_consistent, finish_decode, parts_of
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import POSITION_BLOCK, check_list_args, finite, position_blocks
@@ -144,23 +145,41 @@ def compress_cpu(
     return (index, table, held) if return_held else (index, table)
 
 
+def decode_parts_cpu(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.codec.decode_parts` with queue-driven peeling, part after part in one kernel call (same
+    arguments, same results)."""
+    tables, indexes = parts_of(table, index, layout, bits, fallback)
+    check_finite(tables, "sketch table")
+    work = tables.reshape(-1).to(torch.float64, copy=True).view(tables.shape)  # contiguous, the caller's untouched
+    out = torch.zeros(tables.shape[0], layout.numel, dtype=torch.float32)
+    stuck, support, rounds, inconsistent = _kernels().peel_parts(
+        indexes.contiguous().numpy(), layout.numel, bits, work.numpy(), out.numpy(), *_tables(layout),
+        layout.lane_bits)
+    check_consistent(int(inconsistent.sum()), layout)
+    stats = torch.zeros(tables.shape[0], len(DECODE_STATS), dtype=torch.int64)
+    stats[:, DECODE_STATS.index("support")] = torch.from_numpy(support)
+    stats[:, DECODE_STATS.index("rounds")] = torch.from_numpy(rounds)
+    rest_positions, rest_values, rest = finish_decode(work.view(-1), torch.from_numpy(stuck), layout, stats, fallback)
+    out.view(-1).index_copy_(0, rest_positions, rest_values.float())
+    return out, stats, rest
+
+
+def decode_async_cpu(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tagc.sketch.codec.decode_async` with queue-driven peeling (same arguments, same results)."""
+    values, stats, _ = decode_parts_cpu(table, index, layout, bits, fallback)
+    return (values, stats) if index.dim() == 2 else (values[0], stats[0])
+
+
 def decode_cpu(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
 ) -> tuple[torch.Tensor, DecodeStats]:
     """:func:`tagc.sketch.decode` with queue-driven peeling (same arguments, same results)."""
-    check_decode_args(table, index, layout, bits, fallback)
-    check_finite(table, "sketch table")
-    kernels = _kernels()
-    positions = kernels.support(index.contiguous().numpy(), layout.numel, bits)
-    work = table.reshape(-1).to(torch.float64, copy=True)
-    out = torch.zeros(layout.numel, dtype=torch.float32)
-    known, rounds, inconsistent = kernels.peel(positions, work.numpy(), out.numpy(), *_tables(layout), layout.lane_bits)
-    check_consistent(int(inconsistent), layout)
-    positions, known = torch.from_numpy(positions), torch.from_numpy(known)
-    stats = DecodeStats(support=positions.numel(), rounds=int(rounds))
-    rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)
-    out.index_copy_(0, rest_positions, rest_values.float())
-    return out, stats
+    values, packed, rest = decode_parts_cpu(table, index.reshape(-1), layout, bits, fallback)
+    return values[0], as_decode_stats(packed[0], rest)
 
 
 def list_kept_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int,
@@ -233,9 +252,9 @@ def decode_positions_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> 
     return positions, count
 
 
-def union_index_cpu(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+def union_index_cpu(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1) -> torch.Tensor:
     """:func:`tagc.sketch.positions.union_index` in one walk per row (same bytes)."""
     check_coded(code, numel, cap, low)
-    index = torch.zeros(index_nbytes(numel, 1), dtype=torch.uint8)
+    index = torch.zeros(parts, index_nbytes(numel, 1), dtype=torch.uint8)
     _kernels().union_bitmap(code.contiguous().numpy(), code_blocks(numel), low, BLOCK_BITS, numel, cap, index.numpy())
-    return index
+    return index.view(-1)

@@ -32,7 +32,7 @@ from tagc.sketch.codec import DecodeStats
 from tagc.sketch.layout import SketchLayout
 
 BACKENDS = ("auto", "triton", "numba", "torch", "reference")
-STAT_FIELDS = tuple(DecodeStats().as_dict())  # the one list of decode statistics, in DecodeStats field order
+STAT_FIELDS = _ref_codec.DECODE_STATS  # the one list of decode statistics, in DecodeStats field order
 
 
 def resolve_backend(*tensors: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -87,17 +87,6 @@ def _row_thresholds_reference(
     return _ref_sparsify.row_thresholds(x, density, grad=None if grad is None else grad.reshape(x.shape))
 
 
-def _stats_packed(decode_rows: Callable[..., tuple[torch.Tensor, DecodeStats]]) -> Implementation:
-    """``decode_rows`` with its :class:`DecodeStats` packed into an int64 tensor (:data:`STAT_FIELDS` order)."""
-
-    def run(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int,
-            fallback: str) -> tuple[torch.Tensor, torch.Tensor]:
-        values, stats = decode_rows(table, index, layout, bits, fallback)
-        return values, torch.tensor([stats[f] for f in STAT_FIELDS], dtype=torch.int64, device=values.device)
-
-    return run
-
-
 _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     # operation -> {back end -> implementation}; an operation's implementations take the same arguments
     "row_thresholds": {"triton": _triton("row_thresholds_triton"), "numba": _cpu.row_thresholds_cpu,
@@ -118,8 +107,8 @@ _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "union_index": {"triton": _triton("union_index_triton"), "numba": _cpu.union_index_cpu,
                     "torch": _ref_positions.union_index},
     "decode": {"triton": _triton("decode_triton"), "numba": _cpu.decode_cpu, "torch": _ref_codec.decode},
-    "decode_async": {"triton": _triton("decode_async"), "numba": _stats_packed(_cpu.decode_cpu),
-                     "torch": _stats_packed(_ref_codec.decode)},
+    "decode_async": {"triton": _triton("decode_async"), "numba": _cpu.decode_async_cpu,
+                     "torch": _ref_codec.decode_async},
 }
 """The one back-end table: every public operation below is one lookup in it (:func:`_run`)."""
 
@@ -221,9 +210,12 @@ def code_index(index: torch.Tensor, numel: int, cap: int, low: int, *, backend: 
     return _run("code_index", (index,), backend, index, numel, cap, low)
 
 
-def union_index(code: torch.Tensor, numel: int, cap: int, low: int, *, backend: Optional[str] = None) -> torch.Tensor:
-    """Coded rows -> the 1-bit index of their union; see :func:`tagc.sketch.positions.union_index`."""
-    return _run("union_index", (code,), backend, code, numel, cap, low)
+def union_index(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1, *,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """Coded rows -> the 1-bit index of their union, per part (row ``j * parts + p`` is part ``p``'s from rank
+    ``j``; the parts' indexes back to back), in one call whatever ``parts``; see
+    :func:`tagc.sketch.positions.union_index`."""
+    return _run("union_index", (code,), backend, code, numel, cap, low, parts)
 
 
 def decode(
@@ -253,7 +245,11 @@ def decode_async(
     *,
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order).
+    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``table`` of ``T``
+    elements, ``index`` ``[I]`` -> ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``,
+    ``[P, I]`` -> ``[P, numel]``, ``[P, F]``) in one call whose cost does not grow with ``P`` (but for the
+    parts with stopping sets on the CPU back ends), each part exactly as alone
+    (:func:`tagc.sketch.codec.decode_parts`).
 
     Triton: no host synchronisation, the same values as :func:`decode` (the stopping sets solved
     exactly on the device); ``"error"`` cannot raise and leaves what is unrecovered at 0, as

@@ -43,7 +43,7 @@ from tagc.sketch.codec import (
     EXACT_SOLVE_LIMIT,
     DecodeStats,
     check_consistent,
-    check_decode_args,
+    parts_of,
     unrecovered_error,
 )
 from tagc.sketch.compress import check_compress_args
@@ -131,11 +131,12 @@ def _peel_op(
 
 @_peel_op.register_fake
 def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile):
+    parts = 1 if index.dim() == 1 else index.shape[0]
     return (
-        table.new_empty(numel, dtype=torch.float32),
-        table.new_empty(numel, dtype=torch.int8),
-        table.new_empty(len(PEEL_STATS), dtype=torch.int64),
-        table.new_empty(EXACT_SOLVE_LIMIT, dtype=torch.int64),
+        table.new_empty(parts, numel, dtype=torch.float32),
+        table.new_empty(parts, numel, dtype=torch.int8),
+        table.new_empty(parts, len(PEEL_STATS), dtype=torch.int64),
+        table.new_empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.int64),
     )
 
 
@@ -171,13 +172,13 @@ def _(code, numel, cap, low):
 
 
 @_register("tagc::union_index", mutates_args=())
-def _union_index_op(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
-    return launch_union_index(code, numel, cap, low, wrap=_wrap)
+def _union_index_op(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1) -> torch.Tensor:
+    return launch_union_index(code, numel, cap, low, parts, wrap=_wrap)
 
 
 @_union_index_op.register_fake
-def _(code, numel, cap, low):
-    return code.new_empty(index_nbytes(numel, 1), dtype=torch.uint8)
+def _(code, numel, cap, low, parts=1):
+    return code.new_empty(parts * index_nbytes(numel, 1), dtype=torch.uint8)
 
 
 @_register("tagc::list_kept", mutates_args=("residual",))
@@ -238,8 +239,9 @@ def sketch_inverse(layout: SketchLayout, device: torch.device) -> tuple[torch.Te
 
 
 def peel(table, index, rows, signs, lane_xor, numel: int, lane_bits: int, bits: int, fallback: int, tile: int = 0):
-    """``torch.ops.tagc.peel``: the device decode (:func:`tagc.kernels.peel.launch_peel`; ``tile`` 0 is its
-    default). Returns ``(values, state, stats, rest)``."""
+    """``torch.ops.tagc.peel``: the device decode of one part or of parts as rows
+    (:func:`tagc.kernels.peel.launch_peel`; ``tile`` 0 is its default). Returns ``(values, state, stats, rest)``,
+    a row per part."""
     return torch.ops.tagc.peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile)
 
 
@@ -285,17 +287,20 @@ def compress_triton(grad: torch.Tensor, residual: torch.Tensor, density: float, 
 
 def _peel_chunk(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,
                 tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_decode_args(table, index, layout, bits, fallback)
+    """:func:`peel` of one part (``[T]``, ``[I]``) or of parts as rows (``[P, T]``, ``[P, I]``): a row per part."""
+    tables, indexes = parts_of(table, index, layout, bits, fallback)
     t = layout.tables(table.device)
-    return peel(table.reshape(-1).contiguous(), index, t.rows, t.signs, t.lane_xor, layout.numel, layout.lane_bits,
-                bits, FALLBACK_CODES[fallback], tile)
+    return peel(tables.contiguous(), indexes.contiguous(), t.rows, t.signs, t.lane_xor, layout.numel,
+                layout.lane_bits, bits, FALLBACK_CODES[fallback], tile)
 
 
 def decode_async(
     table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
     tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device decode with no host synchronisation: ``(values, stats)``.
+    """The device decode with no host synchronisation: ``(values, stats)``; of one part (``[T]``, ``[I]`` ->
+    ``[numel]``, ``[F]``) or of parts as rows (``[P, T]``, ``[P, I]`` -> ``[P, numel]``, ``[P, F]``), in one set of
+    launches, each part exactly as alone.
 
     The same values as :func:`decode_triton` (peeling, the exact solve of the stopping sets, the
     fallback), bit for bit from run to run; ``stats`` is an int64 device tensor in
@@ -305,7 +310,9 @@ def decode_async(
     sync): the caller decides (:func:`decode_triton` raises on both).
     """
     out, _state, stats, _rest = _peel_chunk(table, index, layout, bits, fallback, tile)
-    return out, stats[: len(STAT_FIELDS)]
+    if index.dim() == 1:
+        return out[0], stats[0, : len(STAT_FIELDS)]
+    return out, stats[:, : len(STAT_FIELDS)]
 
 
 def decode_triton(
@@ -320,7 +327,8 @@ def decode_triton(
     reference raises. With ``fallback="raw"`` the unrecovered positions come from the solve's
     list when it ran, else from a ``nonzero_static`` sized by that read: no second sync.
     """
-    out, state, dev_stats, rest = _peel_chunk(table, index, layout, bits, fallback, tile)
+    out, state, dev_stats, rest = (row[0] for row in _peel_chunk(table, index.reshape(-1), layout, bits, fallback,
+                                                                  tile))
     host = dict(zip(PEEL_STATS, dev_stats.tolist()))  # the one host read
     if host["nan_cells"] or host["inf_cells"]:
         bad = "NaN" if host["nan_cells"] else "Inf"
@@ -373,10 +381,10 @@ def decode_positions_triton(code: torch.Tensor, numel: int, cap: int, low: int) 
     return torch.ops.tagc.decode_positions(code.contiguous(), numel, cap, low)
 
 
-def union_index_triton(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
+def union_index_triton(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1) -> torch.Tensor:
     """Triton twin of :func:`tagc.sketch.positions.union_index` (the same bytes)."""
     check_coded(code, numel, cap, low)
-    return torch.ops.tagc.union_index(code.contiguous(), numel, cap, low)
+    return torch.ops.tagc.union_index(code.contiguous(), numel, cap, low, parts)
 
 
 # ---------------------------------------------------------------- topk's kept list (tagc.sketch.kept_list)

@@ -46,7 +46,13 @@ table and index decode to the same bits on every run and every replica, without
 rounding (a position owning several pure cells may read another of them; the solve
 eliminates instead of taking an SVD).
 
-Statistics are accumulated on the device into an int64 ``stats`` tensor: the
+**A batch of parts.** Parts of one layout (``P`` tables ``[P, T]`` and union indexes ``[P, I]``) decode in the
+same five launches: every kernel's grid has the parts as one more axis (the solve's, its only one), and each
+program moves its pointers to its part's rows of every buffer (table, counts, lists, values, statistics, stuck
+list, normal equations). Parts share nothing but the layout's tables, so each part's programs do exactly what
+they do for the part alone, bit for bit.
+
+Statistics are accumulated on the device into an int64 ``stats`` tensor (a row per part): the
 :class:`~tagc.sketch.DecodeStats` fields in order, then the inconsistent, NaN and Inf cells
 (:data:`PEEL_STATS`). :func:`tagc.kernels.ops.decode_triton` reads it once;
 :func:`tagc.kernels.ops.decode_async` never does.
@@ -119,9 +125,15 @@ def _candidates(xor_ptr, numel, blocks, LANE_BITS: tl.constexpr, BB: tl.constexp
 
 
 @triton.jit
-def _setup_kernel(index_ptr, state_ptr, counts_ptr, per_column_ptr, rows_ptr, xor_ptr, numel, blocks,
-                  LANE_BITS: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr):
-    """Mark the support (``state = 1``), count it per cell and per column of this program."""
+def _setup_kernel(index_ptr, state_ptr, counts_ptr, per_column_ptr, rows_ptr, xor_ptr, numel, blocks, index_bytes,
+                  table_numel, LANE_BITS: tl.constexpr, BITS: tl.constexpr, BB: tl.constexpr):
+    """Mark the support (``state = 1``), count it per cell and per column of this program (of part
+    ``program_id(1)``)."""
+    part = tl.program_id(1).to(tl.int64)
+    index_ptr += part * index_bytes
+    state_ptr += part * numel
+    counts_ptr += part * table_numel
+    per_column_ptr += (part * tl.num_programs(0)) << LANE_BITS
     b, col, p, valid = _candidates(xor_ptr, numel, blocks, LANE_BITS, BB)
     if BITS == 1:
         byte = tl.load(index_ptr + (p >> 3), mask=valid, other=0).to(tl.int32)
@@ -139,7 +151,12 @@ def _setup_kernel(index_ptr, state_ptr, counts_ptr, per_column_ptr, rows_ptr, xo
 
 @triton.jit
 def _list_kernel(state_ptr, first_ptr, list_ptr, xor_ptr, numel, blocks, LANE_BITS: tl.constexpr, BB: tl.constexpr):
-    """Write this program's support positions into their columns' lists, in increasing order."""
+    """Write this program's support positions into their columns' lists, in increasing order (of part
+    ``program_id(1)``)."""
+    part = tl.program_id(1).to(tl.int64)
+    state_ptr += part * numel
+    first_ptr += (part * tl.num_programs(0)) << LANE_BITS
+    list_ptr += (part * 2 * blocks) << LANE_BITS
     b, col, p, valid = _candidates(xor_ptr, numel, blocks, LANE_BITS, BB)
     on = (tl.load(state_ptr + p, mask=valid, other=0) != 0).to(tl.int32)
     first = tl.load(first_ptr + (tl.program_id(0).to(tl.int64) << LANE_BITS) + col)
@@ -148,8 +165,14 @@ def _list_kernel(state_ptr, first_ptr, list_ptr, xor_ptr, numel, blocks, LANE_BI
 
 
 @triton.jit
-def _check_kernel(work_ptr, counts_ptr, stats_ptr, table_numel, INCONSISTENT: tl.constexpr, BLOCK: tl.constexpr):
-    """Count the cells no support position hits that are non-zero, and the NaN and Inf cells."""
+def _check_kernel(work_ptr, counts_ptr, stats_ptr, table_numel, INCONSISTENT: tl.constexpr, STATS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Count the cells no support position hits that are non-zero, and the NaN and Inf cells (of part
+    ``program_id(1)``)."""
+    part = tl.program_id(1).to(tl.int64)
+    work_ptr += part * table_numel
+    counts_ptr += part * table_numel
+    stats_ptr += part * STATS
     cell = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = cell < table_numel
     held = tl.load(work_ptr + cell, mask=m, other=0.0)
@@ -202,14 +225,28 @@ def _peel_kernel(
     signs_ptr,
     xor_ptr,
     blocks,
+    numel,
+    table_numel,
     LANE_BITS: tl.constexpr,
     TILE: tl.constexpr,
     FALLBACK: tl.constexpr,
     STUCK_CAP: tl.constexpr,
+    STATS: tl.constexpr,
 ):
-    """Peel column ``program_id(0)``: rounds over its pending list, then the fallback for what is left."""
+    """Peel column ``program_id(0)`` of part ``program_id(1)``: rounds over its pending list, then the fallback
+    for what is left."""
     column = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
     half = blocks * (1 << LANE_BITS)  # list 1 starts after every column's list 0
+    work_ptr += part * table_numel
+    counts_ptr += part * table_numel
+    owner_ptr += part * table_numel
+    out_ptr += part * numel
+    state_ptr += part * numel
+    stats_ptr += part * STATS
+    list_ptr += part * 2 * half
+    support_ptr += part << LANE_BITS
+    stuck_ptr += part * STUCK_CAP
     active = tl.load(support_ptr + column)
     support = active
     rounds = 0
@@ -284,11 +321,20 @@ def _peel_kernel(
 
 @triton.jit
 def _solve_kernel(work_ptr, stuck_ptr, system_ptr, rhs_ptr, out_ptr, state_ptr, stats_ptr, rest_ptr,
-                  rows_ptr, signs_ptr, xor_ptr, LANE_BITS: tl.constexpr, M: tl.constexpr,
-                  ROWS: tl.constexpr, FALLBACK: tl.constexpr, TOL: tl.constexpr):
-    """The exact solve of the ``n = stats[unpeeled]`` stuck positions ``stuck[:n]`` (sorted), when
-    ``0 < n <= M``: writes the determined ones, redoes the fallback for the others and lists them,
-    in order, in ``rest``; updates the statistics."""
+                  rows_ptr, signs_ptr, xor_ptr, numel, table_numel, LANE_BITS: tl.constexpr, M: tl.constexpr,
+                  ROWS: tl.constexpr, FALLBACK: tl.constexpr, TOL: tl.constexpr, STATS: tl.constexpr):
+    """The exact solve of the ``n = stats[unpeeled]`` stuck positions ``stuck[:n]`` (sorted) of part
+    ``program_id(0)``, when ``0 < n <= M``: writes the determined ones, redoes the fallback for the others and
+    lists them, in order, in ``rest``; updates the statistics."""
+    part = tl.program_id(0).to(tl.int64)
+    work_ptr += part * table_numel
+    stuck_ptr += part * M
+    system_ptr += part * M * M
+    rhs_ptr += part * M
+    out_ptr += part * numel
+    state_ptr += part * numel
+    stats_ptr += part * STATS
+    rest_ptr += part * M
     n = tl.load(stats_ptr + 3)
     if (n > 0) & (n <= M):
         k = tl.arange(0, M)
@@ -417,18 +463,23 @@ def launch_peel(
     wrap: Callable = lambda k: k,
     setup_blocks: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode on the device: peel, solve the stopping sets, apply the fallback.
+    """Decode on the device: peel, solve the stopping sets, apply the fallback; for ``P`` parts of one layout at
+    once (``table`` ``[P, T]``, ``index`` ``[P, I]``; a 1-D index is one part), each exactly as alone: every
+    kernel's grid takes the parts as one more axis, every buffer has a row per part.
 
     ``tile`` is the pending positions a column's program handles per step (default
     :data:`TILE`, :data:`INTERPRETER_TILE` on CPU tensors; a power of two) and ``setup_blocks``
     the blocks per setup program (default :func:`setup_rows`, from the work and the device): results
-    do not depend on either. Returns ``(values f32 [numel], state i8 [numel], stats i64 [len(PEEL_STATS)],
-    rest i64 [EXACT_SOLVE_LIMIT])``: ``state == 1`` marks the positions neither peeling nor the
+    do not depend on either. Returns ``(values f32 [P, numel], state i8 [P, numel], stats i64 [P, len(PEEL_STATS)],
+    rest i64 [P, EXACT_SOLVE_LIMIT])``: ``state == 1`` marks the positions neither peeling nor the
     solve recovered; when the solve ran, ``rest`` lists them first, in increasing order (as
     the reference's ``raw_positions``).
     """
     device = table.device
+    index = (index[None] if index.dim() == 1 else index).contiguous()
+    parts = index.shape[0]
     work = table.reshape(-1).to(torch.float64, copy=True)
+    table_numel = work.numel() // max(parts, 1)
     lanes, blocks = 1 << lane_bits, rows.shape[0]
     if blocks * lanes >= 2**31:
         raise ValueError(f"chunks of 2**31 or more elements are not supported by the peeling kernel (got {numel})")
@@ -438,35 +489,35 @@ def launch_peel(
         raise ValueError(f"the peel tile must be a power of two, got {tile}")
     counts = torch.zeros(work.numel(), dtype=torch.int32, device=device)
     owner = torch.full((work.numel(),), _NO_OWNER, dtype=torch.int32, device=device)
-    out = torch.zeros(numel, dtype=torch.float32, device=device)
-    state = torch.zeros(numel, dtype=torch.int8, device=device)
-    stats = torch.zeros(len(PEEL_STATS), dtype=torch.int64, device=device)
-    stuck = torch.full((EXACT_SOLVE_LIMIT,), _SENTINEL, dtype=torch.int64, device=device)
-    rest = torch.full((EXACT_SOLVE_LIMIT,), -1, dtype=torch.int64, device=device)
+    out = torch.zeros(parts, numel, dtype=torch.float32, device=device)
+    state = torch.zeros(parts, numel, dtype=torch.int8, device=device)
+    stats = torch.zeros(parts, len(PEEL_STATS), dtype=torch.int64, device=device)
+    stuck = torch.full((parts, EXACT_SOLVE_LIMIT), _SENTINEL, dtype=torch.int64, device=device)
+    rest = torch.full((parts, EXACT_SOLVE_LIMIT), -1, dtype=torch.int64, device=device)
     bb = setup_blocks or setup_rows(lanes, blocks, device)
     if bb & (bb - 1):
         raise ValueError(f"setup_blocks must be a power of two, got {bb}")
     programs = triton.cdiv(blocks, bb)
-    per_column = torch.empty(programs, lanes, dtype=torch.int32, device=device)
-    wrap(_setup_kernel)[(programs,)](index, state, counts, per_column, rows, lane_xor, numel, blocks,
-                                     LANE_BITS=lane_bits, BITS=bits, BB=bb)
+    per_column = torch.empty(parts, programs, lanes, dtype=torch.int32, device=device)
+    wrap(_setup_kernel)[(programs, parts)](index, state, counts, per_column, rows, lane_xor, numel, blocks,
+                                           index.shape[1], table_numel, LANE_BITS=lane_bits, BITS=bits, BB=bb)
     # a column's count before a program's; scanned along the last dimension of the transpose, because CUDA's
     # scan down the first dimension is several times slower on these (programs, lanes) shapes
-    first = (per_column.t().cumsum(1, dtype=torch.int32).t() - per_column).contiguous()
-    support = per_column.sum(0, dtype=torch.int32)
-    lists = torch.empty(2 * blocks * lanes, dtype=torch.int32, device=device)
-    wrap(_list_kernel)[(programs,)](state, first, lists, lane_xor, numel, blocks, LANE_BITS=lane_bits, BB=bb)
-    wrap(_check_kernel)[(triton.cdiv(work.numel(), CHECK_BLOCK),)](work, counts, stats, work.numel(),
-                                                                    INCONSISTENT=_SLOT["inconsistent"],
-                                                                    BLOCK=CHECK_BLOCK)
-    wrap(_peel_kernel)[(lanes,)](work, counts, owner, out, state, stats, lists, support, stuck, rows, signs, lane_xor,
-                                 blocks, LANE_BITS=lane_bits, TILE=tile, FALLBACK=fallback,
-                                 STUCK_CAP=EXACT_SOLVE_LIMIT)
-    stuck = torch.sort(stuck).values  # programs append in any order; the solve reads them sorted
-    system = torch.empty(EXACT_SOLVE_LIMIT * EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
-    rhs = torch.empty(EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
-    wrap(_solve_kernel)[(1,)](work, stuck, system, rhs, out, state, stats, rest, rows, signs, lane_xor,
-                              LANE_BITS=lane_bits, M=EXACT_SOLVE_LIMIT,
-                              ROWS=EXACT_SOLVE_LIMIT if on_cpu else SOLVE_ROWS, FALLBACK=fallback,
-                              TOL=3.0 * DETERMINED_TOL)
+    first = (per_column.transpose(1, 2).cumsum(2, dtype=torch.int32).transpose(1, 2) - per_column).contiguous()
+    support = per_column.sum(1, dtype=torch.int32)
+    lists = torch.empty(parts, 2 * blocks * lanes, dtype=torch.int32, device=device)
+    wrap(_list_kernel)[(programs, parts)](state, first, lists, lane_xor, numel, blocks, LANE_BITS=lane_bits, BB=bb)
+    wrap(_check_kernel)[(triton.cdiv(table_numel, CHECK_BLOCK), parts)](
+        work, counts, stats, table_numel, INCONSISTENT=_SLOT["inconsistent"], STATS=len(PEEL_STATS),
+        BLOCK=CHECK_BLOCK)
+    wrap(_peel_kernel)[(lanes, parts)](work, counts, owner, out, state, stats, lists, support, stuck, rows, signs,
+                                       lane_xor, blocks, numel, table_numel, LANE_BITS=lane_bits, TILE=tile,
+                                       FALLBACK=fallback, STUCK_CAP=EXACT_SOLVE_LIMIT, STATS=len(PEEL_STATS))
+    stuck = torch.sort(stuck, dim=1).values  # programs append in any order; the solve reads them sorted
+    system = torch.empty(parts, EXACT_SOLVE_LIMIT * EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
+    rhs = torch.empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.float64, device=device)
+    wrap(_solve_kernel)[(parts,)](work, stuck, system, rhs, out, state, stats, rest, rows, signs, lane_xor, numel,
+                                  table_numel, LANE_BITS=lane_bits, M=EXACT_SOLVE_LIMIT,
+                                  ROWS=EXACT_SOLVE_LIMIT if on_cpu else SOLVE_ROWS, FALLBACK=fallback,
+                                  TOL=3.0 * DETERMINED_TOL, STATS=len(PEEL_STATS))
     return out, state, stats, rest

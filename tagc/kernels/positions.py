@@ -15,8 +15,8 @@ alone. So, with the counts known, every (block, row) is independent: a grid of
 * **decode** (:func:`launch_decode_positions`, :func:`launch_union_index`): counts from the
   header, starts in torch; ``_decode_kernel`` reads the block's marker bits (the high
   bitvector, or the bitmap), ranks them with a cumulative sum, reads each entry's low part,
-  and stores the positions (``decode``) or ORs them into one union bitmap shared by all rows
-  (``union``).
+  and stores the positions (``decode``) or ORs them into the union bitmap of the row's part, shared by
+  every rank's row of that part (``union``).
 
 Adjacent blocks share the bytes at their boundary, so the encoders OR their bits into an
 int32 view of the body with atomics (at most three per entry: its marker and its low part,
@@ -132,10 +132,11 @@ def _code_list_kernel(pos_ptr, m_ptr, first_ptr, start_ptr, body_ptr, cap, block
 
 
 @triton.jit
-def _decode_kernel(code_ptr, m_ptr, first_ptr, start_ptr, out_ptr, numel, cap, blocks, row_bytes,
+def _decode_kernel(code_ptr, m_ptr, first_ptr, start_ptr, out_ptr, numel, cap, blocks, row_bytes, parts, out_words,
                    LOW: tl.constexpr, B_BITS: tl.constexpr, UNION: tl.constexpr):
     """The block's entries: stored at ``out[row, first + j]`` (``UNION=False``), or ORed into the
-    int32 words of one union bitmap ``out`` (``UNION=True``); only a row's first ``cap`` entries."""
+    int32 words of the union bitmap of the row's part ``row % parts`` (``UNION=True``: ``out`` ``[parts,
+    out_words]``); only a row's first ``cap`` entries."""
     B: tl.constexpr = 1 << B_BITS
     block = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
@@ -168,7 +169,8 @@ def _decode_kernel(code_ptr, m_ptr, first_ptr, start_ptr, out_ptr, numel, cap, b
     keep = (hit != 0) & (first + j < cap)
     if UNION:
         keep = keep & (position < numel)
-        tl.atomic_or(out_ptr + (position >> 5), (1 << (position & 31)).to(tl.int32), mask=keep, sem="relaxed")
+        tl.atomic_or(out_ptr + (row % parts) * out_words + (position >> 5), (1 << (position & 31)).to(tl.int32),
+                     mask=keep, sem="relaxed")
     else:
         tl.store(out_ptr + row * cap + first + j, position, mask=keep)
 
@@ -249,19 +251,21 @@ def launch_decode_positions(code: torch.Tensor, numel: int, cap: int, low: int,
     if rows and blocks and cap:
         firsts, starts = _layout(counts, low)
         wrap(_decode_kernel)[(blocks, rows)](code, counts, firsts, starts, positions, numel, cap, blocks, code.shape[1],
-                                             LOW=low, B_BITS=BLOCK_BITS, UNION=False, num_warps=WARPS)
+                                             1, 0, LOW=low, B_BITS=BLOCK_BITS, UNION=False, num_warps=WARPS)
     return positions, counts.sum(dim=1)
 
 
-def launch_union_index(code: torch.Tensor, numel: int, cap: int, low: int,
-                        wrap: Callable = lambda k: k) -> torch.Tensor:
-    """Coded rows -> the packed 1-bit index (uint8 ``[ceil(numel / 8)]``) of the union of their positions."""
+def launch_union_index(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1,
+                       wrap: Callable = lambda k: k) -> torch.Tensor:
+    """Coded rows -> the packed 1-bit index (uint8 ``[parts * ceil(numel / 8)]``) of the union of their positions,
+    per part: row ``j * parts + p`` is part ``p``'s from rank ``j``; the parts' indexes back to back."""
     code = code.contiguous()
     rows, blocks = code.shape[0], code_blocks(numel)
-    words = torch.zeros(-(-numel // 32), dtype=torch.int32, device=code.device)
+    words = torch.zeros(parts, -(-numel // 32), dtype=torch.int32, device=code.device)
     if rows and blocks and cap:
         counts = _read_header(code, numel)
         firsts, starts = _layout(counts, low)
         wrap(_decode_kernel)[(blocks, rows)](code, counts, firsts, starts, words, numel, cap, blocks, code.shape[1],
-                                             LOW=low, B_BITS=BLOCK_BITS, UNION=True, num_warps=WARPS)
-    return words.view(torch.uint8)[: index_nbytes(numel, 1)]
+                                             parts, words.shape[1], LOW=low, B_BITS=BLOCK_BITS, UNION=True,
+                                             num_warps=WARPS)
+    return words.view(torch.uint8)[:, : index_nbytes(numel, 1)].reshape(-1)

@@ -4,7 +4,8 @@
 gradient. ``decode`` recovers the summed chunk from that table and the union support:
 peeling first (vectorised rounds, each settling every position that owns a cell no other
 position touches), then an exact linear solve of the small stopping sets peeling leaves,
-then the fallback policy for whatever is still undetermined.
+then the fallback policy for whatever is still undetermined. ``decode_parts`` decodes several
+parts of one layout at once, each exactly as ``decode`` does alone.
 
 The precision contract (exact support, values within float32 rounding of the magnitudes
 summed into their cells, float32/bf16/fp16 input only, index/table consistency) is stated
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 
 from tagc.config import FALLBACKS
-from tagc.sketch.index import check_index, index_positions
+from tagc.sketch.index import check_index, index_nbytes, parts_positions
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.sparsify import check_finite, check_sketch_dtype
 
@@ -63,6 +64,11 @@ class DecodeStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "raw_positions"}
+
+
+DECODE_STATS = tuple(DecodeStats().as_dict())
+"""The decode statistics in :class:`DecodeStats` field order: the columns of :func:`decode_parts`'s statistics."""
+_FIELD = {name: i for i, name in enumerate(DECODE_STATS)}
 
 
 class InconsistentSketchError(RuntimeError):
@@ -120,7 +126,8 @@ def _thrice(x: torch.Tensor) -> torch.Tensor:
     return x[:, None].expand(-1, 3).reshape(-1)
 
 
-def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _peel(work: torch.Tensor, cells: torch.Tensor,
+          signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Peel in rounds; ``work`` (float64 table) is left holding what was not peeled.
 
     Cell-centric, like an invertible Bloom lookup table: every cell keeps how many unsettled
@@ -129,10 +136,12 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     scanning the table, later ones among the cells the previous round touched, so the work is
     proportional to the positions settled, never to the ones still stuck.
     Within a round each position reads a cell only it touches, so settling all at once gives
-    the values settling them one by one would.
+    the values settling them one by one would. Several parts' tables side by side (their cells
+    offset by their places in ``work``) share nothing, so they peel together exactly as alone,
+    each in the rounds it would take alone.
 
-    Returns the values of all positions, a bool mask of those settled, the round count,
-    and how many cells no position maps to are non-zero (the consistency check).
+    Returns the values of all positions, the round each was settled in (0: not settled), and the
+    tally (per cell: unsettled positions ``<< 40``; 0 where no position maps, for the consistency check).
     """
     k = cells.shape[0]
     device = work.device
@@ -140,9 +149,9 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
     # count << 40 | sum of ids, in one int64 per cell: one scatter maintains both
     tally = torch.zeros(work.numel(), dtype=torch.int64, device=device)
     tally.scatter_add_(0, flat, _thrice(torch.arange(k, device=device) + _ONE_COUNT))
-    inconsistent = int(((tally == 0) & (work != 0)).sum())
+    unused = tally == 0
     values = torch.zeros(k, dtype=torch.float64, device=device)
-    known = torch.zeros(k, dtype=torch.bool, device=device)
+    settled = torch.zeros(k, dtype=torch.int64, device=device)
     rounds = 0
     pure = ((tally >> _COUNT_SHIFT) == 1).nonzero().squeeze(1)
     while pure.numel():
@@ -154,13 +163,13 @@ def _peel(work: torch.Tensor, cells: torch.Tensor, signs: torch.Tensor) -> tuple
         sign = (settle_signs * (settle_cells == pure_cell[:, None])).sum(dim=1)  # rows are distinct: one match
         value = sign * work.index_select(0, pure_cell)
         values.index_put_((settle,), value)
-        known.index_fill_(0, settle, True)
+        settled.index_fill_(0, settle, rounds)
         touched = settle_cells.reshape(-1)
         work.scatter_add_(0, touched, (-settle_signs * value[:, None]).reshape(-1))
         tally.scatter_add_(0, touched, _thrice(-(settle + _ONE_COUNT)))
         # only cells touched this round can have become pure (duplicates resolve via unique)
         pure = touched[(tally.index_select(0, touched) >> _COUNT_SHIFT) == 1]
-    return values, known, rounds, inconsistent
+    return values, settled, unused
 
 
 def _solve_stopping_sets(
@@ -198,48 +207,130 @@ def unrecovered_error(unrecovered: int, support: int, layout: SketchLayout) -> U
 
 
 def finish_decode(
-    work: torch.Tensor, stuck: torch.Tensor, layout: SketchLayout, stats: DecodeStats, fallback: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+    work: torch.Tensor, stuck: torch.Tensor, layout: SketchLayout, stats: torch.Tensor, fallback: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What every back end does after peeling: solve the stopping sets exactly, then apply the
-    fallback to what is still undetermined. ``work`` is the table with the peeled positions
-    taken out, ``stuck`` the chunk positions peeling left; fills ``stats`` (all but
-    ``support``/``rounds``) and returns the positions and values (float64) to write.
+    fallback to what is still undetermined. ``work`` is the parts' tables side by side (float64
+    ``[P * T]``) with the peeled positions taken out, ``stuck`` the positions peeling left (part
+    ``p``'s position ``i`` as ``p * numel + i``, in increasing order); fills the int64 ``stats``
+    (``[P, len(DECODE_STATS)]``: all but ``support`` and ``rounds``) and returns the positions and values
+    (float64) to write, and the positions left unrecovered (``raw_positions``, in increasing order).
+
+    The solve runs part by part, on the parts that have stopping sets small enough
+    (:data:`EXACT_SOLVE_LIMIT` positions), each exactly as alone; everything else is done for all parts at once.
     """
-    cells, signs = layout.cells(stuck)
+    if not stuck.numel():  # every position peeled (a shape: no host read)
+        stats[:, _FIELD["peeled"]] = stats[:, _FIELD["support"]]
+        return stuck, torch.zeros(0, dtype=torch.float64, device=work.device), stuck
+    numel = layout.numel
+    part = torch.div(stuck, numel, rounding_mode="floor")
+    cells, signs = layout.cells(stuck - part * numel)
+    cells += (part * layout.table_numel)[:, None]
+    parts = stats.shape[0]
     written: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if 0 < stuck.numel() <= EXACT_SOLVE_LIMIT:
-        solution, determined = _solve_stopping_sets(work, cells, signs)
-        solved = solution[determined]
-        work.index_add_(0, cells[determined].reshape(-1), (-signs[determined] * solved[:, None]).reshape(-1))
-        written.append((stuck[determined], solved))
-        stats.solved = int(determined.sum())
-        stuck, cells, signs = stuck[~determined], cells[~determined], signs[~determined]
-    stats.peeled = stats.support - stuck.numel()
-    stats.unpeeled = stuck.numel()
+    stuck_per_part = torch.bincount(part, minlength=parts)
+    solvable = ((stuck_per_part > 0) & (stuck_per_part <= EXACT_SOLVE_LIMIT)).nonzero().squeeze(1).tolist()
+    if solvable:
+        ends = stuck_per_part.cumsum(0).tolist()
+        left = torch.ones(stuck.numel(), dtype=torch.bool, device=work.device)
+        for p in solvable:  # the parts with stopping sets to solve (the data decides how many)
+            at = slice(ends[p] - int(stuck_per_part[p]), ends[p])
+            solution, determined = _solve_stopping_sets(work, cells[at], signs[at])
+            solved = solution[determined]
+            taken = (-signs[at][determined] * solved[:, None]).reshape(-1)
+            work.index_add_(0, cells[at][determined].reshape(-1), taken)
+            written.append((stuck[at][determined], solved))
+            left[at] = ~determined
+        stats[:, _FIELD["solved"]] = torch.bincount(part[~left], minlength=parts)
+        stuck, cells, signs, part = stuck[left], cells[left], signs[left], part[left]
+    unpeeled = torch.bincount(part, minlength=parts)
+    stats[:, _FIELD["peeled"]] = stats[:, _FIELD["support"]] - unpeeled
+    stats[:, _FIELD["unpeeled"]] = unpeeled
     if stuck.numel():
         if fallback == "error":
-            raise unrecovered_error(stuck.numel(), stats.support, layout)
+            first = int(part[0])
+            raise unrecovered_error(int(unpeeled[first]), int(stats[first, _FIELD["support"]]), layout)
         if fallback == "estimate":
             written.append((stuck, (signs.double() * work[cells]).median(dim=1).values))
-            stats.estimated = stuck.numel()
+            stats[:, _FIELD["estimated"]] = unpeeled
         else:
             written.append((stuck, torch.zeros(stuck.numel(), dtype=torch.float64, device=work.device)))
-            stats.raw = stuck.numel()
-            stats.raw_positions = stuck
+            stats[:, _FIELD["raw"]] = unpeeled
     if not written:
-        return stuck, torch.zeros(0, dtype=torch.float64, device=work.device)
-    return torch.cat([p for p, _ in written]), torch.cat([v for _, v in written])
+        return stuck, torch.zeros(0, dtype=torch.float64, device=work.device), stuck
+    return torch.cat([p for p, _ in written]), torch.cat([v for _, v in written]), stuck
 
 
-def check_decode_args(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str) -> None:
-    """The argument checks every decode back end makes (clear ``ValueError`` on a mismatch)."""
+def as_decode_stats(packed: torch.Tensor, rest: torch.Tensor) -> DecodeStats:
+    """One part's packed statistics (:data:`DECODE_STATS` order) as :class:`DecodeStats`, with ``raw_positions``
+    (``rest``) when positions were left for a re-send."""
+    stats = DecodeStats(**dict(zip(DECODE_STATS, packed.tolist())))
+    if stats.raw:
+        stats.raw_positions = rest
+    return stats
+
+
+def parts_of(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int,
+             fallback: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argument checks every decode back end makes (clear ``ValueError`` on a mismatch); the tables and
+    indexes as rows ``[P, T]`` and ``[P, I]``. One part: an index ``[I]`` and a table of ``T`` elements; ``P``
+    parts: indexes ``[P, I]`` and tables of ``P * T`` elements."""
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-    if not isinstance(table, torch.Tensor) or table.reshape(-1).numel() != layout.table_numel:
+    if not isinstance(index, torch.Tensor) or index.dim() != 2:
+        check_index(index, layout.numel, bits)
+    else:
+        check_index(index[0] if len(index) else index.new_empty(index_nbytes(layout.numel, bits)), layout.numel, bits)
+    parts = 1 if index.dim() == 1 else index.shape[0]
+    if not isinstance(table, torch.Tensor) or table.numel() != parts * layout.table_numel:
         raise ValueError(
-            f"table must have {layout.table_numel} elements for {layout}, got {getattr(table, 'shape', type(table))}"
+            f"table must have {layout.table_numel} elements for {layout}"
+            + (f" per part ({parts} parts)" if index.dim() == 2 else "")
+            + f", got {getattr(table, 'shape', type(table))}"
         )
-    check_index(index, layout.numel, bits)
+    return table.reshape(parts, layout.table_numel), index.reshape(parts, -1)
+
+
+def decode_parts(
+    tables: torch.Tensor, indexes: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`decode` of ``P`` parts of one layout at once (tables ``[P, T]``, indexes ``[P, I]``, or one part's
+    ``[T]`` and ``[I]``): every part's values and statistics exactly as :func:`decode` of it alone gives them.
+
+    The parts' tables lie side by side in one table (part ``p``'s cells offset by ``p * T``): peeling
+    settles every part's pure cells in each round, and the exact solve takes the parts that have stopping sets,
+    each alone. Returns ``(values float32 [P, numel], stats int64 [P, len(DECODE_STATS)], rest)``, ``rest`` the
+    positions left unrecovered (part ``p``'s position ``i`` as ``p * numel + i``, in increasing order). Raises
+    what :func:`decode` raises, for any part.
+    """
+    tables, indexes = parts_of(tables, indexes, layout, bits, fallback)
+    check_finite(tables, "sketch table")
+    parts, numel = tables.shape[0], layout.numel
+    positions, part = parts_positions(indexes, numel, bits)
+    cells, signs = layout.cells(positions)
+    cells += (part * layout.table_numel)[:, None]
+    positions += part * numel
+    work = tables.reshape(-1).to(torch.float64, copy=True)
+    values, settled, unused = _peel(work, cells, signs)
+    check_consistent(int((unused & (work != 0)).sum()), layout)
+    stats = torch.zeros(parts, len(DECODE_STATS), dtype=torch.int64, device=tables.device)
+    stats[:, _FIELD["support"]] = torch.bincount(part, minlength=parts)
+    stats[:, _FIELD["rounds"]].scatter_reduce_(0, part, settled, "amax")
+    out = torch.zeros(parts * numel, dtype=torch.float32, device=tables.device)
+    out.index_copy_(0, positions, values.float())
+    rest_positions, rest_values, rest = finish_decode(work, positions[settled == 0], layout, stats, fallback)
+    out.index_copy_(0, rest_positions, rest_values.float())
+    return out.view(parts, numel), stats, rest
+
+
+def decode_async(
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_parts` with the statistics as an int64 tensor (:data:`DECODE_STATS` order): one part's
+    ``(values [numel], stats [F])`` from ``[T]`` and ``[I]``, ``P`` parts' ``[P, numel]`` and ``[P, F]`` from
+    ``[P, T]`` and ``[P, I]``."""
+    values, stats, _ = decode_parts(table, index, layout, bits, fallback)
+    return (values, stats) if index.dim() == 2 else (values[0], stats[0])
 
 
 def decode(
@@ -306,16 +397,5 @@ def decode(
        synchronisation (:func:`tagc.kernels.decode_async` skips it, as it skips the NaN
        check).
     """
-    check_decode_args(table, index, layout, bits, fallback)
-    check_finite(table, "sketch table")
-    positions = index_positions(index, layout.numel, bits)
-    cells, signs = layout.cells(positions)
-    work = table.reshape(-1).to(torch.float64, copy=True)
-    values, known, rounds, inconsistent = _peel(work, cells, signs)
-    check_consistent(inconsistent, layout)
-    stats = DecodeStats(support=positions.numel(), rounds=rounds)
-    out = torch.zeros(layout.numel, dtype=torch.float32, device=table.device)
-    out.index_copy_(0, positions, values.float())
-    rest_positions, rest_values = finish_decode(work, positions[~known], layout, stats, fallback)
-    out.index_copy_(0, rest_positions, rest_values.float())
-    return out, stats
+    values, packed, rest = decode_parts(table, index.reshape(-1), layout, bits, fallback)
+    return values[0], as_decode_stats(packed[0], rest)

@@ -56,13 +56,24 @@ def index_to_mask(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
 def index_positions(index: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Sorted int64 positions of the support, unpacking only the non-zero bytes."""
     check_index(index, numel, bits)
+    return parts_positions(index.view(1, -1), numel, bits)[0]
+
+
+def parts_positions(indexes: torch.Tensor, numel: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The supports of several parts' indexes (uint8 ``[P, index_nbytes(numel, bits)]``) at once, unpacking only
+    the non-zero bytes: ``(positions, part)``, int64, each part's positions in increasing order, part after part."""
     per_byte = 8 // bits
-    nonzero_bytes = index.nonzero().squeeze(1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=index.device)
-    fields = (index.index_select(0, nonzero_bytes)[:, None] >> shifts) & ((1 << bits) - 1)
+    row_bytes = indexes.shape[1]
+    flat = indexes.reshape(-1)
+    nonzero_bytes = flat.nonzero().squeeze(1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=indexes.device)
+    fields = (flat.index_select(0, nonzero_bytes)[:, None] >> shifts) & ((1 << bits) - 1)
     hit = fields.nonzero()
-    positions = nonzero_bytes.index_select(0, hit[:, 0]) * per_byte + hit[:, 1]
-    return positions[positions < numel]
+    byte = nonzero_bytes.index_select(0, hit[:, 0])
+    part = torch.div(byte, row_bytes, rounding_mode="floor")
+    positions = (byte - part * row_bytes) * per_byte + hit[:, 1]
+    inside = positions < numel
+    return positions[inside], part[inside]
 
 
 def check_index(index: torch.Tensor, numel: int, bits: int) -> None:

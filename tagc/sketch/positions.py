@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from tagc.sketch.index import pack_mask, unpack_counts
+from tagc.sketch.index import index_nbytes, pack_mask, unpack_counts
 
 CODE_BLOCK = 1 << 12
 """Positions per coded block: small enough that the 16-bit count header costs 0.004 bits per
@@ -212,7 +212,13 @@ def code_index(index: torch.Tensor, numel: int, cap: int, low: int) -> torch.Ten
     return encode_positions(positions, count, numel, cap, low)
 
 
-def union_index(code: torch.Tensor, numel: int, cap: int, low: int) -> torch.Tensor:
-    """Coded rows -> the packed 1-bit index of the union of their positions (TAGC's owner merge)."""
+def union_index(code: torch.Tensor, numel: int, cap: int, low: int, parts: int = 1) -> torch.Tensor:
+    """Coded rows -> the packed 1-bit index of the union of their positions (TAGC's owner merge). With ``parts``,
+    row ``j * parts + p`` is part ``p``'s row from rank ``j``: each part's union, the parts' indexes back to back
+    (uint8 ``[parts * ceil(numel / 8)]``)."""
     positions, _ = decode_positions(code, numel, cap, low)
-    return pack_mask(mask_from_positions(positions, numel).any(dim=0), 1)
+    mask = mask_from_positions(positions, numel).view(-1, parts, numel).any(dim=0)
+    padding = index_nbytes(numel, 1) * 8 - numel  # each part's index is whole bytes
+    if padding:
+        mask = torch.cat([mask, mask.new_zeros(parts, padding)], dim=1)
+    return pack_mask(mask, 1)

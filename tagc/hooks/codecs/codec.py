@@ -486,8 +486,7 @@ class TAGCCodec(ResidualCodec):
             cap, low = self._capacity(numel, world)
             rows = indexes.reshape(world * parts, -1)
             stats.count("bitmap_blocks", bitmap_blocks(rows, numel, low))
-            return torch.stack([union_index(code.contiguous(), numel, cap, low)
-                                for code in rows.view(world, parts, -1).unbind(1)])
+            return union_index(rows.contiguous(), numel, cap, low, parts).view(parts, -1)
         bits = self.config.index_bits
         return functools.reduce(lambda a, b: merge_index(a, b, bits), indexes.unbind(0)).view(parts, -1)
 

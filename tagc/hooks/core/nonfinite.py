@@ -81,15 +81,14 @@ def compress_(ok: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor, dens
 def decode_(summed: torch.Tensor, union: torch.Tensor, layout: SketchLayout, bits: int, fallback: str,
             stats: ExchangeStats) -> torch.Tensor:
     """Decode summed tables under the NaN/Inf policy; statistics added to ``stats`` on the device. One part's table
-    ``[T]`` and union index, or several parts' ``[P, T]`` and ``[P, I]``: the checks and the counts once for all,
-    the decode itself (peeling follows the data) part by part; the values side by side."""
+    ``[T]`` and union index, or several parts' ``[P, T]`` and ``[P, I]``, all in one decode call
+    (:func:`tagc.kernels.dispatch.decode_async` of the parts as rows); the values side by side."""
     tables = summed.view(-1, layout.table_numel)
     ok = finite_parts(tables[None])
     clean = torch.where(ok[:, None], tables, 0.0)
-    decoded = [dispatch.decode_async(table, index, layout, bits, fallback)
-               for table, index in zip(clean, union.view(tables.shape[0], -1))]
-    counts = (torch.stack([c for _, c in decoded]) * ok[:, None]).sum(dim=0)
+    values, counts = dispatch.decode_async(clean, union.view(tables.shape[0], -1), layout, bits, fallback)
+    counts = (counts * ok[:, None]).sum(dim=0)
     stats.count_nonfinite(ok)
     for name in DEVICE_STATS:
         stats.count(name, counts[dispatch.STAT_FIELDS.index(name)])
-    return torch.where(ok[:, None], torch.stack([v for v, _ in decoded]), math.nan).view(-1)
+    return torch.where(ok[:, None], values, math.nan).view(-1)
