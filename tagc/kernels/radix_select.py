@@ -87,13 +87,6 @@ def _select_bin(hist: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return bins - 1 - j, k - above
 
 
-def sample_plan(numel: int, density: float) -> tuple[int, int, int]:
-    """``(size, stride, keep)``: the reference's sample size, golden stride and rank."""
-    size = sample_size(numel, density)
-    keep = keep_limit(size, density)
-    return size, sample_stride(numel), keep
-
-
 def launch_row_thresholds(
     residual: torch.Tensor, grad: Optional[torch.Tensor], density: float, wrap: Callable = lambda k: k
 ) -> torch.Tensor:
@@ -108,7 +101,8 @@ def launch_row_thresholds(
         return torch.zeros(n_rows, dtype=torch.float32, device=device)
     if density <= 0.0:
         return torch.full((n_rows,), math.inf, dtype=torch.float32, device=device)
-    size, stride, keep = sample_plan(numel, density)
+    size, stride = sample_size(numel, density), sample_stride(numel)  # the reference's sample and rank
+    keep = keep_limit(size, density)
     grid = (triton.cdiv(size, BLOCK), n_rows)  # blocks on axis 0: a whole-chunk sample of any size launches
     common = dict(HAS_GRAD=grad is not None, SAMPLED=size != numel, BLOCK=BLOCK)
     g = grad if grad is not None else residual

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-import types
-import warnings
 
 import torch
 
@@ -247,18 +244,3 @@ def held_back(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: int) -> to
     ties = (magnitude == level).sum(dim=-1)
     return (above + torch.minimum(ties, (limit - above).clamp(min=0)) - cap).clamp_(min=0)
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as the function ``tagc.sketch`` used to re-export under its name.
-
-    ``tagc.sketch.sparsify`` is the module (so ``from tagc.sketch import sparsify`` and
-    ``import tagc.sketch.sparsify`` agree); calling it still splits, with a ``DeprecationWarning``
-    that names :func:`split_kept`, so code written against the old re-export keeps working."""
-
-    def __call__(self, x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
-        warnings.warn("calling tagc.sketch.sparsify(x, density) is deprecated: it is the module now; call "
-                      "tagc.sketch.split_kept(x, density)", DeprecationWarning, stacklevel=2)
-        return split_kept(x, density)
-
-
-sys.modules[__name__].__class__ = _CallableModule
