@@ -127,6 +127,11 @@ def with_feedback(codec: Codec, feedback: str = "classic", decay: float = 1.0) -
     return EF21Codec(codec, decay)
 
 
+def _inner(attr: str, doc: Optional[str] = None) -> property:
+    """A read-only property that is the wrapped codec's ``attr`` (:attr:`EF21Codec.inner`)."""
+    return property(lambda self: getattr(self.inner, attr), doc=doc)
+
+
 class EF21Codec(Codec):
     """``inner`` with EF21 instead of its own error feedback (module docstring).
 
@@ -170,43 +175,16 @@ class EF21Codec(Codec):
 
     # ------------------------------------------------------------------ what the inner codec is
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def compresses(self) -> bool:
-        return self.inner.compresses
-
-    @property
-    def rounds(self) -> int:
-        return self.inner.rounds
-
-    @property
-    def whole_segments(self) -> bool:
-        return self.inner.whole_segments
-
-    @property
-    def uses_ratio(self) -> bool:
-        return self.inner.uses_ratio
-
-    @property
-    def error_feedback(self) -> bool:
-        return True
-
-    @property
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """The inner codec's residuals: ``-h_i`` per part (:attr:`tagc.hooks.core.engine.TAGCHook.residuals`)."""
-        return self.inner.residuals
-
-    @property
-    def config(self):
-        """The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``)."""
-        return self.inner.config
-
-    @property
-    def wire_codec(self) -> Codec:
-        return self.inner.wire_codec
+    name = _inner("name")
+    compresses = _inner("compresses")
+    rounds = _inner("rounds")
+    whole_segments = _inner("whole_segments")
+    uses_ratio = _inner("uses_ratio")
+    error_feedback = True
+    residuals = _inner("residuals", "The inner codec's residuals: ``-h_i`` per part "
+                       "(:attr:`tagc.hooks.core.engine.TAGCHook.residuals`).")
+    config = _inner("config", "The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``).")
+    wire_codec = _inner("wire_codec")
 
     def all_reduce_form(self, parts, plain, plain_codec):
         """The inner codec's all-reduce form, its parts' feedback this wrapper's (:meth:`summed_shift`)."""
