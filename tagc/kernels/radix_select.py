@@ -1,20 +1,12 @@
 """Device-side magnitude threshold: a two-pass radix select over the float bits.
 
-For non-negative floats the int32 bit pattern orders like the value, so the ``k``-th
-largest ``|a|`` is found digit by digit: pass 0 histograms the top 16 bits (sign cleared:
-exponent and 7 mantissa bits) of every sampled element, a cumulative sum from the top
-picks the bin holding the ``k``-th largest; pass 1 histograms the low 16 bits of the
-elements in that bin and picks the exact value. Everything stays on the device (no
-``.item()``): histograms, cumsum and bin choice are tensors.
+For non-negative floats the int32 bit pattern orders like the value, so the ``k``-th largest ``|a|`` is found
+digit by digit: pass 0 histograms the top 16 bits (sign cleared) of every sampled element and a cumulative sum from
+the top picks the bin holding it; pass 1 histograms the low 16 bits of that bin's elements. No ``.item()``.
 
-It samples exactly as the reference :func:`tagc.sketch.row_thresholds` does (all of a row
-up to ``MIN_SAMPLE`` elements, otherwise the same golden-stride positions) and selects the
-same order statistic, so the result is **bit-identical** to the reference, not merely
-close. It reads ``residual + grad`` on the fly (rounded to the residual's dtype, as
-``residual.add_(grad)`` would), so the fused compress needs no extra pass to materialise
-the sum first.
-
-Layout: kernel and launcher; :func:`tagc.kernels.ops.row_thresholds_triton` is the entry point.
+It samples and ranks exactly as :func:`tagc.sketch.row_thresholds` does, so the result is **bit-identical** to the
+reference, and reads ``residual + grad`` on the fly (rounded to the residual's dtype). Entry point:
+:func:`tagc.kernels.ops.row_thresholds_triton`.
 """
 
 from __future__ import annotations

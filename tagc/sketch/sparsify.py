@@ -10,14 +10,9 @@ capacity ``cap = capacity(numel, density)`` (``>= k``) keeps
 * of the entries with ``|a| == tau`` (ties), the first ``k - count(|a| > tau)`` in index
   order (none if that is ``<= 0``),
 
-and of those the first ``cap`` in index order: a sample that misjudged the row cannot
-overfill it, the rest stay in the residual. (With the default capacity, ``cap >= k``, so
-the capacity only ever cuts entries above ``tau``; a wire may pass a smaller one.)
-
-So ties can never push a row past ``k``, nor anything past ``cap``: integer, +-1, 0/1 or
-bf16-rounded gradients keep ``k`` entries, not every entry equal to the threshold, and the
-union of the ranks' rows never loads a sketch past its plan by more than ``cap / k``. Every
-entry is either kept or stays in the residual (error feedback), never both and never neither.
+and of those the first ``cap`` in index order (a wire may pass a smaller ``cap`` than the default); the rest stay
+in the residual. Why (ties, misjudged samples, the sketch's load): docs/design.md §3.3. Every entry is either kept
+or stays in the residual (error feedback), never both and never neither.
 """
 
 from __future__ import annotations
@@ -63,13 +58,8 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
 @functools.lru_cache(maxsize=4096)
 def sample_stride(numel: int) -> int:
     """The stride of :func:`sample_positions`: the first odd number from ``0.618 * numel`` up
-    that is coprime with ``numel``.
-
-    Coprime, so the first ``numel`` multiples visit every position once and a sample of any
-    size holds distinct positions. A stride sharing a factor ``g`` with ``numel`` would cycle
-    through only ``numel / g`` positions: at ``numel = 117,177`` the odd ``72,419`` shares 139,
-    so a 65,536-entry sample held 843 distinct positions and its threshold kept 37% more than
-    planned.
+    that is coprime with ``numel``, so a sample of any size holds distinct positions (why it matters:
+    docs/design.md §3.3).
     """
     stride = int(numel * _GOLDEN_FRACTION) | 1
     while math.gcd(stride, numel) > 1:
@@ -82,10 +72,8 @@ def keep_limit(numel: int, density: float) -> int:
     round(density * numel)))`` for ``0 < density < 1``, ``numel`` at ``density >= 1``, ``0`` at
     ``density <= 0``.
 
-    The one definition of the count: it is the rank :func:`row_thresholds` selects (applied
-    to the sample size), and the most entries ties may fill a row up to (the selection rule
-    in the module docstring). Unsampled rows thus keep exactly their ``k`` largest
-    magnitudes, ties broken by index.
+    The one definition of the count: the rank :func:`row_thresholds` selects (applied to the
+    sample size), and the most entries ties may fill a row up to (the module's selection rule).
     """
     if density >= 1.0:
         return numel
@@ -104,14 +92,10 @@ def capacity(numel: int, density: float) -> int:
     """The most entries a row keeps (the selection rule's ``cap``): room for every entry the
     threshold keeps, but for rare sampling outliers and inputs the sample misjudges.
 
-    A row of at most :data:`MIN_SAMPLE` entries (or at density >= 1) is thresholded exactly
-    and keeps at most ``k = keep_limit(numel, density)``: capacity ``k``. A larger row's
-    threshold is the ``h``-th largest of a spread sample holding ``h = keep_limit(sample,
-    density)`` >= ``SAMPLE_HITS`` = 4096 kept entries, so the kept fraction it yields has a
-    relative spread ~``1/sqrt(h)`` (a Beta quantile, 1.6% at 4096); the rest of the row then
-    keeps a binomial count around it (spread ``sqrt(mu)``). With ``mu = density * numel`` and
-    ``sigma = sqrt(mu + mu^2 / h)`` the capacity is ``ceil(mu + 4 sigma) + 8``: +6.25% for
-    large rows at h = 4096, reached with odds ~3e-5 per row under that model.
+    ``k = keep_limit(numel, density)`` for a row thresholded exactly; for a sampled one ``ceil(mu + 4 sigma) + 8``,
+    ``mu = density * numel``, ``sigma = sqrt(mu + mu^2 / h)`` with ``h`` the sample's kept count: the threshold's
+    Beta spread (~``1/sqrt(h)``) and the row's binomial one. +6.25% for large rows, overflow odds ~3e-5 per row
+    (docs/design.md §3.3, §9).
     """
     if not 0.0 < density < 1.0 or sample_size(numel, density) >= numel:
         return keep_limit(numel, density)

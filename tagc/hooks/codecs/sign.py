@@ -1,11 +1,8 @@
 """The ``sign`` peer codec: 1 bit per element and a mean-``|a|`` scale per block, with error feedback
 (EF-signSGD / 1-bit Adam's compressor).
 
-This module is the whole codec, as a new codec's module is: the class (the
-:class:`~tagc.hooks.codecs.codec.Codec` contract) and its :data:`SPEC` (name, options with their
-defaults, whether the TAGC selection settings apply, a one-line summary). One line of
-:mod:`tagc.hooks.codecs.registry` registers it; ``tagc.hook(codec="sign", block=...)``, the
-settings check and the benchmarks' ``--codec`` then find it there.
+This module is the whole codec, the model of a new codec's module (``docs/design.md``, "Adding a codec"): the
+class and its :data:`SPEC`, which one line of :mod:`tagc.hooks.codecs.registry` registers.
 """
 
 from __future__ import annotations
