@@ -384,11 +384,8 @@ class SummedFactors(AllReduceForm):
     approximation formed from the rounded, summed ``P`` and ``Q``: the rounding of the 16-bit wire lands in the
     residual, as on the flat lean wire.
 
-    The matrices and the shape-less columns are whole parameters, each a contiguous run of the bucket
-    (:meth:`_runs`): ``M`` is read from the buffer as a view (one pass: the gradient plus the residual) and the
-    averaged approximation is formed in the buffer itself (:meth:`PowerSGDCodec.average_into`), the residual in
-    ``M``'s memory: no gather of the part's columns, no matrix-sized temporaries, as torch's hook decompresses into
-    the bucket.
+    Each matrix is a contiguous run of the bucket (:meth:`_runs`), read as a view and overwritten with the averaged
+    approximation (:meth:`PowerSGDCodec.average_into`): no gather, no matrix-sized temporaries, as torch's hook.
 
     Bytes each rank sends: ``ring(v (sum m r + p)) + ring(v sum n r)``, ``v`` bytes per value (one ``ring`` per
     dtype of the first all-reduces)."""
