@@ -73,21 +73,8 @@ def _count_kernel(grad_ptr, res_ptr, tau_ptr, counts_ptr, numel, BITS: tl.conste
 
 
 @triton.jit
-def _compress_kernel(
-    grad_ptr,
-    res_ptr,
-    tau_ptr,
-    index_ptr,
-    sent_ptr,
-    above_before_ptr,
-    ties_before_ptr,
-    room_ptr,
-    cap,
-    numel,
-    nbytes,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _compress_kernel(grad_ptr, res_ptr, tau_ptr, index_ptr, sent_ptr, above_before_ptr, ties_before_ptr, room_ptr, cap,
+                     numel, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Keep the entries above ``tau`` and the ties ranked within ``room[row]``, of those the
     first ``cap`` (ranks: the counts before the block + the running count in it, in index order)."""
     PER: tl.constexpr = 8 // BITS  # elements per index byte
@@ -139,22 +126,11 @@ def _table_kernel(sent_ptr, table_ptr, by_row_ptr, row_start_ptr, signs_ptr, xor
     tl.store(table_ptr + chunk * table_numel + (r << LANE_BITS)[:, None] + col[None, :], acc, mask=rm[:, None])
 
 
-def launch_compress(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    tau: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    lane_bits: int,
-    table_numel: int,
-    bits: int,
-    limit: int,
-    cap: int,
-    by_row: Optional[torch.Tensor] = None,
-    row_start: Optional[torch.Tensor] = None,
-    wrap: Callable = lambda k: k,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_compress(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tensor, rows: torch.Tensor,
+                    signs: torch.Tensor, lane_xor: torch.Tensor, lane_bits: int, table_numel: int, bits: int,
+                    limit: int, cap: int, by_row: Optional[torch.Tensor] = None,
+                    row_start: Optional[torch.Tensor] = None,
+                    wrap: Callable = lambda k: k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the two kernels on contiguous ``[N, S]`` ``grad``/``residual`` (residual in place)
     with positive thresholds ``tau`` ``[N]``, the per-row ``limit`` (:func:`keep_limit`) and
     capacity ``cap`` (:func:`capacity`). ``by_row, row_start`` are :func:`blocks_by_row` of ``rows``

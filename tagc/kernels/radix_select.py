@@ -27,19 +27,8 @@ BLOCK = 1024
 
 
 @triton.jit
-def _radix_hist_kernel(
-    res_ptr,
-    grad_ptr,
-    hist_ptr,
-    prefix_ptr,
-    numel,
-    size,
-    stride,
-    HAS_GRAD: tl.constexpr,
-    SAMPLED: tl.constexpr,
-    PASS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _radix_hist_kernel(res_ptr, grad_ptr, hist_ptr, prefix_ptr, numel, size, stride, HAS_GRAD: tl.constexpr,
+                       SAMPLED: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Histogram one 16-bit digit of ``|residual (+ grad)|`` for row ``program_id(1)``.
 
     Pass 0 bins the high digit; pass 1 bins the low digit of the elements whose high digit
@@ -79,9 +68,8 @@ def _select_bin(hist: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return bins - 1 - j, k - above
 
 
-def launch_row_thresholds(
-    residual: torch.Tensor, grad: Optional[torch.Tensor], density: float, wrap: Callable = lambda k: k
-) -> torch.Tensor:
+def launch_row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density: float,
+                          wrap: Callable = lambda k: k) -> torch.Tensor:
     """Per-row thresholds ``[N]`` (float32) of ``residual (+ grad)``, both ``[N, S]`` contiguous.
 
     ``wrap`` is applied to each kernel before launch (``torch.library.wrap_triton`` when

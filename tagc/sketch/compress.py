@@ -37,16 +37,8 @@ def check_compress_args(grad: torch.Tensor, residual: torch.Tensor, density: flo
     check_sketch_dtype(residual, "the residual")
 
 
-def compress_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    layout: SketchLayout,
-    bits: int,
-    tau: Optional[torch.Tensor] = None,
-    return_held: bool = False,
-    cap: Optional[int] = None,
-):
+def compress_(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int,
+              tau: Optional[torch.Tensor] = None, return_held: bool = False, cap: Optional[int] = None):
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
     Args:
@@ -74,11 +66,8 @@ def compress_(
     rows = residual.view(-1, layout.numel)
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
-    tau = (
-        row_thresholds(rows, density)
-        if tau is None
-        else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
-    )
+    tau = (row_thresholds(rows, density) if tau is None
+           else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks))
     cap = capacity(layout.numel, density) if cap is None else cap
     limit = keep_limit(layout.numel, density)
     held = held_back(rows, tau, limit, cap) if return_held else None

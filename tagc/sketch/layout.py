@@ -104,10 +104,8 @@ class SketchLayout:
         self._device_tables: dict[torch.device, _Tables] = {}
 
     def __repr__(self) -> str:
-        return (
-            f"SketchLayout(numel={self.numel}, ratio={self.ratio:g}, lanes={self.lanes}, blocks={self.blocks}, "
-            f"rows={self.rows}, seed={self.seed})"
-        )
+        return (f"SketchLayout(numel={self.numel}, ratio={self.ratio:g}, lanes={self.lanes}, blocks={self.blocks}, "
+                f"rows={self.rows}, seed={self.seed})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SketchLayout) and self.key == other.key

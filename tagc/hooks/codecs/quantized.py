@@ -197,13 +197,8 @@ class BF16Codec(Codec):
         return rows.sum(dim=0, dtype=torch.float32)
 
 
-BF16_SPEC = CodecSpec(
-    name="bf16",
-    build=lambda config, residual_dtype, options: BF16Codec(),
-    options={},
-    uses_config=False,
-    summary="values cast to bfloat16, summed in float32 at the owner",
-)
+BF16_SPEC = CodecSpec(name="bf16", build=lambda config, residual_dtype, options: BF16Codec(), options={},
+                      uses_config=False, summary="values cast to bfloat16, summed in float32 at the owner")
 
 
 class FP8Codec(Codec):
@@ -241,13 +236,9 @@ class FP8Codec(Codec):
         return dequantize_fp8(codes, scales.abs(), self.block).sum(dim=0)
 
 
-FP8_SPEC = CodecSpec(
-    name="fp8",
-    build=lambda config, residual_dtype, options: FP8Codec(**options),
-    options={"block": 128},
-    uses_config=False,
-    summary="float8 e4m3, one float32 scale (absmax / 448) per block",
-)
+FP8_SPEC = CodecSpec(name="fp8", build=lambda config, residual_dtype, options: FP8Codec(**options),
+                     options={"block": 128}, uses_config=False,
+                     summary="float8 e4m3, one float32 scale (absmax / 448) per block")
 
 
 class Int4Codec(Codec):
@@ -308,10 +299,6 @@ class Int4Codec(Codec):
         self.steps.update(loaded)
 
 
-INT4_SPEC = CodecSpec(
-    name="int4",
-    build=lambda config, residual_dtype, options: Int4Codec(**options),
-    options={"block": 128, "stochastic": False},
-    uses_config=False,
-    summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block",
-)
+INT4_SPEC = CodecSpec(name="int4", build=lambda config, residual_dtype, options: Int4Codec(**options),
+                      options={"block": 128, "stochastic": False}, uses_config=False,
+                      summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block")
