@@ -41,7 +41,5 @@ def require_triton(*tensors: torch.Tensor) -> None:
             continue
         if t.device.type == "cpu" and interpreting():
             continue
-        raise RuntimeError(
-            f"Triton kernels need CUDA tensors (got {t.device}); on the CPU they run only under the interpreter: "
-            "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
+        raise RuntimeError(f"Triton kernels need CUDA tensors (got {t.device}); on the CPU they run only under the "
+                           "interpreter: set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")

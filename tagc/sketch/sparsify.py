@@ -39,10 +39,8 @@ def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
     low, high = torch.aminmax(x.detach().reshape(-1))  # NaN and Inf both surface in min/max
     if not bool(torch.isfinite(low) & torch.isfinite(high)):
         bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
-        raise ValueError(
-            f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
-            "gradients, or let the hook send such buckets uncompressed)"
-        )
+        raise ValueError(f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
+                         "gradients, or let the hook send such buckets uncompressed)")
 
 
 def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tensor:
@@ -166,19 +164,12 @@ SKETCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_sketch_dtype(x: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is float32, bfloat16 or float16.
-
-    The table is float32, and the support is exact only if every entry the index marks has
-    a finite non-zero float32 value: float64 would be rounded (values below ~1.4e-45 flush
-    to 0 while the index still marks them, values above ~3.4e38 become inf, the rest lose
-    29 mantissa bits), so it is rejected rather than converted silently.
-    """
+    """Raise ``ValueError`` unless ``x`` is float32, bfloat16 or float16: float64 is rejected rather than rounded
+    silently (docs/design.md §5, item 3)."""
     if x.dtype not in SKETCH_DTYPES:
         hint = " (cast it: .float())" if x.is_floating_point() else ""
-        raise ValueError(
-            f"{what} is {x.dtype}; TAGC sketches hold float32 and take float32, bfloat16 or float16 input, "
-            f"which convert to float32 exactly{hint}"
-        )
+        raise ValueError(f"{what} is {x.dtype}; TAGC sketches hold float32 and take float32, bfloat16 or float16 "
+                         f"input, which convert to float32 exactly{hint}")
 
 
 @functools.lru_cache(maxsize=8)

@@ -344,13 +344,10 @@ class EF21Codec(Codec):
 
 
 class SummedShift(Shift):
-    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole
-    part:
-    the part compresses ``g - h_i`` (its residual holds ``-h_i``), its residual becomes the
-    next ``-h_i`` as :meth:`EF21Codec.encode` leaves it, and every rank adds the decoded sum of the changes to its copy
-    of ``H`` (the whole part: ``H`` is replicated). A part whose summed table is not finite (a rank's gradient was)
-    leaves every shift and ``H`` as they were: the sum cannot tell which rank's change was finite, so every rank takes
-    its own back; the part comes out NaN, as the codecs' policy has it."""
+    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`): as :meth:`EF21Codec.encode` on the
+    residual, and every rank adds the decoded sum to its copy of ``H`` (replicated). A part whose summed table is not
+    finite leaves every shift and ``H`` as they were (the sum cannot tell which rank's change was finite), and comes
+    out NaN, as the codecs' policy has it."""
 
     def __init__(self, ef21: EF21Codec, key: str, numel: int) -> None:
         self.ef21, self.key, self.numel = ef21, key, numel

@@ -58,10 +58,7 @@ if TYPE_CHECKING:
     from tagc.hooks.core.segment import Segment
 
 DEFAULT_RANK = 4
-"""Vogels et al. train their language model at rank 4 (ResNet at 2); the DDP hook's default 1
-is its most aggressive setting, which its docs say to raise (1, 2, 4, ...) when accuracy
-suffers. A GPT-2 small MLP matrix (768 x 3072) at rank 4 still sends ~75x fewer bytes than
-its plain reduce-scatter."""
+"""Vogels et al.'s language-model rank (docs/design.md §9); the DDP hook's default 1 is its most aggressive."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,8 +44,7 @@ class SignCodec(ResidualCodec):
     sum over steps of what was sent tracks the sum of gradients within the residual.
     ``sent + residual == a`` up to one rounding of the residual (``fl(a - sent)``; exact
     where the subtraction is, e.g. ``scale/2 <= |a| <= 2 scale``).
-    Options: ``block`` (default 1024: 1-bit Adam uses one scale per tensor; a block of 1024
-    follows magnitude changes along a part at 32/1024 = 0.03 bit/element, 3% of the payload).
+    Options: ``block`` (default 1024, docs/design.md §9).
     NaN/Inf: a rank whose accumulated part is not finite sends NaN scales; the owner's whole
     part is NaN; that rank's residual stays as it was.
     State: one residual ``[N, n]`` per part (``residual_dtype``), keyed by the part.
