@@ -1,12 +1,9 @@
 """The whole per-step compression of a bucket in one pass (docs/design.md §3.2-3.5).
 
-A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
-chunk: add the gradient into the error-feedback residual, threshold it, take the selected
-entries out of the residual (at most :func:`keep_limit` of them unless more are strictly
-above the threshold: ties are broken by index; and never more than :func:`capacity`, see
-:mod:`tagc.sketch.sparsify`), and build
-their index and count sketch. The composition of :func:`sparsify`, :func:`build_index` and
-:func:`encode`, without materialising the dense kept tensor.
+A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every chunk: add the gradient
+into the error-feedback residual, take the entries the selection rule keeps (:mod:`tagc.sketch.sparsify`) out of it,
+and build their index and count sketch: :func:`split_kept`, :func:`build_index` and :func:`encode` composed, without
+materialising the dense kept tensor.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Error feedback of another kind for every error-feedback codec: EF21 (``tagc.hook(feedback="ef21")``).
 
-**Classic error feedback** (the codecs' own): rank ``i`` sends ``C(g_i + r_i)`` and keeps
-``r_i = (g_i + r_i) - C(g_i + r_i)``; the owner hands the optimizer the decoded sum. An element
-that is not selected contributes nothing until it is sent, many steps later, as one burst of
-what it accumulated (staleness: at a density of a few per cent most compressed elements were
-last sent 8 or more steps before).
+**Classic error feedback** (the codecs' own, docs/design.md §3.2): rank ``i`` sends ``C(g_i + r_i)`` and keeps
+the rest in ``r_i``. An element that is not selected contributes nothing until it is sent, many steps later, as one
+burst of what it accumulated (staleness: at a density of a few per cent most compressed elements were last sent 8
+or more steps before).
 
 **EF21** (Richtárik, Sokolov, Fatkhullin 2021, arXiv 2106.05203): rank ``i`` keeps a *shift*
 ``h_i``, its last gradient estimate the owners know, and sends the compressed *change*
