@@ -1,6 +1,5 @@
 import math
 import types
-import warnings
 
 import pytest
 import torch
@@ -89,20 +88,10 @@ def test_bad_density():
         split_kept(torch.randn(10), 1.5)
 
 
-def test_tagc_sketch_sparsify_is_the_module_and_calling_it_is_deprecated():
+def test_tagc_sketch_sparsify_is_the_module():
     """``from tagc.sketch import sparsify`` and ``import tagc.sketch.sparsify`` give the module (no
-    function shadows it); calling it, as code written for the old re-export does, warns and splits
-    exactly as :func:`split_kept`."""
+    function shadows it); the split is :func:`split_kept`."""
     import tagc.sketch.sparsify as imported
 
     assert isinstance(sparsify_module, types.ModuleType) and sparsify_module is imported is tagc.sketch.sparsify
     assert "split_kept" in tagc.sketch.__all__ and "sparsify" not in tagc.sketch.__all__
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
-    with pytest.warns(DeprecationWarning, match=r"tagc\.sketch\.split_kept\(x, density\)"):
-        kept, residual = sparsify_module(x, 0.1)
-    expected_kept, expected_residual = split_kept(x, 0.1)
-    assert torch.equal(kept, expected_kept) and torch.equal(residual, expected_residual)
-    assert (kept != 0).sum() == 500  # keep_limit(5000, 0.1): distinct Gaussian values, no ties
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        split_kept(x, 0.1)  # the new name does not warn

@@ -29,14 +29,5 @@ from tagc.kernels.dispatch import (
     threshold,
 )
 
-__all__ = [
-    "STAT_FIELDS",
-    "compress_",
-    "decode",
-    "decode_async",
-    "interpreting",
-    "resolve_backend",
-    "row_thresholds",
-    "threshold",
-    "triton_available",
-]
+__all__ = ["STAT_FIELDS", "compress_", "decode", "decode_async", "interpreting", "resolve_backend", "row_thresholds",
+           "threshold", "triton_available"]

@@ -8,7 +8,6 @@ machines without a GPU).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -42,12 +41,5 @@ def require_triton(*tensors: torch.Tensor) -> None:
             continue
         if t.device.type == "cpu" and interpreting():
             continue
-        raise RuntimeError(
-            f"Triton kernels need CUDA tensors (got {t.device}); on the CPU they run only under the interpreter: "
-            "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
-
-
-def env_interpret() -> bool:
-    """``TRITON_INTERPRET`` as set in the environment (without importing triton)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        raise RuntimeError(f"Triton kernels need CUDA tensors (got {t.device}); on the CPU they run only under the "
+                           "interpreter: set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")

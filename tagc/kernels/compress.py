@@ -1,42 +1,24 @@
 """Fused compress: error feedback, sparsify, residual, packed index and count sketch.
 
-Three kernels, with a tiny scan between the first two; no host sync:
+Three kernels over programs of ``BLOCK`` consecutive elements of a chunk (whole index bytes), a scan in torch
+between the first two; no host sync:
 
-1. ``_count_kernel`` (programs of ``BLOCK`` consecutive elements of one chunk, a multiple of 8
-   so a program owns whole index bytes) reads ``grad`` and ``residual``, forms
-   ``a = residual + grad`` (rounded to the residual's dtype, as ``residual.add_(grad)`` does) and
-   stores the block's counts above the threshold (``|a| > tau[row]``) and of ties
-   (``|a| == tau``). It writes nothing else.
-2. In torch, per row: the exclusive prefix sums of the blocks' counts (the entries above
-   ``tau`` and the ties before each block), ``room = limit - (count above tau)`` and what
-   the capacity holds back (what the rule keeps, past ``cap``).
-3. ``_compress_kernel`` (the same programs) reads them again and applies the selection rule
-   of :mod:`tagc.sketch.sparsify`: the entries above ``tau`` and the ties whose rank in the
-   row (the prefix + the running count in the block, in index order) is within ``room``, and
-   of those the first ``cap``. It writes the new residual (``a``, with the kept entries
-   zeroed), packs them into 1- or 4-bit index bytes (viewing the block as ``[BLOCK/8, 8]`` or
-   ``[BLOCK/2, 2]`` and summing shifted bits along the short axis) and writes what it sent
-   (``a`` where kept, else 0) into a scratch chunk.
-4. ``_table_kernel`` (one program per table row and chunk) sums the sent values with their
-   signs into the row's cells, block by block in increasing order, one lane per cell: the
-   reference's order, so the table is the reference's bit for bit, on every run (no float
-   atomics; the sketch's inverse, which blocks add into which row, is :func:`blocks_by_row`).
+1. ``_count_kernel`` counts, per program, ``|a| > tau`` and the ties ``|a| == tau`` of ``a = residual + grad``
+   (rounded to the residual's dtype, as ``residual.add_(grad)`` does);
+2. in torch, per row: the counts' exclusive prefix sums, ``room = limit - (count above tau)`` and what the capacity
+   holds back;
+3. ``_compress_kernel`` applies the selection rule of :mod:`tagc.sketch.sparsify` with those ranks, writes the new
+   residual and the packed index, and what it sent into a scratch chunk;
+4. ``_table_kernel`` sums the sent values with their signs into each table row's cells, blocks in increasing
+   order, one lane per cell: the reference's order, no float atomics (:func:`blocks_by_row` is the inverse).
 
-Counting first costs one more read of ``grad`` and ``residual`` and the table one more write
-and read of the chunk (memory-bound: about 28 bytes per element against 12), and buys a row
-that never keeps more than ``cap``, whatever the sample made of it, and a table that is the
-same bits everywhere (ranks on any back end send the same wire).
-
-Programs over a chunk's blocks are on grid axis 0 (CUDA allows 2**31 - 1 there, 65,535 on
-axes 1 and 2), so any chunk below 2**31 elements launches. The per-block rows / signs /
-lane-xor tables are loaded from :meth:`SketchLayout.tables`, so the cells are exactly the
-reference's. The threshold ``tau`` comes from :mod:`tagc.kernels.radix_select` (or is given);
-:func:`tagc.kernels.ops.compress_triton` is the entry point that runs both. Index, residual
-and table match the reference :func:`tagc.sketch.compress_` on the CPU bit for bit (on CUDA the
-reference's ``scatter_add_`` adds a cell's values in the order its atomics land, so its own table
-may differ in the last bits from run to run).
+Counting first costs one more read of ``grad`` and ``residual`` (docs/design.md §3.3) and buys a row that never
+keeps more than ``cap`` and a table that is the same bits on every run and back end. Programs over a chunk's blocks
+are on grid axis 0 (CUDA allows 2**31 - 1 there, 65,535 on axes 1 and 2). The threshold comes from
+:mod:`tagc.kernels.radix_select` (or is given); :func:`tagc.kernels.ops.compress_triton` runs both. Index, residual
+and table match :func:`tagc.sketch.compress_` on the CPU bit for bit (on CUDA the reference's ``scatter_add_`` adds a
+cell's values in the order its atomics land, so its own table may differ in the last bits from run to run).
 """
-
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -91,21 +73,8 @@ def _count_kernel(grad_ptr, res_ptr, tau_ptr, counts_ptr, numel, BITS: tl.conste
 
 
 @triton.jit
-def _compress_kernel(
-    grad_ptr,
-    res_ptr,
-    tau_ptr,
-    index_ptr,
-    sent_ptr,
-    above_before_ptr,
-    ties_before_ptr,
-    room_ptr,
-    cap,
-    numel,
-    nbytes,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _compress_kernel(grad_ptr, res_ptr, tau_ptr, index_ptr, sent_ptr, above_before_ptr, ties_before_ptr, room_ptr, cap,
+                     numel, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Keep the entries above ``tau`` and the ties ranked within ``room[row]``, of those the
     first ``cap`` (ranks: the counts before the block + the running count in it, in index order)."""
     PER: tl.constexpr = 8 // BITS  # elements per index byte
@@ -157,22 +126,11 @@ def _table_kernel(sent_ptr, table_ptr, by_row_ptr, row_start_ptr, signs_ptr, xor
     tl.store(table_ptr + chunk * table_numel + (r << LANE_BITS)[:, None] + col[None, :], acc, mask=rm[:, None])
 
 
-def launch_compress(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    tau: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    lane_bits: int,
-    table_numel: int,
-    bits: int,
-    limit: int,
-    cap: int,
-    by_row: Optional[torch.Tensor] = None,
-    row_start: Optional[torch.Tensor] = None,
-    wrap: Callable = lambda k: k,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_compress(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tensor, rows: torch.Tensor,
+                    signs: torch.Tensor, lane_xor: torch.Tensor, lane_bits: int, table_numel: int, bits: int,
+                    limit: int, cap: int, by_row: Optional[torch.Tensor] = None,
+                    row_start: Optional[torch.Tensor] = None,
+                    wrap: Callable = lambda k: k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the two kernels on contiguous ``[N, S]`` ``grad``/``residual`` (residual in place)
     with positive thresholds ``tau`` ``[N]``, the per-row ``limit`` (:func:`keep_limit`) and
     capacity ``cap`` (:func:`capacity`). ``by_row, row_start`` are :func:`blocks_by_row` of ``rows``

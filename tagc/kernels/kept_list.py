@@ -1,32 +1,15 @@
 """``topk``'s kept list on the device: :func:`tagc.sketch.kept_list.list_kept_` and ``sum_lists``.
 
-**List** (:func:`launch_list_kept`): two kernels over programs of ``BLOCK`` consecutive entries
-of a row, with scans in torch between them; no host sync:
+**List** (:func:`launch_list_kept`): ``_list_count_kernel`` counts, per program of ``BLOCK`` entries, those above
+``tau``, the ties and the non-finite gradients of ``a = residual + grad``; scans in torch give ``ok``, ``room`` and
+each program's kept entries before it; ``_list_write_kernel`` writes the row's first ``cap`` kept entries into their
+list slots and, if ``ok``, the residual. Every step is exact (integer counts, element-wise arithmetic, plain
+stores), so counts, offsets, values and residual are the reference's bit for bit; no host sync.
 
-1. ``_list_count_kernel`` forms ``a = residual + grad`` (rounded to the residual's dtype, as
-   ``residual.add_(grad)`` does) and counts, per program, the entries above the threshold
-   (``|a| > tau``), the ties (``|a| == tau``) and the non-finite gradients.
-2. In torch: ``ok`` (no non-finite gradient anywhere, as the reference's ``finite(grad)``),
-   ``room = limit - (count above tau)`` per row, the ties before each program (ties are kept
-   in index order up to ``room``), hence each program's kept count and the kept entries
-   before it (an exclusive scan).
-3. ``_list_write_kernel`` recomputes ``a``, ranks its kept entries (the scan plus an
-   in-program cumulative sum), writes the first ``cap`` of the row into their list slots
-   (offset within the :data:`~tagc.sketch.kept_list.POSITION_BLOCK`, value ``a``), and, if
-   ``ok``, the residual (``a``, 0 where listed).
-
-The per-block counts and the overflow follow from the scans in torch. Every step is exact
-(integer counts, element-wise float arithmetic, plain stores), so counts, offsets, values and
-residual are the reference's bit for bit.
-
-**Sum** (:func:`launch_sum_lists`): ``_sum_lists_kernel`` adds one row's list into the output,
-one program per (position block, tile of its entries); rows are launched one after another in
-rank order, and a row's positions are distinct, so each position receives ``((0 + v0) + v1) +
-...`` in rank order, the reference's ``index_add_`` sums exactly (no atomics).
-
-Layout: kernels and launchers; :mod:`tagc.kernels.ops` registers them as torch operators.
+**Sum** (:func:`launch_sum_lists`): ``_sum_lists_kernel`` adds one row's list into the output; rows are launched in
+rank order and a row's positions are distinct, so each position's sum is the reference's ``index_add_``'s, exactly
+(no atomics). :mod:`tagc.kernels.ops` registers the launchers as torch operators.
 """
-
 from __future__ import annotations
 
 from typing import Callable

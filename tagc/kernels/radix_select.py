@@ -1,20 +1,12 @@
 """Device-side magnitude threshold: a two-pass radix select over the float bits.
 
-For non-negative floats the int32 bit pattern orders like the value, so the ``k``-th
-largest ``|a|`` is found digit by digit: pass 0 histograms the top 16 bits (sign cleared:
-exponent and 7 mantissa bits) of every sampled element, a cumulative sum from the top
-picks the bin holding the ``k``-th largest; pass 1 histograms the low 16 bits of the
-elements in that bin and picks the exact value. Everything stays on the device (no
-``.item()``): histograms, cumsum and bin choice are tensors.
+For non-negative floats the int32 bit pattern orders like the value, so the ``k``-th largest ``|a|`` is found
+digit by digit: pass 0 histograms the top 16 bits (sign cleared) of every sampled element and a cumulative sum from
+the top picks the bin holding it; pass 1 histograms the low 16 bits of that bin's elements. No ``.item()``.
 
-It samples exactly as the reference :func:`tagc.sketch.row_thresholds` does (all of a row
-up to ``MIN_SAMPLE`` elements, otherwise the same golden-stride positions) and selects the
-same order statistic, so the result is **bit-identical** to the reference, not merely
-close. It reads ``residual + grad`` on the fly (rounded to the residual's dtype, as
-``residual.add_(grad)`` would), so the fused compress needs no extra pass to materialise
-the sum first.
-
-Layout: kernel and launcher; :func:`tagc.kernels.ops.row_thresholds_triton` is the entry point.
+It samples and ranks exactly as :func:`tagc.sketch.row_thresholds` does, so the result is **bit-identical** to the
+reference, and reads ``residual + grad`` on the fly (rounded to the residual's dtype). Entry point:
+:func:`tagc.kernels.ops.row_thresholds_triton`.
 """
 
 from __future__ import annotations
@@ -35,19 +27,8 @@ BLOCK = 1024
 
 
 @triton.jit
-def _radix_hist_kernel(
-    res_ptr,
-    grad_ptr,
-    hist_ptr,
-    prefix_ptr,
-    numel,
-    size,
-    stride,
-    HAS_GRAD: tl.constexpr,
-    SAMPLED: tl.constexpr,
-    PASS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _radix_hist_kernel(res_ptr, grad_ptr, hist_ptr, prefix_ptr, numel, size, stride, HAS_GRAD: tl.constexpr,
+                       SAMPLED: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Histogram one 16-bit digit of ``|residual (+ grad)|`` for row ``program_id(1)``.
 
     Pass 0 bins the high digit; pass 1 bins the low digit of the elements whose high digit
@@ -87,16 +68,8 @@ def _select_bin(hist: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return bins - 1 - j, k - above
 
 
-def sample_plan(numel: int, density: float) -> tuple[int, int, int]:
-    """``(size, stride, keep)``: the reference's sample size, golden stride and rank."""
-    size = sample_size(numel, density)
-    keep = keep_limit(size, density)
-    return size, sample_stride(numel), keep
-
-
-def launch_row_thresholds(
-    residual: torch.Tensor, grad: Optional[torch.Tensor], density: float, wrap: Callable = lambda k: k
-) -> torch.Tensor:
+def launch_row_thresholds(residual: torch.Tensor, grad: Optional[torch.Tensor], density: float,
+                          wrap: Callable = lambda k: k) -> torch.Tensor:
     """Per-row thresholds ``[N]`` (float32) of ``residual (+ grad)``, both ``[N, S]`` contiguous.
 
     ``wrap`` is applied to each kernel before launch (``torch.library.wrap_triton`` when
@@ -108,7 +81,8 @@ def launch_row_thresholds(
         return torch.zeros(n_rows, dtype=torch.float32, device=device)
     if density <= 0.0:
         return torch.full((n_rows,), math.inf, dtype=torch.float32, device=device)
-    size, stride, keep = sample_plan(numel, density)
+    size, stride = sample_size(numel, density), sample_stride(numel)  # the reference's sample and rank
+    keep = keep_limit(size, density)
     grid = (triton.cdiv(size, BLOCK), n_rows)  # blocks on axis 0: a whole-chunk sample of any size launches
     common = dict(HAS_GRAD=grad is not None, SAMPLED=size != numel, BLOCK=BLOCK)
     g = grad if grad is not None else residual

@@ -1,12 +1,9 @@
 """The whole per-step compression of a bucket in one pass (docs/design.md §3.2-3.5).
 
-A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every
-chunk: add the gradient into the error-feedback residual, threshold it, take the selected
-entries out of the residual (at most :func:`keep_limit` of them unless more are strictly
-above the threshold: ties are broken by index; and never more than :func:`capacity`, see
-:mod:`tagc.sketch.sparsify`), and build
-their index and count sketch. The composition of :func:`sparsify`, :func:`build_index` and
-:func:`encode`, without materialising the dense kept tensor.
+A bucket is ``N`` equal chunks, one per destination rank, viewed as ``[N, S]``. For every chunk: add the gradient
+into the error-feedback residual, take the entries the selection rule keeps (:mod:`tagc.sketch.sparsify`) out of it,
+and build their index and count sketch: :func:`split_kept`, :func:`build_index` and :func:`encode` composed, without
+materialising the dense kept tensor.
 """
 
 from __future__ import annotations
@@ -37,16 +34,8 @@ def check_compress_args(grad: torch.Tensor, residual: torch.Tensor, density: flo
     check_sketch_dtype(residual, "the residual")
 
 
-def compress_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    layout: SketchLayout,
-    bits: int,
-    tau: Optional[torch.Tensor] = None,
-    return_held: bool = False,
-    cap: Optional[int] = None,
-):
+def compress_(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int,
+              tau: Optional[torch.Tensor] = None, return_held: bool = False, cap: Optional[int] = None):
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
     Args:
@@ -74,11 +63,8 @@ def compress_(
     rows = residual.view(-1, layout.numel)
     rows.add_(grad.view_as(rows))
     n_chunks = rows.shape[0]
-    tau = (
-        row_thresholds(rows, density)
-        if tau is None
-        else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks)
-    )
+    tau = (row_thresholds(rows, density) if tau is None
+           else tau.to(device=rows.device, dtype=torch.float32).reshape(n_chunks))
     cap = capacity(layout.numel, density) if cap is None else cap
     limit = keep_limit(layout.numel, density)
     held = held_back(rows, tau, limit, cap) if return_held else None

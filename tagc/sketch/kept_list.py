@@ -63,14 +63,8 @@ def finite(x: torch.Tensor) -> torch.Tensor:
 
 def compact(kept: torch.Tensor, values: torch.Tensor,
             cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first ``cap`` kept entries of each row, in index order, into fixed-size lists.
-
-    Args:
-        kept: bool ``[N, n]``; values: ``[N, n]``.
-    Returns:
-        ``(counts, offsets, values, listed)`` as in the module docstring, and which entries
-        went into the lists (bool ``[N, n]``).
-    """
+    """The first ``cap`` kept entries (bool ``[N, n]``) of each row of ``values``, in index order, into fixed-size
+    lists: ``(counts, offsets, values)`` as in the module docstring, and ``listed`` (bool ``[N, n]``)."""
     world, numel = kept.shape
     running = kept.cumsum(dim=1, dtype=torch.int32)  # kept entries up to and including each position
     listed = kept & (running <= cap)

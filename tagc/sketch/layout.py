@@ -1,21 +1,9 @@
 """Where every element of a chunk lands in the count-sketch table.
 
-The chunk of ``numel`` elements is viewed as ``B = ceil(numel / L)`` blocks of ``L`` lanes.
-The table has ``R = max(3, ceil(B / ratio))`` rows of ``L`` columns. Block ``b`` owns three
-rows, one in each third of the table (so they are distinct), with signs ``sigma_j(b)``;
-element ``(b, t)`` is added to cells ``(rho_j(b), t ^ x(b))``. Each table column is an
-independent peeling problem; the per-block xor ``x(b)`` spreads heavy gradient columns over
-all table columns, and keeps GPU accesses coalesced (it permutes within aligned groups).
-
-Two choices make decoding lossless at the planned load instead of merely likely:
-
-* ``(rho_0, rho_1)`` is an *injective* function of the block (a keyed permutation of the
-  ``P0 * P1`` row pairs) whenever there are enough pairs. Two non-zeros of one column can
-  then never share all three cells, which removes the smallest and by far most frequent
-  stopping set — the one whose 3x2 system is singular when the signs are parallel.
-* Chunks so small that the table is clamped to 3 rows use a lane width that leaves at most
-  3 blocks, with sign patterns that are linearly independent: the table then holds at
-  least ``numel`` cells and any support decodes exactly.
+Element ``(b, t)`` of block ``b`` (``L`` lanes each) is added to cells ``(rho_j(b), t ^ x(b))`` with signs
+``sigma_j(b)``, ``j < 3``, one row in each third of the table. docs/design.md §3.5 explains the geometry, why the
+first two rows are injective and why tiny chunks take at most 3 blocks: each makes decoding lossless at the
+planned load instead of merely likely.
 """
 
 from __future__ import annotations
@@ -116,10 +104,8 @@ class SketchLayout:
         self._device_tables: dict[torch.device, _Tables] = {}
 
     def __repr__(self) -> str:
-        return (
-            f"SketchLayout(numel={self.numel}, ratio={self.ratio:g}, lanes={self.lanes}, blocks={self.blocks}, "
-            f"rows={self.rows}, seed={self.seed})"
-        )
+        return (f"SketchLayout(numel={self.numel}, ratio={self.ratio:g}, lanes={self.lanes}, blocks={self.blocks}, "
+                f"rows={self.rows}, seed={self.seed})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SketchLayout) and self.key == other.key

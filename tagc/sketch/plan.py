@@ -18,12 +18,8 @@ def union_density(density: float, world_size: int) -> float:
 
 
 def plan_density(ratio: float, world_size: int, load: float = PLANNED_LOAD) -> float:
-    """Per-rank kept fraction so ``world_size`` independent supports peel with margin.
-
-    The union of the supports must load each lane's rows below the peeling threshold:
-    ``union_density * ratio <= load``. With independent supports
-    ``union_density = 1 - (1 - density) ** world_size``.
-    """
+    """Per-rank kept fraction so ``world_size`` independent supports peel with margin: their union loads each
+    lane's rows to at most ``load`` (docs/design.md §3.3)."""
     if not isinstance(ratio, (int, float)) or not ratio > 1 or not math.isfinite(ratio):
         raise ValueError(f"ratio must be a finite number > 1, got {ratio!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

@@ -10,23 +10,15 @@ capacity ``cap = capacity(numel, density)`` (``>= k``) keeps
 * of the entries with ``|a| == tau`` (ties), the first ``k - count(|a| > tau)`` in index
   order (none if that is ``<= 0``),
 
-and of those the first ``cap`` in index order: a sample that misjudged the row cannot
-overfill it, the rest stay in the residual. (With the default capacity, ``cap >= k``, so
-the capacity only ever cuts entries above ``tau``; a wire may pass a smaller one.)
-
-So ties can never push a row past ``k``, nor anything past ``cap``: integer, +-1, 0/1 or
-bf16-rounded gradients keep ``k`` entries, not every entry equal to the threshold, and the
-union of the ranks' rows never loads a sketch past its plan by more than ``cap / k``. Every
-entry is either kept or stays in the residual (error feedback), never both and never neither.
+and of those the first ``cap`` in index order (a wire may pass a smaller ``cap`` than the default); the rest stay
+in the residual. Why (ties, misjudged samples, the sketch's load): docs/design.md §3.3. Every entry is either kept
+or stays in the residual (error feedback), never both and never neither.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
-import types
-import warnings
 
 import torch
 
@@ -47,10 +39,8 @@ def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
     low, high = torch.aminmax(x.detach().reshape(-1))  # NaN and Inf both surface in min/max
     if not bool(torch.isfinite(low) & torch.isfinite(high)):
         bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
-        raise ValueError(
-            f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
-            "gradients, or let the hook send such buckets uncompressed)"
-        )
+        raise ValueError(f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
+                         "gradients, or let the hook send such buckets uncompressed)")
 
 
 def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tensor:
@@ -66,13 +56,8 @@ def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tenso
 @functools.lru_cache(maxsize=4096)
 def sample_stride(numel: int) -> int:
     """The stride of :func:`sample_positions`: the first odd number from ``0.618 * numel`` up
-    that is coprime with ``numel``.
-
-    Coprime, so the first ``numel`` multiples visit every position once and a sample of any
-    size holds distinct positions. A stride sharing a factor ``g`` with ``numel`` would cycle
-    through only ``numel / g`` positions: at ``numel = 117,177`` the odd ``72,419`` shares 139,
-    so a 65,536-entry sample held 843 distinct positions and its threshold kept 37% more than
-    planned.
+    that is coprime with ``numel``, so a sample of any size holds distinct positions (why it matters:
+    docs/design.md §3.3).
     """
     stride = int(numel * _GOLDEN_FRACTION) | 1
     while math.gcd(stride, numel) > 1:
@@ -85,10 +70,8 @@ def keep_limit(numel: int, density: float) -> int:
     round(density * numel)))`` for ``0 < density < 1``, ``numel`` at ``density >= 1``, ``0`` at
     ``density <= 0``.
 
-    The one definition of the count: it is the rank :func:`row_thresholds` selects (applied
-    to the sample size), and the most entries ties may fill a row up to (the selection rule
-    in the module docstring). Unsampled rows thus keep exactly their ``k`` largest
-    magnitudes, ties broken by index.
+    The one definition of the count: the rank :func:`row_thresholds` selects (applied to the
+    sample size), and the most entries ties may fill a row up to (the module's selection rule).
     """
     if density >= 1.0:
         return numel
@@ -107,14 +90,10 @@ def capacity(numel: int, density: float) -> int:
     """The most entries a row keeps (the selection rule's ``cap``): room for every entry the
     threshold keeps, but for rare sampling outliers and inputs the sample misjudges.
 
-    A row of at most :data:`MIN_SAMPLE` entries (or at density >= 1) is thresholded exactly
-    and keeps at most ``k = keep_limit(numel, density)``: capacity ``k``. A larger row's
-    threshold is the ``h``-th largest of a spread sample holding ``h = keep_limit(sample,
-    density)`` >= ``SAMPLE_HITS`` = 4096 kept entries, so the kept fraction it yields has a
-    relative spread ~``1/sqrt(h)`` (a Beta quantile, 1.6% at 4096); the rest of the row then
-    keeps a binomial count around it (spread ``sqrt(mu)``). With ``mu = density * numel`` and
-    ``sigma = sqrt(mu + mu^2 / h)`` the capacity is ``ceil(mu + 4 sigma) + 8``: +6.25% for
-    large rows at h = 4096, reached with odds ~3e-5 per row under that model.
+    ``k = keep_limit(numel, density)`` for a row thresholded exactly; for a sampled one ``ceil(mu + 4 sigma) + 8``,
+    ``mu = density * numel``, ``sigma = sqrt(mu + mu^2 / h)`` with ``h`` the sample's kept count: the threshold's
+    Beta spread (~``1/sqrt(h)``) and the row's binomial one. +6.25% for large rows, overflow odds ~3e-5 per row
+    (docs/design.md §3.3, §9).
     """
     if not 0.0 < density < 1.0 or sample_size(numel, density) >= numel:
         return keep_limit(numel, density)
@@ -185,19 +164,12 @@ SKETCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_sketch_dtype(x: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is float32, bfloat16 or float16.
-
-    The table is float32, and the support is exact only if every entry the index marks has
-    a finite non-zero float32 value: float64 would be rounded (values below ~1.4e-45 flush
-    to 0 while the index still marks them, values above ~3.4e38 become inf, the rest lose
-    29 mantissa bits), so it is rejected rather than converted silently.
-    """
+    """Raise ``ValueError`` unless ``x`` is float32, bfloat16 or float16: float64 is rejected rather than rounded
+    silently (docs/design.md §5, item 3)."""
     if x.dtype not in SKETCH_DTYPES:
         hint = " (cast it: .float())" if x.is_floating_point() else ""
-        raise ValueError(
-            f"{what} is {x.dtype}; TAGC sketches hold float32 and take float32, bfloat16 or float16 input, "
-            f"which convert to float32 exactly{hint}"
-        )
+        raise ValueError(f"{what} is {x.dtype}; TAGC sketches hold float32 and take float32, bfloat16 or float16 "
+                         f"input, which convert to float32 exactly{hint}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,18 +219,3 @@ def held_back(rows: torch.Tensor, tau: torch.Tensor, limit: int, cap: int) -> to
     ties = (magnitude == level).sum(dim=-1)
     return (above + torch.minimum(ties, (limit - above).clamp(min=0)) - cap).clamp_(min=0)
 
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as the function ``tagc.sketch`` used to re-export under its name.
-
-    ``tagc.sketch.sparsify`` is the module (so ``from tagc.sketch import sparsify`` and
-    ``import tagc.sketch.sparsify`` agree); calling it still splits, with a ``DeprecationWarning``
-    that names :func:`split_kept`, so code written against the old re-export keeps working."""
-
-    def __call__(self, x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
-        warnings.warn("calling tagc.sketch.sparsify(x, density) is deprecated: it is the module now; call "
-                      "tagc.sketch.split_kept(x, density)", DeprecationWarning, stacklevel=2)
-        return split_kept(x, density)
-
-
-sys.modules[__name__].__class__ = _CallableModule

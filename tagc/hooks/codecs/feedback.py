@@ -1,10 +1,9 @@
 """Error feedback of another kind for every error-feedback codec: EF21 (``tagc.hook(feedback="ef21")``).
 
-**Classic error feedback** (the codecs' own): rank ``i`` sends ``C(g_i + r_i)`` and keeps
-``r_i = (g_i + r_i) - C(g_i + r_i)``; the owner hands the optimizer the decoded sum. An element
-that is not selected contributes nothing until it is sent, many steps later, as one burst of
-what it accumulated (staleness: at a density of a few per cent most compressed elements were
-last sent 8 or more steps before).
+**Classic error feedback** (the codecs' own, docs/design.md §3.2): rank ``i`` sends ``C(g_i + r_i)`` and keeps
+the rest in ``r_i``. An element that is not selected contributes nothing until it is sent, many steps later, as one
+burst of what it accumulated (staleness: at a density of a few per cent most compressed elements were last sent 8
+or more steps before).
 
 **EF21** (Richtárik, Sokolov, Fatkhullin 2021, arXiv 2106.05203): rank ``i`` keeps a *shift*
 ``h_i``, its last gradient estimate the owners know, and sends the compressed *change*
@@ -127,6 +126,11 @@ def with_feedback(codec: Codec, feedback: str = "classic", decay: float = 1.0) -
     return EF21Codec(codec, decay)
 
 
+def _inner(attr: str, doc: Optional[str] = None) -> property:
+    """A read-only property that is the wrapped codec's ``attr`` (:attr:`EF21Codec.inner`)."""
+    return property(lambda self: getattr(self.inner, attr), doc=doc)
+
+
 class EF21Codec(Codec):
     """``inner`` with EF21 instead of its own error feedback (module docstring).
 
@@ -170,43 +174,16 @@ class EF21Codec(Codec):
 
     # ------------------------------------------------------------------ what the inner codec is
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def compresses(self) -> bool:
-        return self.inner.compresses
-
-    @property
-    def rounds(self) -> int:
-        return self.inner.rounds
-
-    @property
-    def whole_segments(self) -> bool:
-        return self.inner.whole_segments
-
-    @property
-    def uses_ratio(self) -> bool:
-        return self.inner.uses_ratio
-
-    @property
-    def error_feedback(self) -> bool:
-        return True
-
-    @property
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """The inner codec's residuals: ``-h_i`` per part (:attr:`tagc.hooks.core.engine.TAGCHook.residuals`)."""
-        return self.inner.residuals
-
-    @property
-    def config(self):
-        """The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``)."""
-        return self.inner.config
-
-    @property
-    def wire_codec(self) -> Codec:
-        return self.inner.wire_codec
+    name = _inner("name")
+    compresses = _inner("compresses")
+    rounds = _inner("rounds")
+    whole_segments = _inner("whole_segments")
+    uses_ratio = _inner("uses_ratio")
+    error_feedback = True
+    residuals = _inner("residuals", "The inner codec's residuals: ``-h_i`` per part "
+                       "(:attr:`tagc.hooks.core.engine.TAGCHook.residuals`).")
+    config = _inner("config", "The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``).")
+    wire_codec = _inner("wire_codec")
 
     def all_reduce_form(self, parts, plain, plain_codec):
         """The inner codec's all-reduce form, its parts' feedback this wrapper's (:meth:`summed_shift`)."""
@@ -366,13 +343,10 @@ class EF21Codec(Codec):
 
 
 class SummedShift(Shift):
-    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole
-    part:
-    the part compresses ``g - h_i`` (its residual holds ``-h_i``), its residual becomes the
-    next ``-h_i`` as :meth:`EF21Codec.encode` leaves it, and every rank adds the decoded sum of the changes to its copy
-    of ``H`` (the whole part: ``H`` is replicated). A part whose summed table is not finite (a rank's gradient was)
-    leaves every shift and ``H`` as they were: the sum cannot tell which rank's change was finite, so every rank takes
-    its own back; the part comes out NaN, as the codecs' policy has it."""
+    """EF21 on one part of an all-reduce form (:mod:`tagc.hooks.core.allreduce`): as :meth:`EF21Codec.encode` on the
+    residual, and every rank adds the decoded sum to its copy of ``H`` (replicated). A part whose summed table is not
+    finite leaves every shift and ``H`` as they were (the sum cannot tell which rank's change was finite), and comes
+    out NaN, as the codecs' policy has it."""
 
     def __init__(self, ef21: EF21Codec, key: str, numel: int) -> None:
         self.ef21, self.key, self.numel = ef21, key, numel

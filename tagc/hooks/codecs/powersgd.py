@@ -24,20 +24,16 @@ rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments that are no matr
 plain in round 0, and so do those whose shape the adapter cannot give (FSDP1's multi-parameter
 units), with a warning (once).
 
-Bytes this rank sends per bucket: ``(N-1) * (8 ceil(sum m r / N) + 8 ceil(sum n r / N)
-+ plain columns * reduce itemsize)``. ``value_dtype="bfloat16"`` halves all three (as DDP's
-``bf16_compress_wrapper`` around its PowerSGD hook): P, Q and the plain columns travel in bf16 and
-are summed in float32; the summed slices go back in bf16, so every rank still orthonormalises
-the same values, and error feedback absorbs the rounding.
+Bytes per bucket: docs/design.md §7. ``value_dtype="bfloat16"`` halves them (as DDP's ``bf16_compress_wrapper``):
+P, Q and the plain columns travel in bf16 and are summed in float32; the summed slices go back in bf16, so every
+rank still orthonormalises the same values, and error feedback absorbs the rounding.
 
 NaN/Inf: the approximation of a matrix whose summed ``Q`` is not finite reaches every owner as
 NaN (as a plain reduce-scatter would); its residual and ``Q`` stay as they were on every rank.
 Every rank counts it in ``nonfinite_parts`` (a device count: no host read), so
 ``nonfinite="raise"`` raises on every rank. NaN/Inf in the plain columns reaches the owner as it is.
 
-Where every rank needs the whole average (DDP), the codec's all-reduce form (:class:`SummedFactors`) is torch's
-DDP hook itself: ``P`` with the uncompressed columns in all-reduces, then ``Q``, each summed in its dtype, and
-every rank forms ``P Q^T``.
+Where every rank needs the whole average (DDP): :class:`SummedFactors`, torch's DDP hook itself.
 """
 
 from __future__ import annotations
@@ -62,10 +58,7 @@ if TYPE_CHECKING:
     from tagc.hooks.core.segment import Segment
 
 DEFAULT_RANK = 4
-"""Vogels et al. train their language model at rank 4 (ResNet at 2); the DDP hook's default 1
-is its most aggressive setting, which its docs say to raise (1, 2, 4, ...) when accuracy
-suffers. A GPT-2 small MLP matrix (768 x 3072) at rank 4 still sends ~75x fewer bytes than
-its plain reduce-scatter."""
+"""Vogels et al.'s language-model rank (docs/design.md §9); the DDP hook's default 1 is its most aggressive."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,10 +256,9 @@ class PowerSGDCodec(Codec):
         return values
 
     def decode_shifted(self, received, numel, key, group, stats) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`decode` for EF21 (:mod:`tagc.hooks.codecs.feedback`): each matrix's residual turned from ``M - P
-        Q^T / N``
-        into ``r - P Q^T / N`` (``M = g + r``; unchanged where the summed ``Q`` is not finite); ``shifted`` marks this
-        rank's columns of the matrices whose summed ``Q`` is finite (the plain columns are not shifted)."""
+        """:meth:`decode` for EF21 (:mod:`tagc.hooks.codecs.feedback`): each matrix's residual turned from
+        ``M - P Q^T / N`` into ``r - P Q^T / N`` (``M = g + r``; unchanged where the summed ``Q`` is not finite);
+        ``shifted`` marks this rank's columns of the matrices whose summed ``Q`` is finite (not the plain ones)."""
         layout, step = self._layouts[key], self._steps[key]  # decode pops the step: read it first
         names = self.residual_keys(key)
         before = [self.residuals.get(n) for n in names]
@@ -298,9 +290,7 @@ class PowerSGDCodec(Codec):
     def approximate(self, name: str, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor, q_used: torch.Tensor,
                     world: int, stats: ExchangeStats) -> torch.Tensor:
         """Matrix ``name``'s summed rank-r approximation ``p q^T``, from the orthonormal summed ``p`` and the
-        summed ``q``; keeps this rank's ``m`` minus the averaged approximation as its residual (the DDP
-        hook's rule) and ``q / world`` as the next warm start, both as they were when ``q`` is not finite
-        (counted in ``stats.nonfinite_parts``)."""
+        summed ``q``; keeps the residual and the next warm start as :meth:`_keep` says."""
         approx = p @ q.T
         self._keep(name, m - approx / world, q, q_used, world, stats)
         return approx
@@ -310,8 +300,7 @@ class PowerSGDCodec(Codec):
         """:meth:`approximate` for an all-reduce where every rank needs the whole average: ``out`` (float32, ``m``'s
         shape, e.g. the matrix's place in a DDP bucket) receives the averaged approximation ``p q^T / world``, and
         the residual is ``m - out`` (the same bits as :meth:`approximate`'s ``m - p q^T / world``). Written in place:
-        the product into ``out``, the residual into ``m``'s memory (``m`` is this step's own copy; it becomes the
-        residual), so no matrix-sized temporary is made. Non-finite summed ``q``: residual and ``Q`` as they were."""
+        the product into ``out``, the residual into ``m``'s memory (this step's own copy), no matrix-sized temporary."""
         torch.matmul(p, q.T, out=out)
         out.div_(world)
         self._keep(name, m.sub_(out), q, q_used, world, stats, out=m)
@@ -353,8 +342,7 @@ class PowerSGDCodec(Codec):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the state with copies of ``state``'s, in the same dicts (as
-        :class:`~tagc.hooks.codecs.codec.ResidualCodec`
-        does); an unknown entry is an error that leaves the state as it was."""
+        :class:`~tagc.hooks.codecs.codec.ResidualCodec` does); an unknown entry leaves the state as it was."""
         residuals, qs, draws = {}, {}, {}
         for key, value in state.items():
             name, _, kind = key.rpartition("/")
@@ -380,16 +368,6 @@ class PowerSGDCodec(Codec):
         return SummedFactors(parts[0], list(plain), plain_codec.summed_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dtypes:
-    """What the all-reduce form sends in which dtype: ``P`` and ``Q`` (the codec's ``value_dtype``), the codec's
-    shape-less columns (the same, or float32 with float32 values), the hook's plain parts."""
-
-    values: torch.dtype
-    columns: torch.dtype
-    plain: torch.dtype
-
-
 class SummedFactors(AllReduceForm):
     """PowerSGD's all-reduce form, torch's DDP hook on the codec's state: ``P`` (with the uncompressed columns)
     launched by :meth:`start`, ``Q`` by the flight's ``launch`` once ``P`` is summed (on the backward's thread),
@@ -403,11 +381,8 @@ class SummedFactors(AllReduceForm):
     approximation formed from the rounded, summed ``P`` and ``Q``: the rounding of the 16-bit wire lands in the
     residual, as on the flat lean wire.
 
-    The matrices and the shape-less columns are whole parameters, each a contiguous run of the bucket
-    (:meth:`_runs`): ``M`` is read from the buffer as a view (one pass: the gradient plus the residual) and the
-    averaged approximation is formed in the buffer itself (:meth:`PowerSGDCodec.average_into`), the residual in
-    ``M``'s memory: no gather of the part's columns, no matrix-sized temporaries, as torch's hook decompresses into
-    the bucket.
+    Each matrix is a contiguous run of the bucket (:meth:`_runs`), read as a view and overwritten with the averaged
+    approximation (:meth:`PowerSGDCodec.average_into`): no gather, no matrix-sized temporaries, as torch's hook.
 
     Bytes each rank sends: ``ring(v (sum m r + p)) + ring(v sum n r)``, ``v`` bytes per value (one ``ring`` per
     dtype of the first all-reduces)."""
@@ -415,19 +390,19 @@ class SummedFactors(AllReduceForm):
     def __init__(self, part, plain: list, plain_dtype: torch.dtype) -> None:
         self.codec: PowerSGDCodec = part.codec
         self.part, self.plain = part, plain
-        self.dtypes = _Dtypes(self.codec.value_dtype, self.codec._plain_dtype(torch.float32), plain_dtype)
+        self.dtypes = (self.codec.value_dtype, self.codec._plain_dtype(torch.float32), plain_dtype)  # P/Q, cols, plain
         self.shapes = self.codec._layouts[part.key]
 
     def planned_bytes(self, group, device) -> int:
-        world, dtypes, shapes = dist.get_world_size(group), self.dtypes, self.shapes
-        columns = sum(count for _, count in shapes.plain)
-        plain = sum(p.numel for p in self.plain)
-        first = by_dtype([(dtypes.values, sum(shapes.p_sizes)), (dtypes.columns, columns), (dtypes.plain, plain)])
+        world, (values, columns, plain), shapes = dist.get_world_size(group), self.dtypes, self.shapes
+        first = by_dtype([(values, sum(shapes.p_sizes)), (columns, sum(count for _, count in shapes.plain)),
+                          (plain, sum(p.numel for p in self.plain))])
         return (sum(ring(dtype.itemsize * sum(counts), world) for dtype, counts in first.items())
-                + ring(dtypes.values.itemsize * sum(shapes.q_sizes), world))
+                + ring(values.itemsize * sum(shapes.q_sizes), world))
 
     def start(self, buffer: torch.Tensor, collectives: Collectives) -> None:
-        codec, part, plain, dtypes, shapes = self.codec, self.part, self.plain, self.dtypes, self.shapes
+        codec, part, plain, shapes = self.codec, self.part, self.plain, self.shapes
+        values_dtype, columns_dtype, plain_dtype = self.dtypes
         matrix_at, columns_at = self._runs()
         device, world, flight = buffer.device, collectives.world, collectives.flight
         stats = flight.stats
@@ -447,8 +422,8 @@ class SummedFactors(AllReduceForm):
         p_flat = (torch.cat([right_times(m, q).reshape(-1) for m, q in zip(ms, qs)]) if ms
                   else buffer.new_zeros(0).float())
         uncompressed = [buffer[at : at + count] for at, count in columns_at]
-        first = Summands([(dtypes.values, p_flat), *((dtypes.columns, t) for t in uncompressed),
-                          *((dtypes.plain, buffer[p.index(device)]) for p in plain)])
+        first = Summands([(values_dtype, p_flat), *((columns_dtype, t) for t in uncompressed),
+                          *((plain_dtype, buffer[p.index(device)]) for p in plain)])
         collectives.release()
         summed_first = [collectives.all_reduce(tensor) for tensor in first.flat.values()]  # P's dtype first
         flight.future = future_of(buffer)
@@ -461,7 +436,7 @@ class SummedFactors(AllReduceForm):
             summed_ps = first.summed(0).split(shapes.p_sizes)
             ps = [orthonormal(p.view(mat.rows, mat.rank)) for p, mat in zip(summed_ps, shapes.matrices)]
             second = (torch.cat([left_times(m, p).reshape(-1) for m, p in zip(ms, ps)]) if ms
-                      else p_flat.new_zeros(0)).to(dtypes.values)
+                      else p_flat.new_zeros(0)).to(values_dtype)
             launched = [*summed_first[1:], collectives.all_reduce(second)]
 
             def decode(_: torch.futures.Future) -> torch.Tensor:

@@ -197,13 +197,8 @@ class BF16Codec(Codec):
         return rows.sum(dim=0, dtype=torch.float32)
 
 
-BF16_SPEC = CodecSpec(
-    name="bf16",
-    build=lambda config, residual_dtype, options: BF16Codec(),
-    options={},
-    uses_config=False,
-    summary="values cast to bfloat16, summed in float32 at the owner",
-)
+BF16_SPEC = CodecSpec(name="bf16", build=lambda config, residual_dtype, options: BF16Codec(), options={},
+                      uses_config=False, summary="values cast to bfloat16, summed in float32 at the owner")
 
 
 class FP8Codec(Codec):
@@ -214,8 +209,7 @@ class FP8Codec(Codec):
     Bound (3 mantissa bits, round to nearest): per element and rank
     ``|x - deq(x)| <= 2^-4 * blockmax`` (plus ``2^-140`` for blocks whose absmax is below
     ``448 * 2^-126``, whose scale is a float32 subnormal).
-    Options: ``block`` (default 128: DeepSeek-V3's fine-grained 1x128 FP8 tiles, which keep
-    an outlier's reach to 128 neighbours, at 0.25 bit/element of scales, 3%).
+    Options: ``block`` (default 128, docs/design.md §9).
     NaN/Inf: the sender's whole block is NaN at its owner.
     """
 
@@ -241,13 +235,9 @@ class FP8Codec(Codec):
         return dequantize_fp8(codes, scales.abs(), self.block).sum(dim=0)
 
 
-FP8_SPEC = CodecSpec(
-    name="fp8",
-    build=lambda config, residual_dtype, options: FP8Codec(**options),
-    options={"block": 128},
-    uses_config=False,
-    summary="float8 e4m3, one float32 scale (absmax / 448) per block",
-)
+FP8_SPEC = CodecSpec(name="fp8", build=lambda config, residual_dtype, options: FP8Codec(**options),
+                     options={"block": 128}, uses_config=False,
+                     summary="float8 e4m3, one float32 scale (absmax / 448) per block")
 
 
 class Int4Codec(Codec):
@@ -262,10 +252,8 @@ class Int4Codec(Codec):
     a flat part of columns does not have) and ``stochastic`` (default False: stochastic
     rounding from a counter-based hash of the element's place, the part, the sending rank
     and the step, so it is reproducible and the same eager and compiled).
-    Why ``[-7, 7]``: qgZ's ``[-8, 7]`` with ``s = absmax / 8`` clips ``+absmax`` to ``7s``
-    (error ``absmax / 8``); ``[-7, 7]`` maps both signs exactly and halves the worst case.
-    Why float32 scales: a bf16 scale is off by up to 2^-8, so ``absmax / s`` leaves [-7, 7]
-    and needs clipping; 32/128 = 0.25 bit/element is the price (6% of 4 bits).
+    Why ``[-7, 7]``: docs/design.md §9. Why float32 scales: a bf16 scale is off by up to 2^-8, so
+    ``absmax / s`` leaves [-7, 7] and needs clipping; 32/128 = 0.25 bit/element is the price (6% of 4 bits).
     NaN/Inf: the sender's whole block is NaN at its owner.
     State: with ``stochastic``, an encode counter per part (in ``state_dict``).
     """
@@ -308,10 +296,6 @@ class Int4Codec(Codec):
         self.steps.update(loaded)
 
 
-INT4_SPEC = CodecSpec(
-    name="int4",
-    build=lambda config, residual_dtype, options: Int4Codec(**options),
-    options={"block": 128, "stochastic": False},
-    uses_config=False,
-    summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block",
-)
+INT4_SPEC = CodecSpec(name="int4", build=lambda config, residual_dtype, options: Int4Codec(**options),
+                      options={"block": 128, "stochastic": False}, uses_config=False,
+                      summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block")

@@ -1,13 +1,9 @@
 """Every codec ``tagc.hook(codec=...)`` accepts, with its options: one table that the API, the
 engine and the benchmarks read, so a name or an option is validated in one place.
 
-A codec's module defines the :class:`~tagc.hooks.codecs.codec.Codec` and, beside it, its
-:class:`~tagc.hooks.codecs.spec.CodecSpec`: its name, how to build it, its options (with
-defaults) and whether the TAGC selection settings (``ratio``, ``index_bits``, ``sparsity`` and
-the other :class:`~tagc.config.TAGCConfig` fields) apply to it. This module registers each with
-one explicit line below; nothing is discovered by scanning. Adding a codec is its own module
-plus one ``register(...)`` line (see :mod:`tagc.hooks.codecs.sign`, and ``docs/design.md``,
-"Adding a codec").
+Each codec's :class:`~tagc.hooks.codecs.spec.CodecSpec` is registered with one explicit line below; nothing is
+discovered by scanning. Adding a codec: ``docs/design.md``, "Adding a codec" (:mod:`tagc.hooks.codecs.sign` is the
+model).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The ``sign`` peer codec: 1 bit per element and a mean-``|a|`` scale per block, with error feedback
 (EF-signSGD / 1-bit Adam's compressor).
 
-This module is the whole codec, as a new codec's module is: the class (the
-:class:`~tagc.hooks.codecs.codec.Codec` contract) and its :data:`SPEC` (name, options with their
-defaults, whether the TAGC selection settings apply, a one-line summary). One line of
-:mod:`tagc.hooks.codecs.registry` registers it; ``tagc.hook(codec="sign", block=...)``, the
-settings check and the benchmarks' ``--codec`` then find it there.
+This module is the whole codec, the model of a new codec's module (``docs/design.md``, "Adding a codec"): the
+class and its :data:`SPEC`, which one line of :mod:`tagc.hooks.codecs.registry` registers.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ class SignCodec(ResidualCodec):
     sum over steps of what was sent tracks the sum of gradients within the residual.
     ``sent + residual == a`` up to one rounding of the residual (``fl(a - sent)``; exact
     where the subtraction is, e.g. ``scale/2 <= |a| <= 2 scale``).
-    Options: ``block`` (default 1024: 1-bit Adam uses one scale per tensor; a block of 1024
-    follows magnitude changes along a part at 32/1024 = 0.03 bit/element, 3% of the payload).
+    Options: ``block`` (default 1024, docs/design.md §9).
     NaN/Inf: a rank whose accumulated part is not finite sends NaN scales; the owner's whole
     part is NaN; that rank's residual stays as it was.
     State: one residual ``[N, n]`` per part (``residual_dtype``), keyed by the part.
@@ -86,11 +82,8 @@ class SignCodec(ResidualCodec):
         return torch.where(ok, values, torch.nan)
 
 
-SPEC = CodecSpec(
-    name="sign",
-    build=lambda config, residual_dtype, options: SignCodec(residual_dtype=residual_dtype, **options),
-    options={"block": DEFAULT_BLOCK},
-    uses_config=False,
-    summary="1 bit per element and a mean-|a| scale per block, with error feedback",
-)
+SPEC = CodecSpec(name="sign",
+                 build=lambda config, residual_dtype, options: SignCodec(residual_dtype=residual_dtype, **options),
+                 options={"block": DEFAULT_BLOCK}, uses_config=False,
+                 summary="1 bit per element and a mean-|a| scale per block, with error feedback")
 """The registry's entry for ``sign`` (:func:`tagc.hooks.codecs.registry.register`)."""
