@@ -4,15 +4,20 @@
 # curve file (command, commit, torch, machine) lands in docs/rows/evidence/ as on the CPU.
 #
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
-# Then, with the device tool:  MAXT=420 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60;
-# copy $OUT/rows/ into docs/rows/evidence/ and run `python -m gpt2_bench.evidence rebuild`.
-# RUNS picks the methods (default: the whole decision set), SEEDS the seeds, BATCH 1x / 4x / 16x, LR plain's best.
+# Then, with the device tool:  MAXT=480 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60;
+# copy $OUT/rows/ into docs/rows/evidence/ and run `python -m gpt2_bench.evidence rebuild`. A GPU's curve files end
+# in -gpu.json and pair only with each other (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does
+# not fit the way back), so a call runs what finishes in it: six runs at once reached step 799 of 2,000 in 430 s, so
+# the default is one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
+# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x, LR plain's best.
 # GPU_CHECK=1 first runs `python -m tagc.bench gpu-check --skip-tests` (its time comes off MAXT).
 # DEVICE=cpu MAXT=60 OUT=/tmp/q RUNS=plain SEEDS=0 bash .gpu/quality.sh smoke-tests it here.
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
-MAXT=${MAXT:-420}
-RUNS=${RUNS:-"plain tagc tagc-brief int4 topk powersgd-r16"}
-SEEDS=${SEEDS:-"0 1 2 3"}
+MAXT=${MAXT:-480}
+RUNS=${RUNS:-"plain tagc"}
+SEEDS=${SEEDS:-$(python -c "import json, pathlib
+done = lambda p: p.exists() and (r := json.loads(p.read_text()))['steps_done'] == r['steps']
+print(next(s for s in range(100) if not done(pathlib.Path(f'docs/rows/evidence/${BATCH:-1x}/seed-{s}/tagc-lr${LR:-1e-3}-gpu.json'))))")}
 BATCH=${BATCH:-1x}
 LR=${LR:-1e-3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null

@@ -5,7 +5,8 @@ The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks, the ``mix`` c
 (:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by every seed, method
 and batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens,
 500 of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate,
-run on the same machine: each seed gives one gap (the method's val loss over plain's, minus 1), and the verdict is
+run on the same machine (a GPU's runs, in bf16 autocast, keep ``-gpu`` files and pair only with each other, their
+seeds marked ``g``): each seed gives one gap (the method's val loss over plain's, minus 1), and the verdict is
 the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is below X; an interval
 that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several ``--lr``) with the lowest
 mean final loss, and every method is judged at it.
@@ -83,23 +84,31 @@ def schedule(batch: str) -> tuple[int, int]:
     return steps, steps // EVALUATIONS
 
 
-def run_name(method: str, lr: str) -> str:
-    """A run's file name: the method and its learning rate, ``tagc-lr1e-3``."""
-    return f"{method}-lr{lr}"
+def run_name(method: str, lr: str, platform: str = "cpu") -> str:
+    """A run's file name: the method, its learning rate and, on a GPU, ``-gpu``: ``tagc-lr1e-3``."""
+    return f"{method}-lr{lr}" + ("" if platform == "cpu" else f"-{platform}")
 
 
-def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, checkpoint_dir: Path) -> list[str]:
+def platform_of(extra: Sequence[str]) -> str:
+    """``"gpu"`` where the trainer arguments ``extra`` put the run on CUDA (``--device cuda...``), else ``"cpu"``.
+    The platforms keep apart: a GPU run (bf16 autocast) pairs only with plain on a GPU."""
+    devices = [extra[i + 1] for i, arg in enumerate(extra[:-1]) if arg == "--device"]
+    return "gpu" if devices and devices[-1].startswith("cuda") else "cpu"
+
+
+def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, checkpoint_dir: Path,
+                 platform: str = "cpu") -> list[str]:
     """The trainer's arguments for one run of the protocol."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     steps, interval = schedule(batch)
     return [*PROTOCOL, *METHODS[method][1], "--batch-size", str(BATCHES[batch]), "--steps", str(steps),
-            "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name", run_name(method, lr),
+            "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name", run_name(method, lr, platform),
             "--out-dir", str(out_dir), "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(interval),
             "--keep-checkpoints", "1", "--resume"]
 
 
-def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str) -> dict:
+def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, platform: str = "cpu") -> dict:
     """A trainer log -> its curve file: the sessions that made it (command, commit, torch, machine), the val loss at
     each evaluation, the train loss averaged over each evaluation's interval, and the share of an epoch read."""
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -109,7 +118,8 @@ def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str) -> 
              for end in range(interval, (max((s for s, _ in losses), default=-1) + 1) // interval * interval + 1,
                               interval)]
     done = 1 + max((s for s, _ in losses), default=-1)
-    kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "steps": steps, "steps_done": done,
+    kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "platform": platform, "steps": steps,
+            "steps_done": done,
             "epoch_fraction": next((r["epoch_fraction"] for r in reversed(records) if "epoch_fraction" in r), None),
             "sessions": [r for r in records if "run" in r],
             "val_loss": [[r["step"], r["val_loss"]] for r in records if "step" in r and "val_loss" in r],
@@ -125,9 +135,10 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     rewriting its curve file after each; returns the curve file's content. ``extra``: more trainer arguments, where
     the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how."""
     steps, interval = schedule(batch)
-    name = run_name(method, lr)
+    platform = platform_of(extra)
+    name = run_name(method, lr, platform)
     out_dir, checkpoints = work / batch / f"seed-{seed}", work / "checkpoints" / batch / f"seed-{seed}" / name
-    argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints), *extra]
+    argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints, platform), *extra]
     command = shlex.join(["python", "-m", "gpt2_bench.evidence", "run", method, "--seed", str(seed), "--batch", batch,
                           "--lr", lr, *(["--in-one"] if not segments else []), *(["--", *extra] if extra else [])])
     rows = rows_dir / batch / f"seed-{seed}" / f"{name}.json"
@@ -136,7 +147,7 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     from gpt2_bench.checkpoint import latest, step_of
 
     log = out_dir / f"{name}.jsonl"
-    kept = keep(log, rows, method, seed, batch, lr) if log.exists() else {}
+    kept = keep(log, rows, method, seed, batch, lr, platform) if log.exists() else {}
     with tqdm(total=steps, desc=f"{name} seed {seed} {batch}", unit="step") as bar:
         for stop in [*range(interval, steps, interval), steps] if segments else [steps]:
             newest = latest(checkpoints)
@@ -146,7 +157,7 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
                 continue
             subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(stop)], check=True,
                            env={**os.environ, "TAGC_TRAIN_COMMAND": command})
-            kept = keep(log, rows, method, seed, batch, lr)
+            kept = keep(log, rows, method, seed, batch, lr, platform)
             bar.update(kept["steps_done"] - bar.n)
             if kept["steps_done"] < stop:  # stopped early (--max-time): resume later
                 break
@@ -217,17 +228,19 @@ def best_lr(runs: list[dict], batch: str) -> Optional[str]:
     return min(means, key=means.get) if means else None
 
 
-def pairs(runs: list[dict], method: str, batch: str, lr: str) -> dict[int, list[tuple[int, float]]]:
-    """Per evaluation step both have, every seed's gap (%) of ``method`` against plain of the same seed and lr."""
-    by = {(r["method"], r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
+def pairs(runs: list[dict], method: str, batch: str, lr: str) -> dict[int, list[tuple[str, float]]]:
+    """Per evaluation step both have, every seed's gap (%) of ``method`` against plain of the same seed, lr and
+    platform; a seed is named by its number, ``g`` added on a GPU (``"2g"``)."""
+    by = {(r["method"], r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
           if r["batch"] == batch and r["lr"] == lr}
-    gaps: dict[int, list[tuple[int, float]]] = {}
-    for (name, seed), curve in sorted(by.items()):
-        plain = by.get(("plain", seed))
+    gaps: dict[int, list[tuple[str, float]]] = {}
+    for (name, platform, seed), curve in sorted(by.items()):
+        plain = by.get(("plain", platform, seed))
         if name != method or plain is None:
             continue
         for step in sorted(set(curve) & set(plain)):
-            gaps.setdefault(step, []).append((seed, 100 * (curve[step] / plain[step] - 1)))
+            gaps.setdefault(step, []).append((f"{seed}{'' if platform == 'cpu' else 'g'}",
+                                              100 * (curve[step] / plain[step] - 1)))
     return gaps
 
 
@@ -257,9 +270,9 @@ def render_report(runs: list[dict]) -> str:
              "`docs/rows/evidence/`: do not edit by hand. The protocol is in the docstring of",
              "`gpt2_bench/evidence.py`; each run's file holds its command, commit, torch version and machine.", "",
              "To add runs: `python -m gpt2_bench.evidence queue` on a CPU (the unfinished runs in order, resumable),",
-             "`.gpu/quality.sh` on a lent GPU (the whole decision set at once); then copy the curve files here and run",
-             "the rebuild. A verdict is the 95% t-interval of the paired mean gap: *within X%* when its upper end is",
-             "below X, a *tie* when it holds 0.", "",
+             "`.gpu/quality.sh` on a lent GPU (a pair per call; its `-gpu` files pair only with each other); then copy",
+             "the curve files here and run the rebuild. A verdict is the 95% t-interval of the paired mean gap:",
+             "*within X%* when its upper end is below X, a *tie* when it holds 0.", "",
              "![gap against step](img/evidence-gap.png)", "", "## Plain's learning rate", "",
              "| batch | lr | seeds finished | mean last val loss |", "|---|---|---:|---:|"]
     for batch in BATCHES:
@@ -290,7 +303,8 @@ def render_report(runs: list[dict]) -> str:
         session = r["sessions"][-1] if r["sessions"] else {}
         machine = session.get("machine", {})
         epoch = "-" if r["epoch_fraction"] is None else f"{r['epoch_fraction']:.2f}"
-        lines.append(f"| {r['batch']} | {run_name(r['method'], r['lr'])} | {r['seed']} | {r['steps_done']} of "
+        name = run_name(r["method"], r["lr"], r.get("platform", "cpu"))
+        lines.append(f"| {r['batch']} | {name} | {r['seed']} | {r['steps_done']} of "
                      f"{r['steps']} | {epoch} | {machine.get('host', '?')} ({machine.get('cores', '?')} cores"
                      f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
                      f"{session.get('commit', '?')[:12]} |")

@@ -49,11 +49,31 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     runs = evidence.load(tmp_path / "rows")
     last = [row for row in evidence.decisions(runs, "1x") if row["method"] == "tagc"][-1]
     gaps = [100 * (5.01 / 5.0 - 1), 100 * (5.0898 / 5.1 - 1), 100 * (4.9049 / 4.9 - 1)]  # +0.2, -0.2, +0.1
-    assert last["step"] == 399 and last["seeds"] == [0, 1, 2] and last["gaps"] == pytest.approx(gaps)
+    assert last["step"] == 399 and last["seeds"] == ["0", "1", "2"] and last["gaps"] == pytest.approx(gaps)
     assert (last["mean"], last["low"], last["high"]) == pytest.approx(evidence.t_interval(gaps))
     assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
     assert "| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | 3 |" in evidence.render_readme(runs)
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
+
+
+def test_a_gpu_run_pairs_only_with_plain_on_a_gpu(tmp_path):
+    assert evidence.platform_of(["--device", "cuda-shared", "--max-time", "420"]) == "gpu"
+    assert evidence.platform_of(["--device", "cpu"]) == evidence.platform_of([]) == "cpu"
+    assert evidence.run_name("tagc", "1e-3", "gpu") == "tagc-lr1e-3-gpu"
+    curves = {("plain", "cpu"): 5.00, ("tagc", "cpu"): 5.05, ("plain", "gpu"): 4.00, ("tagc", "gpu"): 4.02}
+    for (method, platform), loss in curves.items():
+        _log(tmp_path / "log.jsonl", {199: loss + 1, 399: loss})
+        evidence.keep(tmp_path / "log.jsonl",
+                      tmp_path / "rows" / "1x" / "seed-0" / f"{evidence.run_name(method, '1e-3', platform)}.json",
+                      method, 0, "1x", "1e-3", platform)
+    gaps = evidence.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]
+    assert [seed for seed, _ in gaps] == ["0", "0g"]
+    assert [gap for _, gap in gaps] == pytest.approx([100 * (5.05 / 5.0 - 1), 100 * (4.02 / 4.0 - 1)])
+    _log(tmp_path / "log.jsonl", {199: 7.0})  # a lone GPU method run: no pair
+    evidence.keep(tmp_path / "log.jsonl", tmp_path / "rows" / "1x" / "seed-1" / "tagc-lr1e-3-gpu.json", "tagc", 1,
+                  "1x", "1e-3", "gpu")
+    assert [seed for seed, _ in evidence.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]] == [
+        "0", "0g"]
 
 
 def test_schedules_share_one_token_budget():
