@@ -1,11 +1,7 @@
 """Plain FSDP against TAGC, all layers against non-attention layers, side by side in one run.
 
-This module is the command line only: it parses the arguments and hands them to the mode's module:
-:mod:`gpt2_bench.compare_paper` (the main job: ``python -m gpt2_bench.compare`` with no mode flag) or
-:mod:`gpt2_bench.compare_layout` (``--methods``, ``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated
-hosts). Each run's val loss is its own (the timed run's); the loss decisions are :mod:`gpt2_bench.evidence`'s.
-``--param-dtype bf16`` sets the parameter all-gather of every method that gathers parameters alike
-(:mod:`gpt2_bench.methods`).
+The command line only: the main job (no mode flag) is :mod:`gpt2_bench.compare_paper`'s, ``--methods``,
+``--shares``, ``--layout`` and ``--hosts`` :mod:`gpt2_bench.compare_layout`'s.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The compare's rows as typed records, their JSON, and the figures worked out from them.
-
-A :class:`Row` is one timed run in a compare's table: the fields of the run's summary
-(:func:`gpt2_bench.launch.summarise`) the reports read, the compare's own (method, share, link,
-rounds, ...) and the figures worked out against the plain and bf16 baselines
-(:func:`add_method_columns`: speed-ups, the bytes model, bits per parameter, the val loss against
-plain's). Each figure has one name, which is also its JSON key. The summary's other fields ride
-along in :attr:`Row.extra`, so ``--json`` writes everything a run reported.
-
-``--json`` writes rows with :func:`write_rows`; :meth:`Row.from_json` reads one back.
+"""The compare's rows (:class:`Row`: one timed run, the summary fields the reports read, the compare's own, and the
+figures :func:`add_method_columns` works out against the baselines; the summary's other fields in
+:attr:`Row.extra`), and their JSON (``--json``: :func:`write_rows`).
 """
 
 from __future__ import annotations

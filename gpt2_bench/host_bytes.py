@@ -1,15 +1,10 @@
 """Bytes between hosts per training step: counted on emulated hosts' NICs, and worked out for many hosts.
 
-On emulated hosts (:class:`testbed.hosts.EmulatedHosts`) the launcher names the inter-host
-device in :data:`COUNT_DEVICE_ENV`. The first rank of each host reads that device's transmit
-counter (``/sys/class/net/<dev>/statistics/tx_bytes``: the namespace's own) around each
-training step and appends ``{"step", "tx_bytes"}`` to ``<log>.host<h>``; the summary adds the
-hosts up. Everything that crosses counts: the gradient exchange, the parameter all-gathers and
-a few bytes of control traffic, not the evaluation.
-
-``python -m gpt2_bench.host_bytes`` works out, for 2, 8 and 64 hosts, the bytes each host sends per
-step under each layout (flat FSDP, DDP, HSDP) and codec, from the model's shapes and the codecs' own
-wire shapes (:func:`per_host_bytes`; the tables are in docs/layout.md).
+On emulated hosts the launcher names the inter-host device in :data:`COUNT_DEVICE_ENV`; each host's first rank
+appends its transmit counter's growth per step to ``<log>.host<h>`` (:class:`HostCounter`), and the summary adds the
+hosts up: everything that crosses counts, not the evaluation. ``python -m gpt2_bench.host_bytes`` works out the bytes
+per host and step for 2, 8 and 64 hosts under each layout and codec, from the model's shapes and the codecs' wire
+shapes (:func:`per_host_bytes`; the tables and formulas: docs/layout.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The methods the compare puts side by side: what a user would pick instead of TAGC.
-
-Each method (:data:`METHODS`) is a :class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed,
-integration and fair overlapped transport, so only the gradient codec differs: plain fp32 (``fsdp``) and FSDP's own
-bf16 reduce (``fsdp-bf16``); ``bf16``, ``fp8`` and ``int4`` (ZeRO++ qgZ-style) on every layer; ``sign``; rank-r
-``powersgd``; ``topk`` (TAGC's selection sent as a list); TAGC on every layer or the non-attention linears
-(``tagc-all``, ``tagc-non-attn``, on the paper's wire) and with EF21 (``tagc-ef21``); ``tagc-int4`` (``tagc.hook()``'s
-defaults), ``topk-int4`` (its peer with the same kept fraction) and ``topk-f8`` (its peer at the same bytes); the
-lean wire on both sparse codecs and PowerSGD (``tagc-lean``, ``topk-lean``, ``powersgd-lean``; docs/guide.md, "The
-lean wire"). :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts' (torch's own hooks among them).
-
-Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, the others have nothing to warm
-up; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every flat-FSDP and HSDP method alike
-and never a DDP one, and a run's name carries its gather dtype (``fsdp-bf16-param-bf16``).
+"""The methods the compare puts side by side (:data:`METHODS`): what a user would pick instead of TAGC, each a
+:class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed and transport, so only the gradient
+codec differs; :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts'. The dense warm-up goes to every codec with
+error feedback; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every method that gathers
+parameters alike. The list and what each is: docs/results.md, "Who wins at which share".
 """
 
 from __future__ import annotations

@@ -126,16 +126,8 @@ HEAP_KEEP_BYTES = 256 << 20
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc keep freed tensors' memory for reuse instead of returning it to the kernel.
-
-    By default glibc ``mmap``s large blocks and ``munmap``s them on free (and trims the heap),
-    so every step's activations and gradients fault their pages in again, and its dynamic
-    threshold shifts as the run goes on. On 2 CPU cores that cost a plain FSDP step 25-30%
-    (2.6-3.0 s against 2.0 s) and made steps drift slower over a run. Blocks below
-    :data:`HEAP_KEEP_BYTES` now come from the heap, which is never trimmed: the resident size
-    stays at its peak. Applies to this process (every rank calls it, also under ``torchrun``);
-    returns False where the C library is not glibc.
-    """
+    """Have glibc keep freed memory below :data:`HEAP_KEEP_BYTES` for reuse (heap, never trimmed) instead of
+    ``munmap``ing it: page faults cost a step here 25-30% (docs/results.md, "The main job"). False if not glibc."""
     import ctypes
     import ctypes.util
 

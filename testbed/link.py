@@ -1,15 +1,8 @@
 """An emulated network link: a private network namespace with a shaped loopback (docs/design.md §10).
 
-``with ShapedLink("1gbit", world=2) as link: subprocess.run(link.wrap(argv))`` runs a
-command inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
-through ``tc qdisc ... tbf``. One tbf on one loopback is shared by every flow on it, so
-``world`` ranks each sending at ``rate`` (full duplex) need a tbf rate of ``world * rate``.
-
-The namespace is made with ``ip netns add`` (root) or, where that is not permitted, with
-``unshare -rn`` (user + network namespace, held open by a ``sleep`` process and entered
-with ``nsenter``). It is always removed afterwards: on normal exit, on exceptions,
-KeyboardInterrupt and SIGTERM/SIGHUP, and at interpreter exit. If the loopback cannot be
-shaped, :class:`LinkError` is raised; nothing ever runs silently unshaped.
+``with ShapedLink("1gbit", world=2) as link: subprocess.run(link.wrap(argv))`` runs a command inside a fresh
+namespace whose loopback goes through ``tc qdisc ... tbf``, at ``world * rate``. The namespace is always removed
+afterwards; if the loopback cannot be shaped, :class:`LinkError` is raised: nothing ever runs silently unshaped.
 """
 
 from __future__ import annotations
