@@ -13,26 +13,16 @@ from collections.abc import Sequence
 from gpt2_bench.config import TrainConfig, library_dense_steps
 
 LEAN_RATIO = 7.0
-"""The lean methods' ratio: the fewest bytes per step that kept their val loss within 1% of fsdp's
-in the lean-wire quality sweep over ratios, a density ramp and a denser embedding (both since removed; the sweep and
-its caveats: ``docs/results.md``, "Defaults and how they were chosen"). One ratio for both sparse
-codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries travel.
-
-``--ratio`` sets the other TAGC and top-k methods' ratio (the compare's default: :data:`PAPER_RATIO`)."""
-
+"""The lean methods' ratio, one for both sparse codecs (docs/results.md, "LEAN_RATIO")."""
 PAPER_RATIO = 10.0
 """The TAGC paper's ratio: the compare's ``--ratio`` default, for the paper's methods and ``topk``."""
-
 INT4_RATIO = 4.5
-"""``tagc-int4``'s ratio: the densest TAGC (coded positions, float16 cells, the rest in ``int4``) whose steady
-step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB under FSDP on 2 ranks)."""
+"""``tagc-int4``'s ratio: the densest TAGC whose step sends no more than ``int4`` (docs/results.md, "RECOMMENDED")."""
 F8_TOPK_RATIO = 1.2
-"""``topk-f8``'s ratio: the densest ``topk`` list (coded positions, float8 values, the rest in ``int4``) whose steady
-step sends no more than ``tagc-int4``'s on the small preset at 2 ranks, so the two differ in how the bytes are spent,
-not in how many (the arithmetic: ``docs/results.md``, "F8_TOPK_RATIO")."""
+"""``topk-f8``'s ratio: the densest list whose step sends no more than ``tagc-int4`` (docs/results.md,
+"F8_TOPK_RATIO")."""
 FADE = 0.9
-"""``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
-"Sixth screen")."""
+"""``tagc-int4``'s ``feedback_decay`` (docs/quality-diagnosis.md, "Sixth screen")."""
 
 PAPER_WIRE = {"plain": "fp32", "feedback": "classic",
               "codec_options": {"positions": "bitmap", "value_dtype": "float32"}}
