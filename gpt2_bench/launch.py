@@ -80,14 +80,9 @@ def _unit_medians(steps: list[dict]) -> dict:
 
 
 def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None, attempts: int = 1) -> dict:
-    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary.
-
-    With ``attempts > 1`` a run whose rank dies (:class:`RankFailed`) is started again, up to
-    ``attempts`` times in all: from its newest complete checkpoint when ``cfg.checkpoint_dir``
-    is set (the steps it does not redo keep their records; a resumed run repeats the
-    uninterrupted losses bit for bit), from scratch otherwise. Benchmarks use it so that one
-    rare crash (``docs/known-issues.md``, "A rare heap abort on gloo") costs minutes, not the whole sweep.
-    """
+    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary. A run whose rank dies
+    (:class:`RankFailed`) is started again, ``attempts`` times in all, from its newest checkpoint if it writes them
+    (a rare crash, docs/known-issues.md, "A rare heap abort on gloo", then costs minutes, not a sweep)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(1, attempts + 1):

@@ -307,12 +307,3 @@ class ShapedLink(Namespaces):
         if self.kind == "unshare":
             return self._holder is not None and self._holder.poll() is None
         return False
-
-    def describe(self) -> str:
-        """One line: rate, tbf, how the namespace was made."""
-        if self.rate_bps is None:
-            return f"unshaped private loopback ({self.kind} {self.name})"
-        p = tbf_params(self.rate_bps, self.world)
-        return (f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by "
-                f"{self.world} ranks, burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB "
-                f"({self.kind} {self.name})")

@@ -124,14 +124,10 @@ GPT2_WEIGHTS = ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.w
 
 def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int = 3, width: int = 768,
                               layers: int = 12, vocab: int = 50257, tokens: tuple[int, int] = (8, 256)) -> dict:
-    """HF ``transformers``' GPT-2 (124M shapes by default, built from a config: no download) on ``device``:
-    each of ``ranks`` emulated ranks takes its own micro-batch's gradients (bf16 autocast on CUDA), and
-    :data:`GPT2_WEIGHTS` go through the TAGC codec as an all-to-all would carry them, ``steps`` times
-    (the residuals carry over, the gradients grow 10% a step). Checks, per owner: the decoded support
-    lies within what the ranks sent and holds every element whose exact sum is not negligible
-    (``> 1e-6`` of the part's largest: where the ranks' values cancel, float32 peeling leaves a
-    rounding residue or 0), values within float32 rounding of the exact sum, no host reads after
-    the first step. Skipped (``ok`` None) without ``transformers``."""
+    """HF GPT-2 (124M shapes, no download): ``ranks`` emulated ranks' own gradients of :data:`GPT2_WEIGHTS` through
+    the TAGC codec, ``steps`` times. Per owner: the decoded support within what was sent and holding every
+    non-negligible exact sum (cancelling values leave a rounding residue or 0), values within float32 rounding, no
+    host reads after the first step. Skipped (``ok`` None) without ``transformers``."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:

@@ -40,13 +40,9 @@ PHASES = ("encode", "decode", "other")
 
 
 class HostWork(TorchDispatchMode):
-    """Counts the ops dispatched while it is open, by phase (:meth:`phase`) and namespace, and the kernel
-    launches (:meth:`launch`).
-
-    A custom op (the Triton back end's ``tagc::*``) counts once and its body's ops are counted too: the
-    mode is open again while the body runs (a ``TorchDispatchMode`` handler otherwise runs with the
-    mode closed). Ops dispatched while a kernel runs (:meth:`launch`: the Triton interpreter's copies
-    of the arguments) are not counted."""
+    """Counts the ops dispatched while it is open, by phase (:meth:`phase`) and namespace, and the kernel launches
+    (:meth:`launch`). A custom op counts once and its body's ops too; ops dispatched inside a launch (the Triton
+    interpreter's copies of the arguments) do not count."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
