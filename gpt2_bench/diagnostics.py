@@ -59,6 +59,11 @@ class StaleAges:
         self._decay = decay
         self.previous: dict[tuple[str, int], Any] = {}  # changed=True: each residual as the last step left it
 
+    @property
+    def decay(self) -> float:
+        """The fading of the step just made."""
+        return self._decay() if callable(self._decay) else self._decay
+
     def update(self, residuals: dict) -> Any:
         """Advance every age by one step, zero those sent, and return the counts per bin (:data:`AGE_LABELS`,
         float64, on the residuals' device; no residual gives zeros)."""
@@ -83,7 +88,7 @@ class StaleAges:
         before, self.previous[key] = self.previous.get(key), residual.detach().clone()
         if before is None or before.shape != residual.shape:
             return residual != 0  # the first step: a shift that is not zero moved from h = 0
-        decay = self._decay() if callable(self._decay) else self._decay
+        decay = self.decay
         return residual != (before if decay == 1.0 else before * decay)  # as EF21Codec.fade rounds it
 
 
