@@ -137,10 +137,6 @@ class TrainConfig:
         from gpt2_bench.model import PRESETS
 
         self.fill_library_defaults()
-        # our hook's settings are checked by the library (HookSettings, at the end); here what runs none of ours
-        if self.feedback != "classic" and (self.torch_hook or self.hook_arguments() is None):
-            raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs (not to "
-                             "--torch-hook, nor to FSDP's own reduce)")
         if self.feedback_decay_follows_lr and not (self.feedback == "ef21" and self.feedback_decay < 1.0):
             raise ValueError("feedback_decay_follows_lr scales EF21's fading with the learning rate: it needs "
                              f"feedback='ef21' and feedback_decay < 1, got feedback={self.feedback!r}, "
@@ -202,6 +198,9 @@ class TrainConfig:
 
             parse_rate(self.link)
         arguments = self.hook_arguments()
+        if self.feedback != "classic" and (self.torch_hook or arguments is None):  # no hook of ours to check it
+            raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs (not to "
+                             "--torch-hook, nor to FSDP's own reduce)")
         if arguments is not None and not self.torch_hook:  # the library validates, once, the hook the run builds
             from tagc.hooks.core.settings import HookSettings
 
