@@ -1,11 +1,7 @@
 """Plain FSDP against TAGC, all layers against non-attention layers, side by side in one run.
 
-This module is the command line only: it parses the arguments and hands them to the mode's module:
-:mod:`gpt2_bench.compare_paper` (the main job: ``python -m gpt2_bench.compare`` with no mode flag) or
-:mod:`gpt2_bench.compare_layout` (``--methods``, ``--shares``; ``--layout ddp|hsdp``; ``--hosts H`` for emulated
-hosts). Each run's val loss is its own (the timed run's); the loss decisions are :mod:`gpt2_bench.evidence`'s.
-``--param-dtype bf16`` sets the parameter all-gather of every method that gathers parameters alike
-(:mod:`gpt2_bench.methods`).
+The command line only: the main job (no mode flag) is :mod:`gpt2_bench.compare_paper`'s, ``--methods``,
+``--shares``, ``--layout`` and ``--hosts`` :mod:`gpt2_bench.compare_layout`'s.
 """
 
 from __future__ import annotations
@@ -29,16 +25,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
     # LM-head moves that error feedback spreads out).
     parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20,
                         ratio=PAPER_RATIO)
-    ratio = next(action for action in parser._actions if action.dest == "ratio")
-    ratio.help = ("ratio of the paper's TAGC methods (tagc-all, tagc-non-attn, tagc-ef21), of the main job's TAGC runs "
-                  "and of topk; default 10, the paper's (tagc-int4 and topk-int4 run 4.5, topk-f8 1.2, the lean "
-                  "methods 7)")
-    param_dtype = next(action for action in parser._actions if action.dest == "param_dtype")
-    param_dtype.help = ("the parameter all-gather dtype of every method that gathers parameters, alike: every "
-                        "flat-FSDP method (fsdp and fsdp-bf16 included) and, with --layout hsdp, every HSDP one; "
-                        "never a DDP one (DDP gathers none). bf16: torchtitan's MixedPrecisionPolicy("
-                        "param_dtype=bf16, reduce_dtype=fp32). The link of a share is calibrated on the plain step "
-                        "with the same gathers. Default: fp32")
+    helps = {"ratio": "ratio of the paper's TAGC methods, the main job's TAGC runs and topk; default 10, the paper's "
+                      "(tagc-int4 and topk-int4 run 4.5, topk-f8 1.2, the lean methods 7)",
+             "param_dtype": "the parameter all-gather dtype of every method that gathers parameters (never a DDP "
+                            "one), alike, and of the plain step the link is calibrated on. Default: fp32"}
+    for action in parser._actions:
+        action.help = helps.get(action.dest, action.help)
     parser.add_argument("--json", default=None, help="write the result rows (a JSON list) here")
     parser.add_argument("--layout", default="flat", choices=LAYOUTS,
                         help="flat (default): FSDP sharded over every rank; ddp: DDP on 2 emulated hosts x 1 rank "

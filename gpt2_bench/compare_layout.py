@@ -1,20 +1,11 @@
 """The timed compares: flat FSDP's methods side by side (``--methods``), and the layout as an axis (``--layout``).
 
-``python -m gpt2_bench.compare --methods peers --shares 0.31,0.9`` times every method a user would pick
-(:data:`gpt2_bench.methods.METHODS`) on each share's scaled link over ``--rounds`` rounds in alternating order, and
-writes ``methods.md`` (a table per share). With ``--hosts H --nproc-per-host G`` (and a link rate) the same runs
-go on emulated hosts.
-
-``python -m gpt2_bench.compare --layout ddp --shares 0.31,0.9`` times, at each share, every method of the layout
-(:data:`gpt2_bench.methods.LAYOUT_METHODS`: DDP's own fp32 all-reduce, torch's ``bf16_compress_hook`` and
-``powerSGD_hook``, and our codecs through ``tagc.ddp_hook``) and, beside them, the flat-FSDP methods with the same
-codecs, on 2 emulated hosts x 1 rank (``--layout hsdp``: FSDP2 HSDP, 2 x 2) joined by the same link, the layout's
-methods and the flat ones interleaved in one order; it writes ``layout-<layout>.md``. The link of a share is the
-flat compare's: :func:`gpt2_bench.launch.scaled_link` calibrates it on the flat plain step (loopback, the layout's
-world), and each host's link runs at that rate (:class:`testbed.hosts.EmulatedHosts`).
-
-A method's step time is the median of its steady steps pooled over rounds; its val loss is its timed run's, which
-decides nothing (the loss decisions are :mod:`gpt2_bench.evidence`'s).
+``--methods M --shares S`` times the methods (:data:`gpt2_bench.methods.METHODS`) on each share's scaled link over
+``--rounds`` rounds in alternating order and writes ``methods.md``; ``--layout ddp|hsdp`` times the layout's methods
+(:data:`gpt2_bench.methods.LAYOUT_METHODS`) beside the flat ones with the same codecs, on emulated hosts joined by
+the flat compare's link, and writes ``layout-<layout>.md``. A step time is the median of the steady steps pooled
+over rounds; a val loss is its timed run's and decides nothing. docs/results.md, "Who wins at which share", and
+docs/layout.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The compare's rows as typed records, their JSON, and the figures worked out from them.
-
-A :class:`Row` is one timed run in a compare's table: the fields of the run's summary
-(:func:`gpt2_bench.launch.summarise`) the reports read, the compare's own (method, share, link,
-rounds, ...) and the figures worked out against the plain and bf16 baselines
-(:func:`add_method_columns`: speed-ups, the bytes model, bits per parameter, the val loss against
-plain's). Each figure has one name, which is also its JSON key. The summary's other fields ride
-along in :attr:`Row.extra`, so ``--json`` writes everything a run reported.
-
-``--json`` writes rows with :func:`write_rows`; :meth:`Row.from_json` reads one back.
+"""The compare's rows (:class:`Row`: one timed run, the summary fields the reports read, the compare's own, and the
+figures :func:`add_method_columns` works out against the baselines; the summary's other fields in
+:attr:`Row.extra`), and their JSON (``--json``: :func:`write_rows`).
 """
 
 from __future__ import annotations
@@ -18,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 NOT_WRITTEN = ("curve", "steady_iter_ms", "extra")
-"""Fields ``--json`` leaves out: the curves and the per-step times are the run log's (``extra`` is
-written flat, beside the fields)."""
+"""Fields ``--json`` leaves out (the run log has the curves and step times; ``extra`` goes flat)."""
 
 RUN_ATTEMPTS = 3
 """Every run a compare makes is started again if a rank dies (twice at most): see :func:`gpt2_bench.launch.run`."""
@@ -30,15 +22,13 @@ class Row:
     """One timed run of a compare: what it ran, what it measured, and its figures against the baselines."""
 
     method: str
-    """The method's name (:data:`gpt2_bench.methods.METHODS`, a layout's, or the main job's ``fsdp-no-overlap``)."""
     algorithm: str
     """``fsdp`` (uncompressed) or the codec."""
     compressed: str
-    """Which layers the codec compressed: ``none``, ``all``, ``non-attn`` (``-`` for a row that is neither)."""
+    """``none``, ``all``, ``non-attn`` (``-`` for a row that is neither)."""
     iter_ms: float
-    """Median steady step (ms); over several rounds, the median of the steady steps pooled over them."""
+    """Median steady step (ms); over several rounds, of the steady steps pooled over them."""
     val_loss: float
-    """The run's final val loss."""
 
     # what the run's summary reports
     train_s: float | None = None
@@ -62,8 +52,7 @@ class Row:
     link_info: dict | None = None
     layout: str | None = None
     param_dtype: str | None = None
-    """The parameters' all-gather dtype (``fp32``, ``bf16``) where the run gathers them (flat FSDP,
-    HSDP); ``None`` under DDP (it gathers none), or where the row does not say (rows written before it)."""
+    """The parameters' all-gather dtype; ``None`` under DDP (it gathers none) or in rows written before it."""
     preset: str | None = None
     dense_steps: int | None = None
     rounds: int | None = None
@@ -71,22 +60,15 @@ class Row:
 
     # the figures, against the share's plain method (and its bf16 baseline)
     speedup: float | None = None
-    """Plain's median step over this one's."""
     speedup_total: float | None = None
     """Plain's whole run (every step, dense ones included) over this one's (the main job's)."""
     speedup_vs_fsdp_bf16: float | None = None
-    """The bf16 baseline's median step over this one's (``fsdp-bf16``; a layout's own bf16 method there)."""
     bytes_model: float | None = None
-    """The speed-up if this run differed from plain only in its bytes on the link."""
+    """The speed-up if this run differed from plain only in its bytes on the link (:func:`bytes_model_ms`)."""
     bytes_model_ms: float | None = None
-    """That step time (ms)."""
     bits_per_param: float | None = None
-    """Wire bits per gradient element per rank and step."""
     val_loss_delta: float | None = None
-    """Val loss against plain's, relative (``None`` without a plain row)."""
-
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The run summary's other fields, carried to the JSON as they came."""
 
     @classmethod
     def from_summary(cls, summary: dict, **fields: Any) -> Row:
@@ -124,9 +106,8 @@ def write_rows(rows: list[Row], path: str | Path) -> None:
 
 def bytes_model_ms(plain_iter_ms: float, plain_wire: float | None, wire: float | None,
                    rate_bps: int | None) -> float | None:
-    """The step time if a run differed from plain FSDP only in the bytes it puts on the link:
-    ``plain_iter - (plain_wire - wire) / rate`` (wire in bytes per rank and step, the rate per
-    rank). What compression can buy when its compute hides under the link; ``None`` unshaped."""
+    """The step time if a run differed from plain FSDP only in its bytes on the link (per rank and step):
+    ``plain_iter - (plain_wire - wire) / rate``; ``None`` unshaped."""
     if rate_bps is None or plain_wire is None or wire is None:
         return None
     return plain_iter_ms - (plain_wire - wire) * 8 / rate_bps * 1e3
@@ -139,9 +120,8 @@ def bits_per_param(row: Row) -> float | None:
 
 def add_method_columns(rows: list[Row], rate_bps: int | None, plain_method: str = "fsdp",
                        bf16_method: str = "fsdp-bf16") -> list[Row]:
-    """Speed-ups against ``plain_method`` and ``bf16_method`` (``fsdp``, ``fsdp-bf16``; the DDP layout's
-    ``ddp``, ``ddp-bf16``), the bytes model, bits per parameter and the val loss against ``plain_method``'s, for one
-    share's rows (set on the rows, which are returned)."""
+    """Set on one share's rows (and return them): speed-ups against ``plain_method`` and ``bf16_method``, the
+    bytes model, bits per parameter and the val loss against ``plain_method``'s."""
     by_method = {row.method: row for row in rows}
     plain, bf16 = by_method.get(plain_method), by_method.get(bf16_method)
     for row in rows:

@@ -31,24 +31,16 @@ class TrainConfig:
     compression: str = "non-attn"
     transport: str = "fair"
     codec: str = "tagc"
-    """How the selected (``compression``) columns cross the wire: a name of
-    :func:`tagc.hooks.codecs.registry.codec_names` (``tagc``, ``topk``, ``bf16``, ...)."""
     codec_options: dict = dataclasses.field(default_factory=dict)
-    """The codec's own options, e.g. ``{"block": 128}`` for ``int4``; those not given are filled in as
-    ``tagc.hook()`` does (``tagc``: coded positions, float16 cells)."""
     plain: Optional[str] = None
-    """``None`` (and ``ratio``, ``feedback``, ``feedback_decay`` ``None``): the library's default for the codec,
-    filled in when the config is made (:meth:`fill_library_defaults`)."""
+    """``None`` (also ``ratio``, ``feedback``, ``feedback_decay``, ``dense_steps``, and codec options not given): the
+    library's default for the codec, filled in when the config is made (:meth:`fill_library_defaults`)."""
     reduce_dtype: Optional[str] = None
     param_dtype: Optional[str] = None
-    """On the CPU SimpleFSDP upcasts the gathered bf16 weights to float32 for compute (bf16 matrix products are
-    slow there); FSDP2 and FSDP1 compute in bf16."""
     ratio: Optional[float] = None
     index_bits: int = 1
     min_compress_numel: int = 65536
     dense_steps: Optional[int] = None
-    """``None``: the library's default (:func:`library_dense_steps`), resolved when the config is made so that the
-    run's settings record the number."""
     feedback: Optional[str] = None
     feedback_decay: Optional[float] = None
     feedback_decay_follows_lr: bool = False
@@ -62,25 +54,21 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_interval: int = 20
     eval_tokens: int = 8192
-    """The eval set's size: this many val tokens in windows spread evenly over the val split, the same windows for
-    every seed, method and batch size (:meth:`gpt2_bench.data.TokenData.eval_batches`)."""
+    """Val tokens in windows spread evenly over the val split, alike for every run
+    (:meth:`gpt2_bench.data.TokenData.eval_batches`)."""
     seed: int = 1337
-    """Seeds the model's initialisation (``torch.manual_seed``) and the order in which the training windows are read
-    (:meth:`gpt2_bench.data.TokenData.train_batch`: a permutation per epoch, no window read twice within one)."""
+    """The model's initialisation and the order of the training windows
+    (:meth:`gpt2_bench.data.TokenData.train_batch`)."""
     compile: bool = False
     world: int = 2
     """Ranks in all (``hosts`` x ranks per host)."""
     hosts: int = 1
-    """Emulated hosts (:class:`testbed.hosts.EmulatedHosts`)."""
     hierarchy: str = "auto"
-    """``tagc.hook(hierarchy=...)``: ``auto``, or ``flat`` (``--flat``)."""
     hsdp: bool = False
     torch_hook: bool = False
-    """:mod:`gpt2_bench.layout_ddp` runs torch's hooks."""
     threads: int = 1
     link: str = "none"
     link_share: float = EXCHANGE_SHARE
-    """Past what the exchange can take while the all-gathers share the link, the link-bound time gets the share."""
     dataset: str = "bbc"
     cache_dir: Optional[str] = None
     out_dir: str = "bench_out/gpt2"
@@ -90,25 +78,21 @@ class TrainConfig:
     stop_at: Optional[int] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
-    """Sharded checkpoints: :mod:`gpt2_bench.checkpoint`."""
     keep_checkpoints: int = 0
     resume: bool = False
     fault_step: Optional[int] = None
     """Fault drill: the last rank kills itself (SIGKILL) in the middle of this step."""
     overlap: bool = True
     diagnostics: bool = False
-    """:mod:`gpt2_bench.diagnostics`; reads device values every step: for diagnosis, not for timing."""
     library_filled: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    """Name -> ``(given, filled)`` for each codec setting the library filled in (:meth:`fill_library_defaults`), so
-    that a copy (``dataclasses.replace``) that does not change it leaves it to the library again, for the copy's
-    codec. Not part of the run's settings (:meth:`to_json` leaves it out)."""
+    """Name -> ``(given, filled)`` for each codec setting the library filled in, so that a copy leaves it to the
+    library again, for the copy's codec. Not part of the run's settings (:meth:`to_json` leaves it out)."""
     device: str = "auto"
 
     def fill_library_defaults(self) -> None:
-        """Set the codec settings left unset to the library's (:func:`library_codec_settings`, and the dense
-        warm-up, :func:`library_dense_steps`), so that the run's
-        settings record the values it ran with. A setting filled in before (a copy's) that still holds the filled
-        value is unset again first: ``dataclasses.replace(cfg, codec="topk")`` gets topk's defaults, not tagc's."""
+        """Set the codec settings left unset to the library's, so that the run's settings record them. One filled
+        in before (a copy's) that still holds the filled value is unset first: a copy with codec ``topk`` gets
+        topk's defaults, not tagc's."""
         for name, (given, filled) in self.library_filled.items():
             if getattr(self, name) == filled:
                 setattr(self, name, copy.deepcopy(given))
@@ -153,15 +137,10 @@ class TrainConfig:
         from gpt2_bench.model import PRESETS
 
         self.fill_library_defaults()
-        if self.feedback != "classic" and (self.compression == "none" or self.torch_hook):  # no codec of ours
-            raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs with "
-                             "compression != 'none' (not to --torch-hook)")
-        if self.feedback_decay_follows_lr and not (self.feedback == "ef21" and self.feedback_decay < 1.0
-                                                   and self.compression != "none" and not self.torch_hook):
-            raise ValueError("feedback_decay_follows_lr scales EF21's fading with the learning rate: it needs our hook "
-                             "with feedback='ef21' and feedback_decay < 1, compression != 'none', got "
-                             f"feedback={self.feedback!r}, feedback_decay={self.feedback_decay!r}, "
-                             f"compression={self.compression!r}")
+        if self.feedback_decay_follows_lr and not (self.feedback == "ef21" and self.feedback_decay < 1.0):
+            raise ValueError("feedback_decay_follows_lr scales EF21's fading with the learning rate: it needs "
+                             f"feedback='ef21' and feedback_decay < 1, got feedback={self.feedback!r}, "
+                             f"feedback_decay={self.feedback_decay!r}")
         if self.diagnostics and self.integration == "fsdp1":
             raise ValueError("diagnostics read each parameter by name: use integration 'simple' or 'fsdp2' "
                              "(FSDP1 flattens the parameters)")
@@ -219,6 +198,9 @@ class TrainConfig:
 
             parse_rate(self.link)
         arguments = self.hook_arguments()
+        if self.feedback != "classic" and (self.torch_hook or arguments is None):  # no hook of ours to check it
+            raise ValueError(f"feedback={self.feedback!r} applies to our hook's error-feedback codecs (not to "
+                             "--torch-hook, nor to FSDP's own reduce)")
         if arguments is not None and not self.torch_hook:  # the library validates, once, the hook the run builds
             from tagc.hooks.core.settings import HookSettings
 

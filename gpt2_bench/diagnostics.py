@@ -1,32 +1,9 @@
-"""Per-step diagnostics of how a gradient codec meets AdamW, and a run's set against plain's.
+"""Per-step diagnostics of how a gradient codec meets AdamW (the trainer's ``--diagnostics``), and a run's set against
+plain's (``python -m gpt2_bench.diagnostics PLAIN RUN``).
 
-The trainer's ``--diagnostics`` logs per step, to ``<run>.diagnostics.jsonl`` beside the run's log
-(:class:`StepDiagnostics`; the screens of docs/quality-diagnosis.md read them):
-
-- ``grad_norm`` (before clipping) and ``clipped``;
-- per parameter group (:func:`parameter_group`: ``embedding``, ``linear`` (the other non-attention linears),
-  ``attention``, ``other``): ``update_rms``, the RMS of the step's parameter change over the learning rate (AdamW's
-  update, weight decay included), and Adam's ``exp_avg_sq``: mean, geometric mean, median and 90th percentile (from
-  a histogram of its log10 in :data:`V_BIN` wide bins, summed over ranks);
-- ``staleness``: for every element of the codec's error-feedback residuals (every rank's), the steps since it was
-  last sent, binned (:data:`AGE_EDGES`). Classic feedback: sent when its residual is exactly zero after the step
-  (``tagc``, ``topk`` on their float32 wires; codecs that feed back a rounding, the lean wires, ``sign``, ``int4``,
-  ``powersgd``, leave no zeros and their ages say nothing). EF21: sent when its shift (the residual, ``-h_i``)
-  changed beyond the fading of ``feedback_decay``; a rounding of ``(g - h) - g`` can move an unsent shift, so the
-  ages are a lower bound;
-- ``estimate`` (DDP only, where every rank holds the whole averaged gradient, and only with a :func:`tagc.hook`):
-  on the compressed parameters, per group, the decoded gradient ``d`` against the exact mean ``m`` of the ranks' own
-  gradients ``g_i`` (copied as autograd accumulates them, before DDP's reducer sends them; one more all-reduce per
-  step): ``error_sq = |d - m|^2``, the minibatch noise of ``m`` ``noise_sq = sum_i |g_i - m|^2 / (N (N - 1))``,
-  ``signal_sq = |m|^2`` and ``gain = <d, m> / |m|^2``. An error ``r`` times the noise
-  is a gradient as noisy as plain training's at a batch ``1 + r`` times smaller, if it is as unbiased as noise.
-
-All statistics are sums over ranks (one ``all_reduce`` of a small vector per step), so they are the whole model's;
-reading them syncs the host every step: a diagnostic run is for diagnosis, not for timing.
-
-``python -m gpt2_bench.diagnostics PLAIN RUN [--windows N] [--out DIR]`` sets a run's diagnostics against plain's
-at the same steps (:func:`compare_runs`): a Markdown table per span of steps, the per-group ratios and the staleness
-histogram.
+What each record holds, and how the screens read it: docs/results.md, "Quality runs that state their noise", and
+docs/quality-diagnosis.md. Statistics are sums over ranks (one small ``all_reduce`` per step) and sync the host every
+step: a diagnostic run is for diagnosis, not for timing.
 """
 
 from __future__ import annotations
@@ -40,20 +17,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 GROUPS = ("embedding", "linear", "attention", "other")
-"""Parameter groups by role: the tied token embedding / LM head; the other linears TAGC's default selection
-compresses; the attention input projection; everything else (position embedding, norms, biases)."""
 COMPRESSED_GROUPS = {"none": (), "non-attn": ("embedding", "linear"), "blocks": ("linear",), "all": GROUPS}
 """The groups a run's ``compression`` setting routes to its codec."""
-
-V_RANGE = (-30.0, 2.0)
-"""The log10 range of the ``exp_avg_sq`` histogram (values outside are counted at its ends)."""
-V_BIN = 0.01
-"""Width of an ``exp_avg_sq`` histogram bin in log10: quantiles are exact to 2.3%."""
+V_RANGE, V_BIN = (-30.0, 2.0), 0.01
+"""The log10 range of the ``exp_avg_sq`` histogram (values outside count at its ends) and its bin width."""
 V_BINS = round((V_RANGE[1] - V_RANGE[0]) / V_BIN)
 ESTIMATE_FIELDS = ("n", "error_sq", "own_sq", "signal_sq", "dot")
 """Per group, the sums :meth:`StepDiagnostics.after_backward` takes (``own_sq``: ``|g_i - m|^2`` of this rank)."""
 AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""Staleness bins: age 0 (sent this step), 1, 2-3, 4-7, ..., 128-255, 256 and more."""
 AGE_LABELS = ("0", "1", *(f"{a}-{b - 1}" for a, b in zip(AGE_EDGES[1:], AGE_EDGES[2:])), f"{AGE_EDGES[-1]}+")
 
 _WRAPPERS = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.|parametrizations\.|"
@@ -79,10 +50,8 @@ def _local(tensor):
 
 
 class StaleAges:
-    """Steps since each element of the codec's residuals was last sent: its residual exactly zero after the step
-    (classic error feedback), or changed in it (``changed=True``: EF21, whose residual is the rank's shift) other
-    than by fading (``decay``: an unsent shift becomes ``decay`` times itself; a callable gives each step's value,
-    e.g. when ``hook.set_feedback_decay`` changes it between steps)."""
+    """Steps since each element of the codec's residuals was last sent: its residual zero after the step (classic
+    feedback), or (``changed=True``, EF21) changed other than by fading by ``decay`` (a number or a callable)."""
 
     def __init__(self, changed: bool = False, decay: Union[float, Callable[[], float]] = 1.0) -> None:
         self.ages: dict[tuple[str, int], Any] = {}
@@ -143,13 +112,9 @@ def quantiles_from_histogram(counts: Sequence[float], low: float, width: float, 
 
 
 class StepDiagnostics:
-    """The per-step diagnostics of one rank; rank 0 writes them (see the module's docstring).
-
-    Call :meth:`after_backward` after the backward pass (before clipping), :meth:`before_step` before
-    ``optimizer.step()`` and :meth:`after_step` after it, on every rank (they are collectives). Parameters are read
-    by name, so FSDP1's flat parameters are out. ``replicated``: every rank's parameters hold the whole averaged
-    gradient after the backward pass (DDP), which the ``estimate`` needs.
-    """
+    """One rank's per-step diagnostics; rank 0 writes them. On every rank (collectives): :meth:`after_backward`
+    before clipping, :meth:`before_step` and :meth:`after_step` around ``optimizer.step()``. ``replicated`` (DDP):
+    every rank holds the whole averaged gradient, which the ``estimate`` needs."""
 
     def __init__(self, model, optimizer, hook, path: Optional[str], compression: str, grad_clip: float,
                  header: Optional[dict] = None, replicated: bool = False) -> None:
@@ -179,14 +144,12 @@ class StepDiagnostics:
             self.log.flush()
 
     def _keep_own(self, parameter) -> None:
-        """A compressed parameter's gradient as autograd accumulates it: this rank's own, since DDP's reducer reads
-        it only afterwards and writes the averaged one back at the end of the backward pass."""
+        """This rank's own gradient, as autograd accumulates it (before DDP's reducer averages it)."""
         self._own[id(parameter)] = parameter.grad.detach().clone()
 
     def after_backward(self) -> None:
-        """Measure the ``estimate`` of this step's gradients, before clipping scales them: the decoded gradient in
-        each parameter's ``.grad`` against the exact mean of the gradients the ranks kept. A no-op where nothing was
-        kept (not replicated) or the hook compressed nothing (its dense warm-up, or DDP's own first step)."""
+        """The ``estimate``: each ``.grad`` (decoded) against the exact mean of the kept gradients. A no-op where
+        nothing was kept or the hook compressed nothing (its dense warm-up, DDP's own first step)."""
         import torch
         import torch.distributed as dist
 
@@ -289,9 +252,8 @@ class StepDiagnostics:
 
 
 def estimate_summary(sums: Sequence[float], world: int) -> Optional[dict]:
-    """One group's ``estimate`` from :data:`ESTIMATE_FIELDS` summed over ``world`` ranks (every field but ``own_sq``
-    is the same on every rank, so counted ``world`` times); ``None`` where the group was not measured. The noise
-    needs two ranks or more."""
+    """One group's ``estimate`` from :data:`ESTIMATE_FIELDS` summed over ``world`` ranks (all but ``own_sq`` alike on
+    every rank); ``None`` where the group was not measured."""
     n, error_sq, own_sq, signal_sq, dot = sums
     if not n:
         return None
@@ -328,8 +290,7 @@ def read_diagnostics(path: str | Path) -> tuple[dict, dict[int, dict]]:
 
 
 def _pooled(record: dict, groups: Sequence[str]) -> dict:
-    """The groups pooled: the update RMS over all their elements, ``exp_avg_sq``'s mean and geometric mean, and
-    (where measured) the estimate's error over noise and gain (sums of squares added)."""
+    """The groups pooled over their elements (the estimate's sums of squares added)."""
     chosen = [record["groups"][g] for g in groups if g in record.get("groups", {})]
     n = sum(g["n"] for g in chosen)
     pooled = {} if not n else {
@@ -354,11 +315,8 @@ def _mean(values: list) -> Optional[float]:
 
 
 def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10) -> dict:
-    """A run's diagnostics against plain's at the steps both logged: per step the ratios (run / plain) of the
-    update RMS and of ``exp_avg_sq`` (mean, geometric mean; per group median and 90th percentile) on the run's
-    compressed groups (all groups when it compresses none), both clip flags and the grad norms', the run's staleness
-    and estimate. Then the same averaged over ``windows`` equal spans of steps, and the staleness histogram summed over
-    the run's compressed steps."""
+    """A run's diagnostics against plain's at the steps both logged, on the run's compressed groups (all when it
+    compresses none): per step, averaged over ``windows`` spans, and the staleness histogram summed."""
     plain_header, plain = read_diagnostics(plain_path)
     run_header, run = read_diagnostics(run_path)
     groups = tuple(run_header.get("compressed_groups") or ()) or GROUPS
@@ -403,8 +361,7 @@ def compare_runs(plain_path: str | Path, run_path: str | Path, windows: int = 10
 
 
 def format_comparison(result: dict) -> str:
-    """:func:`compare_runs`' result as Markdown: the windows' table, the per-group ratios over all shared steps,
-    and the staleness histogram."""
+    """:func:`compare_runs`' result as Markdown."""
     fmt = lambda value, spec="{:.3f}": "-" if value is None else spec.format(value)  # noqa: E731
     plain, run = result["plain"].get("run", "plain"), result["run"].get("run", "run")
     lines = [

@@ -1,15 +1,10 @@
 """Bytes between hosts per training step: counted on emulated hosts' NICs, and worked out for many hosts.
 
-On emulated hosts (:class:`testbed.hosts.EmulatedHosts`) the launcher names the inter-host
-device in :data:`COUNT_DEVICE_ENV`. The first rank of each host reads that device's transmit
-counter (``/sys/class/net/<dev>/statistics/tx_bytes``: the namespace's own) around each
-training step and appends ``{"step", "tx_bytes"}`` to ``<log>.host<h>``; the summary adds the
-hosts up. Everything that crosses counts: the gradient exchange, the parameter all-gathers and
-a few bytes of control traffic, not the evaluation.
-
-``python -m gpt2_bench.host_bytes`` works out, for 2, 8 and 64 hosts, the bytes each host sends per
-step under each layout (flat FSDP, DDP, HSDP) and codec, from the model's shapes and the codecs' own
-wire shapes (:func:`per_host_bytes`; the tables are in docs/layout.md).
+On emulated hosts the launcher names the inter-host device in :data:`COUNT_DEVICE_ENV`; each host's first rank
+appends its transmit counter's growth per step to ``<log>.host<h>`` (:class:`HostCounter`), and the summary adds the
+hosts up: everything that crosses counts, not the evaluation. ``python -m gpt2_bench.host_bytes`` works out the bytes
+per host and step for 2, 8 and 64 hosts under each layout and codec, from the model's shapes and the codecs' wire
+shapes (:func:`per_host_bytes`; the tables and formulas: docs/layout.md).
 """
 
 from __future__ import annotations
@@ -45,14 +40,11 @@ class HostCounter:
         host = int(os.environ.get("GROUP_RANK", os.environ.get("RANK", "0")))  # torchrun: this host's number
         return cls(device, f"{log_path}.host{host}")
 
-    def read(self) -> int:
-        return int(self.counter.read_text())
-
     def start(self) -> None:
-        self._at = self.read()
+        self._at = int(self.counter.read_text())
 
     def stop(self, step: int) -> None:
-        self.out.write(json.dumps({"step": step, "tx_bytes": self.read() - self._at}) + "\n")
+        self.out.write(json.dumps({"step": step, "tx_bytes": int(self.counter.read_text()) - self._at}) + "\n")
         self.out.flush()
 
     def close(self) -> None:
@@ -82,14 +74,11 @@ def inter_host_bytes_per_step(log_path: Path, steps: Sequence[int]) -> float | N
 HOST_COUNTS = (2, 8, 64)
 
 def _compare_method(name: str) -> dict:
-    """The compare's method ``name`` (:data:`gpt2_bench.methods.METHODS`) in this module's terms: its selection,
-    codec, and the plain columns, ratio and codec options it sets (``options``); what it leaves out stays out, so the
-    arithmetic's own defaults apply."""
+    """The compare's method ``name`` in this module's terms (what it leaves out takes the arithmetic's defaults)."""
     from gpt2_bench.methods import METHODS
 
-    renamed = {"compression": "compression", "codec": "codec", "plain": "plain", "ratio": "ratio",
-               "codec_options": "options"}
-    return {ours: METHODS[name][theirs] for theirs, ours in renamed.items() if theirs in METHODS[name]}
+    return {"options" if key == "codec_options" else key: value for key, value in METHODS[name].items()
+            if key in ("compression", "codec", "plain", "ratio", "codec_options")}
 
 
 ARITHMETIC_METHODS: dict[str, dict] = {
@@ -99,18 +88,12 @@ ARITHMETIC_METHODS: dict[str, dict] = {
     **{name: _compare_method(name)
        for name in ("tagc-lean", "topk-lean", "tagc-int4", "topk-f8", "int4", "powersgd", "powersgd-lean")},
 }
-"""The compare's methods as the arithmetic sees them (:data:`gpt2_bench.methods.METHODS`): ``bf16`` is the
-bf16 baseline of each layout (flat: FSDP's bf16 reduce-scatter; DDP: torch's ``bf16_compress_hook``;
-HSDP: the bf16 reduce across hosts); ``tagc`` the paper's selection at ratio 10; ``tagc-int4`` (``tagc.hook()``'s
-defaults) and ``topk-f8`` (the list at their bytes); every method but the first three is taken from the compare's
-own settings."""
+"""The compare's methods as the arithmetic sees them: ``bf16`` is each layout's bf16 baseline; ``tagc`` the
+paper's selection at ratio 10; the rest the compare's own settings."""
 
 
 INT8_GATHER_BLOCK = 256
-"""Elements per float32 scale of a blockwise int8 parameter gather (ZeRO++'s qwZ), as SimpleFSDP's ran it until it
-was removed (docs/results.md, "Removed from the bench"): the arithmetic of docs/layout.md keeps it."""
-
-
+"""Elements per float32 scale of a blockwise int8 parameter gather (ZeRO++'s qwZ; docs/layout.md)."""
 PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / INT8_GATHER_BLOCK}  # the int8 code, a float32 scale per block
 """Bytes per element of flat FSDP's parameter all-gathers, by their dtype."""
 
@@ -168,7 +151,6 @@ def _codecs(method: dict, ratio: float):
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:
-    """``ceil(numerator / denominator)`` in integers."""
     return -(-numerator // denominator)
 
 

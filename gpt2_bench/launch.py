@@ -80,14 +80,9 @@ def _unit_medians(steps: list[dict]) -> dict:
 
 
 def run(cfg: TrainConfig, data_dir: Optional[str] = None, link: Optional[str] = None, attempts: int = 1) -> dict:
-    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary.
-
-    With ``attempts > 1`` a run whose rank dies (:class:`RankFailed`) is started again, up to
-    ``attempts`` times in all: from its newest complete checkpoint when ``cfg.checkpoint_dir``
-    is set (the steps it does not redo keep their records; a resumed run repeats the
-    uninterrupted losses bit for bit), from scratch otherwise. Benchmarks use it so that one
-    rare crash (``docs/known-issues.md``, "A rare heap abort on gloo") costs minutes, not the whole sweep.
-    """
+    """Train ``cfg`` with ``cfg.world`` subprocess ranks; returns the run's summary. A run whose rank dies
+    (:class:`RankFailed`) is started again, ``attempts`` times in all, from its newest checkpoint if it writes them
+    (a rare crash, docs/known-issues.md, "A rare heap abort on gloo", then costs minutes, not a sweep)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(1, attempts + 1):
@@ -160,21 +155,8 @@ def _wait(launch: Launch, cfg: TrainConfig) -> None:
 
 
 def scaled_link(cfg: TrainConfig, data_dir: str, steps: int = 6) -> dict:
-    """The link rate at which this machine's plain exchange takes the paper's share of a step.
-
-    Two short uncompressed calibration runs with the fair plain exchange. The step at rate
-    ``r`` is modelled as ``T(r) = A + C / r`` — compute, plus everything the link slows,
-    the all-gathers as well as the exchange — and the exchange as ``E(r) = V / r``. The
-    unshaped run gives ``A`` (its step minus its exchange) and a first guess, the rate at
-    which the exchange alone would be the paper's share; a run shaped at that guess gives
-    ``C`` and ``V``; the rate solves ``E(r) / T(r) = share``. (The guess alone undershoots:
-    shaping also slows the all-gathers, so there the exchange takes less than the share.)
-
-    The exchange alone can take at most ``V / C`` of a step, since the all-gathers cross the
-    same link (about half here). A larger share (0.9: a GPU over 10 GbE, where the all-gathers
-    cross the slow link too) is given to the link-bound time instead: ``(C/r) / T(r) = share``;
-    ``share_of`` says which, and ``modelled_exchange_share`` what the exchange alone then takes.
-    """
+    """The link rate at which this machine's plain exchange (or, past what it can take, the link-bound time) takes
+    ``cfg.link_share`` of a non-overlapped plain step, from two short calibration runs: docs/design.md §10."""
     share = cfg.link_share
     probe = dataclasses.replace(cfg, compression="none", transport="fair", steps=steps, eval_interval=10**6,
                                 reduce_dtype=None, link="none", name=f"calibrate-{cfg.preset}", overlap=False,

@@ -1,16 +1,9 @@
 """The DDP layout: the model replicated on every rank, only the gradient crosses, as an all-reduce.
 
-``python -m gpt2_bench.train --integration ddp`` wraps the model in ``DistributedDataParallel`` (gloo on the CPU,
-NCCL on GPUs) and reduces its buckets with DDP's own all-reduce (``--compression none --transport gloo``), torch's
-``bf16_compress_hook`` or ``powerSGD_hook`` (``--torch-hook``) or our codec through ``tagc.ddp_hook`` (the same
-``tagc.hook(...)`` the FSDP integrations build, :func:`gpt2_bench.sharding.make_hook`). :func:`wrap_ddp` returns
-``(ddp_model, hook)``, ``hook`` answering what the training loop asks of a TAGC hook (``end_step``, ``stats``,
-``state_dict``, ...), so the per-step log has the same fields for every integration.
-
-How each counts its bytes (``ring(x) = 2 (N-1) x / N`` per bucket; torch's ``powerSGD_hook`` by its documented
-compression rule, :func:`powersgd_sizes`), when ``powerSGD_hook`` starts (:func:`powersgd_start_iter`), what its
-timing columns mean and how each checkpoints and resumes (``powerSGD_hook`` does not): docs/layout.md, "Training
-under DDP".
+``--integration ddp``: DDP's own all-reduce (``--compression none --transport gloo``), torch's ``bf16_compress_hook``
+or ``powerSGD_hook`` (``--torch-hook``), or our codec through ``tagc.ddp_hook``. :func:`wrap_ddp` returns the model
+and a counter that answers what the training loop asks of a TAGC hook (``end_step``, ``stats``, ...). How each
+counts its bytes, when ``powerSGD_hook`` starts, and checkpoints: docs/layout.md, "Training under DDP".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The methods the compare puts side by side: what a user would pick instead of TAGC.
-
-Each method (:data:`METHODS`) is a :class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed,
-integration and fair overlapped transport, so only the gradient codec differs: plain fp32 (``fsdp``) and FSDP's own
-bf16 reduce (``fsdp-bf16``); ``bf16``, ``fp8`` and ``int4`` (ZeRO++ qgZ-style) on every layer; ``sign``; rank-r
-``powersgd``; ``topk`` (TAGC's selection sent as a list); TAGC on every layer or the non-attention linears
-(``tagc-all``, ``tagc-non-attn``, on the paper's wire) and with EF21 (``tagc-ef21``); ``tagc-int4`` (``tagc.hook()``'s
-defaults), ``topk-int4`` (its peer with the same kept fraction) and ``topk-f8`` (its peer at the same bytes); the
-lean wire on both sparse codecs and PowerSGD (``tagc-lean``, ``topk-lean``, ``powersgd-lean``; docs/guide.md, "The
-lean wire"). :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts' (torch's own hooks among them).
-
-Fairness: the dense warm-up (``dense_steps``) goes to every codec with error feedback, the others have nothing to warm
-up; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every flat-FSDP and HSDP method alike
-and never a DDP one, and a run's name carries its gather dtype (``fsdp-bf16-param-bf16``).
+"""The methods the compare puts side by side (:data:`METHODS`): what a user would pick instead of TAGC, each a
+:class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed and transport, so only the gradient
+codec differs; :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts'. The dense warm-up goes to every codec with
+error feedback; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every method that gathers
+parameters alike. The list and what each is: docs/results.md, "Who wins at which share".
 """
 
 from __future__ import annotations
@@ -22,26 +13,16 @@ from collections.abc import Sequence
 from gpt2_bench.config import TrainConfig, library_dense_steps
 
 LEAN_RATIO = 7.0
-"""The lean methods' ratio: the fewest bytes per step that kept their val loss within 1% of fsdp's
-in the lean-wire quality sweep over ratios, a density ramp and a denser embedding (both since removed; the sweep and
-its caveats: ``docs/results.md``, "Defaults and how they were chosen"). One ratio for both sparse
-codecs, so ``tagc-lean`` and ``topk-lean`` differ only in how the kept entries travel.
-
-``--ratio`` sets the other TAGC and top-k methods' ratio (the compare's default: :data:`PAPER_RATIO`)."""
-
+"""The lean methods' ratio, one for both sparse codecs (docs/results.md, "LEAN_RATIO")."""
 PAPER_RATIO = 10.0
 """The TAGC paper's ratio: the compare's ``--ratio`` default, for the paper's methods and ``topk``."""
-
 INT4_RATIO = 4.5
-"""``tagc-int4``'s ratio: the densest TAGC (coded positions, float16 cells, the rest in ``int4``) whose steady
-step sends no more than ``int4`` does on the small preset (7.6 against 8.0 MB under FSDP on 2 ranks)."""
+"""``tagc-int4``'s ratio: the densest TAGC whose step sends no more than ``int4`` (docs/results.md, "RECOMMENDED")."""
 F8_TOPK_RATIO = 1.2
-"""``topk-f8``'s ratio: the densest ``topk`` list (coded positions, float8 values, the rest in ``int4``) whose steady
-step sends no more than ``tagc-int4``'s on the small preset at 2 ranks, so the two differ in how the bytes are spent,
-not in how many (the arithmetic: ``docs/results.md``, "F8_TOPK_RATIO")."""
+"""``topk-f8``'s ratio: the densest list whose step sends no more than ``tagc-int4`` (docs/results.md,
+"F8_TOPK_RATIO")."""
 FADE = 0.9
-"""``tagc-int4``'s ``feedback_decay``: EF21's shifts fade by this factor per step (docs/quality-diagnosis.md,
-"Sixth screen")."""
+"""``tagc-int4``'s ``feedback_decay`` (docs/quality-diagnosis.md, "Sixth screen")."""
 
 PAPER_WIRE = {"plain": "fp32", "feedback": "classic",
               "codec_options": {"positions": "bitmap", "value_dtype": "float32"}}

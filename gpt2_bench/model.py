@@ -1,11 +1,7 @@
 """GPT-2 in one file, after nanoGPT's ``model.py`` (same interface, same module names).
 
-The module names matter: TAGC's selection policy
-(:func:`tagc.hooks.core.selection.non_attention_linear`) picks the parameters to compress by
-name and module type — the MLP linears, the attention output projection ``attn.c_proj``,
-the token embedding ``transformer.wte`` and ``lm_head`` — and leaves the QKV projection
-``attn.c_attn``, the layer norms, the biases and ``transformer.wpe`` to the plain
-reduce-scatter.
+The module names matter: TAGC's selection (:func:`tagc.hooks.core.selection.non_attention_linear`) picks the
+parameters to compress by name and module type.
 
 References: Radford et al. 2019 (GPT-2); Karpathy's nanoGPT.
 """

@@ -4,7 +4,7 @@
 launches ``--world`` gloo ranks under torchrun (inside a shaped network namespace when
 ``--link`` is given; on ``--hosts`` emulated hosts, :mod:`gpt2_bench.launch`), trains with
 AdamW (warmup + cosine), evaluates periodically, and writes a JSON line per step plus a
-summary. Started by torchrun itself (``RANK``/``WORLD_SIZE`` set), it runs as one rank.
+summary.
 
 The settings are :class:`gpt2_bench.config.TrainConfig`; the FSDP wrapping
 :mod:`gpt2_bench.sharding`; the loop is :func:`worker`.
@@ -126,16 +126,8 @@ HEAP_KEEP_BYTES = 256 << 20
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc keep freed tensors' memory for reuse instead of returning it to the kernel.
-
-    By default glibc ``mmap``s large blocks and ``munmap``s them on free (and trims the heap),
-    so every step's activations and gradients fault their pages in again, and its dynamic
-    threshold shifts as the run goes on. On 2 CPU cores that cost a plain FSDP step 25-30%
-    (2.6-3.0 s against 2.0 s) and made steps drift slower over a run. Blocks below
-    :data:`HEAP_KEEP_BYTES` now come from the heap, which is never trimmed: the resident size
-    stays at its peak. Applies to this process (every rank calls it, also under ``torchrun``);
-    returns False where the C library is not glibc.
-    """
+    """Have glibc keep freed memory below :data:`HEAP_KEEP_BYTES` for reuse (heap, never trimmed) instead of
+    ``munmap``ing it: page faults cost a step here 25-30% (docs/results.md, "The main job"). False if not glibc."""
     import ctypes
     import ctypes.util
 
@@ -319,26 +311,26 @@ def _restore(cfg: TrainConfig, model, opt, hook) -> int:
     return first_step
 
 
+def _trim(path: Path, keep) -> None:
+    """Keep the records of ``path`` that ``keep`` accepts: a resumed run's, of the steps it does not redo."""
+    if path.exists():
+        path.write_text("".join(line + "\n" for line in path.read_text().splitlines()
+                                if line.strip() and keep(json.loads(line))))
+
+
 def _open_log(log_path: str, first_step: int):
-    """The step log, for appending: a resumed run keeps its sessions' records and those of the steps it does not
-    redo (an earlier session's summary goes)."""
+    """The step log, for appending (a resumed run keeps its sessions' records; an earlier summary goes)."""
     if first_step == 0:
         return open(log_path, "w")
-    path = Path(log_path)
-    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-            if line.strip() and ("run" in (record := json.loads(line)) or record.get("step", math.inf) < first_step)]
-    path.write_text("".join(line + "\n" for line in kept))
+    _trim(Path(log_path), lambda record: "run" in record or record.get("step", math.inf) < first_step)
     return open(log_path, "a")
 
 
 def _open_diagnostics(log_path: str, first_step: int) -> str:
-    """``<run>.diagnostics.jsonl`` beside the run's log; on resume, trimmed to the steps not redone
-    (the header kept) so that :class:`~gpt2_bench.diagnostics.StepDiagnostics` appends."""
+    """``<run>.diagnostics.jsonl`` beside the run's log, trimmed on resume (the header kept)."""
     path = Path(log_path).with_name(Path(log_path).name.removesuffix(".jsonl") + ".diagnostics.jsonl")
     if first_step:
-        kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-                if line.strip() and json.loads(line).get("step", -1) < first_step]
-        path.write_text("".join(line + "\n" for line in kept))
+        _trim(path, lambda record: record.get("step", -1) < first_step)
     return str(path)
 
 
@@ -392,16 +384,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"gpt2_bench.train: {err}") from None
     os.environ.setdefault(COMMAND_ENV, shlex.join(["python", "-m", "gpt2_bench.train",
                                                    *(sys.argv[1:] if argv is None else argv)]))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
-        from gpt2_bench.data import prepare
-
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        args.config = str(Path(cfg.out_dir) / f"{cfg.run_name}.config.json")
-        Path(args.config).write_text(cfg.to_json())
-        args.data_dir = str(prepare(cfg.dataset, cfg.cache_dir, progress=os.environ["RANK"] == "0"))
-        args.log = str(Path(cfg.out_dir) / f"{cfg.run_name}.jsonl")
-        _worker_main(args)
-        return 0
     from gpt2_bench.launch import run
 
     result = run(cfg)

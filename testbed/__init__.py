@@ -1,3 +1,3 @@
-"""Experiment tooling, outside the library: emulated links and hosts, the torchrun launcher,
-the exchange benchmark and the TAGC paper's reference numbers. ``tagc`` and
+"""Experiment tooling, outside the library: emulated links and hosts, the torchrun launcher
+and the TAGC paper's reference numbers. ``tagc`` and
 ``fsdp_integration`` never import it; ``gpt2_bench`` and the tests do."""

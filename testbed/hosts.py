@@ -1,18 +1,9 @@
 """Emulated hosts: one network namespace per host, joined through a switch by shaped veth pairs.
 
-``with EmulatedHosts(2, "1gbit") as hosts: ...`` makes namespaces ``<name>-h0``, ``<name>-h1``
-and a switch ``<name>-sw`` (a Linux bridge). Host ``i`` has ``eth0`` at ``198.18.0.(i+1)/24``
-(the benchmarking range, RFC 2544) on a veth pair whose other end is a bridge port. Both ends
-are shaped with ``tc tbf`` at the link rate: a host's egress (its upload) and the switch port's
-egress (its download), so each host has a full-duplex link of that rate, as a NIC into a switch.
-
-Traffic between the ranks of one host never touches ``eth0``: an address of the host's own is
-routed over its (unshaped) loopback. So the hosts' ``eth0`` transmit counters
-(:class:`gpt2_bench.host_bytes.HostCounter`) count exactly what crossed between hosts (plus a few hundred bytes of
-ARP).
-
-Everything is removed on exit, on exceptions, on Ctrl-C and SIGTERM/SIGHUP, and at interpreter
-exit; namespaces are made with ``ip netns`` (root). Rates and tbf sizes: :mod:`testbed.link`.
+``with EmulatedHosts(2, "1gbit") as hosts: ...`` makes namespaces ``<name>-h0``, ``<name>-h1`` and a switch
+``<name>-sw``; host ``i`` has ``eth0`` at ``198.18.0.(i+1)/24``, shaped both ways. How, and why the hosts' ``eth0``
+counters count exactly what crossed between hosts: docs/design.md §11, "Emulated hosts". Everything is removed on
+exit, also on failure (``ip netns``: root). Rates and tbf sizes: :mod:`testbed.link`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Launch ranks with torchrun and wait for them: one place for every experiment's launcher.
-
-:func:`torchrun_argv` builds the command of one host's ``torchrun`` (``--standalone`` for a
-single host; a c10d rendezvous at host 0's address for several). :class:`Launch` starts those
-commands (inside a namespace when given a ``wrap``), echoes their output, and on failure names
-the rank that failed first from torchrun's own "Root Cause" report: a signal's victim before a
-rank that exited with an error (within one poll, the others' errors are usually the dead peer's
-consequence).
-
-torchrun picks the rendezvous port itself (``--standalone``) or uses a fixed one inside a
-namespace that was just created, where every port is free: no probe socket, no race for a port.
+"""Launch ranks with torchrun and wait for them: :func:`torchrun_argv` builds one host's ``torchrun`` command
+(``--standalone``, or a c10d rendezvous at host 0's fixed port in a fresh namespace); :class:`Launch` starts the
+commands, echoes their output, and on failure names the rank that failed first (torchrun's "Root Cause" report: a
+signal's victim before a rank that exited with an error).
 """
 
 from __future__ import annotations

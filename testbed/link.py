@@ -1,15 +1,8 @@
 """An emulated network link: a private network namespace with a shaped loopback (docs/design.md §10).
 
-``with ShapedLink("1gbit", world=2) as link: subprocess.run(link.wrap(argv))`` runs a
-command inside a fresh namespace whose loopback (127.0.0.1, the only address used) goes
-through ``tc qdisc ... tbf``. One tbf on one loopback is shared by every flow on it, so
-``world`` ranks each sending at ``rate`` (full duplex) need a tbf rate of ``world * rate``.
-
-The namespace is made with ``ip netns add`` (root) or, where that is not permitted, with
-``unshare -rn`` (user + network namespace, held open by a ``sleep`` process and entered
-with ``nsenter``). It is always removed afterwards: on normal exit, on exceptions,
-KeyboardInterrupt and SIGTERM/SIGHUP, and at interpreter exit. If the loopback cannot be
-shaped, :class:`LinkError` is raised; nothing ever runs silently unshaped.
+``with ShapedLink("1gbit", world=2) as link: subprocess.run(link.wrap(argv))`` runs a command inside a fresh
+namespace whose loopback goes through ``tc qdisc ... tbf``, at ``world * rate``. The namespace is always removed
+afterwards; if the loopback cannot be shaped, :class:`LinkError` is raised: nothing ever runs silently unshaped.
 """
 
 from __future__ import annotations
@@ -314,12 +307,3 @@ class ShapedLink(Namespaces):
         if self.kind == "unshare":
             return self._holder is not None and self._holder.poll() is None
         return False
-
-    def describe(self) -> str:
-        """One line: rate, tbf, how the namespace was made."""
-        if self.rate_bps is None:
-            return f"unshaped private loopback ({self.kind} {self.name})"
-        p = tbf_params(self.rate_bps, self.world)
-        return (f"{format_rate(self.rate_bps)} per rank, full duplex: tbf {format_rate(p['rate_bps'])} shared by "
-                f"{self.world} ranks, burst {p['burst_bytes'] >> 10} KiB, limit {p['limit_bytes'] >> 20} MiB "
-                f"({self.kind} {self.name})")

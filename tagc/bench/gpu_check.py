@@ -1,13 +1,8 @@
 """``python -m tagc.bench gpu-check``: check, on a GPU, what the CPU test suite cannot show.
 
-For a user with a GPU (one is enough). Without one it says so and exits 0. With one: the kernel tests on the device
-(:func:`run_kernel_tests`: the device contract of ``tests/test_kernels.py`` with real Triton kernels); a one-GPU
-exchange self-test (:func:`codec_round_trip`, :func:`gpt2_gradients_round_trip`, :func:`one_rank_group`,
-:func:`callback_memory`, :func:`counters_across_streams`); and the kernels' times against a device memcpy of the same
-bytes (:func:`kernel_times`).
-
-Exit status 1 when a check fails. A check that raises (an out-of-memory beside other jobs) fails with the error in
-its result, and the checks after it still run. ``--json PATH`` writes the results.
+Without a GPU it says so and exits 0. With one: the kernel tests on the device (:func:`run_kernel_tests`), the
+one-GPU self-tests of :data:`CHECKS`, and the kernels' times against a device memcpy (:func:`kernel_times`). Exit
+status 1 when a check fails; a check that raises fails with the error in its result, and the rest still run.
 """
 
 from __future__ import annotations
@@ -129,14 +124,10 @@ GPT2_WEIGHTS = ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.w
 
 def gpt2_gradients_round_trip(device: torch.device, ranks: int = 4, steps: int = 3, width: int = 768,
                               layers: int = 12, vocab: int = 50257, tokens: tuple[int, int] = (8, 256)) -> dict:
-    """HF ``transformers``' GPT-2 (124M shapes by default, built from a config: no download) on ``device``:
-    each of ``ranks`` emulated ranks takes its own micro-batch's gradients (bf16 autocast on CUDA), and
-    :data:`GPT2_WEIGHTS` go through the TAGC codec as an all-to-all would carry them, ``steps`` times
-    (the residuals carry over, the gradients grow 10% a step). Checks, per owner: the decoded support
-    lies within what the ranks sent and holds every element whose exact sum is not negligible
-    (``> 1e-6`` of the part's largest: where the ranks' values cancel, float32 peeling leaves a
-    rounding residue or 0), values within float32 rounding of the exact sum, no host reads after
-    the first step. Skipped (``ok`` None) without ``transformers``."""
+    """HF GPT-2 (124M shapes, no download): ``ranks`` emulated ranks' own gradients of :data:`GPT2_WEIGHTS` through
+    the TAGC codec, ``steps`` times. Per owner: the decoded support within what was sent and holding every
+    non-negligible exact sum (cancelling values leave a rounding residue or 0), values within float32 rounding, no
+    host reads after the first step. Skipped (``ok`` None) without ``transformers``."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -341,6 +332,16 @@ def _guarded(check, *args):
             torch.cuda.empty_cache()
 
 
+CHECKS = {
+    "codec_round_trip": ("codec_round_trip", "codec round trip (4 emulated ranks)"),
+    "gpt2_round_trip": ("gpt2_gradients_round_trip", "GPT-2 gradients through the codec (4 emulated ranks)"),
+    "one_rank_group": ("one_rank_group", "one-rank NCCL group"),
+    "callback_memory": ("callback_memory", "memory reserved by the hook's future callbacks"),
+    "counters_across_streams": ("counters_across_streams", "counters made on one stream, summed on another"),
+}
+"""The self-tests after the kernel tests: result key -> (the check's name in this module, what it prints)."""
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tagc.bench gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda, the current one)")
@@ -372,19 +373,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["kernel_tests"] = _guarded(run_kernel_tests, device)
         tests = results["kernel_tests"]
         print(f"kernel tests on the device: {tests.get('summary') or tests.get('note') or tests.get('error')}")
-    results["codec_round_trip"] = _guarded(codec_round_trip, device)
-    print(f"codec round trip (4 emulated ranks): {'ok' if results['codec_round_trip']['ok'] else 'FAILED'} "
-          f"{results['codec_round_trip']}")
-    results["gpt2_round_trip"] = _guarded(gpt2_gradients_round_trip, device)
-    trip = results["gpt2_round_trip"]
-    print(f"GPT-2 gradients through the codec (4 emulated ranks): "
-          f"{trip.get('note') or ('ok' if trip['ok'] else 'FAILED')} {trip}")
-    results["one_rank_group"] = _guarded(one_rank_group, device)
-    print(f"one-rank NCCL group: {results['one_rank_group']}")
-    results["callback_memory"] = _guarded(callback_memory, device)
-    print(f"memory reserved by the hook's future callbacks: {results['callback_memory']}")
-    results["counters_across_streams"] = _guarded(counters_across_streams, device)
-    print(f"counters made on one stream, summed on another: {results['counters_across_streams']}")
+    for name, (check, what) in CHECKS.items():
+        results[name] = _guarded(globals()[check], device)
+        print(f"{what}: {'ok' if results[name].get('ok') else results[name].get('note') or 'FAILED'} {results[name]}")
     times = _guarded(kernel_times, device, args.sizes)
     results["times"] = times if isinstance(times, list) else []
     if not isinstance(times, list):
@@ -398,12 +389,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    failed = [
-        name
-        for name in ("kernel_tests", "codec_round_trip", "gpt2_round_trip", "one_rank_group", "callback_memory",
-                     "counters_across_streams")
-        if results.get(name, {}).get("ok") is False
-    ] + ([] if isinstance(times, list) else ["times"])
+    failed = [name for name in ("kernel_tests", *CHECKS)
+              if results.get(name, {}).get("ok") is False] + ([] if isinstance(times, list) else ["times"])
     print("gpu-check: " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0
 

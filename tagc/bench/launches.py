@@ -1,35 +1,12 @@
 """Host work per bucket: aten ops dispatched and kernel launches, against the number of compressed parts (issue 61).
 
-``python -m tagc.bench launches [--parts 1,8,64] [--backends triton,numba,torch] [--wires default,paper]
-[--part-numel 4096] [--warm 1] [--json FILE]``
+``python -m tagc.bench launches [--parts 1,8,64] [--backends triton,numba,torch] [--wires default,paper] [--json FILE]``
 
-A GPU codec's cost should follow its bytes, not its parts: the host work of one bucket (Python, the
-torch ops it dispatches, the kernels it launches) must not grow with the number of compressed parts
-the bucket is cut into (``min_part``, :mod:`tagc.hooks.core.plan`). This measures it on the CPU:
-
-* one bucket of ``parts`` compressed parts of ``--part-numel`` columns each (``min_part`` is the
-  part size, ``select="all"``, no plain columns), exchanged by a real hook (:func:`tagc.hook`) on
-  2 gloo ranks (processes on this machine), so that encode and decode both run; one wire per
-  ``--wires`` entry: ``default`` is ``tagc.hook()``'s, ``paper`` the TAGC paper's
-  (``ratio=10, plain="fp32", feedback="classic", positions="bitmap", value_dtype="float32"``);
-* ``--warm`` compressed steps first (no dense warm-up: ``dense_steps=0``), then one steady step
-  counted with a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:class:`HostWork`):
-  every op dispatched, by phase (``encode``: :meth:`PartCoder.encode` of a compressed part,
-  ``decode``: its :meth:`PartCoder.decode`, ``other``: the rest of the exchange — transport,
-  the output's write) and namespace (``aten``; ``tagc`` the Triton back end's custom ops, whose
-  bodies' aten ops are counted too; ``c10d`` the collectives);
-* kernel launches: every ``wrap(kernel)[grid](...)`` of the Triton back end's ops
-  (:mod:`tagc.kernels.ops`), counted by wrapping its ``_wrap``; the ops the Triton interpreter
-  itself dispatches to copy a launch's arguments are not counted (a GPU launch makes none);
-* back ends (``TAGC_BACKEND``): ``triton`` (in Triton's interpreter, ``TRITON_INTERPRET=1``: the
-  same launches as on a GPU), ``numba`` and ``torch`` (no kernels: the launch count is 0).
-
-Prints a table (back end x wire x parts) of the counts on rank 0 and writes every count, per rank,
-with ``--json``. Target (issue 61): the counts do not grow with the parts. The counts are the same from
-run to run; the torch reference's decode makes one pass of ops per peeling round, so its decode count
-also follows the data (and differs between the ranks). The interpreter runs every Triton program in
-Python: at 64 parts the ``triton`` back end takes tens of minutes on a small CPU (``--backends
-numba,torch``: about a minute).
+One bucket of ``--parts`` compressed parts exchanged by a real :func:`tagc.hook` on 2 gloo ranks; after ``--warm``
+compressed steps, one steady step's ops are counted (:class:`HostWork`) by phase (``encode``, ``decode`` of the
+compressed parts, ``other``) and namespace, and the Triton back end's kernel launches (in its interpreter: the
+launches a GPU makes). The target: the counts do not grow with the parts. What it measures and the tables:
+docs/design.md, section 3.1 ("Batches of parts"). ``triton`` at 64 parts takes tens of minutes on a small CPU.
 """
 
 from __future__ import annotations
@@ -63,13 +40,9 @@ PHASES = ("encode", "decode", "other")
 
 
 class HostWork(TorchDispatchMode):
-    """Counts the ops dispatched while it is open, by phase (:meth:`phase`) and namespace, and the kernel
-    launches (:meth:`launch`).
-
-    A custom op (the Triton back end's ``tagc::*``) counts once and its body's ops are counted too: the
-    mode is open again while the body runs (a ``TorchDispatchMode`` handler otherwise runs with the
-    mode closed). Ops dispatched while a kernel runs (:meth:`launch`: the Triton interpreter's copies
-    of the arguments) are not counted."""
+    """Counts the ops dispatched while it is open, by phase (:meth:`phase`) and namespace, and the kernel launches
+    (:meth:`launch`). A custom op counts once and its body's ops too; ops dispatched inside a launch (the Triton
+    interpreter's copies of the arguments) do not count."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
