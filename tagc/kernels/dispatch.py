@@ -15,6 +15,7 @@ Nothing here imports triton or numba until their path is taken.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -106,9 +107,11 @@ _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
                    "torch": _ref_positions.code_index},
     "union_index": {"triton": _triton("union_index_triton"), "numba": _cpu.union_index_cpu,
                     "torch": _ref_positions.union_index},
-    "decode": {"triton": _triton("decode_triton"), "numba": _cpu.decode_cpu, "torch": _ref_codec.decode},
-    "decode_async": {"triton": _triton("decode_async"), "numba": _cpu.decode_async_cpu,
-                     "torch": _ref_codec.decode_async},
+    "decode": {"triton": _triton("decode_triton"), "numba": functools.partial(_ref_codec.decode,
+                                                                              parts=_cpu.decode_parts_cpu),
+               "torch": _ref_codec.decode},
+    "decode_async": {"triton": _triton("decode_async"), "torch": _ref_codec.decode_async,
+                     "numba": functools.partial(_ref_codec.decode_async, parts=_cpu.decode_parts_cpu)},
 }
 """The one back-end table: every public operation below is one lookup in it (:func:`_run`)."""
 

@@ -15,7 +15,7 @@ once, in :func:`decode`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -323,20 +323,26 @@ def decode_parts(
     return out.view(parts, numel), stats, rest
 
 
+PartsDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # a back end's decode_parts
+
+
 def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+    *, parts: PartsDecoder = decode_parts,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_parts` with the statistics as an int64 tensor (:data:`DECODE_STATS` order): one part's
-    ``(values [numel], stats [F])`` from ``[T]`` and ``[I]``, ``P`` parts' ``[P, numel]`` and ``[P, F]`` from
-    ``[P, T]`` and ``[P, I]``."""
-    values, stats, _ = decode_parts(table, index, layout, bits, fallback)
+    """``parts`` (:func:`decode_parts`) with the statistics as an int64 tensor (:data:`DECODE_STATS` order): one
+    part's ``(values [numel], stats [F])`` from ``[T]`` and ``[I]``, ``P`` parts' ``[P, numel]`` and ``[P, F]``
+    from ``[P, T]`` and ``[P, I]``."""
+    values, stats, _ = parts(table, index, layout, bits, fallback)
     return (values, stats) if index.dim() == 2 else (values[0], stats[0])
 
 
 def decode(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
+    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+    *, parts: PartsDecoder = decode_parts,
 ) -> tuple[torch.Tensor, DecodeStats]:
-    """Recover a chunk (float32, ``[layout.numel]``) from its summed table and union index.
+    """Recover a chunk (float32, ``[layout.numel]``) from its summed table and union index (peeling by
+    ``parts``, a back end's :func:`decode_parts`).
 
     Args:
         table: the (summed) count sketch, ``[layout.table_numel]`` (float32 as
@@ -397,5 +403,5 @@ def decode(
        synchronisation (:func:`tagc.kernels.decode_async` skips it, as it skips the NaN
        check).
     """
-    values, packed, rest = decode_parts(table, index.reshape(-1), layout, bits, fallback)
+    values, packed, rest = parts(table, index.reshape(-1), layout, bits, fallback)
     return values[0], as_decode_stats(packed[0], rest)
