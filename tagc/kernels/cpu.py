@@ -105,10 +105,8 @@ def row_thresholds_cpu(rows: torch.Tensor, density: float, grad: torch.Tensor | 
     return _row_thresholds(x.contiguous(), g.contiguous(), density)
 
 
-def compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None,
-    return_held: bool = False, cap=None,
-):
+def compress_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None,
+                 return_held: bool = False, cap=None):
     """:func:`tagc.sketch.compress_` in one pass per chunk (same arguments, same results).
 
     A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
@@ -129,19 +127,9 @@ def compress_cpu(
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
     held = torch.empty(n_chunks, dtype=torch.int64)
-    _kernels().compress_rows(
-        grads.numpy(),
-        rows.numpy(),
-        tau.numpy(),
-        keep_limit(layout.numel, density),
-        capacity(layout.numel, density) if cap is None else cap,
-        *_tables(layout),
-        layout.lane_bits,
-        bits,
-        index.numpy(),
-        table.numpy(),
-        held.numpy(),
-    )
+    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), keep_limit(layout.numel, density),
+                             capacity(layout.numel, density) if cap is None else cap, *_tables(layout),
+                             layout.lane_bits, bits, index.numpy(), table.numpy(), held.numpy())
     return (index, table, held) if return_held else (index, table)
 
 

@@ -137,18 +137,9 @@ def threshold(x: torch.Tensor, density: float, *, backend: Optional[str] = None)
     return row_thresholds(x.reshape(1, -1), density, backend=backend)[0]
 
 
-def compress_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    layout: SketchLayout,
-    bits: int,
-    *,
-    tau: Optional[torch.Tensor] = None,
-    return_held: bool = False,
-    cap: Optional[int] = None,
-    backend: Optional[str] = None,
-):
+def compress_(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, *,
+              tau: Optional[torch.Tensor] = None, return_held: bool = False, cap: Optional[int] = None,
+              backend: Optional[str] = None):
     """Fused error feedback + sparsify + index + sketch; see :func:`tagc.sketch.compress_`.
 
     Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)`` and updates
@@ -160,15 +151,9 @@ def compress_(
                 return_held=return_held, cap=cap)
 
 
-def list_kept_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    cap: int,
-    *,
-    tau: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def list_kept_(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int, *,
+               tau: Optional[torch.Tensor] = None,
+               backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error feedback + TAGC's selection, the kept entries as position lists; see
     :func:`tagc.sketch.kept_list.list_kept_`.
 
@@ -221,15 +206,8 @@ def union_index(code: torch.Tensor, numel: int, cap: int, low: int, parts: int =
     return _run("union_index", (code,), backend, code, numel, cap, low, parts)
 
 
-def decode(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    layout: SketchLayout,
-    bits: int,
-    fallback: str = "estimate",
-    *,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, DecodeStats]:
+def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate", *,
+           backend: Optional[str] = None) -> tuple[torch.Tensor, DecodeStats]:
     """Recover a chunk from its summed table and union index; see :func:`tagc.sketch.decode`.
 
     On the Triton path everything runs on the device (peeling, the exact solve of the stopping
@@ -239,15 +217,8 @@ def decode(
     return _run("decode", (table, index), backend, table, index, layout, bits, fallback)
 
 
-def decode_async(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    layout: SketchLayout,
-    bits: int,
-    fallback: str = "estimate",
-    *,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                 *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``table`` of ``T``
     elements, ``index`` ``[I]`` -> ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``,
     ``[P, I]`` -> ``[P, numel]``, ``[P, F]``) in one call whose cost does not grow with ``P`` (but for the

@@ -72,21 +72,9 @@ def _(residual: torch.Tensor, grad: Optional[torch.Tensor], density: float) -> t
 
 
 @_register("tagc::compress", mutates_args=("residual",))
-def _compress_op(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    tau: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    lane_bits: int,
-    table_numel: int,
-    bits: int,
-    limit: int,
-    cap: int,
-    by_row: torch.Tensor,
-    row_start: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _compress_op(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor,
+                 lane_xor: torch.Tensor, lane_bits: int, table_numel: int, bits: int, limit: int, cap: int,
+                 by_row: torch.Tensor, row_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap,
                            by_row=by_row, row_start=row_start, wrap=_wrap)
 
@@ -100,30 +88,18 @@ def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, 
 
 
 @_register("tagc::peel", mutates_args=())
-def _peel_op(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    numel: int,
-    lane_bits: int,
-    bits: int,
-    fallback: int,
-    tile: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _peel_op(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, lane_xor: torch.Tensor,
+             numel: int, lane_bits: int, bits: int, fallback: int,
+             tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile=tile, wrap=_wrap)
 
 
 @_peel_op.register_fake
 def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile):
     parts = 1 if index.dim() == 1 else index.shape[0]
-    return (
-        table.new_empty(parts, numel, dtype=torch.float32),
-        table.new_empty(parts, numel, dtype=torch.int8),
-        table.new_empty(parts, len(PEEL_STATS), dtype=torch.int64),
-        table.new_empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.int64),
-    )
+    return (table.new_empty(parts, numel, dtype=torch.float32), table.new_empty(parts, numel, dtype=torch.int8),
+            table.new_empty(parts, len(PEEL_STATS), dtype=torch.int64),
+            table.new_empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.int64))
 
 
 @_register("tagc::code_index", mutates_args=())
@@ -280,10 +256,8 @@ def _peel_chunk(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, 
                 layout.lane_bits, bits, FALLBACK_CODES[fallback], tile)
 
 
-def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
-    tile: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                 tile: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The device decode with no host synchronisation: ``(values, stats)``; of one part (``[T]``, ``[I]`` ->
     ``[numel]``, ``[F]``) or of parts as rows (``[P, T]``, ``[P, I]`` -> ``[P, numel]``, ``[P, F]``), in one set of
     launches, each part exactly as alone.
@@ -301,10 +275,8 @@ def decode_async(
     return out, stats[:, : len(DECODE_STATS)]
 
 
-def decode_triton(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
-    tile: int = 0,
-) -> tuple[torch.Tensor, DecodeStats]:
+def decode_triton(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                  tile: int = 0) -> tuple[torch.Tensor, DecodeStats]:
     """Triton twin of :func:`tagc.sketch.decode`: same arguments, results and statistics.
 
     Everything runs on the device (:func:`tagc.kernels.peel.launch_peel`: peeling, the exact

@@ -201,28 +201,9 @@ def _median3(w0, w1, w2):
 
 
 @triton.jit
-def _peel_kernel(
-    work_ptr,
-    counts_ptr,
-    owner_ptr,
-    out_ptr,
-    state_ptr,
-    stats_ptr,
-    list_ptr,
-    support_ptr,
-    stuck_ptr,
-    rows_ptr,
-    signs_ptr,
-    xor_ptr,
-    blocks,
-    numel,
-    table_numel,
-    LANE_BITS: tl.constexpr,
-    TILE: tl.constexpr,
-    FALLBACK: tl.constexpr,
-    STUCK_CAP: tl.constexpr,
-    STATS: tl.constexpr,
-):
+def _peel_kernel(work_ptr, counts_ptr, owner_ptr, out_ptr, state_ptr, stats_ptr, list_ptr, support_ptr, stuck_ptr,
+                 rows_ptr, signs_ptr, xor_ptr, blocks, numel, table_numel, LANE_BITS: tl.constexpr, TILE: tl.constexpr,
+                 FALLBACK: tl.constexpr, STUCK_CAP: tl.constexpr, STATS: tl.constexpr):
     """Peel column ``program_id(0)`` of part ``program_id(1)``: rounds over its pending list, then the fallback
     for what is left."""
     column = tl.program_id(0).to(tl.int64)
@@ -439,20 +420,10 @@ def setup_rows(lanes: int, blocks: int, device: torch.device) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def launch_peel(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    numel: int,
-    lane_bits: int,
-    bits: int,
-    fallback: int,
-    tile: Optional[int] = None,
-    wrap: Callable = lambda k: k,
-    setup_blocks: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_peel(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor,
+                lane_xor: torch.Tensor, numel: int, lane_bits: int, bits: int, fallback: int,
+                tile: Optional[int] = None, wrap: Callable = lambda k: k,
+                setup_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode on the device: peel, solve the stopping sets, apply the fallback; for ``P`` parts of one layout at
     once (``table`` ``[P, T]``, ``index`` ``[P, I]``; a 1-D index is one part), each exactly as alone: every
     kernel's grid takes the parts as one more axis, every buffer has a row per part.

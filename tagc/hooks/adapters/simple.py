@@ -176,10 +176,8 @@ def bind(
     if not hasattr(hook, "encode_bucket"):  # duck-typed: the engine calls bind itself (no import cycle)
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
-    segments = tuple(
-        Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
-        for entry, module in zip(bucket.entries, unit.owner_modules)
-    )
+    segments = tuple(Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
+                     for entry, module in zip(bucket.entries, unit.owner_modules))
     hook.note_parameters(segments)  # the settings check compares what select picks, not its name
     device = unit.params[0].device if getattr(unit, "params", None) else torch.device("cpu")
     if getattr(bucket, "replicate", None) is not None:  # HSDP: plain within the host, the codec across replicas
