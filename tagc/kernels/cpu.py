@@ -5,13 +5,10 @@ vectorised compress makes about fifteen passes over a part (add, sample, two com
 nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes several
 index operations per round. These kernels do the same arithmetic in one loop each:
 
-* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; the entries the
-  selection rule keeps (``|a| > tau`` up to :func:`~tagc.sketch.sparsify.capacity`, plus
-  ties ``|a| == tau`` up to :func:`~tagc.sketch.sparsify.keep_limit`, in index order; ``tau``
-  from the reference's sample, :func:`row_thresholds`) set their index bit, add ``sign * a``
-  to their three cells and leave 0 in the residual; the rest stay in the residual. A second
-  walk over the short list of candidates settles the ties and the capacity. Positions are added
-  in the reference's order, so index, residual and table equal the reference's bit for bit.
+* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``, the selection rule of
+  :mod:`tagc.sketch.sparsify` (``tau`` from the reference's sample, :func:`row_thresholds`), then a second
+  walk over the short list of candidates to settle the ties and the capacity; positions are added in the
+  reference's order, so index, residual and table equal the reference's bit for bit.
 * :func:`decode_parts_cpu` - unpack the union, count and id-sum every cell, then peel with a
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback

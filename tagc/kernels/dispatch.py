@@ -1,14 +1,11 @@
 """One entry point per codec operation; each picks the Triton kernels, the CPU kernels or the torch reference.
 
-The back end is, in order of precedence: the ``backend=`` argument, the ``TAGC_BACKEND``
-environment variable, then ``"auto"``: Triton for CUDA tensors (when triton imports), the
-Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors (when numba imports), the
-reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that needs
-``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
-the reference. ``"auto"`` warns once (:func:`~tagc.kernels.fallbacks.warn_fallback`) when it
-takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import.
-Callers never branch: every back end takes the same arguments and returns the same things, and
-every operation is one lookup in one table (operation -> back end -> implementation).
+The back end (docs/design.md §8): the ``backend=`` argument, else ``TAGC_BACKEND``, else ``"auto"``: Triton for
+CUDA tensors, the Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors, the reference where neither imports
+(warned once, :func:`~tagc.kernels.fallbacks.warn_fallback`); ``"triton"`` (on CPU tensors under
+``TRITON_INTERPRET=1``), ``"numba"`` and ``"torch"`` (alias ``"reference"``) force one. Every back end takes the
+same arguments and returns the same things; every operation is one lookup in one table (operation -> back end ->
+implementation).
 
 Nothing here imports triton or numba until their path is taken.
 """
@@ -219,15 +216,10 @@ def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits:
 
 def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
                  *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``table`` of ``T``
-    elements, ``index`` ``[I]`` -> ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``,
-    ``[P, I]`` -> ``[P, numel]``, ``[P, F]``) in one call whose cost does not grow with ``P`` (but for the
-    parts with stopping sets on the CPU back ends), each part exactly as alone
-    (:func:`tagc.sketch.codec.decode_parts`).
-
-    Triton: no host synchronisation, the same values as :func:`decode` (the stopping sets solved
-    exactly on the device); ``"error"`` cannot raise and leaves what is unrecovered at 0, as
-    ``"raw"`` does, without counting it as raw; nothing raises on NaN/Inf or an inconsistent
-    table. CPU back ends: the full :func:`tagc.sketch.decode`, its statistics packed into a tensor.
+    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``[T]``, ``[I]`` ->
+    ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``, ``[P, I]`` -> ``[P, numel]``, ``[P, F]``),
+    each exactly as alone (:func:`tagc.sketch.codec.decode_parts`). Triton: no host synchronisation
+    (:func:`tagc.kernels.ops.decode_async` says what it cannot raise); CPU back ends: the full
+    :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
     return _run("decode_async", (table, index), backend, table, index, layout, bits, fallback)
