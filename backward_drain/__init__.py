@@ -8,10 +8,9 @@ completes everything added, oldest first. Both wrappers that overlap this way us
 (:class:`fsdp_integration.bucket.PendingGradients`) and TAGC's FSDP2 adapter
 (``tagc.hooks.adapters.fsdp2``).
 
-This package depends on torch only, so that ``fsdp_integration`` (which never imports ``tagc``)
-and ``tagc`` (which never imports a wrapper) can share it: the autograd internals it needs
-(:mod:`backward_drain.torch_autograd`), and the check of the torch version every module that reads
-torch internals runs (:mod:`backward_drain.torch_versions`).
+This package depends on torch only, so that ``fsdp_integration`` and ``tagc`` can share it
+(docs/design.md §2): with the autograd internals it needs (:mod:`backward_drain.torch_autograd`) and the torch
+version check (:mod:`backward_drain.torch_versions`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 internals runs.
 
 Private torch names (an underscored attribute, a ``torch._*`` module) can change in any release.
-Each integration reads them in one module of its own (``tagc.hooks.adapters.torch_fsdp2``,
-``tagc.hooks.adapters.torch_fsdp1``, ``tagc.hooks.adapters.torch_ddp``, ``tagc.hooks.adapters.torch_simple_fsdp``,
-``tagc.kernels.torch_tracing``, ``fsdp_integration.torch_internals``, ``backward_drain.torch_autograd``),
-which maps each supported release's names (``"torch.a.b.new|old"``: the name a later release gives it, then an
-earlier one's) and calls :func:`check_internals` when it is imported:
+Each integration reads them in one module of its own (listed in docs/design.md §2), which maps each
+supported release's names (``"torch.a.b.new|old"``: the later name, then the earlier one) and calls
+:func:`check_internals` when it is imported:
 
 * a needed name that the running torch lacks (under every name a release gave it) raises
   :class:`TorchInternalsError`, naming the version, the name and what to do: the integration cannot run without it;

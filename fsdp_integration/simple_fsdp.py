@@ -9,11 +9,9 @@ traces them (fullgraph) and Inductor can bucket and reorder them.
 Unlike the paper's per-parameter collectives, parameters are grouped in *units* — each
 transformer block (every child of an ``nn.ModuleList``) and the root for the rest — with
 one flat all-gather in forward and one reduce-scatter in backward per unit
-(:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is the hook point:
-``model.register_comm_hook(hook)`` hands each unit to ``hook``, which returns the unit's
-reduce-scatter (:data:`CommHook`); ``tagc.register_comm_hook(model, tagc.hook(...))``
-installs TAGC through it, which then sees one large aligned buffer per block, with each
-parameter as a segment for its selection policy. This package never imports ``tagc``.
+(:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is the hook point (docs/design.md §2):
+``model.register_comm_hook(hook)`` hands each unit to ``hook``, which returns the unit's reduce-scatter
+(:data:`CommHook`), so a hook sees one large aligned buffer per block. This package never imports ``tagc``.
 
 On a 2-D ``(replicate, shard)`` mesh the model is HSDP (:mod:`fsdp_integration.hsdp`): parameters are
 ``(Replicate(), Shard(0))`` DTensors, gathered within the shard group (a host), their gradients

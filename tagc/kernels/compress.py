@@ -156,10 +156,8 @@ def launch_compress(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tenso
         room = (limit - above_total).clamp(-1, 2**31 - 1).to(torch.int32)
         held = (above_total + torch.minimum(ties.sum(1, dtype=torch.int64), room.clamp(min=0)) - cap).clamp_(min=0)
         sent = torch.empty(n_rows, numel, dtype=torch.float32, device=residual.device)
-        wrap(_compress_kernel)[grid](
-            grad, residual, tau, index, sent, above_before, ties_before, room, cap, numel, nbytes, BITS=bits,
-            BLOCK=BLOCK,
-        )
+        wrap(_compress_kernel)[grid](grad, residual, tau, index, sent, above_before, ties_before, room, cap, numel,
+                                     nbytes, BITS=bits, BLOCK=BLOCK)
         if by_row is None or row_start is None:
             by_row, row_start = blocks_by_row(rows, table_numel >> lane_bits)
         table_rows = table_numel >> lane_bits

@@ -5,19 +5,16 @@ vectorised compress makes about fifteen passes over a part (add, sample, two com
 nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes several
 index operations per round. These kernels do the same arithmetic in one loop each:
 
-* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``; the entries the
-  selection rule keeps (``|a| > tau`` up to :func:`~tagc.sketch.sparsify.capacity`, plus
-  ties ``|a| == tau`` up to :func:`~tagc.sketch.sparsify.keep_limit`, in index order; ``tau``
-  from the reference's sample, :func:`row_thresholds`) set their index bit, add ``sign * a``
-  to their three cells and leave 0 in the residual; the rest stay in the residual. A second
-  walk over the short list of candidates settles the ties and the capacity. Positions are added
-  in the reference's order, so index, residual and table equal the reference's bit for bit.
-* :func:`decode_cpu` - unpack the union, count and id-sum every cell, then peel with a
+* :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``, the selection rule of
+  :mod:`tagc.sketch.sparsify` (``tau`` from the reference's sample, :func:`row_thresholds`), then a second
+  walk over the short list of candidates to settle the ties and the capacity; positions are added in the
+  reference's order, so index, residual and table equal the reference's bit for bit.
+* :func:`decode_parts_cpu` - unpack the union, count and id-sum every cell, then peel with a
   queue of pure cells, generation by generation (``rounds`` is the reference's round
   count). What peeling leaves goes to the reference's exact solve and fallback
   (:func:`tagc.sketch.codec.finish_decode`). Values equal the reference's up to float64
   rounding of the order of subtractions. The same index/table consistency check. A batch of
-  parts (:func:`decode_parts_cpu`) peels part after part in one kernel call.
+  parts peels part after part in one kernel call.
 * :func:`list_kept_cpu` / :func:`sum_lists_cpu` - the ``topk`` peer: the same pass as
   :func:`compress_cpu` writing the kept entries into lists (:mod:`tagc.sketch.kept_list`)
   instead of a sketch, and the owner's scatter-add. Bit-identical to the reference.
@@ -33,7 +30,7 @@ import functools
 import torch
 
 from tagc.kernels.fallbacks import warn_fallback
-from tagc.sketch.codec import DECODE_STATS, DecodeStats, as_decode_stats, check_consistent, finish_decode, parts_of
+from tagc.sketch.codec import DECODE_STATS, check_consistent, finish_decode, parts_of
 from tagc.sketch.compress import check_compress_args
 from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import POSITION_BLOCK, check_list_args, finite, position_blocks
@@ -105,10 +102,8 @@ def row_thresholds_cpu(rows: torch.Tensor, density: float, grad: torch.Tensor | 
     return _row_thresholds(x.contiguous(), g.contiguous(), density)
 
 
-def compress_cpu(
-    grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None,
-    return_held: bool = False, cap=None,
-):
+def compress_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, tau=None,
+                 return_held: bool = False, cap=None):
     """:func:`tagc.sketch.compress_` in one pass per chunk (same arguments, same results).
 
     A residual that is not float32 (``residual_dtype=torch.bfloat16``) takes the reference.
@@ -129,19 +124,9 @@ def compress_cpu(
     index = torch.zeros(n_chunks, index_nbytes(layout.numel, bits), dtype=torch.uint8)
     table = torch.zeros(n_chunks, layout.table_numel, dtype=torch.float32)
     held = torch.empty(n_chunks, dtype=torch.int64)
-    _kernels().compress_rows(
-        grads.numpy(),
-        rows.numpy(),
-        tau.numpy(),
-        keep_limit(layout.numel, density),
-        capacity(layout.numel, density) if cap is None else cap,
-        *_tables(layout),
-        layout.lane_bits,
-        bits,
-        index.numpy(),
-        table.numpy(),
-        held.numpy(),
-    )
+    _kernels().compress_rows(grads.numpy(), rows.numpy(), tau.numpy(), keep_limit(layout.numel, density),
+                             capacity(layout.numel, density) if cap is None else cap, *_tables(layout),
+                             layout.lane_bits, bits, index.numpy(), table.numpy(), held.numpy())
     return (index, table, held) if return_held else (index, table)
 
 
@@ -164,22 +149,6 @@ def decode_parts_cpu(
     rest_positions, rest_values, rest = finish_decode(work.view(-1), torch.from_numpy(stuck), layout, stats, fallback)
     out.view(-1).index_copy_(0, rest_positions, rest_values.float())
     return out, stats, rest
-
-
-def decode_async_cpu(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tagc.sketch.codec.decode_async` with queue-driven peeling (same arguments, same results)."""
-    values, stats, _ = decode_parts_cpu(table, index, layout, bits, fallback)
-    return (values, stats) if index.dim() == 2 else (values[0], stats[0])
-
-
-def decode_cpu(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, DecodeStats]:
-    """:func:`tagc.sketch.decode` with queue-driven peeling (same arguments, same results)."""
-    values, packed, rest = decode_parts_cpu(table, index.reshape(-1), layout, bits, fallback)
-    return values[0], as_decode_stats(packed[0], rest)
 
 
 def list_kept_cpu(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int,

@@ -1,20 +1,18 @@
 """One entry point per codec operation; each picks the Triton kernels, the CPU kernels or the torch reference.
 
-The back end is, in order of precedence: the ``backend=`` argument, the ``TAGC_BACKEND``
-environment variable, then ``"auto"``: Triton for CUDA tensors (when triton imports), the
-Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors (when numba imports), the
-reference otherwise. ``"triton"`` forces the Triton kernels (on CPU tensors that needs
-``TRITON_INTERPRET=1``), ``"numba"`` the CPU kernels, ``"torch"`` (alias ``"reference"``)
-the reference. ``"auto"`` warns once (:func:`~tagc.kernels.fallbacks.warn_fallback`) when it
-takes the reference because triton (CUDA tensors) or numba (CPU tensors) does not import.
-Callers never branch: every back end takes the same arguments and returns the same things, and
-every operation is one lookup in one table (operation -> back end -> implementation).
+The back end (docs/design.md §8): the ``backend=`` argument, else ``TAGC_BACKEND``, else ``"auto"``: Triton for
+CUDA tensors, the Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors, the reference where neither imports
+(warned once, :func:`~tagc.kernels.fallbacks.warn_fallback`); ``"triton"`` (on CPU tensors under
+``TRITON_INTERPRET=1``), ``"numba"`` and ``"torch"`` (alias ``"reference"``) force one. Every back end takes the
+same arguments and returns the same things; every operation is one lookup in one table (operation -> back end ->
+implementation).
 
 Nothing here imports triton or numba until their path is taken.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -106,9 +104,11 @@ _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
                    "torch": _ref_positions.code_index},
     "union_index": {"triton": _triton("union_index_triton"), "numba": _cpu.union_index_cpu,
                     "torch": _ref_positions.union_index},
-    "decode": {"triton": _triton("decode_triton"), "numba": _cpu.decode_cpu, "torch": _ref_codec.decode},
-    "decode_async": {"triton": _triton("decode_async"), "numba": _cpu.decode_async_cpu,
-                     "torch": _ref_codec.decode_async},
+    "decode": {"triton": _triton("decode_triton"), "numba": functools.partial(_ref_codec.decode,
+                                                                              parts=_cpu.decode_parts_cpu),
+               "torch": _ref_codec.decode},
+    "decode_async": {"triton": _triton("decode_async"), "torch": _ref_codec.decode_async,
+                     "numba": functools.partial(_ref_codec.decode_async, parts=_cpu.decode_parts_cpu)},
 }
 """The one back-end table: every public operation below is one lookup in it (:func:`_run`)."""
 
@@ -134,18 +134,9 @@ def threshold(x: torch.Tensor, density: float, *, backend: Optional[str] = None)
     return row_thresholds(x.reshape(1, -1), density, backend=backend)[0]
 
 
-def compress_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    layout: SketchLayout,
-    bits: int,
-    *,
-    tau: Optional[torch.Tensor] = None,
-    return_held: bool = False,
-    cap: Optional[int] = None,
-    backend: Optional[str] = None,
-):
+def compress_(grad: torch.Tensor, residual: torch.Tensor, density: float, layout: SketchLayout, bits: int, *,
+              tau: Optional[torch.Tensor] = None, return_held: bool = False, cap: Optional[int] = None,
+              backend: Optional[str] = None):
     """Fused error feedback + sparsify + index + sketch; see :func:`tagc.sketch.compress_`.
 
     Returns ``(index [N, nbytes] uint8, table [N, table_numel] float32)`` and updates
@@ -157,15 +148,9 @@ def compress_(
                 return_held=return_held, cap=cap)
 
 
-def list_kept_(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    density: float,
-    cap: int,
-    *,
-    tau: Optional[torch.Tensor] = None,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def list_kept_(grad: torch.Tensor, residual: torch.Tensor, density: float, cap: int, *,
+               tau: Optional[torch.Tensor] = None,
+               backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error feedback + TAGC's selection, the kept entries as position lists; see
     :func:`tagc.sketch.kept_list.list_kept_`.
 
@@ -218,15 +203,8 @@ def union_index(code: torch.Tensor, numel: int, cap: int, low: int, parts: int =
     return _run("union_index", (code,), backend, code, numel, cap, low, parts)
 
 
-def decode(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    layout: SketchLayout,
-    bits: int,
-    fallback: str = "estimate",
-    *,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, DecodeStats]:
+def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate", *,
+           backend: Optional[str] = None) -> tuple[torch.Tensor, DecodeStats]:
     """Recover a chunk from its summed table and union index; see :func:`tagc.sketch.decode`.
 
     On the Triton path everything runs on the device (peeling, the exact solve of the stopping
@@ -236,24 +214,12 @@ def decode(
     return _run("decode", (table, index), backend, table, index, layout, bits, fallback)
 
 
-def decode_async(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    layout: SketchLayout,
-    bits: int,
-    fallback: str = "estimate",
-    *,
-    backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``table`` of ``T``
-    elements, ``index`` ``[I]`` -> ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``,
-    ``[P, I]`` -> ``[P, numel]``, ``[P, F]``) in one call whose cost does not grow with ``P`` (but for the
-    parts with stopping sets on the CPU back ends), each part exactly as alone
-    (:func:`tagc.sketch.codec.decode_parts`).
-
-    Triton: no host synchronisation, the same values as :func:`decode` (the stopping sets solved
-    exactly on the device); ``"error"`` cannot raise and leaves what is unrecovered at 0, as
-    ``"raw"`` does, without counting it as raw; nothing raises on NaN/Inf or an inconsistent
-    table. CPU back ends: the full :func:`tagc.sketch.decode`, its statistics packed into a tensor.
+def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                 *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode with statistics as an int64 tensor (:data:`STAT_FIELDS` order): one part (``[T]``, ``[I]`` ->
+    ``[numel]``, ``[F]``), or ``P`` parts of one layout as rows (``[P, T]``, ``[P, I]`` -> ``[P, numel]``, ``[P, F]``),
+    each exactly as alone (:func:`tagc.sketch.codec.decode_parts`). Triton: no host synchronisation
+    (:func:`tagc.kernels.ops.decode_async` says what it cannot raise); CPU back ends: the full
+    :func:`tagc.sketch.decode`, its statistics packed into a tensor.
     """
     return _run("decode_async", (table, index), backend, table, index, layout, bits, fallback)

@@ -7,18 +7,9 @@
   ops are registered with ``torch.library.custom_op`` instead (opaque to the compiler,
   traceable thanks to the fake implementations, and still running the same kernels).
 
-Every op has a fake (meta) implementation giving output shapes and dtypes. Below the ops,
-the Triton path's entry points (:func:`row_thresholds_triton`, :func:`compress_triton`,
-:func:`decode_triton`, :func:`decode_async`; the coded positions' :func:`code_index_triton`,
-:func:`encode_positions_triton`, :func:`decode_positions_triton`, :func:`union_index_triton`;
-``topk``'s :func:`list_kept_triton`, :func:`sum_lists_triton`) check arguments like the
-reference and call them.
-
-The kernel modules (:mod:`~tagc.kernels.radix_select`, :mod:`~tagc.kernels.compress`,
-:mod:`~tagc.kernels.peel`, :mod:`~tagc.kernels.positions`, :mod:`~tagc.kernels.kept_list`)
-are leaves: this module and :mod:`tagc.kernels.dispatch` import them, never the reverse.
-Importing this module imports triton; :mod:`tagc.kernels.dispatch` imports it only on a
-Triton path.
+Every op has a fake (meta) implementation giving output shapes and dtypes. Below the ops, the Triton
+path's entry points (``*_triton``, :func:`decode_async`) check arguments like the reference and call them.
+The kernel modules are leaves (docs/design.md §2); importing this module imports triton.
 """
 
 from __future__ import annotations
@@ -40,6 +31,7 @@ from tagc.kernels.positions import (
 from tagc.kernels.radix_select import launch_row_thresholds
 from tagc.kernels.torch_tracing import is_fake
 from tagc.sketch.codec import (
+    DECODE_STATS,
     EXACT_SOLVE_LIMIT,
     DecodeStats,
     check_consistent,
@@ -51,13 +43,7 @@ from tagc.sketch.index import check_bits, index_nbytes
 from tagc.sketch.kept_list import check_list_args, list_positions, position_blocks
 from tagc.sketch.layout import SketchLayout
 from tagc.sketch.positions import MAX_LOW_BITS, check_coded, coded_row_bytes
-from tagc.sketch.sparsify import capacity, check_density, keep_limit, positive_threshold
-
-STAT_FIELDS = tuple(DecodeStats().as_dict())
-"""The decode statistics :func:`decode_async` returns, in order (:data:`tagc.kernels.STAT_FIELDS`)."""
-NONFINITE_HINT = ("TAGC cannot encode non-finite values (fix the loss scale or clip gradients, or let the hook send "
-                  "such buckets uncompressed)")
-"""What :func:`decode_triton` says after the NaN/Inf it found (as :func:`tagc.sketch.sparsify.check_finite`)."""
+from tagc.sketch.sparsify import NONFINITE_HINT, capacity, check_density, keep_limit, positive_threshold
 
 TRACEABLE_KERNELS = not interpreting()
 """True when the ops are ``triton_op`` (the compiler traces into the kernels)."""
@@ -86,21 +72,9 @@ def _(residual: torch.Tensor, grad: Optional[torch.Tensor], density: float) -> t
 
 
 @_register("tagc::compress", mutates_args=("residual",))
-def _compress_op(
-    grad: torch.Tensor,
-    residual: torch.Tensor,
-    tau: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    lane_bits: int,
-    table_numel: int,
-    bits: int,
-    limit: int,
-    cap: int,
-    by_row: torch.Tensor,
-    row_start: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _compress_op(grad: torch.Tensor, residual: torch.Tensor, tau: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor,
+                 lane_xor: torch.Tensor, lane_bits: int, table_numel: int, bits: int, limit: int, cap: int,
+                 by_row: torch.Tensor, row_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_compress(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, limit, cap,
                            by_row=by_row, row_start=row_start, wrap=_wrap)
 
@@ -114,30 +88,18 @@ def _(grad, residual, tau, rows, signs, lane_xor, lane_bits, table_numel, bits, 
 
 
 @_register("tagc::peel", mutates_args=())
-def _peel_op(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    numel: int,
-    lane_bits: int,
-    bits: int,
-    fallback: int,
-    tile: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _peel_op(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor, lane_xor: torch.Tensor,
+             numel: int, lane_bits: int, bits: int, fallback: int,
+             tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return launch_peel(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile=tile, wrap=_wrap)
 
 
 @_peel_op.register_fake
 def _(table, index, rows, signs, lane_xor, numel, lane_bits, bits, fallback, tile):
     parts = 1 if index.dim() == 1 else index.shape[0]
-    return (
-        table.new_empty(parts, numel, dtype=torch.float32),
-        table.new_empty(parts, numel, dtype=torch.int8),
-        table.new_empty(parts, len(PEEL_STATS), dtype=torch.int64),
-        table.new_empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.int64),
-    )
+    return (table.new_empty(parts, numel, dtype=torch.float32), table.new_empty(parts, numel, dtype=torch.int8),
+            table.new_empty(parts, len(PEEL_STATS), dtype=torch.int64),
+            table.new_empty(parts, EXACT_SOLVE_LIMIT, dtype=torch.int64))
 
 
 @_register("tagc::code_index", mutates_args=())
@@ -294,10 +256,8 @@ def _peel_chunk(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, 
                 layout.lane_bits, bits, FALLBACK_CODES[fallback], tile)
 
 
-def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
-    tile: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                 tile: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The device decode with no host synchronisation: ``(values, stats)``; of one part (``[T]``, ``[I]`` ->
     ``[numel]``, ``[F]``) or of parts as rows (``[P, T]``, ``[P, I]`` -> ``[P, numel]``, ``[P, F]``), in one set of
     launches, each part exactly as alone.
@@ -311,14 +271,12 @@ def decode_async(
     """
     out, _state, stats, _rest = _peel_chunk(table, index, layout, bits, fallback, tile)
     if index.dim() == 1:
-        return out[0], stats[0, : len(STAT_FIELDS)]
-    return out, stats[:, : len(STAT_FIELDS)]
+        return out[0], stats[0, : len(DECODE_STATS)]
+    return out, stats[:, : len(DECODE_STATS)]
 
 
-def decode_triton(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
-    tile: int = 0,
-) -> tuple[torch.Tensor, DecodeStats]:
+def decode_triton(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                  tile: int = 0) -> tuple[torch.Tensor, DecodeStats]:
     """Triton twin of :func:`tagc.sketch.decode`: same arguments, results and statistics.
 
     Everything runs on the device (:func:`tagc.kernels.peel.launch_peel`: peeling, the exact
@@ -334,7 +292,7 @@ def decode_triton(
         bad = "NaN" if host["nan_cells"] else "Inf"
         raise ValueError(f"sketch table contains {bad}; {NONFINITE_HINT}")
     check_consistent(host["inconsistent"], layout)
-    stats = DecodeStats(**{name: host[name] for name in STAT_FIELDS})
+    stats = DecodeStats(**{name: host[name] for name in DECODE_STATS})
     if stats.unpeeled and fallback == "error":
         raise unrecovered_error(stats.unpeeled, stats.support, layout)
     if fallback == "raw":

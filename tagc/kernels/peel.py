@@ -28,29 +28,19 @@ stream, and reads nothing on the host:
    ``"estimate"``; nothing, 0, for ``"raw"`` / ``"error"``), and they are appended to a list of
    at most :data:`~tagc.sketch.codec.EXACT_SOLVE_LIMIT` stuck positions.
 5. ``_solve_kernel`` (one program; it returns at once unless ``0 < stuck <= EXACT_SOLVE_LIMIT``):
-   the exact solve of the stopping sets, as :func:`tagc.sketch.codec.finish_decode` does it:
-   the normal equations ``A^T A x = A^T w`` of the stuck positions (``A`` their ±1 signs on
-   their cells, ``w`` the cells with every peeled value taken out; ``A^T A`` has small integer
-   entries, exact in float64), reduced by Gauss-Jordan elimination with diagonal pivoting. A
-   position is *determined* when it is a pivot and no free unknown enters its row (the null
-   space is zero in its coordinate, the reference's test); those are written, and the fallback
-   is applied again to the others with the solved values taken out of their cells.
+   the exact solve of the stopping sets (docs/design.md §3.7) by Gauss-Jordan elimination of the
+   normal equations, with the reference's rule for a determined position; the fallback is applied
+   again to the others with the solved values taken out of their cells.
 
-**Bit-identical from run to run.** No float atomics: integer counts are order-free, and the
-float64 subtractions of a round go into each cell in increasing position order whatever the
-tile, the launch size or the scheduling (within a tile, the lowest position among those that
-share a cell goes first, claimed with an integer ``atomic_min``; tiles run in list order,
-which is increasing per column). The solve runs in one program in a fixed order. So the same
-table and index decode to the same bits on every run and every replica, without
-``torch.use_deterministic_algorithms``. The values agree with the CPU back ends within float32
-rounding (a position owning several pure cells may read another of them; the solve
-eliminates instead of taking an SVD).
+**Bit-identical from run to run** (docs/design.md §5): no float atomics; within a tile the lowest
+position among those sharing a cell goes first (an integer ``atomic_min``), tiles run in list order,
+and the solve runs in one program in a fixed order, so no ``torch.use_deterministic_algorithms`` is needed.
+Values agree with the CPU back ends within float32 rounding (a position owning several pure cells may read
+another of them; the solve eliminates instead of taking an SVD).
 
-**A batch of parts.** Parts of one layout (``P`` tables ``[P, T]`` and union indexes ``[P, I]``) decode in the
-same five launches: every kernel's grid has the parts as one more axis (the solve's, its only one), and each
-program moves its pointers to its part's rows of every buffer (table, counts, lists, values, statistics, stuck
-list, normal equations). Parts share nothing but the layout's tables, so each part's programs do exactly what
-they do for the part alone, bit for bit.
+**A batch of parts** (docs/design.md §3.1, "Batched decode"): every kernel's grid has the parts as one
+more axis and each program moves its pointers to its part's rows of every buffer, so each part's
+programs do exactly what they do for the part alone.
 
 Statistics are accumulated on the device into an int64 ``stats`` tensor (a row per part): the
 :class:`~tagc.sketch.DecodeStats` fields in order, then the inconsistent, NaN and Inf cells
@@ -211,28 +201,9 @@ def _median3(w0, w1, w2):
 
 
 @triton.jit
-def _peel_kernel(
-    work_ptr,
-    counts_ptr,
-    owner_ptr,
-    out_ptr,
-    state_ptr,
-    stats_ptr,
-    list_ptr,
-    support_ptr,
-    stuck_ptr,
-    rows_ptr,
-    signs_ptr,
-    xor_ptr,
-    blocks,
-    numel,
-    table_numel,
-    LANE_BITS: tl.constexpr,
-    TILE: tl.constexpr,
-    FALLBACK: tl.constexpr,
-    STUCK_CAP: tl.constexpr,
-    STATS: tl.constexpr,
-):
+def _peel_kernel(work_ptr, counts_ptr, owner_ptr, out_ptr, state_ptr, stats_ptr, list_ptr, support_ptr, stuck_ptr,
+                 rows_ptr, signs_ptr, xor_ptr, blocks, numel, table_numel, LANE_BITS: tl.constexpr, TILE: tl.constexpr,
+                 FALLBACK: tl.constexpr, STUCK_CAP: tl.constexpr, STATS: tl.constexpr):
     """Peel column ``program_id(0)`` of part ``program_id(1)``: rounds over its pending list, then the fallback
     for what is left."""
     column = tl.program_id(0).to(tl.int64)
@@ -449,20 +420,10 @@ def setup_rows(lanes: int, blocks: int, device: torch.device) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def launch_peel(
-    table: torch.Tensor,
-    index: torch.Tensor,
-    rows: torch.Tensor,
-    signs: torch.Tensor,
-    lane_xor: torch.Tensor,
-    numel: int,
-    lane_bits: int,
-    bits: int,
-    fallback: int,
-    tile: Optional[int] = None,
-    wrap: Callable = lambda k: k,
-    setup_blocks: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_peel(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, signs: torch.Tensor,
+                lane_xor: torch.Tensor, numel: int, lane_bits: int, bits: int, fallback: int,
+                tile: Optional[int] = None, wrap: Callable = lambda k: k,
+                setup_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode on the device: peel, solve the stopping sets, apply the fallback; for ``P`` parts of one layout at
     once (``table`` ``[P, T]``, ``index`` ``[P, I]``; a 1-D index is one part), each exactly as alone: every
     kernel's grid takes the parts as one more axis, every buffer has a row per part.

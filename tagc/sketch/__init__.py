@@ -4,13 +4,7 @@
 entries and the residual is :func:`split_kept`.
 """
 
-from tagc.sketch.codec import (
-    DecodeStats,
-    InconsistentSketchError,
-    decode,
-    encode,
-    encode_positions,
-)
+from tagc.sketch.codec import DecodeStats, InconsistentSketchError, decode, encode, encode_positions
 from tagc.sketch.compress import compress_
 from tagc.sketch.index import (
     build_index,

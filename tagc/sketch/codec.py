@@ -8,14 +8,13 @@ then the fallback policy for whatever is still undetermined. ``decode_parts`` de
 parts of one layout at once, each exactly as ``decode`` does alone.
 
 The precision contract (exact support, values within float32 rounding of the magnitudes
-summed into their cells, float32/bf16/fp16 input only, index/table consistency) is stated
-once, in :func:`decode`.
+summed into their cells, float32/bf16/fp16 input only, index/table consistency): docs/design.md §5.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -30,7 +29,7 @@ that size is slower than re-sending them; above the peeling threshold they are h
 
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
-"""``u`` of the precision contract (:func:`decode`)."""
+"""``u`` of the precision contract (docs/design.md §5)."""
 
 _COUNT_SHIFT = 40
 _ONE_COUNT = 1 << _COUNT_SHIFT  # position ids stay below 2**40
@@ -323,20 +322,22 @@ def decode_parts(
     return out.view(parts, numel), stats, rest
 
 
-def decode_async(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_parts` with the statistics as an int64 tensor (:data:`DECODE_STATS` order): one part's
-    ``(values [numel], stats [F])`` from ``[T]`` and ``[I]``, ``P`` parts' ``[P, numel]`` and ``[P, F]`` from
-    ``[P, T]`` and ``[P, I]``."""
-    values, stats, _ = decode_parts(table, index, layout, bits, fallback)
+PartsDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # a back end's decode_parts
+
+
+def decode_async(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate",
+                 *, parts: PartsDecoder = decode_parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parts`` (:func:`decode_parts`) with the statistics as an int64 tensor (:data:`DECODE_STATS` order): one
+    part's ``(values [numel], stats [F])`` from ``[T]`` and ``[I]``, ``P`` parts' ``[P, numel]`` and ``[P, F]``
+    from ``[P, T]`` and ``[P, I]``."""
+    values, stats, _ = parts(table, index, layout, bits, fallback)
     return (values, stats) if index.dim() == 2 else (values[0], stats[0])
 
 
-def decode(
-    table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate"
-) -> tuple[torch.Tensor, DecodeStats]:
-    """Recover a chunk (float32, ``[layout.numel]``) from its summed table and union index.
+def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits: int, fallback: str = "estimate", *,
+           parts: PartsDecoder = decode_parts) -> tuple[torch.Tensor, DecodeStats]:
+    """Recover a chunk (float32, ``[layout.numel]``) from its summed table and union index (peeling by
+    ``parts``, a back end's :func:`decode_parts`).
 
     Args:
         table: the (summed) count sketch, ``[layout.table_numel]`` (float32 as
@@ -349,53 +350,15 @@ def decode(
 
     Raises:
         ValueError: sizes or arguments that do not match, NaN/Inf in the table.
-        InconsistentSketchError: table and index disagree (check 4 below).
+        InconsistentSketchError: table and index disagree (docs/design.md §5, item 4).
 
-    **Precision contract** (every back end). Rank ``r`` sends values ``v[r, p]`` (float32,
-    or bfloat16/float16, which float32 holds exactly); the sum is ``x[p] = sum_r v[r, p]``,
-    ``u = 2**-24`` (float32 unit roundoff), ``gamma(n) = n*u / (1 - n*u)``. For a table
-    cell ``c`` let ``A[c] = sum |v[r, q]|`` over every rank's entries ``q`` in ``c`` (before
-    any cancellation between ranks) and ``n[c]`` the number of float32 additions that made
-    it (those entries plus the number of ranks summed).
-
-    1. *The support is exact.* The merged index is exactly the union of the ranks' kept
-       positions; every position outside it decodes to exactly 0. A position inside it may
-       decode to 0 (its ranks' values cancel).
-    2. *Values are within float32 rounding of the magnitudes that share their cells.* A
-       position ``p`` read from cell ``c`` (when every other position of ``c`` was already
-       settled) decodes to ``x^[p]`` with::
-
-           |x^[p] - x[p]| <= E[p] + u * (|x[p]| + E[p])
-           E[p] = gamma(n[c]) * A[c] + sum of E[q] over the other positions q of c
-
-       (plus float64 rounding of the peeling arithmetic, ~2**-52 of the same magnitudes).
-       In particular, if the other positions of ``c`` were read exactly,
-       ``|x^[p] - x[p]| <= u*|x[p]| + gamma(n[c]) * n[c] * M[c]`` with ``M[c]`` the largest
-       magnitude any rank put into ``c``: a 1.0 sharing a cell with 1e20 may decode to
-       anything within ~1e20 * 2**-24 * n, and so may positions peeled through it; x and
-       -x+eps on two ranks sum to eps within ~|x| * 2**-24 * n. Positions sharing no cell
-       with anything larger are exact to ``u`` of their own size. This holds for every
-       position peeling settles (``stats.unpeeled == 0`` means all of them); positions of
-       the exact stopping-set solve (``stats.solved``) get the same error amplified by the
-       conditioning of their small system; estimated positions have no bound.
-    3. *Dtypes.* Tables are float32 and :func:`encode` / :func:`compress_` take float32,
-       bfloat16 and float16 (converted exactly). float64 is rejected with a ``ValueError``
-       (cast it): rounding it silently would flush values below ~1.4e-45 to 0 while the
-       index still marks them, overflow values above ~3.4e38 to inf, and round the rest.
-    4. *Table and index agree, or decode raises.* A cell that no indexed position maps to
-       must be exactly 0: each rank adds only into cells of positions in its own index,
-       which the union contains, and a float32 sum of nothing is 0; so this check never
-       fires on a legitimate table, whatever its values, ties or cancellation. If such a
-       cell is non-zero, :class:`InconsistentSketchError` is raised (an index left out of
-       the merge, tables and indexes of different chunks or layouts). A missing position
-       is caught when one of its three cells has no other support position: about one in
-       three at the planned load (more at lower loads), so ``m`` missing positions escape
-       with probability about ``(2/3)**m`` and a rank's missing index (hundreds of
-       positions) is caught for all practical purposes. A table missing values its index
-       marks is the table of another gradient on the same support: not detectable. The
-       check costs one pass over the cell counts peeling builds anyway, and no extra host
-       synchronisation (:func:`tagc.kernels.decode_async` skips it, as it skips the NaN
-       check).
+    **Precision contract** (every back end; in full: docs/design.md §5): the support is exact (every position
+    outside the union index decodes to exactly 0); every value peeling settles is within float32 rounding of the
+    magnitudes that share its cells, solved ones within that amplified by their small system's conditioning,
+    estimated ones unbounded; tables are float32, inputs float32/bfloat16/float16 (float64 is rejected, cast it);
+    a cell no indexed position maps to must be exactly 0, or :class:`InconsistentSketchError` is raised (never on
+    a legitimate table; a rank's missing index is caught for all practical purposes). The check costs one pass
+    over the cell counts peeling builds anyway (:func:`tagc.kernels.decode_async` skips it, and the NaN check).
     """
-    values, packed, rest = decode_parts(table, index.reshape(-1), layout, bits, fallback)
+    values, packed, rest = parts(table, index.reshape(-1), layout, bits, fallback)
     return values[0], as_decode_stats(packed[0], rest)

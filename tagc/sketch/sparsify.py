@@ -32,6 +32,10 @@ percent of the target (binomial relative error ~ 1/sqrt(SAMPLE_HITS))."""
 _GOLDEN_FRACTION = 0.6180339887498949
 
 
+NONFINITE_HINT = ("TAGC cannot encode non-finite values (fix the loss scale or clip gradients, or let the hook send "
+                  "such buckets uncompressed)")
+
+
 def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
     """Raise ``ValueError`` if ``x`` holds NaN or Inf (one reduction; a sync on GPUs)."""
     if x.numel() == 0:
@@ -39,8 +43,7 @@ def check_finite(x: torch.Tensor, what: str = "gradient") -> None:
     low, high = torch.aminmax(x.detach().reshape(-1))  # NaN and Inf both surface in min/max
     if not bool(torch.isfinite(low) & torch.isfinite(high)):
         bad = "NaN" if bool(torch.isnan(x).any()) else "Inf"
-        raise ValueError(f"{what} contains {bad}; TAGC cannot encode non-finite values (fix the loss scale or clip "
-                         "gradients, or let the hook send such buckets uncompressed)")
+        raise ValueError(f"{what} contains {bad}; {NONFINITE_HINT}")
 
 
 def sample_positions(numel: int, size: int, device: torch.device) -> torch.Tensor:

@@ -18,12 +18,10 @@ module only turns DDP's buckets into the engine's parts and futures; each bucket
 * ``"gather"``: each rank's encoded pieces all-gathered and every rank decodes all ``N`` pieces (fixed-shape wires).
 
 Bytes each rank sends per bucket of ``n`` elements (``ring(x) = 2 (N-1) x / N``): ``allreduce`` ``ring(4 n)``;
-``sketch`` the form's (TAGC: ``ring(4 T + 4 p) + ring(I)``, ``T`` sketch cells, ``p`` plain columns, ``I`` index
-bytes; PowerSGD: ``ring(v (sum m r + p)) + ring(v sum n r)``, ``v`` bytes per value); ``rs+ag`` ``(N-1) (W + c
-s)``, ``W`` the engine's wire bytes per rank row of a ``c``-element piece, ``s`` the all-gather's element size;
-``gather`` ``(N-1) N W``. The hook takes the form that sends the fewest bytes, chosen once per bucket from its
-settings (never from data), so a bucket keeps its form and its residuals. ``sketch`` and ``gather`` decode on every
-rank, so they run only where every rank decodes the same bits
+``sketch`` the form's (its class docstring: ``SummedSketch``, ``SummedFactors``); ``rs+ag`` ``(N-1) (W + c s)``,
+``W`` the wire bytes per rank row of a ``c``-element piece, ``s`` the all-gather's element size; ``gather``
+``(N-1) N W``. The hook takes the form that sends the fewest, chosen once per bucket from its settings (never from
+data). ``sketch`` and ``gather`` decode on every rank, so they run only where every rank decodes the same bits
 (:func:`tagc.hooks.adapters.replicas.decodes_alike_on_every_replica`); elsewhere ``rs+ag``.
 
 Error feedback is keyed by the bucket's parameters (their names) and the part, never by call order. DDP's first

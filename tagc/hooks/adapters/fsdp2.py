@@ -16,21 +16,12 @@ not safe it waits before returning, as before: a parameter that already has a gr
 (accumulation: FSDP2 adds the output at once), post-accumulate-grad hooks, CPU offload, or
 a reduction FSDP2 divides after the call (SUM: fp16, or ``set_force_sum_reduction_for_comms``).
 
-**HSDP** (a 2-D ``(replicate, shard)`` mesh). FSDP2 reduce-scatters over the shard group and
-then all-reduces over the replicate group with a hard-coded ``dist.all_reduce`` that no hook
-replaces (``set_all_reduce_hook`` runs after it). :func:`register_fsdp2` therefore gives each
-HSDP parameter group an ``FSDPMeshInfo`` over the shard dimension alone (same mesh; docs/design.md §11): FSDP2 then
-reduce-scatters over the shard (intra-host) group, skips its all-reduce and divides by the
-shard group's size only, while the parameters keep their own HSDP mesh info, so their DTensor
-gradients keep ``(Replicate, Shard)`` placements. The intra-host reduce-scatter stays plain
-(:class:`TAGCReduceScatter`, the fair transport), and the all-reduce hook (:class:`_ReplicaAllReduce`)
-reduces the host-reduced shard across the replicate group: the engine's compressed
-reduce-scatter over the ``H`` replicas (each parameter's shard cut into ``H`` pieces, so the
-selection policy still sees parameters), then a dense all-gather of the reduced pieces (float32,
-or bf16 with ``plain="bf16"``), written in place, averaged over ``H`` (summed when a gradient
-divide factor is set: FSDP2 then scales the reduce-scatter by it). Every replica reads the
-gathered values, its own piece included, so replicas stay bit-identical. With ``overlap=True``
-the cross-host exchange is deferred to the end of the backward pass as above.
+**HSDP** (a 2-D ``(replicate, shard)`` mesh; docs/design.md §11, "FSDP2 HSDP"). FSDP2's all-reduce over
+the replicate group is a hard-coded ``dist.all_reduce``, so :func:`register_fsdp2` gives each HSDP parameter
+group an ``FSDPMeshInfo`` over the shard dimension alone: FSDP2 reduce-scatters over the shard group (plain,
+:class:`TAGCReduceScatter`) and skips its all-reduce; the all-reduce hook (:class:`_ReplicaAllReduce`)
+runs the replica exchange (:mod:`tagc.hooks.adapters.replicas`), written in place, averaged over ``H``
+(summed when a gradient divide factor is set). With ``overlap=True`` it is deferred as above.
 """
 
 from __future__ import annotations

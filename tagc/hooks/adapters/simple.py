@@ -36,20 +36,13 @@ The adapter installs itself through SimpleFSDP's reduce-scatter hook point
 :func:`tagc.register_comm_hook` calls with :func:`bind`; it reads a unit by duck typing
 and never imports ``fsdp_integration``.
 
-The data-dependent steps are ``torch.library`` custom ops with shape-only fake
-implementations; the hook state (residuals, statistics) is reached through a small
-registry keyed by an integer, since custom ops take only tensors and scalars. That state
-changes in every call, so each op also takes the unit's *state token* (``state``: one int64
-on the gradient's device, :attr:`_Binding.state`), bumps it and declares it mutated
-(``mutates_args=("state",)``): a compiler then keeps every call, once, in program order
-(``encode`` before ``decode`` of a unit), even where an op's result goes unused, and never
-merges two calls with equal arguments. The registry
-holds its entries weakly: an entry lives as long as the unit's installed reduce-scatter
-(which holds it), and goes when the model (or a hook installed over it) lets that go. Settings
-with data-dependent sizes (``fallback="raw"``) and buckets with nothing to compress run the
-whole exchange as the single op ``tagc::reduce_scatter`` instead, and so does the dense
-warm-up: the graph guards on ``hook.warmed_up``, so it is made again,
-with the traced halves, once the warm-up is over.
+The data-dependent steps are ``torch.library`` custom ops with shape-only fake implementations; they
+reach the hook through a registry keyed by an integer (held weakly) and take the unit's *state token*
+(:attr:`_Binding.state`), which they bump and declare mutated, so a compiler keeps every call, once, in
+order (docs/design.md §2, "The traced path's state"). Settings with data-dependent sizes
+(``fallback="raw"``), buckets with nothing to compress and the dense warm-up run the whole exchange as
+the single op ``tagc::reduce_scatter`` (the graph guards on ``hook.warmed_up``, so it is made again, with
+the traced halves, once the warm-up is over).
 """
 
 from __future__ import annotations
@@ -183,10 +176,8 @@ def bind(
     if not hasattr(hook, "encode_bucket"):  # duck-typed: the engine calls bind itself (no import cycle)
         raise TypeError(f"expected a hook from tagc.hook(...), got {type(hook).__name__}")
     bucket = unit.bucket
-    segments = tuple(
-        Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
-        for entry, module in zip(bucket.entries, unit.owner_modules)
-    )
+    segments = tuple(Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
+                     for entry, module in zip(bucket.entries, unit.owner_modules))
     hook.note_parameters(segments)  # the settings check compares what select picks, not its name
     device = unit.params[0].device if getattr(unit, "params", None) else torch.device("cpu")
     if getattr(bucket, "replicate", None) is not None:  # HSDP: plain within the host, the codec across replicas

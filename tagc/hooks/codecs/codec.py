@@ -24,20 +24,12 @@ A codec whose wire adds up offers an all-reduce form (:meth:`Codec.all_reduce_fo
 by all-reduces and every rank decodes the sum. TAGC's (:class:`SummedSketch`) is below; the plain
 codecs say in which dtype their columns add up (:attr:`Codec.summed_dtype`).
 
-The same two calls serve the eager pipeline (one all-to-all per part, launched as soon as
-the part is encoded) and the traced halves of a compiled model (one all-to-all per wire
-dtype), so both give the same values, the same bytes and the same NaN/Inf behaviour.
+The same two calls serve the eager pipeline (one all-to-all per part) and the traced halves of a
+compiled model (one all-to-all per wire dtype): the same values, bytes and NaN/Inf behaviour.
 
-**NaN/Inf policy (every codec, eager and compiled alike).** No extra exchange agrees on it
-(at most a flag travels inside a codec's own wire: ``bf16``'s one byte per row, the sign bit
-of ``fp8``/``int4``'s scales). A value that is not finite reaches its owner: the plain codec sends it as it
-is, so the owner's sum is NaN/Inf where plain FSDP's would be; TAGC cannot place a value
-outside its sketch, so a rank whose part holds a NaN/Inf sends a table of NaN and every
-owner's whole part comes out NaN (count: ``nonfinite_parts``). Residuals are never
-poisoned: the rank with the NaN/Inf keeps its residual as it was, the others keep what they
-did not send (the sent values are lost with the step, as when an optimizer skips a
-non-finite step). With ``nonfinite="raise"`` every rank raises ``FloatingPointError`` once
-the exchange is complete, so no collective is left unmatched.
+**NaN/Inf policy** (every codec, eager and compiled alike): docs/design.md §6. The plain codec sends a
+non-finite value as it is; TAGC sends a table of NaN for a part holding one (count: ``nonfinite_parts``);
+residuals are never poisoned; ``nonfinite="raise"`` raises on every rank once the exchange is complete.
 """
 
 from __future__ import annotations

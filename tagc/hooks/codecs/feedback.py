@@ -1,9 +1,7 @@
 """Error feedback of another kind for every error-feedback codec: EF21 (``tagc.hook(feedback="ef21")``).
 
-**Classic error feedback** (the codecs' own, docs/design.md §3.2): rank ``i`` sends ``C(g_i + r_i)`` and keeps
-the rest in ``r_i``. An element that is not selected contributes nothing until it is sent, many steps later, as one
-burst of what it accumulated (staleness: at a density of a few per cent most compressed elements were last sent 8
-or more steps before).
+Classic error feedback (the codecs' own, docs/design.md §3.2) keeps the unsent rest in a residual and sends
+it, many steps later, as one burst of what it accumulated (staleness).
 
 **EF21** (Richtárik, Sokolov, Fatkhullin 2021, arXiv 2106.05203): rank ``i`` keeps a *shift*
 ``h_i``, its last gradient estimate the owners know, and sends the compressed *change*
@@ -12,13 +10,10 @@ decoded sum of the changes every step and hands the optimizer ``H``, dense: an e
 sent this step keeps its last known value instead of zero, so AdamW moves every element every
 step, and a change is sent when the gradient moves, not when a sum piled up.
 
-**Fading shifts**, ``feedback_decay=gamma`` (``< 1``): every shift fades before each step's change is
-chosen against it, ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every owner fades ``H`` alike, so ``H`` stays
-the sum of the ``h_i``. With ``gamma = 1`` an element that is not sent holds the value it was last sent with,
-often one picked because it stood out; AdamW, which normalises each element by its own recent size, turns a
-value held for many steps into full-size steps in one direction. Faded, it shrinks toward zero by
-``gamma`` per step (a time constant of ``1 / (1 - gamma)`` steps) unless the gradient keeps it up, in which
-case ``g - gamma h`` grows and it is sent again. ``gamma`` near 0 would send ``C(g)`` and keep nothing.
+**Fading shifts**, ``feedback_decay=gamma`` (``< 1``): ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every
+owner fades ``H`` alike, so ``H`` stays the sum of the ``h_i``; an unsent element shrinks toward zero with a time
+constant of ``1 / (1 - gamma)`` steps instead of holding a value AdamW would turn into full-size steps (why:
+:class:`~tagc.hooks.core.settings.HookSettings`, ``feedback_decay``).
 
 How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
 The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,
@@ -56,8 +51,7 @@ not finite, and ``H`` keeps those columns as they were.
 State, per part (the codec's keys): the residual (``-h_i``, ``[N, n]``, float32) and ``H`` (float32,
 this rank's ``n`` columns; in DDP's ``gather`` form, where every rank decodes every replica's piece,
 one per piece). Both in :meth:`EF21Codec.state_dict` (entries ``<part>#ef21_sum``), so a checkpoint resumes
-bit for bit. (EF21-SGDM, a running average of each rank's gradient compressed instead of the gradient,
-diverged in the project's screens and was removed: ``docs/results.md``, "Removed from the library".)
+bit for bit.
 
 Caveats:
 
@@ -82,19 +76,16 @@ Caveats:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tagc.hooks.codecs.codec import Codec, Stacks, Wire, finite
+from tagc.hooks.codecs.codec import Codec, Stacks, finite
 from tagc.hooks.core import nonfinite
 from tagc.hooks.core.allreduce import Shift
 from tagc.hooks.core.state_keys import part_key
 from tagc.hooks.core.stats import ExchangeStats
-
-if TYPE_CHECKING:
-    from tagc.hooks.core.segment import Segment
 
 FEEDBACKS = ("classic", "ef21")
 """``tagc.hook(feedback=...)``: the codecs' own error feedback, or EF21 (:class:`EF21Codec`)."""
@@ -127,7 +118,8 @@ def with_feedback(codec: Codec, feedback: str = "classic", decay: float = 1.0) -
 
 
 def _inner(attr: str, doc: Optional[str] = None) -> property:
-    """A read-only property that is the wrapped codec's ``attr`` (:attr:`EF21Codec.inner`)."""
+    """A read-only property that is the wrapped codec's ``attr``, a method bound to it included
+    (:attr:`EF21Codec.inner`)."""
     return property(lambda self: getattr(self.inner, attr), doc=doc)
 
 
@@ -184,28 +176,16 @@ class EF21Codec(Codec):
                        "(:attr:`tagc.hooks.core.engine.TAGCHook.residuals`).")
     config = _inner("config", "The inner codec's :class:`~tagc.config.TAGCConfig` (``tagc``, ``topk``).")
     wire_codec = _inner("wire_codec")
-
-    def all_reduce_form(self, parts, plain, plain_codec):
-        """The inner codec's all-reduce form, its parts' feedback this wrapper's (:meth:`summed_shift`)."""
-        return self.inner.all_reduce_form(parts, plain, plain_codec)
+    # the inner codec's methods as they are (its parts' feedback this wrapper's: :meth:`summed_shift`)
+    all_reduce_form = _inner("all_reduce_form")
+    prepare = _inner("prepare")
+    wire = _inner("wire")
+    next_round = _inner("next_round")
+    overlappable = _inner("overlappable")
+    traceable = _inner("traceable")
 
     def summed_shift(self, key: str, numel: int) -> "SummedShift":
         return SummedShift(self, key, numel)
-
-    def prepare(self, key: str, segments: Sequence["Segment"], world: int) -> None:
-        self.inner.prepare(key, segments, world)
-
-    def wire(self, numel: int, world: int, dtype: torch.dtype) -> tuple[Wire, ...]:
-        return self.inner.wire(numel, world, dtype)
-
-    def next_round(self, round, received, key, group):
-        return self.inner.next_round(round, received, key, group)
-
-    def overlappable(self) -> bool:
-        return self.inner.overlappable()
-
-    def traceable(self) -> bool:
-        return self.inner.traceable()
 
     def at_ratio(self, ratio: float) -> "EF21Codec":
         inner = self.inner.at_ratio(ratio)

@@ -1,17 +1,10 @@
 """Where a group's ranks sit on hosts, and the two-step (hierarchical) reduce-scatter across hosts.
 
-Ranks are numbered host-major, as torchrun numbers them: global rank ``r`` is on host
-``r // G`` with local index ``r % G`` (``G`` ranks per host, the hook's ``ranks_per_host`` or
-torchrun's ``LOCAL_WORLD_SIZE``). A flat reduce-scatter over ``N = H * G`` ranks compresses
-traffic between ranks of one host too, and plans the codec's density for ``N`` ranks. The
-hierarchical exchange (docs/design.md §11) instead
-
-1. reduces plainly inside each host: rank ``(h, l)`` receives, summed over its host's ``G``
-   ranks, the ``H`` chunks owned by ranks ``(h', l)`` (:func:`host_reduce`: the rows ``[N, C]``
-   viewed as ``[H, G, C]``, permuted to ``[G, H, C]``, a fair reduce-scatter over the *local*
-   group), a host-reduced block ``[H, C]``;
-2. exchanges that block compressed over the *cross* group (the ``H`` ranks with local index
-   ``l``), with the codec planned for ``H`` ranks (:mod:`tagc.hooks.core.engine`).
+Ranks are numbered host-major, as torchrun numbers them: global rank ``r`` is on host ``r // G`` with
+local index ``r % G`` (``G`` ranks per host). The hierarchical exchange (docs/design.md §11) reduces
+plainly inside each host (:func:`host_reduce`, a fair reduce-scatter over the *local* group, giving a
+host-reduced block ``[H, C]``), then exchanges that block compressed over the *cross* group (the ``H``
+ranks with local index ``l``), with the codec planned for ``H`` ranks (:mod:`tagc.hooks.core.engine`).
 
 :class:`Topology` describes one group; :func:`topology` builds it, creating the subgroups
 (every rank of the group must call it, in the same order).

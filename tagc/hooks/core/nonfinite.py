@@ -1,10 +1,8 @@
 """TAGC's NaN/Inf policy and decode statistics on the device: no host read in a steady exchange.
 
-The policy (:mod:`tagc.hooks.codecs.codec`): a rank whose part holds a NaN/Inf keeps its residual
-as it was and sends a NaN table, so every owner's whole part comes out NaN and counts
-``nonfinite_parts``. Deciding that with ``bool(finite(grad))`` waits for the GPU once per
-part; here the decision is a boolean tensor ``ok`` (0-d, or one per part of a batch encoded and
-decoded together) and every branch is a ``torch.where``:
+The policy (docs/design.md §6): a non-finite part keeps its residual and sends a NaN table. Deciding that
+with ``bool(finite(grad))`` waits for the GPU once per part; here the decision is a boolean tensor ``ok`` (0-d,
+or one per part of a batch) and every branch is a ``torch.where``:
 
 * encode: the gradient is zeroed where ``ok`` is false (``where(ok, grad, 0)``, one extra
   pass over the gradient part) and the per-row thresholds are ``+inf``, so the fused compress
