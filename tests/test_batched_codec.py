@@ -115,7 +115,7 @@ def parity(rank: int, world: int, wire: str, backend: str) -> list:
 
 
 @pytest.mark.parametrize("world, wire, backend", [(2, wire, "auto") for wire in WIRES] + [
-    (2, "coded", "torch"), (3, "paper", "torch"), (3, "default", "auto")])
+    (2, "coded", "torch"), (3, "paper", "torch"), pytest.param(3, "default", "auto", marks=pytest.mark.slow)])
 def test_batched_parts_give_the_per_part_results_bit_for_bit(world, wire, backend):
     """``auto``: the CPU kernels (numba) where they import; ``torch``: the reference."""
     for mismatches, shape, nonfinite in run_ranks(parity, world, wire, backend):

@@ -124,7 +124,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend,case", [_on(backend, case, slow=case in ("odd-4109", "4bit-1000"))
+@pytest.mark.parametrize("backend,case", [_on(backend, case, slow=case != "stopping-sets")
                                           for backend in _backends() for case in sorted(CASES)])
 def test_a_batch_decodes_as_its_parts_alone(backend, case):
     layout, tables, indexes = CASES[case]()

@@ -179,11 +179,14 @@ def _following(rank, world, follow):
     return outs, decays
 
 
+def _following_and_by_hand(rank, world):
+    return _following(rank, world, True), _following(rank, world, False)
+
+
 def test_a_fading_that_follows_the_optimizers_rate_is_the_one_set_by_hand():
     """``hook.follow_lr(optimizer)``: each step's fading is ``1 - (1 - 0.9) * lr / initial_lr``, read when the step's
     exchange starts (after the scheduler's step), and the exchange is the one ``set_feedback_decay`` gives by hand."""
-    followed, by_hand = run_ranks(_following, 2, True), run_ranks(_following, 2, False)
-    for (outs, decays), (outs_by_hand, decays_by_hand) in zip(followed, by_hand):
+    for (outs, decays), (outs_by_hand, decays_by_hand) in run_ranks(_following_and_by_hand, 2):
         assert decays == pytest.approx([1 - 0.1 * f for f in SCHEDULE]) and decays == decays_by_hand
         assert all(torch.equal(a, b) for a, b in zip(outs, outs_by_hand))
 
