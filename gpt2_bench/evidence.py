@@ -6,10 +6,11 @@ The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks, the ``mix`` c
 and batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens,
 500 of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate,
 run on the same machine (a GPU's runs, in bf16 autocast, keep ``-gpu`` files and pair only with each other, their
-seeds marked ``g``): each seed gives one gap (the method's val loss over plain's, minus 1), and the verdict is
-the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is below X; an interval
-that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several ``--lr``) with the lowest
-mean final loss, and every method is judged at it.
+seeds marked ``g``; a CPU run repeated on a later machine of the same image and torch gave the kept val loss to
+the bit, so a CPU pair may span sessions): each seed gives one gap (the method's val loss over plain's, minus 1),
+and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is
+below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several
+``--lr``) with the lowest mean final loss, and every method is judged at it.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
@@ -175,8 +176,10 @@ def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
     return [item for item in dict.fromkeys(items) if not finished(*item)]
 
 
-def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 2) -> None:
-    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint."""
+def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1) -> None:
+    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint. One at a time
+    by default: a run's two ranks fill two cores, and a checkpoint does not outlive its machine, so a run that
+    finishes within a session beats two that are half done."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(parallel) as pool:
@@ -388,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     go.add_argument("extra", nargs="*", help="after --: trainer arguments for where it runs, e.g. -- --device "
                                              "cuda-shared --dataset .gpu/data/mix --max-time 420")
     line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
-    line.add_argument("--parallel", type=int, default=2, help="runs at once (default 2: one per core pair of ranks)")
+    line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
     line.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
     line.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
     sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
