@@ -388,14 +388,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     go.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
     go.add_argument("--in-one", action="store_true",
                     help="one trainer call to the end (a GPU), not one per evaluation (the default, a CPU)")
-    go.add_argument("extra", nargs="*", help="after --: trainer arguments for where it runs, e.g. -- --device "
-                                             "cuda-shared --dataset .gpu/data/mix --max-time 420")
+    go.epilog = ("after --: trainer arguments for where it runs, e.g. -- --device cuda-shared --dataset "
+                 ".gpu/data/mix --max-time 420")
     line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
     line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
     line.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
     line.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
     sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
+    if args.extra and args.command != "run":
+        parser.error("trainer arguments after -- go with the run command only")
     if args.command == "run":
         try:
             float(args.lr)

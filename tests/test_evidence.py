@@ -102,3 +102,15 @@ def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
     todo = evidence.unfinished(tmp_path)
     assert todo[0] == ("tagc", 0, "1x", "2e-3") and ("plain", 0, "1x", "1e-3") not in todo
     assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
+
+
+def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
+    """``.gpu/quality.sh``'s call: trainer arguments after ``--`` reach the run, and only the run takes them."""
+    calls = []
+    monkeypatch.setattr(evidence, "run", lambda *args, **kwargs: calls.append((args, kwargs)))
+    evidence.main(["run", "tagc", "--seed", "2", "--in-one", "--", "--device", "cuda-shared", "--max-time", "480"])
+    (method, seed, batch, lr, _, _, extra), kwargs = calls[0]
+    assert (method, seed, batch, lr) == ("tagc", 2, "1x", "1e-3") and kwargs == {"segments": False}
+    assert extra == ["--device", "cuda-shared", "--max-time", "480"] and evidence.platform_of(extra) == "gpu"
+    with pytest.raises(SystemExit):
+        evidence.main(["rebuild", "--", "--device", "cpu"])
