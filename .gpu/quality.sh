@@ -15,11 +15,10 @@
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 MAXT=${MAXT:-480}
 RUNS=${RUNS:-"plain tagc"}
-SEEDS=${SEEDS:-$(python -c "import json, pathlib
-done = lambda p: p.exists() and (r := json.loads(p.read_text()))['steps_done'] == r['steps']
-print(next(s for s in range(100) if not done(pathlib.Path(f'docs/rows/evidence/${BATCH:-1x}/seed-{s}/tagc-lr${LR:-1e-3}-gpu.json'))))")}
 BATCH=${BATCH:-1x}
 LR=${LR:-1e-3}
+SEEDS=${SEEDS:-$(python -c "from gpt2_bench.evidence import finished
+print(next(s for s in range(100) if not finished('tagc', s, '$BATCH', '$LR', platform='gpu')))")}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python -c "import torch; print('torch', torch.__version__)"
 mkdir -p "$OUT/logs" "$OUT/rows"

@@ -165,15 +165,17 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     return kept
 
 
+def finished(method: str, seed: int, batch: str, lr: str, rows_dir: Path = ROWS, platform: str = "cpu") -> bool:
+    """Whether the run's curve file is kept and reaches its last step."""
+    path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.json"
+    return path.exists() and (kept := json.loads(path.read_text()))["steps_done"] == kept["steps"]
+
+
 def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
     """The queue's runs whose curve file is missing or short of its last step, in the queue's order."""
-    def finished(method: str, seed: int, batch: str, lr: str) -> bool:
-        path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr)}.json"
-        return path.exists() and (kept := json.loads(path.read_text()))["steps_done"] == kept["steps"]
-
     runs = load(rows_dir)
     items = [(m, seed, b, best_lr(runs, b) or "1e-3" if lr == BEST else lr) for m, seed, b, lr in QUEUE]
-    return [item for item in dict.fromkeys(items) if not finished(*item)]
+    return [item for item in dict.fromkeys(items) if not finished(*item, rows_dir)]
 
 
 def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1) -> None:

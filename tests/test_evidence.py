@@ -74,6 +74,12 @@ def test_a_gpu_run_pairs_only_with_plain_on_a_gpu(tmp_path):
                   "1x", "1e-3", "gpu")
     assert [seed for seed, _ in evidence.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]] == [
         "0", "0g"]
+    assert not evidence.finished("tagc", 0, "1x", "1e-3", tmp_path / "rows", "gpu")  # 400 of 2,000 steps
+    done = tmp_path / "rows" / "1x" / "seed-2" / "tagc-lr1e-3-gpu.json"
+    done.parent.mkdir()
+    done.write_text(json.dumps({"steps": 2000, "steps_done": 2000}))  # what .gpu/quality.sh's seed pick reads
+    assert evidence.finished("tagc", 2, "1x", "1e-3", tmp_path / "rows", "gpu")
+    assert not evidence.finished("tagc", 2, "1x", "1e-3", tmp_path / "rows")  # the CPU's file of that run
 
 
 def test_schedules_share_one_token_budget():
