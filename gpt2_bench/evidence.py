@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "docs" / "rows" / "evidence"
 REPORT = ROOT / "docs" / "evidence.md"
 PLOT = ROOT / "docs" / "img" / "evidence-gap.png"
+BATCH_PLOT = ROOT / "docs" / "img" / "evidence-batch.png"
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- evidence: python -m gpt2_bench.evidence rebuild -->", "<!-- /evidence -->"
 
@@ -73,6 +74,8 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
 )
 """The CPU's order of work (``queue``): the pairs that decide most first, then the sweep, the rest of the decision
 set, more seeds, and the batch axis."""
+GPT2_TOKENS_PER_STEP = 512 * 1024
+"""GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
 """Student's t 0.975 quantile for 1 to 15 degrees of freedom (a 95% two-sided interval)."""
 
@@ -265,6 +268,49 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
     return out
 
 
+def tokens_per_step(batch: str) -> int:
+    """Tokens per optimizer step at ``batch`` over the protocol's 2 ranks."""
+    return BATCHES[batch] * 128 * 2
+
+
+def batch_axis(runs: list[dict]) -> list[dict]:
+    """The decision rows at each batch's last evaluation (its schedule's end, so every batch has read the same
+    tokens), each with its ``tokens_per_step``: the gap against the batch."""
+    return [{**row, "tokens_per_step": tokens_per_step(batch)} for batch in BATCHES
+            for row in decisions(runs, batch) if row["step"] == schedule(batch)[0] - 1]
+
+
+def doubling_line(points: Sequence[dict]) -> Optional[tuple[float, float]]:
+    """``(gap at GPT-2's tokens per step, points per doubling)``: the least-squares line of ``points``' mean gaps
+    (one method's :func:`batch_axis` rows) against log2 of their tokens per step, carried to
+    :data:`GPT2_TOKENS_PER_STEP`; None under two batches. Means only: the line has no interval."""
+    if len({p["tokens_per_step"] for p in points}) < 2:
+        return None
+    xs, ys = [math.log2(p["tokens_per_step"]) for p in points], [p["mean"] for p in points]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    return y_mean + slope * (math.log2(GPT2_TOKENS_PER_STEP) - x_mean), slope
+
+
+def render_batch_axis(runs: list[dict]) -> list[str]:
+    """Per method, what its gap against the batch implies at GPT-2's tokens per step (lines of markdown)."""
+    points = batch_axis(runs)
+    lines = []
+    for method in METHODS:
+        mine = [p for p in points if p["method"] == method]
+        if not mine:
+            continue
+        measured = ", ".join(f"{p['tokens_per_step']:,}: {_pct(p['mean'])} [{_pct(p['low'])}, {_pct(p['high'])}] "
+                             f"(seeds {','.join(p['seeds'])})" for p in mine)
+        line = doubling_line(mine)
+        implied = ("one batch measured: no slope yet" if line is None else
+                   f"{line[1]:+.2f} points per doubling; a line through the means reads {line[0]:+.2f}% at GPT-2's "
+                   f"{GPT2_TOKENS_PER_STEP:,} tokens per step (an extrapolation, without an interval)")
+        lines.append(f"- {METHODS[method][0]}: mean gap at the last evaluation by tokens per step, {measured}; "
+                     f"{implied}.")
+    return lines or ["- no batch has a finished pair yet."]
+
+
 def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:+.2f}%"
 
@@ -302,6 +348,9 @@ def render_report(runs: list[dict]) -> str:
                          f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | |")
+    lines += ["", "## The batch axis", "",
+              "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step:",
+              "", "![gap against tokens per step](img/evidence-batch.png)", "", *render_batch_axis(runs)]
     lines += ["", "## The runs", "", "| batch | run | seed | steps done | epoch read | machine | torch | commit |",
               "|---|---|---:|---|---:|---|---|---|"]
     for r in runs:
@@ -330,6 +379,7 @@ def render_readme(runs: list[dict]) -> str:
                              f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} |")
     if len(lines) == 3:
         lines.append("| (no paired runs kept yet) | | | | | |")
+    lines += ["", "Against tokens per step ([plot](docs/img/evidence-batch.png)):", "", *render_batch_axis(runs)]
     return "\n".join([*lines, README_END])
 
 
@@ -347,16 +397,51 @@ def plot(runs: list[dict], path: Path) -> None:
             mine = [r for r in rows if r["method"] == method]
             if not mine:
                 continue
-            tokens = [(r["step"] + 1) * BATCHES[batch] * 128 * 2 / 1e6 for r in mine]
+            tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
             (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=method)
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.15)
         ax.axhline(0, color="black", lw=0.8)
-        ax.set(title=f"{batch} ({BATCHES[batch] * 256:,} tokens per step)", xlabel="tokens read (M)")
+        ax.set(title=f"{batch} ({tokens_per_step(batch):,} tokens per step)", xlabel="tokens read (M)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     axes[0].set_ylabel("val loss against plain, same seed (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_batch_axis(runs: list[dict], path: Path) -> None:
+    """Each method's gap at the last evaluation against tokens per step (log scale), with its 95% interval, and its
+    :func:`doubling_line` dashed out to GPT-2's tokens per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    points = batch_axis(runs)
+    for method in METHODS:
+        mine = [p for p in points if p["method"] == method]
+        if not mine:
+            continue
+        xs, ys = [p["tokens_per_step"] for p in mine], [p["mean"] for p in mine]
+        spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
+                  [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
+        bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method)
+        line = doubling_line(mine)
+        if line is not None:
+            ax.plot([xs[-1], GPT2_TOKENS_PER_STEP], [ys[-1], line[0]], ls="--", color=bars[0].get_color(), alpha=0.6)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axvline(GPT2_TOKENS_PER_STEP, color="grey", ls=":", lw=1)
+    ax.text(GPT2_TOKENS_PER_STEP, ax.get_ylim()[1], "GPT-2", ha="right", va="top", fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tokens per step", ylabel="val loss against plain at the end (%)",
+           title="end-of-run gap by tokens per step (dashed: extrapolated)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -371,10 +456,11 @@ def readme_with(text: str, block: str) -> str:
 
 
 def rebuild(rows_dir: Path = ROWS) -> None:
-    """Remake ``docs/evidence.md``, its plot and the README's quality block from the kept curve files."""
+    """Remake ``docs/evidence.md``, its plots and the README's quality block from the kept curve files."""
     runs = load(rows_dir)
     REPORT.write_text(render_report(runs))
     plot(runs, PLOT)
+    plot_batch_axis(runs, BATCH_PLOT)
     README.write_text(readme_with(README.read_text(), render_readme(runs)))
 
 

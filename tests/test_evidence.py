@@ -91,6 +91,41 @@ def test_schedules_share_one_token_budget():
         evidence.schedule("3x")
 
 
+def _curve(rows, method, seed, batch, loss, lr="1e-3"):
+    """A finished curve file of ``batch``'s schedule with ``loss`` at its last evaluation."""
+    steps = evidence.schedule(batch)[0]
+    path = rows / batch / f"seed-{seed}" / f"{evidence.run_name(method, lr)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"method": method, "seed": seed, "batch": batch, "lr": lr, "steps": steps,
+                                "steps_done": steps, "val_loss": [[steps // 2 - 1, loss + 1], [steps - 1, loss]],
+                                "sessions": [], "epoch_fraction": None}))
+
+
+def test_the_batch_axis_reads_each_batch_at_its_schedules_end_and_carries_a_line_to_gpt2(tmp_path):
+    # tagc trails by 0.5% then 0.7% at 1x, 1.5% and 1.7% at 4x: +1.0 point over two doublings
+    for batch, gaps in (("1x", (0.5, 0.7)), ("4x", (1.5, 1.7))):
+        for seed, gap in enumerate(gaps):
+            _curve(tmp_path, "plain", seed, batch, 5.0)
+            _curve(tmp_path, "tagc", seed, batch, 5.0 * (1 + gap / 100))
+    _curve(tmp_path, "int4", 0, "1x", 5.0)  # one batch, one seed
+    runs = evidence.load(tmp_path)
+    points = evidence.batch_axis(runs)
+    assert [(p["method"], p["tokens_per_step"], p["step"]) for p in points] == [
+        ("tagc", 1024, 1999), ("int4", 1024, 1999), ("tagc", 4096, 499)]
+    tagc = [p for p in points if p["method"] == "tagc"]
+    assert [p["mean"] for p in tagc] == pytest.approx([0.6, 1.6])
+    at_gpt2, per_doubling = evidence.doubling_line(tagc)
+    assert per_doubling == pytest.approx(0.5)  # 1 point over log2(4096 / 1024) = 2 doublings
+    assert at_gpt2 == pytest.approx(1.6 + 0.5 * math.log2(evidence.GPT2_TOKENS_PER_STEP / 4096))  # 7 more: +5.1%
+    assert evidence.doubling_line([p for p in points if p["method"] == "int4"]) is None
+    block = evidence.render_readme(runs)
+    assert "+0.50 points per doubling" in block and f"reads {at_gpt2:+.2f}% at GPT-2's 524,288" in block
+    assert "one batch measured: no slope yet" in block
+    assert "## The batch axis" in evidence.render_report(runs)
+    evidence.plot_batch_axis(runs, tmp_path / "batch.png")
+    assert (tmp_path / "batch.png").stat().st_size > 0
+
+
 def test_readme_and_report_match_the_kept_rows():
     """Every quality number of the README's block and of docs/evidence.md comes from docs/rows/evidence."""
     runs = evidence.load()
