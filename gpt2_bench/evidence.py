@@ -67,13 +67,17 @@ BEST = "best"
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "1x", lr) for seed in (0, 1) for m, lr in (("plain", "1e-3"), ("tagc", BEST))),
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("2e-3", "5e-4")),
+    *(("plain", 0, "4x", lr) for lr in LRS),
+    *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4", "topk", "powersgd-r16")),
+    *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
-    *((m, seed, b, BEST) for b in ("4x", "16x") for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
-    *(("plain", 0, b, lr) for b in ("4x", "16x") for lr in ("1e-3", "2e-3", "5e-4")),
+    *(("plain", 0, "16x", lr) for lr in LRS),
+    *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
 )
-"""The CPU's order of work (``queue``): the pairs that decide most first, then the sweep, the rest of the decision
-set, more seeds, and the batch axis."""
+"""The CPU's order of work (``queue``): the pairs that decide most first (``tagc`` at 1x, then at 4x, where its
+gap was seen to grow), each batch's learning-rate sweep before the methods judged at its best, then the rest of
+the decision set, more seeds, and 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
@@ -182,15 +186,19 @@ def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
 
 
 def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1) -> None:
-    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint. One at a time
+    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint, reading plain's
+    best learning rate again after each round (a batch's sweep decides the lr of the runs after it). One at a time
     by default: a run's two ranks fill two cores, and a checkpoint does not outlive its machine, so a run that
     finishes within a session beats two that are half done."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(parallel) as pool:
-        for done in pool.map(lambda item: run(*item, work=work, rows_dir=rows_dir), unfinished(rows_dir)):
-            print(f"kept {done.get('method')} seed {done.get('seed')} {done.get('batch')}: {done.get('steps_done')} "
-                  f"of {done.get('steps')} steps", file=sys.stderr)
+        while todo := unfinished(rows_dir)[:parallel]:
+            for item, done in zip(todo, pool.map(lambda item: run(*item, work=work, rows_dir=rows_dir), todo)):
+                print(f"kept {item}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
+                if done.get("steps_done") != done.get("steps"):
+                    raise RuntimeError(f"{item} stopped at step {done.get('steps_done')} of {done.get('steps')}: see "
+                                       f"its log under {work}, then run the queue again to resume it")
 
 
 # ----------------------------------------------------------------------------- the report
@@ -231,8 +239,9 @@ def load(rows_dir: Path = ROWS) -> list[dict]:
 def best_lr(runs: list[dict], batch: str) -> Optional[str]:
     """Plain's learning rate at ``batch`` with the lowest mean last val loss over its finished seeds (None: none)."""
     finished = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["steps_done"] == r["steps"]]
+    lrs = sorted({r["lr"] for r in finished}, key=float)  # a tie goes to the lowest lr, whatever the order of files
     means = {lr: sum(r["val_loss"][-1][1] for r in group) / len(group)
-             for lr in {r["lr"] for r in finished} for group in [[r for r in finished if r["lr"] == lr]]}
+             for lr in lrs for group in [[r for r in finished if r["lr"] == lr]]}
     return min(means, key=means.get) if means else None
 
 

@@ -145,6 +145,49 @@ def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
     assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
 
 
+def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(method, seed, batch, lr, work, rows_dir):
+        calls.append((method, seed, batch, lr))
+        steps = evidence.schedule(batch)[0]
+        loss = 5.0 - (0.1 if (method, lr) == ("plain", "2e-3") and batch == "4x" else 0.0)
+        kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "steps": steps, "steps_done": steps,
+                "val_loss": [[steps - 1, loss]]}
+        path = rows_dir / batch / f"seed-{seed}" / f"{evidence.run_name(method, lr)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept))
+        return kept
+
+    monkeypatch.setattr(evidence, "run", fake_run)
+    evidence.queue(tmp_path / "work", tmp_path / "rows")
+    assert evidence.unfinished(tmp_path / "rows") == [] and len(calls) == len(set(calls))
+    assert ("tagc", 0, "4x", "2e-3") in calls and ("tagc", 0, "4x", "1e-3") not in calls  # the 4x sweep's best
+    assert calls.index(("plain", 0, "4x", "2e-3")) < calls.index(("tagc", 0, "4x", "2e-3"))
+    assert ("tagc", 1, "1x", "1e-3") in calls  # before 1x's sweep; after it, every lr ties and the lowest wins:
+    assert ("tagc-brief", 0, "1x", "5e-4") in calls
+    assert evidence.best_lr(evidence.load(tmp_path / "rows"), "1x") == "5e-4"
+
+
+def test_the_queue_stops_on_a_run_that_does_not_finish(tmp_path, monkeypatch):
+    monkeypatch.setattr(evidence, "run", lambda *item, work, rows_dir: {"steps_done": 400, "steps": 2000})
+    with pytest.raises(RuntimeError, match="stopped at step 400 of 2000"):
+        evidence.queue(tmp_path / "work", tmp_path / "rows")
+
+
+def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
+    first_pairs = {("tagc", 0, "1x", evidence.BEST), ("tagc", 1, "1x", evidence.BEST)}  # run at 1e-3 before the sweep
+    for batch in evidence.BATCHES:
+        sweep = [i for i, (m, seed, b, lr) in enumerate(evidence.QUEUE) if b == batch and lr in evidence.LRS]
+        judged = [i for i, item in enumerate(evidence.QUEUE) if item[2] == batch and item[3] == evidence.BEST
+                  and item not in first_pairs]
+        assert sweep and judged and max(sweep) < min(judged), batch
+        assert {lr for m, seed, b, lr in evidence.QUEUE if b == batch and lr != evidence.BEST} == set(evidence.LRS)
+    seeds = {m: {seed for m2, seed, b, _ in evidence.QUEUE if m2 == m and b == "1x"} for m in evidence.METHODS}
+    assert all(len(seeds[m]) >= 4 for m in ("plain", "tagc", "tagc-brief"))  # the issue's seed counts
+    assert all(len(seeds[m]) >= 2 for m in evidence.METHODS)
+
+
 def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
     """``.gpu/quality.sh``'s call: trainer arguments after ``--`` reach the run, and only the run takes them."""
     calls = []
