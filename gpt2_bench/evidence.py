@@ -10,7 +10,8 @@ seeds marked ``g``; a CPU run repeated on a later machine of the same image and 
 the bit, so a CPU pair may span sessions): each seed gives one gap (the method's val loss over plain's, minus 1),
 and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is
 below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several
-``--lr``) with the lowest mean final loss, and every method is judged at it.
+``--lr``) with the lowest mean final loss, and every method is judged at it. A method whose settings earlier screens picked on
+some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
@@ -62,6 +63,11 @@ METHODS: dict[str, tuple[str, list[str]]] = {
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
 }
 """The decision set: run name -> (what users call, the trainer's flags)."""
+TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "topk": (0, 1), "powersgd-r16": (0,)}
+"""The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
+picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``topk``'s ratio 1.2 and float8 values;
+PowerSGD's rank 16 (their windows were drawn with replacement, so they differ from these). A method listed here
+gets a second verdict over its other seeds alone."""
 BEST = "best"
 """A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one)."""
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
@@ -271,10 +277,21 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
             continue
         for step, gaps in sorted(pairs(runs, method, batch, lr).items()):
             mean, low, high = t_interval([g for _, g in gaps])
+            untuned = [g for seed, g in gaps if int(seed.rstrip("g")) not in TUNED_ON.get(method, ())]
             out.append({"method": method, "batch": batch, "lr": lr, "step": step, "seeds": [s for s, _ in gaps],
                         "gaps": [g for _, g in gaps], "mean": mean, "low": low, "high": high,
-                        "verdict": verdict(low, high)})
+                        "verdict": verdict(low, high), "untuned": _untuned(method, untuned)})
     return out
+
+
+def _untuned(method: str, gaps: list[float]) -> str:
+    """The verdict over the seeds ``method``'s settings were not picked on (:data:`TUNED_ON`), in words."""
+    if method not in TUNED_ON:
+        return "(not tuned)"
+    if not gaps:
+        return "none yet"
+    mean, low, high = t_interval(gaps)
+    return f"{len(gaps)}: {_pct(mean)} [{_pct(low)}, {_pct(high)}], {verdict(low, high)}"
 
 
 def tokens_per_step(batch: str) -> int:
@@ -347,16 +364,18 @@ def render_report(runs: list[dict]) -> str:
         lines.append("| (no finished plain run yet) | | | |")
     lines += ["", "## Decisions", "",
               "Gap: the method's val loss against plain's of the same seed, in %; the interval is the 95% t-interval "
-              "of the mean over seeds.", "",
-              "| batch | method | lr | step | seeds | gaps | mean | 95% interval | verdict |",
-              "|---|---|---|---:|---|---|---:|---|---|"]
+              "of the mean over seeds. *Untuned seeds*: the same over the seeds the method's settings were not "
+              "picked on (`TUNED_ON` in `gpt2_bench/evidence.py`): their count, mean [interval] and verdict.", "",
+              "| batch | method | lr | step | seeds | gaps | mean | 95% interval | verdict | untuned seeds |",
+              "|---|---|---|---:|---|---|---:|---|---|---|"]
     for batch in BATCHES:
         for row in decisions(runs, batch):
             lines.append(f"| {batch} | {row['method']} | {row['lr']} | {row['step'] + 1} | "
                          f"{','.join(map(str, row['seeds']))} | {', '.join(f'{g:+.2f}' for g in row['gaps'])} | "
-                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
+                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} | "
+                         f"{row['untuned']} |")
     if lines[-1].startswith("|---"):
-        lines.append("| (no paired runs yet) | | | | | | | | |")
+        lines.append("| (no paired runs yet) | | | | | | | | | |")
     lines += ["", "## The batch axis", "",
               "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step:",
               "", "![gap against tokens per step](img/evidence-batch.png)", "", *render_batch_axis(runs)]
@@ -376,8 +395,8 @@ def render_report(runs: list[dict]) -> str:
 
 def render_readme(runs: list[dict]) -> str:
     """The README's quality block: per method, its last evaluation at each batch with a verdict."""
-    lines = [README_BEGIN, "| method | batch | step | seeds | mean gap to plain [95% interval] | verdict |",
-             "|---|---|---:|---:|---|---|"]
+    lines = [README_BEGIN, "| method | batch | step | seeds | mean gap to plain [95% interval] | verdict | untuned "
+             "seeds |", "|---|---|---:|---:|---|---|---|"]
     for batch in BATCHES:
         rows = decisions(runs, batch)
         for method in METHODS:
@@ -385,9 +404,10 @@ def render_readme(runs: list[dict]) -> str:
             if mine:
                 last = mine[-1]
                 lines.append(f"| {METHODS[method][0]} | {batch} | {last['step'] + 1} | {len(last['seeds'])} | "
-                             f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} |")
+                             f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} | "
+                             f"{last['untuned']} |")
     if len(lines) == 3:
-        lines.append("| (no paired runs kept yet) | | | | | |")
+        lines.append("| (no paired runs kept yet) | | | | | | |")
     lines += ["", "Against tokens per step ([plot](docs/img/evidence-batch.png)):", "", *render_batch_axis(runs)]
     return "\n".join([*lines, README_END])
 

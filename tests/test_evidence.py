@@ -52,6 +52,7 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     assert last["step"] == 399 and last["seeds"] == ["0", "1", "2"] and last["gaps"] == pytest.approx(gaps)
     assert (last["mean"], last["low"], last["high"]) == pytest.approx(evidence.t_interval(gaps))
     assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
+    assert evidence.TUNED_ON["tagc"] == (0, 1) and last["untuned"] == f"1: {gaps[2]:+.2f}% [-, -], one seed: no verdict"
     assert "| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | 3 |" in evidence.render_readme(runs)
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
 
