@@ -10,8 +10,8 @@ seeds marked ``g``; a CPU run repeated on a later machine of the same image and 
 the bit, so a CPU pair may span sessions): each seed gives one gap (the method's val loss over plain's, minus 1),
 and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is
 below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several
-``--lr``) with the lowest mean final loss, and every method is judged at it. A method whose settings earlier screens picked on
-some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
+``--lr``) with the lowest mean final loss, and every method is judged at it. A method whose settings earlier
+screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
