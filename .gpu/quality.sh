@@ -9,7 +9,9 @@
 # in -gpu.json and pair only with each other (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does
 # not fit the way back), so a call runs what finishes in it: six runs at once reached step 799 of 2,000 in 430 s, so
 # the default is one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
-# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x, LR plain's best.
+# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x, LR the learning rates (every run at each).
+# At 4x and 16x a run has 500 and 125 steps, so one call can sweep plain's lr and pair tagc at each lr, e.g.
+#   BATCH=4x LR="5e-4 1e-3 2e-3" SEEDS=0 RUNS="plain tagc" MAXT=480 bash .gpu/quality.sh   (six runs)
 # GPU_CHECK=1 first runs `python -m tagc.bench gpu-check --skip-tests` (its time comes off MAXT).
 # DEVICE=cpu MAXT=60 OUT=/tmp/q RUNS=plain SEEDS=0 bash .gpu/quality.sh smoke-tests it here.
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
@@ -18,7 +20,7 @@ RUNS=${RUNS:-"plain tagc"}
 BATCH=${BATCH:-1x}
 LR=${LR:-1e-3}
 SEEDS=${SEEDS:-$(python -c "from gpt2_bench.evidence import finished
-print(next(s for s in range(100) if not finished('tagc', s, '$BATCH', '$LR', platform='gpu')))")}
+print(next(s for s in range(100) if not finished('tagc', s, '$BATCH', '${LR%% *}', platform='gpu')))")}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python -c "import torch; print('torch', torch.__version__)"
 mkdir -p "$OUT/logs" "$OUT/rows"
@@ -28,11 +30,13 @@ if [ -n "$GPU_CHECK" ]; then
   echo "gpu-check rc=$?" >> "$OUT/logs/gpu-check.txt"; grep -v "^\s\|Warning\|check_internals" "$OUT/logs/gpu-check.txt"
   MAXT=$((MAXT - (SECONDS - began)))
 fi
-for s in $SEEDS; do
-  for r in $RUNS; do
-    python -m gpt2_bench.evidence run "$r" --seed "$s" --batch "$BATCH" --lr "$LR" --work "$OUT/work" \
-      --rows "$OUT/rows" --in-one -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$MAXT" \
-      > "$OUT/logs/$r-s$s.txt" 2>&1 &
+for lr in $LR; do
+  for s in $SEEDS; do
+    for r in $RUNS; do
+      python -m gpt2_bench.evidence run "$r" --seed "$s" --batch "$BATCH" --lr "$lr" --work "$OUT/work" \
+        --rows "$OUT/rows" --in-one -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$MAXT" \
+        > "$OUT/logs/$r-s$s-lr$lr.txt" 2>&1 &
+    done
   done
 done
 wait
