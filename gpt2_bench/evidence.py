@@ -242,24 +242,29 @@ def load(rows_dir: Path = ROWS) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(rows_dir.glob("*/seed-*/*.json"))]
 
 
-def best_lr(runs: list[dict], batch: str) -> Optional[str]:
-    """Plain's learning rate at ``batch`` with the lowest mean last val loss over its finished seeds (None: none)."""
-    finished = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["steps_done"] == r["steps"]]
+def best_lr(runs: list[dict], batch: str, method: str = "plain") -> Optional[str]:
+    """``method``'s learning rate at ``batch`` with the lowest mean last val loss over its finished seeds (None:
+    none finished)."""
+    finished = [r for r in runs if r["method"] == method and r["batch"] == batch and r["steps_done"] == r["steps"]]
     lrs = sorted({r["lr"] for r in finished}, key=float)  # a tie goes to the lowest lr, whatever the order of files
     means = {lr: sum(r["val_loss"][-1][1] for r in group) / len(group)
              for lr in lrs for group in [[r for r in finished if r["lr"] == lr]]}
     return min(means, key=means.get) if means else None
 
 
-def pairs(runs: list[dict], method: str, batch: str, lr: str) -> dict[int, list[tuple[str, float]]]:
-    """Per evaluation step both have, every seed's gap (%) of ``method`` against plain of the same seed, lr and
-    platform; a seed is named by its number, ``g`` added on a GPU (``"2g"``)."""
-    by = {(r["method"], r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
-          if r["batch"] == batch and r["lr"] == lr}
+def pairs(runs: list[dict], method: str, batch: str, lr: str,
+          plain_lr: Optional[str] = None) -> dict[int, list[tuple[str, float]]]:
+    """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against plain of the same seed
+    and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``)."""
+    def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
+        return {(r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
+                if r["method"] == name and r["batch"] == batch and r["lr"] == at}
+
+    plains = curves("plain", plain_lr or lr)
     gaps: dict[int, list[tuple[str, float]]] = {}
-    for (name, platform, seed), curve in sorted(by.items()):
-        plain = by.get(("plain", platform, seed))
-        if name != method or plain is None:
+    for (platform, seed), curve in sorted(curves(method, lr).items()):
+        plain = plains.get((platform, seed))
+        if plain is None:
             continue
         for step in sorted(set(curve) & set(plain)):
             gaps.setdefault(step, []).append((f"{seed}{'' if platform == 'cpu' else 'g'}",
@@ -269,18 +274,38 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str) -> dict[int, list[
 
 def decisions(runs: list[dict], batch: str) -> list[dict]:
     """Per method of the decision set, at plain's best lr at ``batch`` (1e-3 until the sweep has finished seeds):
-    one row per evaluation step with the seeds' gaps, their mean and its 95% interval, and the verdict."""
+    one row per evaluation step with the seeds' gaps, their mean and its 95% interval, and the verdict. A method
+    whose own finished runs do best at another lr gets its rows there too, against plain at plain's best (their
+    ``lr``: ``"own 2e-3"``)."""
     lr = best_lr(runs, batch) or "1e-3"
     out = []
     for method in METHODS:
         if method == "plain":
             continue
-        for step, gaps in sorted(pairs(runs, method, batch, lr).items()):
-            mean, low, high = t_interval([g for _, g in gaps])
-            untuned = [g for seed, g in gaps if int(seed.rstrip("g")) not in TUNED_ON.get(method, ())]
-            out.append({"method": method, "batch": batch, "lr": lr, "step": step, "seeds": [s for s, _ in gaps],
-                        "gaps": [g for _, g in gaps], "mean": mean, "low": low, "high": high,
-                        "verdict": verdict(low, high), "untuned": _untuned(method, untuned)})
+        own = best_lr(runs, batch, method)
+        for at in [lr, *([own] if own not in (None, lr) else [])]:
+            out += _rows(method, batch, lr if at == lr else f"own {at}", pairs(runs, method, batch, at, lr))
+    return out
+
+
+def _rows(method: str, batch: str, label: str, by_step: dict[int, list[tuple[str, float]]]) -> list[dict]:
+    out = []
+    """One decision row per evaluation step of ``by_step`` (:func:`pairs`' gaps)."""
+    out = []
+    for step, gaps in sorted(by_step.items()):
+        mean, low, high = t_interval([g for _, g in gaps])
+        untuned = [g for seed, g in gaps if int(seed.rstrip("g")) not in TUNED_ON.get(method, ())]
+        out.append({"method": method, "batch": batch, "lr": label, "step": step, "seeds": [s for s, _ in gaps],
+                    "gaps": [g for _, g in gaps], "mean": mean, "low": low, "high": high,
+                    "verdict": verdict(low, high), "untuned": _untuned(method, untuned)})
+    return out
+
+
+def _series(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """:func:`decisions`' rows by ``(method, lr)``, in their order."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        out.setdefault((row["method"], row["lr"]), []).append(row)
     return out
 
 
@@ -303,7 +328,8 @@ def batch_axis(runs: list[dict]) -> list[dict]:
     """The decision rows at each batch's last evaluation (its schedule's end, so every batch has read the same
     tokens), each with its ``tokens_per_step``: the gap against the batch."""
     return [{**row, "tokens_per_step": tokens_per_step(batch)} for batch in BATCHES
-            for row in decisions(runs, batch) if row["step"] == schedule(batch)[0] - 1]
+            for row in decisions(runs, batch) if row["step"] == schedule(batch)[0] - 1
+            and not row["lr"].startswith("own")]
 
 
 def doubling_line(points: Sequence[dict]) -> Optional[tuple[float, float]]:
@@ -399,13 +425,12 @@ def render_readme(runs: list[dict]) -> str:
              "seeds |", "|---|---|---:|---:|---|---|---|"]
     for batch in BATCHES:
         rows = decisions(runs, batch)
-        for method in METHODS:
-            mine = [r for r in rows if r["method"] == method]
-            if mine:
-                last = mine[-1]
-                lines.append(f"| {METHODS[method][0]} | {batch} | {last['step'] + 1} | {len(last['seeds'])} | "
-                             f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} | "
-                             f"{last['untuned']} |")
+        for (method, lr), mine in _series(rows).items():
+            last = mine[-1]
+            name = METHODS[method][0] + (f" at its own best lr, {lr[4:]}" if lr.startswith("own") else "")
+            lines.append(f"| {name} | {batch} | {last['step'] + 1} | {len(last['seeds'])} | "
+                         f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} | "
+                         f"{last['untuned']} |")
     if len(lines) == 3:
         lines.append("| (no paired runs kept yet) | | | | | | |")
     lines += ["", "Against tokens per step ([plot](docs/img/evidence-batch.png)):", "", *render_batch_axis(runs)]
@@ -421,13 +446,10 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(BATCHES), figsize=(12, 4), sharey=True)
     for ax, batch in zip(axes, BATCHES):
-        rows = decisions(runs, batch)
-        for method in METHODS:
-            mine = [r for r in rows if r["method"] == method]
-            if not mine:
-                continue
+        for (method, lr), mine in _series(decisions(runs, batch)).items():
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
-            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=method)
+            label = f"{method} ({lr})" if lr.startswith("own") else method
+            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label)
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.15)
         ax.axhline(0, color="black", lw=0.8)

@@ -127,6 +127,19 @@ def test_the_batch_axis_reads_each_batch_at_its_schedules_end_and_carries_a_line
     assert (tmp_path / "batch.png").stat().st_size > 0
 
 
+def test_a_method_adds_its_own_best_lr_as_a_second_row_against_plains_best(tmp_path):
+    for seed in (0, 1):
+        for method, lr, loss in (("plain", "1e-3", 5.0), ("plain", "2e-3", 5.1), ("tagc", "1e-3", 5.06),
+                                 ("tagc", "2e-3", 5.02)):
+            _curve(tmp_path, method, seed, "1x", loss, lr)
+    runs = evidence.load(tmp_path)
+    assert evidence.best_lr(runs, "1x") == "1e-3" and evidence.best_lr(runs, "1x", "tagc") == "2e-3"
+    last = {row["lr"]: row for row in evidence.decisions(runs, "1x") if row["step"] == 1999}
+    assert last["1e-3"]["mean"] == pytest.approx(1.2) and last["own 2e-3"]["mean"] == pytest.approx(0.4)
+    assert "at its own best lr, 2e-3 | 1x | 2000 | 2 | +0.40%" in evidence.render_readme(runs)
+    assert [p["lr"] for p in evidence.batch_axis(runs)] == ["1e-3"]  # the axis stays at plain's best
+
+
 def test_readme_and_report_match_the_kept_rows():
     """Every quality number of the README's block and of docs/evidence.md comes from docs/rows/evidence."""
     runs = evidence.load()
