@@ -37,7 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "docs" / "rows" / "evidence"
 REPORT = ROOT / "docs" / "evidence.md"
 PLOT = ROOT / "docs" / "img" / "evidence-gap.png"
-BATCH_PLOT = ROOT / "docs" / "img" / "evidence-batch.png"
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- evidence: python -m gpt2_bench.evidence rebuild -->", "<!-- /evidence -->"
 
@@ -376,7 +375,8 @@ def render_report(runs: list[dict]) -> str:
              "`.gpu/quality.sh` on a lent GPU (a pair per call; its `-gpu` files pair only with each other); then copy",
              "the curve files here and run the rebuild. A verdict is the 95% t-interval of the paired mean gap:",
              "*within X%* when its upper end is below X, a *tie* when it holds 0.", "",
-             "![gap against step](img/evidence-gap.png)", "", "## Plain's learning rate", "",
+             "![the gap against tokens read, per batch, and against tokens per step](img/evidence-gap.png)", "",
+             "## Plain's learning rate", "",
              "| batch | lr | seeds finished | mean last val loss |", "|---|---|---:|---:|"]
     for batch in BATCHES:
         for lr in LRS:
@@ -403,8 +403,9 @@ def render_report(runs: list[dict]) -> str:
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | | |")
     lines += ["", "## The batch axis", "",
-              "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step:",
-              "", "![gap against tokens per step](img/evidence-batch.png)", "", *render_batch_axis(runs)]
+              "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step "
+              "(the plot's last panel):",
+              "", *render_batch_axis(runs)]
     lines += ["", "## The runs", "", "| batch | run | seed | steps done | epoch read | machine | torch | commit |",
               "|---|---|---:|---|---:|---|---|---|"]
     for r in runs:
@@ -433,18 +434,20 @@ def render_readme(runs: list[dict]) -> str:
                          f"{last['untuned']} |")
     if len(lines) == 3:
         lines.append("| (no paired runs kept yet) | | | | | | |")
-    lines += ["", "Against tokens per step ([plot](docs/img/evidence-batch.png)):", "", *render_batch_axis(runs)]
+    lines += ["", "Against tokens per step ([plot](docs/img/evidence-gap.png), last panel):", "",
+              *render_batch_axis(runs)]
     return "\n".join([*lines, README_END])
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Each method's mean gap against step at each batch, with its 95% interval as a band."""
+    """Per batch, each method's mean gap against the tokens read, its 95% interval as a band; last, each method's
+    gap at each batch's end against tokens per step (log scale), its :func:`doubling_line` dashed to GPT-2's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(BATCHES), figsize=(12, 4), sharey=True)
+    fig, axes = plt.subplots(1, len(BATCHES) + 1, figsize=(16, 4))
     for ax, batch in zip(axes, BATCHES):
         for (method, lr), mine in _series(decisions(runs, batch)).items():
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
@@ -452,47 +455,27 @@ def plot(runs: list[dict], path: Path) -> None:
             (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label)
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.15)
-        ax.axhline(0, color="black", lw=0.8)
         ax.set(title=f"{batch} ({tokens_per_step(batch):,} tokens per step)", xlabel="tokens read (M)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
     axes[0].set_ylabel("val loss against plain, same seed (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot_batch_axis(runs: list[dict], path: Path) -> None:
-    """Each method's gap at the last evaluation against tokens per step (log scale), with its 95% interval, and its
-    :func:`doubling_line` dashed out to GPT-2's tokens per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    points = batch_axis(runs)
+    ax, points = axes[-1], batch_axis(runs)
     for method in METHODS:
         mine = [p for p in points if p["method"] == method]
-        if not mine:
-            continue
-        xs, ys = [p["tokens_per_step"] for p in mine], [p["mean"] for p in mine]
-        spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
-                  [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
-        bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method)
-        line = doubling_line(mine)
-        if line is not None:
-            ax.plot([xs[-1], GPT2_TOKENS_PER_STEP], [ys[-1], line[0]], ls="--", color=bars[0].get_color(), alpha=0.6)
-    ax.axhline(0, color="black", lw=0.8)
+        if mine:
+            xs, ys = [p["tokens_per_step"] for p in mine], [p["mean"] for p in mine]
+            spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
+                      [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
+            bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method)
+            if (line := doubling_line(mine)) is not None:
+                ax.plot([xs[-1], GPT2_TOKENS_PER_STEP], [ys[-1], line[0]], ls="--", color=bars[0].get_color())
     ax.axvline(GPT2_TOKENS_PER_STEP, color="grey", ls=":", lw=1)
     ax.text(GPT2_TOKENS_PER_STEP, ax.get_ylim()[1], "GPT-2", ha="right", va="top", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="tokens per step", ylabel="val loss against plain at the end (%)",
-           title="end-of-run gap by tokens per step (dashed: extrapolated)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    ax.set(title="at each batch's end (dashed: extrapolated)", xlabel="tokens per step")
+    for ax in axes:
+        ax.axhline(0, color="black", lw=0.8)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -507,11 +490,10 @@ def readme_with(text: str, block: str) -> str:
 
 
 def rebuild(rows_dir: Path = ROWS) -> None:
-    """Remake ``docs/evidence.md``, its plots and the README's quality block from the kept curve files."""
+    """Remake ``docs/evidence.md``, its plot and the README's quality block from the kept curve files."""
     runs = load(rows_dir)
     REPORT.write_text(render_report(runs))
     plot(runs, PLOT)
-    plot_batch_axis(runs, BATCH_PLOT)
     README.write_text(readme_with(README.read_text(), render_readme(runs)))
 
 

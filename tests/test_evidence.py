@@ -123,8 +123,8 @@ def test_the_batch_axis_reads_each_batch_at_its_schedules_end_and_carries_a_line
     assert "+0.50 points per doubling" in block and f"reads {at_gpt2:+.2f}% at GPT-2's 524,288" in block
     assert "one batch measured: no slope yet" in block
     assert "## The batch axis" in evidence.render_report(runs)
-    evidence.plot_batch_axis(runs, tmp_path / "batch.png")
-    assert (tmp_path / "batch.png").stat().st_size > 0
+    evidence.plot(runs, tmp_path / "gap.png")
+    assert (tmp_path / "gap.png").stat().st_size > 0
 
 
 def test_a_method_adds_its_own_best_lr_as_a_second_row_against_plains_best(tmp_path):
