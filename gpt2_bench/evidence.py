@@ -470,7 +470,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.axvline(GPT2_TOKENS_PER_STEP, color="grey", ls=":", lw=1)
     ax.text(GPT2_TOKENS_PER_STEP, ax.get_ylim()[1], "GPT-2", ha="right", va="top", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
-    ax.set(title="at each batch's end (dashed: extrapolated)", xlabel="tokens per step")
+    ax.set(title="at each batch's end", xlabel="tokens per step (dashed: extrapolated)")
     for ax in axes:
         ax.axhline(0, color="black", lw=0.8)
         ax.grid(alpha=0.3)
