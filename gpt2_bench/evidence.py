@@ -288,7 +288,6 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
 
 
 def _rows(method: str, batch: str, label: str, by_step: dict[int, list[tuple[str, float]]]) -> list[dict]:
-    out = []
     """One decision row per evaluation step of ``by_step`` (:func:`pairs`' gaps)."""
     out = []
     for step, gaps in sorted(by_step.items()):
