@@ -649,3 +649,25 @@ def test_nonfinite_raise_is_raised_by_the_backward_pass_overlapped_or_not():
         for label in ("tagc", "int4"):
             assert result[label, True] is not None and "NaN/Inf" in result[label, True], label
             assert result[label, True] == result[label, False], label
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_pieces_cut_a_shard_into_each_parameters_pieces_and_join_it_back(hosts):
+    from tagc.hooks.adapters.replicas import Pieces
+    from tagc.hooks.core.segment import Segment
+
+    sizes = (7, 1, 12, 5)  # none but 12 divides by 2 or 3: every other parameter is padded
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = Pieces.build(tuple(Segment(f"p{i}", s, n) for i, (s, n) in enumerate(zip(starts, sizes))),
+                          sum(sizes), hosts, torch.device("cpu"))
+    shard = torch.randn(sum(sizes))
+    rows = pieces.cut(shard)
+    at = 0
+    for start, n in zip(starts, sizes):  # row h: the h-th of each parameter's equal pieces, zero-padded, in order
+        per = -(-n // hosts)
+        assert torch.equal(rows[:, at:at + per], torch.cat([shard[start:start + n], torch.zeros(hosts * per - n)])
+                           .view(hosts, per))
+        at += per
+    assert rows.shape == (hosts, at)
+    assert torch.equal(pieces.join(rows), shard)
+    assert torch.equal(pieces.join(rows * 2), shard * 2)

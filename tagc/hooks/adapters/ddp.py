@@ -246,7 +246,7 @@ class DDPHookState:
         """``rs+ag`` or ``gather`` (during a dense warm-up with ``plain`` not fp32: ``rs+ag``)."""
         hook = self.hook
         pieces = self._pieces(layout, world, buffer.device)
-        rows = torch.cat([buffer, buffer.new_zeros(1)])[pieces.index]
+        rows = pieces.cut(buffer)
         chunk = buffer.new_empty(pieces.index.shape[1])
         gather_dtype = torch.bfloat16 if hook.settings.plain == "bf16" else buffer.dtype
         op = dist.ReduceOp.AVG

@@ -177,7 +177,7 @@ class _ReplicaAllReduce:
         if key not in self._pieces:
             self._pieces[key] = Pieces.build(comm.segments(), numel, hosts, reduce_output.device)
         pieces = self._pieces[key]
-        rows = torch.cat([reduce_output.reshape(-1), reduce_output.new_zeros(1)])[pieces.index]
+        rows = pieces.cut(reduce_output.reshape(-1))
         chunk = reduce_output.new_empty(pieces.index.shape[1])
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM

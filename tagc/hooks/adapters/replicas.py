@@ -54,6 +54,15 @@ class Pieces:
         inverse[flat[kept]] = kept
         return cls(index.to(device), inverse.to(device), tuple(pieces))
 
+    def cut(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shard ``flat`` as ``[hosts, chunk]`` rows, padding zero. ``index_select``, not ``flat[index]``: the
+        same gather, several times faster on the CPU."""
+        return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.index.view(-1)).view(self.index.shape)
+
+    def join(self, rows: torch.Tensor) -> torch.Tensor:
+        """The shard from its ``[hosts, chunk]`` rows (any shape of that many elements): :meth:`cut` undone."""
+        return rows.reshape(-1).index_select(0, self.inverse)
+
 
 class PendingAllReduce:
     """A replica all-reduce in flight: :meth:`wait` finishes the compressed reduce-scatter, all-gathers
@@ -105,7 +114,7 @@ class PendingAllReduce:
         return work.get_future().then(on_own_stream(write, gathered.device))
 
     def _write(self, gathered: torch.Tensor) -> torch.Tensor:
-        self.output.copy_(gathered[self.pieces.inverse].view_as(self.output))  # every replica, its own piece too
+        self.output.copy_(self.pieces.join(gathered).view_as(self.output))  # every replica, its own piece too
         return self.output
 
 
@@ -183,7 +192,7 @@ class GatheredWires:
         # a fp32 ring all-reduce, as the other path counts
         pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)
         self.stats.add(pieces)
-        self.output.copy_(decoded.reshape(-1)[self.pieces.inverse].view_as(self.output))
+        self.output.copy_(self.pieces.join(decoded).view_as(self.output))
         return self.output
 
 

@@ -122,17 +122,12 @@ def host_step(binding: ReplicaBinding, packed: torch.Tensor) -> tuple[torch.Tens
     return host, _host_stats(binding, sent, packed.element_size(), time.perf_counter() - begin)
 
 
-def _piece_rows(binding: ReplicaBinding, host: torch.Tensor) -> torch.Tensor:
-    """``host`` cut into ``[H, piece]`` (row ``h``: piece ``h`` of every parameter)."""
-    return torch.cat([host, host.new_zeros(1)])[binding.pieces.index]
-
-
 def start_replicas(binding: ReplicaBinding, host: torch.Tensor, host_stats: ExchangeStats):
     """Step 2: launch the all-reduce of ``host`` across the replicas; the returned object's ``wait()`` writes
     the average over every rank into ``host`` and returns it (FSDP2's HSDP route,
     :mod:`tagc.hooks.adapters.replicas`)."""
     hook, group, hosts = binding.hook, binding.replicate, binding.replicas
-    rows = _piece_rows(binding, host)
+    rows = binding.pieces.cut(host)
     chunk = host.new_empty(binding.piece)
     gather_dtype = binding.gather_dtype(host.dtype)
     if gathers_wires(hook, binding.pieces.segments, chunk, hosts, gather_dtype, group):
@@ -187,7 +182,7 @@ def replica_encode(received: torch.Tensor, state: torch.Tensor, handle: int) -> 
     host = _average_host(received.sum(dim=0, dtype=torch.float32), binding, received.dtype)
     sent = (binding.shards - 1) * binding.chunk * received.element_size()  # the fair reduce-scatter's count
     binding.host_stats = _host_stats(binding, sent, received.element_size(), 0.0)
-    rows = _piece_rows(binding, host)
+    rows = binding.pieces.cut(host)
     wire = binding.hook.encode_bucket(rows.reshape(-1), binding.replicate, binding.pieces.segments)
     state.add_(1)
     return wire
@@ -216,7 +211,7 @@ def replica_decode(gathered: torch.Tensor, state: torch.Tensor, handle: int, dty
     stats, binding.host_stats = binding.host_stats or ExchangeStats(), None
     stats.add(pieces)
     hook.record(stats, None)
-    output = decoded.reshape(-1)[binding.pieces.inverse]
+    output = binding.pieces.join(decoded)
     state.add_(1)
     return output
 
