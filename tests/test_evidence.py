@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -145,6 +146,17 @@ def test_readme_and_report_match_the_kept_rows():
     runs = evidence.load()
     assert evidence.render_readme(runs) in evidence.README.read_text(), "run: python -m gpt2_bench.evidence rebuild"
     assert evidence.REPORT.read_text() == evidence.render_report(runs), "run: python -m gpt2_bench.evidence rebuild"
+
+
+def test_no_val_loss_outside_the_rebuilt_files():
+    """A val loss (4 decimals, 3-11) in the README outside its rebuilt block, or in a doc other than evidence.md, is
+    a number no kept file rebuilds: quote it from docs/evidence.md or leave it out."""
+    loss = re.compile(r"\b(?:[3-9]|10)\.\d{4}\b")
+    readme = evidence.README.read_text()
+    begin, end = readme.index(evidence.README_BEGIN), readme.index(evidence.README_END)
+    texts = {"README.md": readme[:begin] + readme[end:]}
+    texts |= {doc.name: doc.read_text() for doc in evidence.REPORT.parent.glob("*.md") if doc != evidence.REPORT}
+    assert {name: loss.findall(text) for name, text in texts.items() if loss.search(text)} == {}
 
 
 def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
