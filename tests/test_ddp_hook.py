@@ -671,3 +671,6 @@ def test_pieces_cut_a_shard_into_each_parameters_pieces_and_join_it_back(hosts):
     assert rows.shape == (hosts, at)
     assert torch.equal(pieces.join(rows), shard)
     assert torch.equal(pieces.join(rows * 2), shard * 2)
+    numel = sum(sizes)
+    for into in (torch.empty(numel), torch.empty(numel, dtype=torch.float64), torch.empty(2 * numel)[::2]):
+        assert pieces.join(rows, into=into) is into and torch.equal(into, shard.to(into.dtype))

@@ -59,9 +59,16 @@ class Pieces:
         same gather, several times faster on the CPU."""
         return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.index.view(-1)).view(self.index.shape)
 
-    def join(self, rows: torch.Tensor) -> torch.Tensor:
-        """The shard from its ``[hosts, chunk]`` rows (any shape of that many elements): :meth:`cut` undone."""
-        return rows.reshape(-1).index_select(0, self.inverse)
+    def join(self, rows: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The shard from its ``[hosts, chunk]`` rows (any shape of that many elements), :meth:`cut` undone:
+        written into ``into`` (of the shard's size) when given, with no temporary where it can."""
+        flat = rows.reshape(-1)
+        if into is None:
+            return flat.index_select(0, self.inverse)
+        if into.is_contiguous() and into.dtype == flat.dtype:
+            torch.index_select(flat, 0, self.inverse, out=into.view(-1))
+            return into
+        return into.copy_(flat.index_select(0, self.inverse).view_as(into))
 
 
 class PendingAllReduce:
@@ -114,8 +121,7 @@ class PendingAllReduce:
         return work.get_future().then(on_own_stream(write, gathered.device))
 
     def _write(self, gathered: torch.Tensor) -> torch.Tensor:
-        self.output.copy_(self.pieces.join(gathered).view_as(self.output))  # every replica, its own piece too
-        return self.output
+        return self.pieces.join(gathered, into=self.output)  # every replica, its own piece too
 
 
 def decodes_alike_on_every_replica(chunk: torch.Tensor) -> bool:
@@ -192,7 +198,7 @@ class GatheredWires:
         # a fp32 ring all-reduce, as the other path counts
         pieces.plain_equivalent_bytes = 2 * plain_bytes(hosts, self.chunk)
         self.stats.add(pieces)
-        self.output.copy_(self.pieces.join(decoded).view_as(self.output))
+        self.pieces.join(decoded, into=self.output)
         return self.output
 
 
