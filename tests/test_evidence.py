@@ -159,15 +159,27 @@ def test_no_val_loss_outside_the_rebuilt_files():
     assert {name: loss.findall(text) for name, text in texts.items() if loss.search(text)} == {}
 
 
+def test_plains_best_lr_compares_the_seeds_every_lr_has(tmp_path):
+    def plain(lr, seed, loss):
+        return {"method": "plain", "seed": seed, "batch": "1x", "lr": lr, "steps": 2000, "steps_done": 2000,
+                "val_loss": [[1999, loss]]}
+
+    runs = [plain("1e-3", 0, 5.72), plain("1e-3", 1, 5.68), plain("5e-4", 0, 5.71)]
+    assert evidence.best_lr(runs, "1x") == "5e-4"  # on seed 0: 5.71 < 5.72 (1e-3's mean over both seeds is 5.70)
+    assert evidence.best_lr([*runs, plain("5e-4", 1, 5.74)], "1x") == "1e-3"  # both seeds: 5.700 < 5.725
+    assert evidence.best_lr([runs[0], plain("5e-4", 1, 5.60)], "1x") == "5e-4"  # no seed shared: all seeds
+
+
 def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
-    assert evidence.unfinished(tmp_path)[:2] == [("plain", 0, "1x", "1e-3"), ("tagc", 0, "1x", "1e-3")]
+    assert evidence.unfinished(tmp_path)[:2] == [("plain", 0, "1x", "1e-3"), ("plain", 0, "1x", "5e-4")]
     for lr, loss in (("1e-3", 5.0), ("2e-3", 4.9)):
         path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', lr)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": lr, "steps": 2000,
                                     "steps_done": 2000, "val_loss": [[1999, loss]]}))
     todo = evidence.unfinished(tmp_path)
-    assert todo[0] == ("tagc", 0, "1x", "2e-3") and ("plain", 0, "1x", "1e-3") not in todo
+    assert todo[0] == ("plain", 0, "1x", "5e-4") and ("plain", 0, "1x", "1e-3") not in todo  # the sweep first
+    assert ("tagc", 0, "1x", "2e-3") in todo and ("tagc", 0, "1x", "1e-3") not in todo
     assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
 
 
@@ -190,7 +202,7 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
     assert evidence.unfinished(tmp_path / "rows") == [] and len(calls) == len(set(calls))
     assert ("tagc", 0, "4x", "2e-3") in calls and ("tagc", 0, "4x", "1e-3") not in calls  # the 4x sweep's best
     assert calls.index(("plain", 0, "4x", "2e-3")) < calls.index(("tagc", 0, "4x", "2e-3"))
-    assert ("tagc", 1, "1x", "1e-3") in calls  # before 1x's sweep; after it, every lr ties and the lowest wins:
+    assert ("tagc", 1, "1x", "5e-4") in calls and ("tagc", 1, "1x", "1e-3") not in calls  # every lr ties: the lowest
     assert ("tagc-brief", 0, "1x", "5e-4") in calls
     assert evidence.best_lr(evidence.load(tmp_path / "rows"), "1x") == "5e-4"
 
@@ -202,11 +214,9 @@ def test_the_queue_stops_on_a_run_that_does_not_finish(tmp_path, monkeypatch):
 
 
 def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
-    first_pairs = {("tagc", 0, "1x", evidence.BEST), ("tagc", 1, "1x", evidence.BEST)}  # run at 1e-3 before the sweep
     for batch in evidence.BATCHES:
         sweep = [i for i, (m, seed, b, lr) in enumerate(evidence.QUEUE) if b == batch and lr in evidence.LRS]
-        judged = [i for i, item in enumerate(evidence.QUEUE) if item[2] == batch and item[3] == evidence.BEST
-                  and item not in first_pairs]
+        judged = [i for i, item in enumerate(evidence.QUEUE) if item[2] == batch and item[3] == evidence.BEST]
         assert sweep and judged and max(sweep) < min(judged), batch
         assert {lr for m, seed, b, lr in evidence.QUEUE if b == batch and lr != evidence.BEST} == set(evidence.LRS)
     seeds = {m: {seed for m2, seed, b, _ in evidence.QUEUE if m2 == m and b == "1x"} for m in evidence.METHODS}
