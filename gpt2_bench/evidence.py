@@ -81,8 +81,8 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
 )
 """The CPU's order of work (``queue``): each batch's learning-rate sweep before the methods judged at its best (at
-1x, 5e-4 before 2e-3: 2e-3 trailed on seed 0 by far more than the seeds part); the pairs that decide most first
-(``tagc`` at 1x, then at 4x, where its gap was seen to grow), then the rest of the decision set, more seeds, 16x."""
+1x the rate still in contention, 5e-4, before 2e-3); the pairs that decide most first (``tagc`` at 1x, then at 4x,
+where its gap was seen to grow), then the rest of the decision set, more seeds, 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)

@@ -159,7 +159,7 @@ def test_no_val_loss_outside_the_rebuilt_files():
     assert {name: loss.findall(text) for name, text in texts.items() if loss.search(text)} == {}
 
 
-def test_plains_best_lr_compares_the_seeds_every_lr_has(tmp_path):
+def test_plains_best_lr_compares_the_seeds_every_lr_has():
     def plain(lr, seed, loss):
         return {"method": "plain", "seed": seed, "batch": "1x", "lr": lr, "steps": 2000, "steps_done": 2000,
                 "val_loss": [[1999, loss]]}

@@ -56,7 +56,7 @@ class Pieces:
 
     def cut(self, flat: torch.Tensor) -> torch.Tensor:
         """The shard ``flat`` as ``[hosts, chunk]`` rows, padding zero. ``index_select``, not ``flat[index]``: the
-        same gather, several times faster on the CPU."""
+        same gather, faster on the CPU."""
         return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.index.view(-1)).view(self.index.shape)
 
     def join(self, rows: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
