@@ -180,7 +180,12 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
 def finished(method: str, seed: int, batch: str, lr: str, rows_dir: Path = ROWS, platform: str = "cpu") -> bool:
     """Whether the run's curve file is kept and reaches its last step."""
     path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.json"
-    return path.exists() and (kept := json.loads(path.read_text()))["steps_done"] == kept["steps"]
+    return path.exists() and complete(json.loads(path.read_text()))
+
+
+def complete(kept: dict) -> bool:
+    """Whether a curve file's run reached its last step."""
+    return kept["steps_done"] == kept["steps"]
 
 
 def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
@@ -243,15 +248,19 @@ def load(rows_dir: Path = ROWS) -> list[dict]:
 
 def best_lr(runs: list[dict], batch: str, method: str = "plain") -> Optional[str]:
     """``method``'s learning rate at ``batch`` with the lowest mean last val loss over the seeds finished at every
-    lr (paired: a lucky seed run at one lr alone does not decide; over all its seeds where no seed is shared). None:
-    none finished."""
-    finished = [r for r in runs if r["method"] == method and r["batch"] == batch and r["steps_done"] == r["steps"]]
-    lrs = sorted({r["lr"] for r in finished}, key=float)  # a tie goes to the lowest lr, whatever the order of files
-    seeds = set.intersection(*({r["seed"] for r in finished if r["lr"] == lr} for lr in lrs)) if lrs else set()
-    seeds = seeds or {r["seed"] for r in finished}
+    lr (paired: a lucky seed run at one lr alone does not decide; over all its seeds where no seed is shared). A
+    seed is a seed on a platform: a GPU's seed 0 is not the CPU's. None: none finished."""
+    done = [r for r in runs if r["method"] == method and r["batch"] == batch and complete(r)]
+    lrs = sorted({r["lr"] for r in done}, key=float)  # a tie goes to the lowest lr, whatever the order of files
+    seeds = set.intersection(*({_seed(r) for r in done if r["lr"] == lr} for lr in lrs)) if lrs else set()
+    seeds = seeds or {_seed(r) for r in done}
     means = {lr: sum(r["val_loss"][-1][1] for r in group) / len(group)
-             for lr in lrs for group in [[r for r in finished if r["lr"] == lr and r["seed"] in seeds]]}
+             for lr in lrs for group in [[r for r in done if r["lr"] == lr and _seed(r) in seeds]]}
     return min(means, key=means.get) if means else None
+
+
+def _seed(kept: dict) -> tuple[str, int]:
+    return kept.get("platform", "cpu"), kept["seed"]
 
 
 def pairs(runs: list[dict], method: str, batch: str, lr: str,
@@ -259,7 +268,7 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str,
     """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against plain of the same seed
     and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``)."""
     def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
-        return {(r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
+        return {_seed(r): dict(map(tuple, r["val_loss"])) for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
 
     plains = curves("plain", plain_lr or lr)
@@ -383,8 +392,7 @@ def render_report(runs: list[dict]) -> str:
              "| batch | lr | seeds finished | mean last val loss, all its seeds |", "|---|---|---:|---:|"]
     for batch in BATCHES:
         for lr in LRS:
-            done = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["lr"] == lr
-                    and r["steps_done"] == r["steps"]]
+            done = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["lr"] == lr and complete(r)]
             if done:
                 mean = sum(r["val_loss"][-1][1] for r in done) / len(done)
                 best = " (best)" if lr == best_lr(runs, batch) else ""

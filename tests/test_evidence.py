@@ -160,14 +160,18 @@ def test_no_val_loss_outside_the_rebuilt_files():
 
 
 def test_plains_best_lr_compares_the_seeds_every_lr_has():
-    def plain(lr, seed, loss):
+    def plain(lr, seed, loss, platform="cpu"):
         return {"method": "plain", "seed": seed, "batch": "1x", "lr": lr, "steps": 2000, "steps_done": 2000,
-                "val_loss": [[1999, loss]]}
+                "val_loss": [[1999, loss]], "platform": platform}
 
     runs = [plain("1e-3", 0, 5.72), plain("1e-3", 1, 5.68), plain("5e-4", 0, 5.71)]
     assert evidence.best_lr(runs, "1x") == "5e-4"  # on seed 0: 5.71 < 5.72 (1e-3's mean over both seeds is 5.70)
     assert evidence.best_lr([*runs, plain("5e-4", 1, 5.74)], "1x") == "1e-3"  # both seeds: 5.700 < 5.725
     assert evidence.best_lr([runs[0], plain("5e-4", 1, 5.60)], "1x") == "5e-4"  # no seed shared: all seeds
+    # a GPU's seed 0 is not the CPU's: only CPU seed 1 is run at both lrs (5.60 < 5.65)
+    cpu_and_gpu = [plain("1e-3", 0, 5.72), plain("1e-3", 1, 5.60), plain("5e-4", 0, 5.50, "gpu"),
+                   plain("5e-4", 1, 5.65)]
+    assert evidence.best_lr(cpu_and_gpu, "1x") == "1e-3"
 
 
 def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
