@@ -9,7 +9,8 @@
 # in -gpu.json and pair only with each other (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does
 # not fit the way back), so a call runs what finishes in it: six runs at once reached step 799 of 2,000 in 430 s, so
 # the default is one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
-# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x, LR the learning rates (every run at each).
+# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x, LR the learning rates (every run at each; default
+# plain's best at BATCH in the kept rows, else 1e-3).
 # At 4x and 16x a run has 500 and 125 steps, so one call can sweep plain's lr and pair tagc at each lr, e.g.
 #   BATCH=4x LR="5e-4 1e-3 2e-3" SEEDS=0 RUNS="plain tagc" MAXT=480 bash .gpu/quality.sh   (six runs)
 # GPU_CHECK=1 first runs `python -m tagc.bench gpu-check --skip-tests` (its time comes off MAXT).
@@ -18,7 +19,8 @@ export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 MAXT=${MAXT:-480}
 RUNS=${RUNS:-"plain tagc"}
 BATCH=${BATCH:-1x}
-LR=${LR:-1e-3}
+LR=${LR:-$(python -c "from gpt2_bench.evidence import best_lr, load
+print(best_lr(load(), '$BATCH') or '1e-3')")}
 SEEDS=${SEEDS:-$(python -c "from gpt2_bench.evidence import finished
 print(next(s for s in range(100) if not finished('tagc', s, '$BATCH', '${LR%% *}', platform='gpu')))")}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
