@@ -72,17 +72,19 @@ BEST = "best"
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("1e-3", "5e-4", "2e-3")),
     *(("tagc", seed, "1x", BEST) for seed in (0, 1)),
+    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("topk", "int4")),
     *(("plain", 0, "4x", lr) for lr in LRS),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc")),
-    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4", "topk", "powersgd-r16")),
+    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
     *(("plain", 0, "16x", lr) for lr in LRS),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
 )
 """The CPU's order of work (``queue``): each batch's learning-rate sweep before the methods judged at its best (at
-1x the rate still in contention, 5e-4, before 2e-3); the pairs that decide most first (``tagc`` at 1x, then at 4x,
-where its gap was seen to grow), then the rest of the decision set, more seeds, 16x."""
+1x the rate still in contention, 5e-4, before 2e-3); the pairs that decide most first: ``tagc`` at 1x, then the two
+settings at ``int4``'s bytes that could take its place where it trails (``topk``, ``int4``), then ``tagc`` at 4x,
+where its gap was seen to grow; then the rest of the decision set, more seeds, 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
