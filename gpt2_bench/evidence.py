@@ -453,8 +453,10 @@ def render_readme(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Per batch, each method's mean gap against the tokens read, its 95% interval as a band; last, each method's
-    gap at each batch's end against tokens per step (log scale), its :func:`doubling_line` dashed to GPT-2's."""
+    """Per batch, each method's mean gap against the tokens read, its 95% interval as a band and each seed's gap
+    dashed (with two seeds the band is wide, and whether every seed trails is what a reader looks for); last, each
+    method's gap at each batch's end against tokens per step (log scale), each seed's as a cross, its
+    :func:`doubling_line` dashed to GPT-2's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -468,6 +470,11 @@ def plot(runs: list[dict], path: Path) -> None:
             (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label)
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.15)
+            for seed in dict.fromkeys(seed for r in mine for seed in r["seeds"]):
+                gaps = [(t, g) for t, r in zip(tokens, mine) for s, g in zip(r["seeds"], r["gaps"]) if s == seed]
+                ax.plot(*zip(*gaps), color=line.get_color(), lw=1, ls="--", alpha=0.7)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no finished pair yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         ax.set(title=f"{batch} ({tokens_per_step(batch):,} tokens per step)", xlabel="tokens read (M)")
     axes[0].set_ylabel("val loss against plain, same seed (%)")
     ax, points = axes[-1], batch_axis(runs)
@@ -478,6 +485,8 @@ def plot(runs: list[dict], path: Path) -> None:
             spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
                       [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
             bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method)
+            ax.plot([p["tokens_per_step"] for p in mine for _ in p["gaps"]], [g for p in mine for g in p["gaps"]],
+                    "x", color=bars[0].get_color(), alpha=0.7)
             if (line := doubling_line(mine)) is not None:
                 ax.plot([xs[-1], GPT2_TOKENS_PER_STEP], [ys[-1], line[0]], ls="--", color=bars[0].get_color())
     ax.axvline(GPT2_TOKENS_PER_STEP, color="grey", ls=":", lw=1)

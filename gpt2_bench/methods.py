@@ -122,8 +122,9 @@ parameters); HSDP keeps it (its gathers within a host are FSDP's)."""
 
 
 HIGH_POWERSGD_RANK = 16
-"""The higher PowerSGD rank the DDP layout adds, ours and torch's alike: the rank whose val loss stayed
-within 1% of plain DDP's in the DDP quality runs, where rank 4 did not (``docs/layout.md``, "Loss under DDP")."""
+"""The higher PowerSGD rank the DDP layout adds, ours and torch's alike: rank 4 trailed plain DDP's loss in the
+earlier protocol's screens (``docs/layout.md``, "Loss under DDP"); rank 16's loss is judged in ``docs/evidence.md``
+(``powersgd-r16``)."""
 
 
 POWERSGD_RANKS = {4: "", HIGH_POWERSGD_RANK: f"-r{HIGH_POWERSGD_RANK}"}

@@ -20,13 +20,13 @@ def hook(ratio: float | None = None, index_bits: int | None = None, sparsity: fl
     """A TAGC comm hook, its settings validated once into a :class:`~tagc.hooks.core.settings.HookSettings`, which
     documents every one of them.
 
-    With no arguments, codec ``tagc`` runs the setting that stayed closest to plain training's loss at no more
-    bytes than ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`): ratio 4.5, the other columns in
-    ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every argument given overrides
-    its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic", positions="bitmap",
-    value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list at the same bytes
-    (ratio 1.2, float8 values, the rest as for ``tagc``). A codec's own options (``block`` for ``int4``, ``rank``
-    for ``powersgd``) go in ``settings`` too."""
+    With no arguments, codec ``tagc`` runs the screens' pick for plain training's loss at no more bytes than
+    ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`; its loss against plain: ``docs/evidence.md``):
+    ratio 4.5, the other columns in ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every
+    argument given overrides its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic",
+    positions="bitmap", value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list
+    at the same bytes (ratio 1.2, float8 values, the rest as for ``tagc``). A codec's own options (``block`` for
+    ``int4``, ``rank`` for ``powersgd``) go in ``settings`` too."""
     return TAGCHook(HookSettings.from_arguments(ratio, index_bits, sparsity, select=select, **settings))
 
 

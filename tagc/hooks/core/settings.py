@@ -45,10 +45,10 @@ RECOMMENDED: dict[str, dict[str, Any]] = {
              "positions": "coded", "value_dtype": "float8"},
 }
 """What :func:`tagc.hook` fills in, per codec, for each of these settings the caller leaves out: for ``tagc``, the
-setting that stayed closest to plain training's loss while sending no more than ``int4`` does (ratio 4.5, the
-other columns in ``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells); for ``topk``,
-the list at the same bytes that held plain's loss within 0.5% (ratio 1.2, float8 values, which the list's error
-feedback keeps and a sketch's cannot, the rest as for ``tagc``). How they were chosen: ``docs/quality-diagnosis.md``.
+screens' pick for plain training's loss while sending no more than ``int4`` does (ratio 4.5, the other columns in
+``int4``, EF21 whose shifts fade by 0.9 a step, coded positions and float16 cells); for ``topk``, the list at the same
+bytes (ratio 1.2, float8 values, whose rounding the list's error feedback keeps and a sketch's cannot, the rest as
+for ``tagc``). How they were chosen: ``docs/quality-diagnosis.md``; their loss against plain: ``docs/evidence.md``.
 A codec not listed, and a setting not listed, keeps :data:`NEUTRAL`'s value or the codec's own default."""
 
 NEUTRAL: dict[str, Any] = {"plain": "fp32", "feedback": "classic", "feedback_decay": 1.0}
