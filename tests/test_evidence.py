@@ -187,6 +187,18 @@ def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
     assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
 
 
+def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_path, capsys):
+    path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', '5e-4')}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": "5e-4", "steps": 2000,
+                                "steps_done": 400, "val_loss": [[399, 6.5]]}))
+    assert evidence.main(["queue", "--list", "--rows", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept",
+                         "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept"]
+    assert len(lines) == len(evidence.unfinished(tmp_path))
+
+
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
     calls = []
 
