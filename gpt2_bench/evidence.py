@@ -72,7 +72,7 @@ BEST = "best"
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("1e-3", "5e-4", "2e-3")),
     *(("tagc", seed, "1x", BEST) for seed in (0, 1)),
-    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("topk", "int4")),
+    *((m, seed, "1x", BEST) for m in ("topk", "int4") for seed in (0, 1)),
     *(("plain", 0, "4x", lr) for lr in LRS),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
@@ -83,7 +83,8 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
 )
 """The CPU's order of work (``queue``): each batch's learning-rate sweep before the methods judged at its best (at
 1x the rate still in contention, 5e-4, before 2e-3); the pairs that decide most first: ``tagc`` at 1x, then the two
-settings at ``int4``'s bytes that could take its place where it trails (``topk``, ``int4``), then ``tagc`` at 4x,
+settings at ``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the
+twelfth screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x,
 where its gap was seen to grow; then the rest of the decision set, more seeds, 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
