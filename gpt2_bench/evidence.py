@@ -126,7 +126,8 @@ def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, che
 
 def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, platform: str = "cpu") -> dict:
     """A trainer log -> its curve file: the sessions that made it (command, commit, torch, machine), the val loss at
-    each evaluation, the train loss averaged over each evaluation's interval, and the share of an epoch read."""
+    each evaluation, the train loss averaged over each evaluation's interval, the share of an epoch read, and the
+    median bytes a step sent per rank (MB; so that a reader sees at what bytes each method was judged)."""
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     steps, interval = schedule(batch)
     losses = [(r["step"], r["loss"]) for r in records if "step" in r]
@@ -137,12 +138,19 @@ def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, pla
     kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "platform": platform, "steps": steps,
             "steps_done": done,
             "epoch_fraction": next((r["epoch_fraction"] for r in reversed(records) if "epoch_fraction" in r), None),
+            "wire_mb_per_step": wire_mb_per_step(records),
             "sessions": [r for r in records if "run" in r],
             "val_loss": [[r["step"], r["val_loss"]] for r in records if "step" in r and "val_loss" in r],
             "train_loss": train}
     rows.parent.mkdir(parents=True, exist_ok=True)
     rows.write_text(json.dumps(kept, indent=1) + "\n")
     return kept
+
+
+def wire_mb_per_step(records: Sequence[dict]) -> Optional[float]:
+    """The median of a trainer log's per-step ``wire_bytes`` in MB (None: the log has none)."""
+    wire = sorted(r["wire_bytes"] for r in records if "step" in r and "wire_bytes" in r)
+    return round(wire[len(wire) // 2] / 1e6, 3) if wire else None
 
 
 def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path = ROWS, extra: Sequence[str] = (),
@@ -431,15 +439,18 @@ def render_report(runs: list[dict]) -> str:
               "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step "
               "(the plot's last panel):",
               "", *render_batch_axis(runs)]
-    lines += ["", "## The runs", "", "| batch | run | seed | steps done | epoch read | machine | torch | commit |",
-              "|---|---|---:|---|---:|---|---|---|"]
+    lines += ["", "## The runs", "", "*MB per step*: the median of what a step sent per rank (the trainer's "
+              "`wire_bytes`; a dash where the run's log was not at hand when its file was kept).", "",
+              "| batch | run | seed | steps done | epoch read | MB per step | machine | torch | commit |",
+              "|---|---|---:|---|---:|---:|---|---|---|"]
     for r in runs:
         session = r["sessions"][-1] if r["sessions"] else {}
         machine = session.get("machine", {})
         epoch = "-" if r["epoch_fraction"] is None else f"{r['epoch_fraction']:.2f}"
         name = run_name(r["method"], r["lr"], r.get("platform", "cpu"))
+        wire = "-" if r.get("wire_mb_per_step") is None else f"{r['wire_mb_per_step']:.2f}"
         lines.append(f"| {r['batch']} | {name} | {r['seed']} | {r['steps_done']} of "
-                     f"{r['steps']} | {epoch} | {machine.get('host', '?')} ({machine.get('cores', '?')} cores"
+                     f"{r['steps']} | {epoch} | {wire} | {machine.get('host', '?')} ({machine.get('cores', '?')} cores"
                      f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
                      f"{session.get('commit', '?')[:12]} |")
     return "\n".join(lines) + "\n"

@@ -34,7 +34,8 @@ def _log(path, losses, lr="1e-3"):
     """A trainer log: a session record, then one record per step with val losses at ``losses``' steps."""
     records = [{"run": "x", "first_step": 0, "command": "c", "commit": "abc", "torch": "2.13.0",
                 "machine": {"host": "h", "cores": 2, "gpu": None}}]
-    records += [{"step": s, "loss": 5.0, **({"val_loss": losses[s]} if s in losses else {})} for s in range(400)]
+    records += [{"step": s, "loss": 5.0, "wire_bytes": 2_000_000 if s < 10 else 500_000,  # a dense warm-up first
+                 **({"val_loss": losses[s]} if s in losses else {})} for s in range(400)]
     records.append({"summary": True, "epoch_fraction": 0.05})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -46,7 +47,7 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
             kept = evidence.keep(tmp_path / "log.jsonl", tmp_path / "rows" / "1x" / f"seed-{seed}" / f"{method}.json",
                                  method, seed, "1x", "1e-3")
     assert kept["steps_done"] == 400 and kept["epoch_fraction"] == 0.05 and kept["sessions"][0]["commit"] == "abc"
-    assert kept["train_loss"] == [[199, 5.0], [399, 5.0]]
+    assert kept["train_loss"] == [[199, 5.0], [399, 5.0]] and kept["wire_mb_per_step"] == 0.5  # the median step
     runs = evidence.load(tmp_path / "rows")
     last = [row for row in evidence.decisions(runs, "1x") if row["method"] == "tagc"][-1]
     gaps = [100 * (5.01 / 5.0 - 1), 100 * (5.0898 / 5.1 - 1), 100 * (4.9049 / 4.9 - 1)]  # +0.2, -0.2, +0.1
@@ -55,6 +56,8 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
     assert evidence.TUNED_ON["tagc"] == (0, 1) and last["untuned"] == f"1: {gaps[2]:+.2f}% [-, -], one seed: no verdict"
     assert "| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | 3 |" in evidence.render_readme(runs)
+    assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | h (2 cores) |" in evidence.render_report(
+        [{**r, "method": "tagc"} for r in runs if r["seed"] == 2 and r["method"] == "tagc"])
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
 
 
