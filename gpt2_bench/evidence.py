@@ -457,20 +457,23 @@ def render_report(runs: list[dict]) -> str:
 
 
 def render_readme(runs: list[dict]) -> str:
-    """The README's quality block: per method, its last evaluation at each batch with a verdict."""
-    lines = [README_BEGIN, "| method | batch | step | seeds | mean gap to plain [95% interval] | verdict | untuned "
-             "seeds |", "|---|---|---:|---:|---|---|---|"]
+    """The README's quality block: per method, its last evaluation at each batch with each seed's gap and a
+    verdict; then the plot."""
+    lines = [README_BEGIN, "| method | batch | step | gap per seed | mean gap to plain [95% interval] | verdict | "
+             "untuned seeds |", "|---|---|---:|---|---|---|---|"]
     for batch in BATCHES:
         rows = decisions(runs, batch)
         for (method, lr), mine in _series(rows).items():
             last = mine[-1]
             name = METHODS[method][0] + (f" at its own best lr, {lr[4:]}" if lr.startswith("own") else "")
-            lines.append(f"| {name} | {batch} | {last['step'] + 1} | {len(last['seeds'])} | "
+            per_seed = ", ".join(f"{gap:+.2f}% ({seed})" for seed, gap in zip(last["seeds"], last["gaps"]))
+            lines.append(f"| {name} | {batch} | {last['step'] + 1} | {per_seed} | "
                          f"{_pct(last['mean'])} [{_pct(last['low'])}, {_pct(last['high'])}] | {last['verdict']} | "
                          f"{last['untuned']} |")
     if len(lines) == 3:
         lines.append("| (no paired runs kept yet) | | | | | | |")
-    lines += ["", "Against tokens per step ([plot](docs/img/evidence-gap.png), last panel):", "",
+    lines += ["", "![each method's gap to plain against tokens read per batch (seeds dashed), and against tokens per "
+              "step](docs/img/evidence-gap.png)", "", "Against tokens per step (the plot's last panel):", "",
               *render_batch_axis(runs)]
     return "\n".join([*lines, README_END])
 

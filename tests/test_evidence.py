@@ -55,7 +55,8 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     assert (last["mean"], last["low"], last["high"]) == pytest.approx(evidence.t_interval(gaps))
     assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
     assert evidence.TUNED_ON["tagc"] == (0, 1) and last["untuned"] == f"1: {gaps[2]:+.2f}% [-, -], one seed: no verdict"
-    assert "| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | 3 |" in evidence.render_readme(runs)
+    assert (f"| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | {gaps[0]:+.2f}% (0), {gaps[1]:+.2f}% (1), "
+            f"{gaps[2]:+.2f}% (2) |") in evidence.render_readme(runs)
     assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | h (2 cores) |" in evidence.render_report(
         [{**r, "method": "tagc"} for r in runs if r["seed"] == 2 and r["method"] == "tagc"])
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
@@ -140,7 +141,7 @@ def test_a_method_adds_its_own_best_lr_as_a_second_row_against_plains_best(tmp_p
     assert evidence.best_lr(runs, "1x") == "1e-3" and evidence.best_lr(runs, "1x", "tagc") == "2e-3"
     last = {row["lr"]: row for row in evidence.decisions(runs, "1x") if row["step"] == 1999}
     assert last["1e-3"]["mean"] == pytest.approx(1.2) and last["own 2e-3"]["mean"] == pytest.approx(0.4)
-    assert "at its own best lr, 2e-3 | 1x | 2000 | 2 | +0.40%" in evidence.render_readme(runs)
+    assert "at its own best lr, 2e-3 | 1x | 2000 | +0.40% (0), +0.40% (1) | +0.40%" in evidence.render_readme(runs)
     assert [p["lr"] for p in evidence.batch_axis(runs)] == ["1e-3"]  # the axis stays at plain's best
 
 
