@@ -105,6 +105,11 @@ def run_name(method: str, lr: str, platform: str = "cpu") -> str:
     return f"{method}-lr{lr}" + ("" if platform == "cpu" else f"-{platform}")
 
 
+def curve_path(rows_dir: Path, method: str, seed: int, batch: str, lr: str, platform: str = "cpu") -> Path:
+    """Where a run's curve file is kept: ``<rows_dir>/<batch>/seed-<seed>/<run name>.json``."""
+    return rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.json"
+
+
 def platform_of(extra: Sequence[str]) -> str:
     """``"gpu"`` where the trainer arguments ``extra`` put the run on CUDA (``--device cuda...``), else ``"cpu"``.
     The platforms keep apart: a GPU run (bf16 autocast) pairs only with plain on a GPU."""
@@ -165,7 +170,7 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints, platform), *extra]
     command = shlex.join(["python", "-m", "gpt2_bench.evidence", "run", method, "--seed", str(seed), "--batch", batch,
                           "--lr", lr, *(["--in-one"] if not segments else []), *(["--", *extra] if extra else [])])
-    rows = rows_dir / batch / f"seed-{seed}" / f"{name}.json"
+    rows = curve_path(rows_dir, method, seed, batch, lr, platform)
     from tqdm.auto import tqdm
 
     from gpt2_bench.checkpoint import latest, step_of
@@ -190,7 +195,7 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
 
 def finished(method: str, seed: int, batch: str, lr: str, rows_dir: Path = ROWS, platform: str = "cpu") -> bool:
     """Whether the run's curve file is kept and reaches its last step."""
-    path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.json"
+    path = curve_path(rows_dir, method, seed, batch, lr, platform)
     return path.exists() and complete(json.loads(path.read_text()))
 
 
@@ -210,7 +215,7 @@ def progress(rows_dir: Path = ROWS) -> list[str]:
     """One line per unfinished run of the queue, in its order: what it is and how far its curve file has got."""
     out = []
     for method, seed, batch, lr in unfinished(rows_dir):
-        path = rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr)}.json"
+        path = curve_path(rows_dir, method, seed, batch, lr)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
         out.append(f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept")
     return out
