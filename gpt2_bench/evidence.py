@@ -10,7 +10,8 @@ seeds marked ``g``; a CPU run repeated on a later machine of the same image and 
 the bit, so a CPU pair may span sessions): each seed gives one gap (the method's val loss over plain's, minus 1),
 and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is
 below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several
-``--lr``) with the lowest mean final loss, and every method is judged at it. A method whose settings earlier
+``--lr``) with the lowest mean final loss, bracketed (a best at an end of the sweep adds the rate one doubling past
+it, :data:`EDGE`), and every method is judged at it. A method whose settings earlier
 screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
@@ -68,24 +69,31 @@ picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``topk``
 PowerSGD's rank 16 (their windows were drawn with replacement, so they differ from these). A method listed here
 gets a second verdict over its other seeds alone."""
 BEST = "best"
-"""A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one)."""
+"""A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one).
+While the sweep's best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch wait."""
+EDGE = "edge"
+"""A queue item's learning rate meaning the rate one doubling past plain's best at its batch while that best is the
+lowest or the highest rate swept (:func:`edge_lr`): a best at an end of the sweep is not yet bracketed. The item
+drops out of the queue once the best is bracketed."""
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("1e-3", "5e-4", "2e-3")),
     *(("tagc", seed, "1x", BEST) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for m in ("topk", "int4") for seed in (0, 1)),
-    *(("plain", 0, "4x", lr) for lr in LRS),
+    *(("plain", 0, "4x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc")),
+    *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
-    *(("plain", 0, "16x", lr) for lr in LRS),
+    *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
 )
-"""The CPU's order of work (``queue``): each batch's learning-rate sweep before the methods judged at its best (at
-1x the rate still in contention, 5e-4, before 2e-3); the pairs that decide most first: ``tagc`` at 1x, then the two
-settings at ``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the
-twelfth screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x,
-where its gap was seen to grow; then the rest of the decision set, more seeds, 16x."""
+"""The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end,
+before the methods judged at its best (at 1x the rate still in contention, 5e-4, before 2e-3; the bracket came
+later there, after ``tagc`` at 4x); the pairs that decide most first: ``tagc`` at 1x, then the two settings at
+``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the twelfth
+screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x, where its gap was seen to grow; then
+the rest of the decision set, more seeds, 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
@@ -207,8 +215,41 @@ def complete(kept: dict) -> bool:
 def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
     """The queue's runs whose curve file is missing or short of its last step, in the queue's order."""
     runs = load(rows_dir)
-    items = [(m, seed, b, best_lr(runs, b) or "1e-3" if lr == BEST else lr) for m, seed, b, lr in QUEUE]
-    return [item for item in dict.fromkeys(items) if not finished(*item, rows_dir)]
+    edges = {batch: edge_lr(runs, batch) for batch in BATCHES}
+    at = {BEST: lambda b: None if edges[b] else best_lr(runs, b) or "1e-3", EDGE: lambda b: edges[b]}
+    items = [(m, seed, b, at[lr](b) if lr in at else lr) for m, seed, b, lr in QUEUE]
+    return [item for item in dict.fromkeys(items) if item[3] and not finished(*item, rows_dir)]
+
+
+def sweep_seeds(batch: str) -> set[int]:
+    """The seeds the queue sweeps plain's learning rate on at ``batch``."""
+    return {seed for method, seed, b, lr in QUEUE if method == "plain" and b == batch and lr in LRS}
+
+
+def edge_lr(runs: list[dict], batch: str) -> Optional[str]:
+    """Half plain's best learning rate at ``batch``, or twice it, while that best is the lowest or the highest rate
+    every seed of the sweep (:func:`sweep_seeds`, on a CPU) has finished and beats the rate next to it; None once
+    the best lies between two rates run, or before the sweep (:data:`LRS`) has finished."""
+    seeds = sweep_seeds(batch)
+    last: dict[str, dict[int, float]] = {}
+    for r in runs:
+        if r["method"] == "plain" and r["batch"] == batch and complete(r) and r.get("platform", "cpu") == "cpu":
+            last.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"][-1][1]
+    swept = sorted((lr for lr, by_seed in last.items() if seeds <= set(by_seed)), key=float)
+    if not seeds or not set(LRS) <= set(swept):
+        return None
+    mean = {lr: sum(last[lr][seed] for seed in seeds) / len(seeds) for lr in swept}
+    if mean[swept[0]] < min(mean[lr] for lr in swept[1:]):
+        return lr_name(float(swept[0]) / 2)
+    if mean[swept[-1]] < min(mean[lr] for lr in swept[:-1]):
+        return lr_name(float(swept[-1]) * 2)
+    return None
+
+
+def lr_name(lr: float) -> str:
+    """A learning rate as the runs spell it: ``2.5e-4``, ``4e-3``."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def progress(rows_dir: Path = ROWS) -> list[str]:
@@ -417,10 +458,11 @@ def render_report(runs: list[dict]) -> str:
              "*within X%* when its upper end is below X, a *tie* when it holds 0.", "",
              "![the gap against tokens read, per batch, and against tokens per step](img/evidence-gap.png)", "",
              "## Plain's learning rate", "",
-             "*Best*: the lowest mean last val loss over the seeds finished at every lr of the batch.", "",
+             "*Best*: the lowest mean last val loss over the seeds finished at every lr of the batch. A best at",
+             "either end of the rates run is bracketed next: the queue runs the rate one doubling past it.", "",
              "| batch | lr | seeds finished | mean last val loss, all its seeds |", "|---|---|---:|---:|"]
     for batch in BATCHES:
-        for lr in LRS:
+        for lr in sorted({r["lr"] for r in runs if r["method"] == "plain" and r["batch"] == batch}, key=float):
             done = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["lr"] == lr and complete(r)]
             if done:
                 mean = sum(r["val_loss"][-1][1] for r in done) / len(done)

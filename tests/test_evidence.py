@@ -224,6 +224,11 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
     assert calls.index(("plain", 0, "4x", "2e-3")) < calls.index(("tagc", 0, "4x", "2e-3"))
     assert ("tagc", 1, "1x", "5e-4") in calls and ("tagc", 1, "1x", "1e-3") not in calls  # every lr ties: the lowest
     assert ("tagc-brief", 0, "1x", "5e-4") in calls
+    # 2e-3 is 4x's highest rate and its best: bracketed by 4e-3 before a method runs there; no bracket where all tie
+    assert calls.index(("plain", 0, "4x", "2e-3")) < calls.index(("plain", 0, "4x", "4e-3")) < calls.index(
+        ("plain", 1, "4x", "2e-3"))
+    assert {(batch, lr) for method, seed, batch, lr in calls if method == "plain" and lr not in evidence.LRS} == {
+        ("4x", "4e-3")}
     assert evidence.best_lr(evidence.load(tmp_path / "rows"), "1x") == "5e-4"
 
 
@@ -238,7 +243,9 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
         sweep = [i for i, (m, seed, b, lr) in enumerate(evidence.QUEUE) if b == batch and lr in evidence.LRS]
         judged = [i for i, item in enumerate(evidence.QUEUE) if item[2] == batch and item[3] == evidence.BEST]
         assert sweep and judged and max(sweep) < min(judged), batch
-        assert {lr for m, seed, b, lr in evidence.QUEUE if b == batch and lr != evidence.BEST} == set(evidence.LRS)
+        assert {lr for m, seed, b, lr in evidence.QUEUE if b == batch} == {*evidence.LRS, evidence.BEST, evidence.EDGE}
+        edges = {seed for m, seed, b, lr in evidence.QUEUE if b == batch and lr == evidence.EDGE}
+        assert edges == evidence.sweep_seeds(batch), batch  # a bracket on every seed of the sweep
     seeds = {m: {seed for m2, seed, b, _ in evidence.QUEUE if m2 == m and b == "1x"} for m in evidence.METHODS}
     assert all(len(seeds[m]) >= 4 for m in ("plain", "tagc", "tagc-brief"))  # the issue's seed counts
     assert all(len(seeds[m]) >= 2 for m in evidence.METHODS)
@@ -257,3 +264,45 @@ def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
     assert extra == ["--device", "cuda-shared", "--max-time", "480"] and evidence.platform_of(extra) == "gpu"
     with pytest.raises(SystemExit):
         evidence.main(["rebuild", "--", "--device", "cpu"])
+
+
+def _sweep(tmp_path, batch, losses):
+    """Plain's finished runs at ``batch``: ``{lr: loss}`` on every seed of its sweep."""
+    for lr, loss in losses.items():
+        for seed in evidence.sweep_seeds(batch):
+            path = tmp_path / batch / f"seed-{seed}" / f"{evidence.run_name('plain', lr)}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            steps = evidence.schedule(batch)[0]
+            path.write_text(json.dumps({"method": "plain", "seed": seed, "batch": batch, "lr": lr, "steps": steps,
+                                        "steps_done": steps, "val_loss": [[steps - 1, loss + seed / 100]],
+                                        "sessions": [], "epoch_fraction": None}))
+
+
+def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it(tmp_path):
+    assert [evidence.lr_name(x) for x in (2.5e-4, 4e-3, 1.6e-2, 1e-3)] == ["2.5e-4", "4e-3", "1.6e-2", "1e-3"]
+    _sweep(tmp_path, "1x", {"5e-4": 5.70, "1e-3": 5.71})
+    assert evidence.edge_lr(evidence.load(tmp_path), "1x") is None  # 2e-3 not yet run: no sweep result
+    _sweep(tmp_path, "1x", {"2e-3": 6.06})
+    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "2.5e-4"  # the lowest rate is the best
+    todo = evidence.unfinished(tmp_path)
+    assert ("plain", 0, "1x", "2.5e-4") in todo and ("plain", 1, "1x", "2.5e-4") in todo
+    assert not [item for item in todo if item[2] == "1x" and item[3] != "2.5e-4"]  # 1x's methods wait for it
+    _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
+    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"
+    _sweep(tmp_path, "1x", {"1.25e-4": 5.75})  # bracketed: the methods go at 2.5e-4
+    runs = evidence.load(tmp_path)
+    assert evidence.edge_lr(runs, "1x") is None and evidence.best_lr(runs, "1x") == "2.5e-4"
+    assert ("tagc", 0, "1x", "2.5e-4") in evidence.unfinished(tmp_path)
+    _sweep(tmp_path, "4x", {"5e-4": 5.9, "1e-3": 5.8, "2e-3": 5.8})  # a tie at the top end is no edge
+    assert evidence.edge_lr(evidence.load(tmp_path), "4x") is None
+    assert "| 1x | 1.25e-4 | 2 | 5.7550 |" in evidence.render_report(evidence.load(tmp_path))  # every rate run
+
+
+def test_a_bracket_half_run_keeps_its_rate_until_every_seed_of_the_sweep_has_it(tmp_path):
+    _sweep(tmp_path, "1x", {"5e-4": 5.70, "1e-3": 5.71, "2e-3": 6.06})
+    path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', '2.5e-4')}.json"
+    path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": "2.5e-4", "steps": 2000,
+                                "steps_done": 2000, "val_loss": [[1999, 5.60]]}))  # seed 0 alone, far better
+    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "2.5e-4"
+    todo = evidence.unfinished(tmp_path)
+    assert ("plain", 1, "1x", "2.5e-4") in todo and not [item for item in todo if item[3] == "1.25e-4"]
