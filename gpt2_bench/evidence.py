@@ -215,9 +215,11 @@ def complete(kept: dict) -> bool:
 def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
     """The queue's runs whose curve file is missing or short of its last step, in the queue's order."""
     runs = load(rows_dir)
-    edges = {batch: edge_lr(runs, batch) for batch in BATCHES}
-    at = {BEST: lambda b: None if edges[b] else best_lr(runs, b) or "1e-3", EDGE: lambda b: edges[b]}
-    items = [(m, seed, b, at[lr](b) if lr in at else lr) for m, seed, b, lr in QUEUE]
+    rates = {}
+    for batch in BATCHES:  # each batch's bracket and best once; the best waits while a bracket is open
+        edge = edge_lr(runs, batch)
+        rates[batch] = {EDGE: edge, BEST: None if edge else best_lr(runs, batch) or "1e-3"}
+    items = [(m, seed, b, rates[b].get(lr, lr)) for m, seed, b, lr in QUEUE]
     return [item for item in dict.fromkeys(items) if item[3] and not finished(*item, rows_dir)]
 
 
