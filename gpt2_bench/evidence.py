@@ -2,17 +2,17 @@
 rebuilds every quality number of the README and ``docs/evidence.md`` from those files.
 
 The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks, the ``mix`` corpus read without replacement
-(:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by every seed, method
-and batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens,
-500 of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate,
-run on the same machine (a GPU's runs, in bf16 autocast, keep ``-gpu`` files and pair only with each other, their
-seeds marked ``g``; a CPU run repeated on a later machine of the same image and torch gave the kept val loss to
-the bit, so a CPU pair may span sessions): each seed gives one gap (the method's val loss over plain's, minus 1),
-and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%" means the interval's upper end is
-below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the sweep (``plain`` at several
-``--lr``) with the lowest mean final loss, bracketed (a best at an end of the sweep adds the rate one doubling past
-it, :data:`EDGE`), and every method is judged at it. A method whose settings earlier
-screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
+(:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by every seed, method and
+batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens, 500
+of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate, run
+where the arithmetic comes out the same (:func:`cpu_platform`: a CPU's runs are named by the machine's numerics
+fingerprint and pair only within it, so a pair may span sessions on machines that share it; a GPU's, in bf16
+autocast, keep ``-gpu`` files and pair only with each other, their seeds marked ``g``): each seed gives one gap (the
+method's val loss over plain's, minus 1), and the verdict is the 95% t-interval of the mean gap over seeds. "Within
+X%" means the interval's upper end is below X; an interval that holds 0 is a tie. Plain's learning rate is the one
+of the sweep (``plain`` at several ``--lr``) with the lowest mean final loss, bracketed (a best at an end of the
+sweep adds the rate one doubling past it, :data:`EDGE`), and every method is judged at it. A method whose settings
+earlier screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
@@ -125,6 +125,24 @@ def platform_of(extra: Sequence[str]) -> str:
     return "gpu" if devices and devices[-1].startswith("cuda") else "cpu"
 
 
+def cpu_platform() -> str:
+    """This machine's CPU platform: ``cpu-`` and its numerics fingerprint under the protocol's model and threads
+    (:func:`gpt2_bench.train.numerics_fingerprint`). A later machine of the same image and torch, with another
+    instruction set, gave the same run's val loss at its first evaluation 2e-6 apart, where repeats on one machine
+    agreed to the bit; a training run grows such differences into ones as large as the gaps measured, so a CPU run
+    pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made before fingerprints, all on
+    one machine whose repeats agreed to the bit."""
+    from gpt2_bench.train import numerics_fingerprint
+
+    flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))
+    return "cpu-" + numerics_fingerprint(flags["--preset"], int(flags["--block-size"]), int(flags["--threads"]))
+
+
+def on_cpu(kept: dict) -> bool:
+    """Whether a curve file's run was made on a CPU (any fingerprint)."""
+    return kept.get("platform", "cpu").startswith("cpu")
+
+
 def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, checkpoint_dir: Path,
                  platform: str = "cpu") -> list[str]:
     """The trainer's arguments for one run of the protocol."""
@@ -148,11 +166,17 @@ def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, pla
              for end in range(interval, (max((s for s, _ in losses), default=-1) + 1) // interval * interval + 1,
                               interval)]
     done = 1 + max((s for s, _ in losses), default=-1)
+    sessions = [r for r in records if "run" in r]
+    other = {r["machine"].get("numerics") for r in sessions} - {platform.removeprefix("cpu-")}
+    if platform.startswith("cpu-") and other:
+        raise ValueError(f"{log} holds sessions on machines of numerics {sorted(map(str, other))}, not "
+                         f"{platform}'s: a run is carried on by machines that compute alike; start it again here "
+                         f"(remove the log and its checkpoints)")
     kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "platform": platform, "steps": steps,
             "steps_done": done,
             "epoch_fraction": next((r["epoch_fraction"] for r in reversed(records) if "epoch_fraction" in r), None),
             "wire_mb_per_step": wire_mb_per_step(records),
-            "sessions": [r for r in records if "run" in r],
+            "sessions": sessions,
             "val_loss": [[r["step"], r["val_loss"]] for r in records if "step" in r and "val_loss" in r],
             "train_loss": train}
     rows.parent.mkdir(parents=True, exist_ok=True)
@@ -167,12 +191,13 @@ def wire_mb_per_step(records: Sequence[dict]) -> Optional[float]:
 
 
 def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path = ROWS, extra: Sequence[str] = (),
-        segments: bool = True) -> dict:
+        segments: bool = True, platform: Optional[str] = None) -> dict:
     """Train (or resume) one run of the protocol, one evaluation interval at a time (``segments``; else in one go),
     rewriting its curve file after each; returns the curve file's content. ``extra``: more trainer arguments, where
-    the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how."""
+    the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how.
+    ``platform``: this machine's (default: ``"gpu"`` on CUDA, else :func:`cpu_platform`)."""
     steps, interval = schedule(batch)
-    platform = platform_of(extra)
+    platform = platform or (platform_of(extra) if platform_of(extra) == "gpu" else cpu_platform())
     name = run_name(method, lr, platform)
     out_dir, checkpoints = work / batch / f"seed-{seed}", work / "checkpoints" / batch / f"seed-{seed}" / name
     argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints, platform), *extra]
@@ -212,15 +237,27 @@ def complete(kept: dict) -> bool:
     return kept["steps_done"] == kept["steps"]
 
 
-def unfinished(rows_dir: Path = ROWS) -> list[tuple[str, int, str, str]]:
-    """The queue's runs whose curve file is missing or short of its last step, in the queue's order."""
+def unfinished(rows_dir: Path = ROWS, platform: str = "cpu") -> list[tuple[str, int, str, str]]:
+    """The queue's runs still to make on a CPU of ``platform``, in the queue's order: a plain run not finished on
+    any CPU, and a method's run that has no finished pair on one CPU platform, preceded by plain's run on
+    ``platform`` where that is not finished."""
     runs = load(rows_dir)
     rates = {}
     for batch in BATCHES:  # each batch's bracket and best once; the best waits while a bracket is open
         edge = edge_lr(runs, batch)
         rates[batch] = {EDGE: edge, BEST: None if edge else best_lr(runs, batch) or "1e-3"}
-    items = [(m, seed, b, rates[b].get(lr, lr)) for m, seed, b, lr in QUEUE]
-    return [item for item in dict.fromkeys(items) if item[3] and not finished(*item, rows_dir)]
+    done: dict[tuple[str, int, str, str], set[str]] = {}
+    for r in runs:
+        if on_cpu(r) and complete(r):
+            done.setdefault((r["method"], r["seed"], r["batch"], r["lr"]), set()).add(r.get("platform", "cpu"))
+    todo = []
+    for method, seed, batch, lr in QUEUE:
+        item = (method, seed, batch, rates[batch].get(lr, lr))
+        plain = ("plain", *item[1:])
+        if not item[3] or done.get(item, set()) & done.get(plain, set()):
+            continue
+        todo += [run for run in (plain, item) if platform not in done.get(run, set())]
+    return list(dict.fromkeys(todo))
 
 
 def sweep_seeds(batch: str) -> set[int]:
@@ -233,14 +270,14 @@ def edge_lr(runs: list[dict], batch: str) -> Optional[str]:
     every seed of the sweep (:func:`sweep_seeds`, on a CPU) has finished and beats the rate next to it; None once
     the best lies between two rates run, or before the sweep (:data:`LRS`) has finished."""
     seeds = sweep_seeds(batch)
-    last: dict[str, dict[int, float]] = {}
+    last: dict[str, dict[int, list[float]]] = {}  # a seed run on several CPU platforms: their mean
     for r in runs:
-        if r["method"] == "plain" and r["batch"] == batch and complete(r) and r.get("platform", "cpu") == "cpu":
-            last.setdefault(r["lr"], {})[r["seed"]] = r["val_loss"][-1][1]
+        if r["method"] == "plain" and r["batch"] == batch and complete(r) and on_cpu(r):
+            last.setdefault(r["lr"], {}).setdefault(r["seed"], []).append(r["val_loss"][-1][1])
     swept = sorted((lr for lr, by_seed in last.items() if seeds <= set(by_seed)), key=float)
     if not seeds or not set(LRS) <= set(swept):
         return None
-    mean = {lr: sum(last[lr][seed] for seed in seeds) / len(seeds) for lr in swept}
+    mean = {lr: sum(sum(last[lr][seed]) / len(last[lr][seed]) for seed in seeds) / len(seeds) for lr in swept}
     if mean[swept[0]] < min(mean[lr] for lr in swept[1:]):
         return lr_name(float(swept[0]) / 2)
     if mean[swept[-1]] < min(mean[lr] for lr in swept[:-1]):
@@ -254,26 +291,30 @@ def lr_name(lr: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def progress(rows_dir: Path = ROWS) -> list[str]:
-    """One line per unfinished run of the queue, in its order: what it is and how far its curve file has got."""
+def progress(rows_dir: Path = ROWS, platform: str = "cpu") -> list[str]:
+    """One line per unfinished run of the queue on ``platform``, in its order: what it is and how far its curve
+    file has got."""
     out = []
-    for method, seed, batch, lr in unfinished(rows_dir):
-        path = curve_path(rows_dir, method, seed, batch, lr)
+    for method, seed, batch, lr in unfinished(rows_dir, platform):
+        path = curve_path(rows_dir, method, seed, batch, lr, platform)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
-        out.append(f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept")
+        out.append(f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}")
     return out
 
 
-def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1) -> None:
-    """Run the queue's unfinished runs, ``parallel`` at a time, each resuming from its checkpoint, reading plain's
-    best learning rate again after each round (a batch's sweep decides the lr of the runs after it). One at a time
-    by default: a run's two ranks fill two cores, and a checkpoint does not outlive its machine, so a run that
-    finishes within a session beats two that are half done."""
+def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Optional[str] = None) -> None:
+    """Run the queue's unfinished runs on this machine (``platform``, default :func:`cpu_platform`), ``parallel``
+    at a time, each resuming from its checkpoint, reading plain's best learning rate again after each round (a
+    batch's sweep decides the lr of the runs after it). One at a time by default: a run's two ranks fill two
+    cores, and a checkpoint does not outlive its machine, so a run that finishes within a session beats two that
+    are half done."""
     from concurrent.futures import ThreadPoolExecutor
 
+    platform = platform or cpu_platform()
     with ThreadPoolExecutor(parallel) as pool:
-        while todo := unfinished(rows_dir)[:parallel]:
-            for item, done in zip(todo, pool.map(lambda item: run(*item, work=work, rows_dir=rows_dir), todo)):
+        while todo := unfinished(rows_dir, platform)[:parallel]:
+            for item, done in zip(todo, pool.map(
+                    lambda item: run(*item, work=work, rows_dir=rows_dir, platform=platform), todo)):
                 print(f"kept {item}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
                 if done.get("steps_done") != done.get("steps"):
                     raise RuntimeError(f"{item} stopped at step {done.get('steps_done')} of {done.get('steps')}: see "
@@ -335,7 +376,8 @@ def _seed(kept: dict) -> tuple[str, int]:
 def pairs(runs: list[dict], method: str, batch: str, lr: str,
           plain_lr: Optional[str] = None) -> dict[int, list[tuple[str, float]]]:
     """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against plain of the same seed
-    and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``)."""
+    and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``).
+    A seed paired on two CPU platforms counts once, by the first in name order (the runs before fingerprints)."""
     def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
         return {_seed(r): dict(map(tuple, r["val_loss"])) for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
@@ -346,9 +388,10 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str,
         plain = plains.get((platform, seed))
         if plain is None:
             continue
+        label = f"{seed}{'' if platform.startswith('cpu') else 'g'}"
         for step in sorted(set(curve) & set(plain)):
-            gaps.setdefault(step, []).append((f"{seed}{'' if platform == 'cpu' else 'g'}",
-                                              100 * (curve[step] / plain[step] - 1)))
+            if label not in dict(gaps.get(step, [])):
+                gaps.setdefault(step, []).append((label, 100 * (curve[step] / plain[step] - 1)))
     return gaps
 
 
@@ -450,7 +493,9 @@ def render_report(runs: list[dict]) -> str:
     """``docs/evidence.md``: the sweep, every decision at every evaluation, and what each run has done."""
     lines = ["# The loss evidence", "", "Generated by `python -m gpt2_bench.evidence rebuild` from the curve files in",
              "`docs/rows/evidence/`: do not edit by hand. The protocol is in the docstring of",
-             "`gpt2_bench/evidence.py`; each run's file holds its command, commit, torch version and machine.", "",
+             "`gpt2_bench/evidence.py`; each run's file holds its command, commit, torch version and machine. A CPU",
+             "run pairs only with plain on a machine that computes alike: its file name ends in that machine's",
+             "numerics fingerprint (`-cpu-...`; none for the runs made before fingerprints, on one machine).", "",
              "To add runs: `python -m gpt2_bench.evidence queue` on a CPU (the unfinished runs in order, resumable;",
              "`queue --list` shows them and how far each is; preloading jemalloc that never returns memory,",
              "`LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`, spares the page faults",
@@ -631,7 +676,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra,
             segments=not args.in_one)
     elif args.command == "queue" and args.list:
-        print("\n".join(progress(Path(args.rows))) or "the queue is done")
+        print("\n".join(progress(Path(args.rows), cpu_platform())) or "the queue is done")
     elif args.command == "queue":
         queue(Path(args.work), Path(args.rows), args.parallel)
     else:

@@ -191,22 +191,24 @@ def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
     assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
 
 
-def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_path, capsys):
+def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(evidence, "cpu_platform", lambda: "cpu")
     path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', '5e-4')}.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": "5e-4", "steps": 2000,
                                 "steps_done": 400, "val_loss": [[399, 6.5]]}))
     assert evidence.main(["queue", "--list", "--rows", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept",
-                         "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept"]
+    assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept on cpu",
+                         "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept on cpu"]
     assert len(lines) == len(evidence.unfinished(tmp_path))
 
 
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(method, seed, batch, lr, work, rows_dir):
+    def fake_run(method, seed, batch, lr, work, rows_dir, platform):
+        assert platform == "cpu"
         calls.append((method, seed, batch, lr))
         steps = evidence.schedule(batch)[0]
         loss = 5.0 - (0.1 if (method, lr) == ("plain", "2e-3") and batch == "4x" else 0.0)
@@ -218,6 +220,7 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
         return kept
 
     monkeypatch.setattr(evidence, "run", fake_run)
+    monkeypatch.setattr(evidence, "cpu_platform", lambda: "cpu")
     evidence.queue(tmp_path / "work", tmp_path / "rows")
     assert evidence.unfinished(tmp_path / "rows") == [] and len(calls) == len(set(calls))
     assert ("tagc", 0, "4x", "2e-3") in calls and ("tagc", 0, "4x", "1e-3") not in calls  # the 4x sweep's best
@@ -233,9 +236,9 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
 
 
 def test_the_queue_stops_on_a_run_that_does_not_finish(tmp_path, monkeypatch):
-    monkeypatch.setattr(evidence, "run", lambda *item, work, rows_dir: {"steps_done": 400, "steps": 2000})
+    monkeypatch.setattr(evidence, "run", lambda *item, work, rows_dir, platform: {"steps_done": 400, "steps": 2000})
     with pytest.raises(RuntimeError, match="stopped at step 400 of 2000"):
-        evidence.queue(tmp_path / "work", tmp_path / "rows")
+        evidence.queue(tmp_path / "work", tmp_path / "rows", platform="cpu")
 
 
 def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
@@ -306,3 +309,61 @@ def test_a_bracket_half_run_keeps_its_rate_until_every_seed_of_the_sweep_has_it(
     assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "2.5e-4"
     todo = evidence.unfinished(tmp_path)
     assert ("plain", 1, "1x", "2.5e-4") in todo and not [item for item in todo if item[3] == "1.25e-4"]
+
+
+def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
+    """Machines of one image can differ in the last bits: a method's run is paired with plain of the same numerics
+    fingerprint, and the queue runs plain again on a machine whose fingerprint has none."""
+    def curve(method, seed, lr, loss, platform="cpu"):
+        path = evidence.curve_path(tmp_path, method, seed, "1x", lr, platform)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"method": method, "seed": seed, "batch": "1x", "lr": lr, "platform": platform,
+                                    "steps": 2000, "steps_done": 2000, "val_loss": [[1999, loss]], "sessions": [],
+                                    "epoch_fraction": None}))
+
+    _sweep(tmp_path, "1x", {"5e-4": 5.71, "1e-3": 5.70, "2e-3": 5.80})  # 1e-3 best, bracketed
+    curve("tagc", 0, "1e-3", 5.75)  # paired with plain seed 0 on the machine before fingerprints ("cpu")
+    assert evidence.run_name("tagc", "1e-3", "cpu-0a1b") == "tagc-lr1e-3-cpu-0a1b"
+    here = [item for item in evidence.unfinished(tmp_path, "cpu-0a1b") if item[2] == "1x"]
+    assert ("tagc", 0, "1x", "1e-3") not in here  # a pair on one machine is done wherever the queue runs
+    assert here.index(("plain", 1, "1x", "1e-3")) < here.index(("tagc", 1, "1x", "1e-3"))  # plain again, here
+    there = evidence.unfinished(tmp_path, "cpu")
+    assert ("tagc", 1, "1x", "1e-3") in there and ("plain", 1, "1x", "1e-3") not in there
+    curve("tagc", 1, "1e-3", 5.72, "cpu-0a1b")  # the method here, its plain not yet: plain alone
+    here = evidence.unfinished(tmp_path, "cpu-0a1b")
+    assert ("plain", 1, "1x", "1e-3") in here and ("tagc", 1, "1x", "1e-3") not in here
+    assert 1 not in {int(seed) for seed, _ in evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]}
+    curve("plain", 1, "1e-3", 5.69, "cpu-0a1b")
+    curve("plain", 0, "1e-3", 5.66, "cpu-0a1b")
+    curve("tagc", 0, "1e-3", 5.67, "cpu-0a1b")  # seed 0 on both machines counts once, by the first
+    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]
+    assert gaps == [("0", pytest.approx(100 * (5.75 / 5.70 - 1))), ("1", pytest.approx(100 * (5.72 / 5.69 - 1)))]
+    assert ("tagc", 1, "1x", "1e-3") not in evidence.unfinished(tmp_path, "cpu-0a1b")
+
+
+def test_a_run_carried_on_by_a_machine_that_computes_otherwise_is_refused(tmp_path):
+    _log(tmp_path / "log.jsonl", {199: 6.0, 399: 5.0})
+    records = (tmp_path / "log.jsonl").read_text().splitlines()
+    first = json.loads(records[0])
+    first["machine"]["numerics"] = "0a1b"
+    second = {**first, "first_step": 200, "machine": {**first["machine"], "numerics": "ffff"}}
+    (tmp_path / "log.jsonl").write_text("\n".join([json.dumps(first), *records[1:200], json.dumps(second),
+                                                   *records[200:]]) + "\n")
+    rows = tmp_path / "rows" / "plain.json"
+    with pytest.raises(ValueError, match="numerics.*ffff"):
+        evidence.keep(tmp_path / "log.jsonl", rows, "plain", 0, "1x", "1e-3", "cpu-0a1b")
+    assert not rows.exists()
+    assert evidence.keep(tmp_path / "log.jsonl", rows, "plain", 0, "1x", "1e-3", "gpu")["steps_done"] == 400
+
+
+def test_the_numerics_fingerprint_is_stable_and_leaves_the_random_state_alone():
+    torch = pytest.importorskip("torch")
+    from gpt2_bench.train import numerics_fingerprint
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    first = numerics_fingerprint("tiny", 16, threads=threads + 1)
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
+    assert re.fullmatch(r"[0-9a-f]{12}", first) and numerics_fingerprint("tiny", 16, threads=threads + 1) == first
+    assert numerics_fingerprint("tiny", 32) != first  # another computation, another hash
