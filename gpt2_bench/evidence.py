@@ -127,11 +127,10 @@ def platform_of(extra: Sequence[str]) -> str:
 
 def cpu_platform() -> str:
     """This machine's CPU platform: ``cpu-`` and its numerics fingerprint under the protocol's model and threads
-    (:func:`gpt2_bench.train.numerics_fingerprint`). A later machine of the same image and torch, with another
-    instruction set, gave the same run's val loss at its first evaluation 2e-6 apart, where repeats on one machine
-    agreed to the bit; a training run grows such differences into ones as large as the gaps measured, so a CPU run
-    pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made before fingerprints, all on
-    one machine whose repeats agreed to the bit."""
+    (:func:`gpt2_bench.train.numerics_fingerprint`). Machines of one image and torch can differ in the last bits,
+    and a training run can grow that into differences as large as the gaps measured (the report's "One run on two
+    machines"), so a CPU run pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made
+    before fingerprints, all on one machine whose repeats agreed to the bit."""
     from gpt2_bench.train import numerics_fingerprint
 
     flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))
@@ -535,6 +534,11 @@ def render_report(runs: list[dict]) -> str:
               "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step "
               "(the plot's last panel):",
               "", *render_batch_axis(runs)]
+    lines += ["", "## One run on two machines", "",
+              "The same run (method, seed, batch, lr) finished on CPUs of different numerics fingerprints: the "
+              "second's val loss against the first's, in %, at each evaluation. This is why a pair is made on one "
+              "machine.", "",
+              *render_machines(runs)]
     lines += ["", "## The runs", "", "*MB per step*: the median of what a step sent per rank (the trainer's "
               "`wire_bytes`; a dash where the run's log was not at hand when its file was kept).", "",
               "| batch | run | seed | steps done | epoch read | MB per step | machine | torch | commit |",
@@ -550,6 +554,24 @@ def render_report(runs: list[dict]) -> str:
                      f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
                      f"{session.get('commit', '?')[:12]} |")
     return "\n".join(lines) + "\n"
+
+
+def render_machines(runs: list[dict]) -> list[str]:
+    """Lines of markdown: per run finished on two or more CPU platforms, each later platform's val loss against
+    the first's (in name order) at every evaluation."""
+    groups: dict[tuple[str, int, str, str], list[dict]] = {}
+    for r in sorted(runs, key=lambda r: r.get("platform", "cpu")):
+        if on_cpu(r) and complete(r):
+            groups.setdefault((r["method"], r["seed"], r["batch"], r["lr"]), []).append(r)
+    lines = []
+    for (method, seed, batch, lr), (first, *others) in sorted(groups.items()):
+        for other in others:
+            mine = dict(map(tuple, other["val_loss"]))
+            gaps = ", ".join(f"{step + 1}: {100 * (mine[step] / loss - 1):+.3f}%" for step, loss in first["val_loss"]
+                             if step in mine)
+            lines.append(f"- {method} seed {seed} {batch} lr {lr}, {other['platform']} against "
+                         f"{first.get('platform', 'cpu')}: {gaps}.")
+    return lines or ["- none yet."]
 
 
 def render_readme(runs: list[dict]) -> str:

@@ -339,6 +339,11 @@ def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
     gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]
     assert gaps == [("0", pytest.approx(100 * (5.75 / 5.70 - 1))), ("1", pytest.approx(100 * (5.72 / 5.69 - 1)))]
     assert ("tagc", 1, "1x", "1e-3") not in evidence.unfinished(tmp_path, "cpu-0a1b")
+    assert evidence.render_machines(evidence.load(tmp_path)) == [  # the sweep's plain: 5.70 (seed 0), 5.71 (1)
+        f"- plain seed 0 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.66 / 5.70 - 1):+.3f}%.",
+        f"- plain seed 1 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.69 / 5.71 - 1):+.3f}%.",
+        f"- tagc seed 0 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.67 / 5.75 - 1):+.3f}%."]
+    assert evidence.render_machines([]) == ["- none yet."]
 
 
 def test_a_run_carried_on_by_a_machine_that_computes_otherwise_is_refused(tmp_path):
