@@ -369,7 +369,8 @@ def best_lr(runs: list[dict], batch: str, method: str = "plain") -> Optional[str
 
 
 def _seed(kept: dict) -> tuple[str, int]:
-    return kept.get("platform", "cpu"), kept["seed"]
+    """A seed as the sweep reads it: a CPU's seed is one seed on every CPU platform, a GPU's another."""
+    return "cpu" if on_cpu(kept) else kept["platform"], kept["seed"]
 
 
 def pairs(runs: list[dict], method: str, batch: str, lr: str,
@@ -378,7 +379,7 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str,
     and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``).
     A seed paired on two CPU platforms counts once, by the first in name order (the runs before fingerprints)."""
     def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
-        return {_seed(r): dict(map(tuple, r["val_loss"])) for r in runs
+        return {(r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
 
     plains = curves("plain", plain_lr or lr)

@@ -344,6 +344,13 @@ def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
         f"- plain seed 1 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.69 / 5.71 - 1):+.3f}%.",
         f"- tagc seed 0 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.67 / 5.75 - 1):+.3f}%."]
     assert evidence.render_machines([]) == ["- none yet."]
+    # the sweep reads a CPU seed as one seed on every CPU: 4x's rates run on two machines still share seed 0
+    four = [{"method": "plain", "seed": 0, "batch": "4x", "lr": lr, "platform": platform, "steps": 500,
+             "steps_done": 500, "val_loss": [[499, loss]]}
+            for lr, loss, platform in (("5e-4", 5.76, "cpu"), ("1e-3", 5.86, "cpu"), ("2e-3", 6.0, "cpu-0a1b"),
+                                       ("2.5e-4", 5.9, "cpu-0a1b"), ("5e-4", 5.70, "cpu-0a1b"))]
+    assert evidence.best_lr(four[:3], "4x") == "5e-4" and evidence.edge_lr(four[:3], "4x") == "2.5e-4"
+    assert evidence.best_lr(four, "4x") == "5e-4" and evidence.edge_lr(four, "4x") is None  # bracketed
 
 
 def test_a_run_carried_on_by_a_machine_that_computes_otherwise_is_refused(tmp_path):
