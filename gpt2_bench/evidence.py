@@ -507,16 +507,18 @@ def render_report(runs: list[dict]) -> str:
              "## Plain's learning rate", "",
              "*Best*: the lowest mean last val loss over the seeds finished at every lr of the batch. A best at",
              "either end of the rates run is bracketed next: the queue runs the rate one doubling past it.", "",
-             "| batch | lr | seeds finished | mean last val loss, all its seeds |", "|---|---|---:|---:|"]
+             "| batch | lr | runs finished | their platforms | mean last val loss, all its runs |",
+             "|---|---|---:|---|---:|"]
     for batch in BATCHES:
         for lr in sorted({r["lr"] for r in runs if r["method"] == "plain" and r["batch"] == batch}, key=float):
             done = [r for r in runs if r["method"] == "plain" and r["batch"] == batch and r["lr"] == lr and complete(r)]
             if done:
                 mean = sum(r["val_loss"][-1][1] for r in done) / len(done)
                 best = " (best)" if lr == best_lr(runs, batch) else ""
-                lines.append(f"| {batch} | {lr}{best} | {len(done)} | {mean:.4f} |")
+                platforms = ", ".join(sorted({r.get("platform", "cpu") for r in done}))
+                lines.append(f"| {batch} | {lr}{best} | {len(done)} | {platforms} | {mean:.4f} |")
     if lines[-1].startswith("|---"):
-        lines.append("| (no finished plain run yet) | | | |")
+        lines.append("| (no finished plain run yet) | | | | |")
     lines += ["", "## Decisions", "",
               "Gap: the method's val loss against plain's of the same seed, in %; the interval is the 95% t-interval "
               "of the mean over seeds. *Untuned seeds*: the same over the seeds the method's settings were not "

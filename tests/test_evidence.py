@@ -298,7 +298,7 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert ("tagc", 0, "1x", "2.5e-4") in evidence.unfinished(tmp_path)
     _sweep(tmp_path, "4x", {"5e-4": 5.9, "1e-3": 5.8, "2e-3": 5.8})  # a tie at the top end is no edge
     assert evidence.edge_lr(evidence.load(tmp_path), "4x") is None
-    assert "| 1x | 1.25e-4 | 2 | 5.7550 |" in evidence.render_report(evidence.load(tmp_path))  # every rate run
+    assert "| 1x | 1.25e-4 | 2 | cpu | 5.7550 |" in evidence.render_report(evidence.load(tmp_path))  # every rate run
 
 
 def test_a_bracket_half_run_keeps_its_rate_until_every_seed_of_the_sweep_has_it(tmp_path):
