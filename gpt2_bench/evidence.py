@@ -133,8 +133,8 @@ def cpu_platform() -> str:
     before fingerprints, all on one machine whose repeats agreed to the bit."""
     from gpt2_bench.train import numerics_fingerprint
 
-    flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))
-    return "cpu-" + numerics_fingerprint(flags["--preset"], int(flags["--block-size"]), int(flags["--threads"]))
+    flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))  # the trainer records the same in each session
+    return "cpu-" + numerics_fingerprint(threads=int(flags["--threads"]))
 
 
 def on_cpu(kept: dict) -> bool:

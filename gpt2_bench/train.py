@@ -116,13 +116,14 @@ def run_record(cfg: TrainConfig, first_step: int, device) -> dict:
             "config": json.loads(cfg.to_json()), "commit": git("rev-parse", "HEAD") + dirty, "torch": torch.__version__,
             "machine": {"host": platform.node(), "id": machine_id[:12], "cpu": cpu, "cores": os.cpu_count(),
                         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        "numerics": numerics_fingerprint(cfg.preset, cfg.block_size, cfg.threads, device)}}
+                        "numerics": numerics_fingerprint(threads=cfg.threads, device=device)}}
 
 
 def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128, threads: int = 1,
                          device=None) -> str:
     """How this machine's float arithmetic comes out, as 12 hex digits: a hash of ``preset``'s parameters after
-    one AdamW step on fixed tokens (forward, backward, step) on ``threads`` threads. Two machines of one image and
+    one AdamW step on fixed tokens (forward, backward, step) on ``threads`` threads (the evidence protocol's model
+    by default, whatever model a run trains, so that it costs a second or two). Two machines of one image and
     torch can still differ in the last bits (the kernels torch and MKL pick follow the CPU's instruction set), and
     a training run amplifies that into differences as large as the gaps the evidence measures; a pair of runs is
     made where this fingerprint is the same. Leaves the caller's random state and thread count as they were."""
