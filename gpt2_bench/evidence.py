@@ -125,15 +125,46 @@ def platform_of(extra: Sequence[str]) -> str:
     return "gpu" if devices and devices[-1].startswith("cuda") else "cpu"
 
 
+def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128, threads: int = 1,
+                         device=None) -> str:
+    """How this machine's float arithmetic comes out, as 12 hex digits: a hash of ``preset``'s parameters after
+    one AdamW step on fixed tokens (forward, backward, step) on ``threads`` threads (the evidence protocol's model
+    by default, whatever model a run trains, so that it costs a second or two). Two machines of one image and
+    torch can still differ in the last bits (the kernels torch and MKL pick follow the CPU's instruction set), and
+    a training run amplifies that into differences as large as the gaps the evidence measures; a pair of runs is
+    made where this fingerprint is the same. Leaves the caller's random state and thread count as they were."""
+    import hashlib
+
+    import torch
+
+    from gpt2_bench.model import GPT, GPTConfig
+
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {}))).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1)).to(device)
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(was)
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+
 def cpu_platform() -> str:
     """This machine's CPU platform: ``cpu-`` and its numerics fingerprint under the protocol's model and threads
     (:func:`gpt2_bench.train.numerics_fingerprint`). Machines of one image and torch can differ in the last bits,
     and a training run can grow that into differences as large as the gaps measured (the report's "One run on two
     machines"), so a CPU run pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made
     before fingerprints, all on one machine whose repeats agreed to the bit."""
-    from gpt2_bench.train import numerics_fingerprint
-
-    flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))  # the trainer records the same in each session
+    flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))
     return "cpu-" + numerics_fingerprint(threads=int(flags["--threads"]))
 
 
@@ -196,7 +227,8 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how.
     ``platform``: this machine's (default: ``"gpu"`` on CUDA, else :func:`cpu_platform`)."""
     steps, interval = schedule(batch)
-    platform = platform or (platform_of(extra) if platform_of(extra) == "gpu" else cpu_platform())
+    platform = platform or platform_of(extra)
+    platform = cpu_platform() if platform == "cpu" else platform
     name = run_name(method, lr, platform)
     out_dir, checkpoints = work / batch / f"seed-{seed}", work / "checkpoints" / batch / f"seed-{seed}" / name
     argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints, platform), *extra]
@@ -217,7 +249,8 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
             if done >= stop:
                 continue
             subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(stop)], check=True,
-                           env={**os.environ, "TAGC_TRAIN_COMMAND": command})
+                           env={**os.environ, "TAGC_TRAIN_COMMAND": command,
+                                "TAGC_NUMERICS": platform.removeprefix("cpu-") if platform.startswith("cpu-") else ""})
             kept = keep(log, rows, method, seed, batch, lr, platform)
             bar.update(kept["steps_done"] - bar.n)
             if kept["steps_done"] < stop:  # stopped early (--max-time): resume later

@@ -116,43 +116,14 @@ def run_record(cfg: TrainConfig, first_step: int, device) -> dict:
             "config": json.loads(cfg.to_json()), "commit": git("rev-parse", "HEAD") + dirty, "torch": torch.__version__,
             "machine": {"host": platform.node(), "id": machine_id[:12], "cpu": cpu, "cores": os.cpu_count(),
                         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        "numerics": numerics_fingerprint(threads=cfg.threads, device=device)}}
-
-
-def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128, threads: int = 1,
-                         device=None) -> str:
-    """How this machine's float arithmetic comes out, as 12 hex digits: a hash of ``preset``'s parameters after
-    one AdamW step on fixed tokens (forward, backward, step) on ``threads`` threads (the evidence protocol's model
-    by default, whatever model a run trains, so that it costs a second or two). Two machines of one image and
-    torch can still differ in the last bits (the kernels torch and MKL pick follow the CPU's instruction set), and
-    a training run amplifies that into differences as large as the gaps the evidence measures; a pair of runs is
-    made where this fingerprint is the same. Leaves the caller's random state and thread count as they were."""
-    import hashlib
-
-    import torch
-
-    from gpt2_bench.model import GPT, GPTConfig
-
-    was = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {}))).to(device)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1)).to(device)
-            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(was)
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().numpy().tobytes())
-    return digest.hexdigest()[:12]
+                        "numerics": os.environ.get(NUMERICS_ENV) or None}}
 
 
 COMMAND_ENV = "TAGC_TRAIN_COMMAND"
 """Set by the command line to the command as given, so that each rank's log can record it."""
+NUMERICS_ENV = "TAGC_NUMERICS"
+"""Where a launcher that names the machine's numerics (:func:`gpt2_bench.evidence.cpu_platform`) tells the run, for
+its session record."""
 
 
 HEAP_KEEP_BYTES = 256 << 20

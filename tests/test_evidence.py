@@ -370,8 +370,7 @@ def test_a_run_carried_on_by_a_machine_that_computes_otherwise_is_refused(tmp_pa
 
 def test_the_numerics_fingerprint_is_stable_and_leaves_the_random_state_alone():
     torch = pytest.importorskip("torch")
-    from gpt2_bench.train import numerics_fingerprint
-
+    numerics_fingerprint = evidence.numerics_fingerprint
     torch.manual_seed(3)
     before = torch.get_rng_state()
     threads = torch.get_num_threads()
