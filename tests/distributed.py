@@ -40,11 +40,14 @@ def _entry(rank: int, world: int, out_dir: str, fn: Callable, args: tuple, timeo
     exit_without_teardown()  # after a clean finish: the rare abort in static destructors would fail a passed test
 
 
-# imported once by the fork server: a rank then starts in ~0.1 s instead of ~2 s of imports (the trainer too: many
-# tests run it in ranks; a preload that fails to import is skipped, so nothing here depends on it)
+# imported once by the fork server: a rank then starts in ~0.1 s instead of seconds of imports and kernel loads (the
+# trainer, the compiler's front end and transformers too: many tests run them in ranks; the CPU kernels from their
+# cache); a preload that fails to import is skipped, so nothing here depends on it
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "tagc", "tagc.hooks.core.engine", "fsdp_integration",  # noqa: E501
-            "gpt2_bench.train", "tests.distributed")
-_READ_AT_IMPORT = ("NUMBA_", "TRITON_", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "PYTHON", "CUDA_")
+            "gpt2_bench.train", "torch._dynamo", "torch._functorch.aot_autograd", "transformers", "tests.distributed",
+            "tests.warm_kernels")
+_READ_AT_IMPORT = ("NUMBA_", "TRITON_", "LD_", "MALLOC_", "GLIBC_", "OMP_", "MKL_", "PYTHON", "CUDA_", "HF_",
+                   "TRANSFORMERS_")
 """Variables a library may read when the server imports it: a rank that needs a change to one is spawned."""
 _server_environ: dict[str, str] = {}
 

@@ -58,6 +58,7 @@ from tagc.sketch import (  # noqa: E402
 from tagc.sketch import positions as coded  # noqa: E402
 from tagc.sketch.index import pack_mask  # noqa: E402
 from tagc.sketch.kept_list import capacity  # noqa: E402
+from tests.params import spread  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [5, 1000, 4096 + 13]
@@ -133,8 +134,7 @@ def test_resolve_backend(monkeypatch):
 # ---------------------------------------------------------------- threshold
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("density", [0.01, 0.07, 0.5])
+@pytest.mark.parametrize("numel, density", spread(SIZES, [0.01, 0.07, 0.5]))
 def test_thresholds_equal_reference(numel, density):
     rows = torch.randn(3, numel, device=DEVICE) * torch.rand(3, 1, device=DEVICE) * 10
     rows[:, ::7] = 0  # ties at zero and a zero threshold for dense settings
@@ -189,13 +189,8 @@ def _compress_both(grad, residual, density, layout, bits, tau=None):
     return got, want, res_k, res_r
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("bits", [1, 4])
-@pytest.mark.parametrize(
-    "dtypes",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)],
-    ids=["fp32", "bf16-grad", "bf16-both"],
-)
+@pytest.mark.parametrize("numel, bits, dtypes", spread(
+    SIZES, [1, 4], [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]))
 def test_compress_matches_reference(numel, bits, dtypes):
     grad_dtype, res_dtype = dtypes
     layout = _layout(numel)
@@ -210,8 +205,7 @@ def test_compress_matches_reference(numel, bits, dtypes):
     assert index.any() and table.abs().sum() > 0  # something was kept
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("numel, bits", spread(SIZES, [1, 4]))
 def test_compress_under_ties_matches_reference(numel, bits):
     """Integer gradients and residuals: massive ties at the threshold, broken identically (the
     first in index order, across program blocks), at most the limit kept; sums are exact, so
@@ -258,9 +252,7 @@ def _assert_decodes_equal(got, want):
         assert torch.equal(stats.raw_positions, stats_r.raw_positions)
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("bits", [1, 4])
-@pytest.mark.parametrize("load", [0.5, 0.75])
+@pytest.mark.parametrize("numel, bits, load", spread(SIZES, [1, 4], [0.5, 0.75]))
 def test_decode_matches_reference(numel, bits, load):
     layout = _layout(numel)
     values = _sparse(numel, load, layout)
@@ -495,8 +487,7 @@ def _adversarial_mask(rows: int, numel: int, density: float) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("numel", [1, 4096, 4096 * 2 + 13])
+@pytest.mark.parametrize("rows, numel", spread([1, 2, 3, 4], [1, 4096, 4096 * 2 + 13]))
 def test_coded_positions_match_reference(rows, numel):
     """Bit parity on fresh random rows plus adversarial ones, at a random low-part width, with room
     for every entry and with a capacity that truncates the fuller rows (their first cap are coded)."""
@@ -575,17 +566,8 @@ def _list_both(grad, residual, density, cap, tau=None):
     return got
 
 
-_LIST_CASES = [
-    *[(numel, dtypes, integer) for numel in (5, 4096 + 13) for dtypes in ("fp32", "bf16") for integer in (False, True)],
-    (65_536 + 1000, "fp32", True),  # two position blocks
-    *[
-        pytest.param(65_536 + 1000, dtypes, integer, marks=pytest.mark.slow)
-        for dtypes, integer in (("fp32", False), ("bf16", False), ("bf16", True))
-    ],
-]
-
-
-@pytest.mark.parametrize("numel, dtypes, integer", _LIST_CASES)
+@pytest.mark.parametrize("numel, dtypes, integer",
+                         spread([5, 4096 + 13, 65_536 + 1000], ["fp32", "bf16"], [True, False]))
 def test_list_kept_matches_reference(numel, dtypes, integer):
     """Counts, offsets, values and residual bit for bit; integer inputs tie massively at the threshold;
     the capacity is the plan's and a third of it (kept entries past it stay in the residual: overflow)."""

@@ -31,6 +31,7 @@ from tagc.sketch import (
 )
 from tagc.sketch.codec import FLOAT32_UNIT_ROUNDOFF
 from tagc.sketch.sparsify import capacity
+from tests.params import spread
 
 U = FLOAT32_UNIT_ROUNDOFF
 
@@ -179,7 +180,8 @@ def test_tie_inputs_keep_at_most_the_planned_count(kind, backend):
     assert torch.equal(values.double(), sent)  # integers and bf16 values: the sums are exact
 
 
-@pytest.mark.parametrize("kind", TIE_KINDS)
+@pytest.mark.parametrize("kind", [  # every kind on Triton in the default suite: test_tie_parity_across_backends
+    kind if kind in ("integer", "all_zero") else pytest.param(kind, marks=pytest.mark.slow) for kind in TIE_KINDS])
 def test_tie_inputs_on_triton(kind):
     """The Triton kernels (interpreter: small chunks, narrow lanes) under the same tie inputs."""
     pytest.importorskip("triton")
@@ -547,8 +549,7 @@ def test_float64_is_rejected_with_a_hint_to_cast(backend):
         encode(torch.zeros(1000, dtype=torch.float8_e4m3fn), layout)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, backend", spread([torch.bfloat16, torch.float16], BACKENDS))
 def test_half_precision_converts_exactly(dtype, backend):
     """bf16/fp16 values, including their extremes, reach the table and back exactly."""
     gen = torch.Generator().manual_seed(21)
@@ -598,8 +599,7 @@ def _merge(indexes, bits):
     return union
 
 
-@pytest.mark.parametrize("bits", [1, 4])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, bits", spread(BACKENDS, [1, 4]))
 def test_a_missing_index_is_an_error(backend, bits):
     """One rank's index left out of the merge: decode raises instead of returning wrong values."""
     gen = torch.Generator().manual_seed(31)
