@@ -125,8 +125,7 @@ def platform_of(extra: Sequence[str]) -> str:
     return "gpu" if devices and devices[-1].startswith("cuda") else "cpu"
 
 
-def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128, threads: int = 1,
-                         device=None) -> str:
+def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128, threads: int = 1) -> str:
     """How this machine's float arithmetic comes out, as 12 hex digits: a hash of ``preset``'s parameters after
     one AdamW step on fixed tokens (forward, backward, step) on ``threads`` threads (the evidence protocol's model
     by default, whatever model a run trains, so that it costs a second or two). Two machines of one image and
@@ -144,23 +143,22 @@ def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128,
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {}))).to(device)
+            model = GPT(GPTConfig.preset(preset, **({"block_size": block_size} if block_size else {})))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1)).to(device)
+            tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1))
             model(tokens[:, :-1], tokens[:, 1:])[1].backward()
             opt.step()
     finally:
         torch.set_num_threads(was)
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().cpu().numpy().tobytes())
+        digest.update(p.detach().numpy().tobytes())
     return digest.hexdigest()[:12]
-
 
 
 def cpu_platform() -> str:
     """This machine's CPU platform: ``cpu-`` and its numerics fingerprint under the protocol's model and threads
-    (:func:`gpt2_bench.train.numerics_fingerprint`). Machines of one image and torch can differ in the last bits,
+    (:func:`numerics_fingerprint`). Machines of one image and torch can differ in the last bits,
     and a training run can grow that into differences as large as the gaps measured (the report's "One run on two
     machines"), so a CPU run pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made
     before fingerprints, all on one machine whose repeats agreed to the bit."""
@@ -238,6 +236,7 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     from tqdm.auto import tqdm
 
     from gpt2_bench.checkpoint import latest, step_of
+    from gpt2_bench.train import COMMAND_ENV, NUMERICS_ENV
 
     log = out_dir / f"{name}.jsonl"
     kept = keep(log, rows, method, seed, batch, lr, platform) if log.exists() else {}
@@ -249,8 +248,8 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
             if done >= stop:
                 continue
             subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(stop)], check=True,
-                           env={**os.environ, "TAGC_TRAIN_COMMAND": command,
-                                "TAGC_NUMERICS": platform.removeprefix("cpu-") if platform.startswith("cpu-") else ""})
+                           env={**os.environ, COMMAND_ENV: command,
+                                NUMERICS_ENV: platform.removeprefix("cpu-") if platform.startswith("cpu-") else ""})
             kept = keep(log, rows, method, seed, batch, lr, platform)
             bar.update(kept["steps_done"] - bar.n)
             if kept["steps_done"] < stop:  # stopped early (--max-time): resume later
