@@ -80,10 +80,10 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("tagc", seed, "1x", BEST) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for m in ("topk", "int4") for seed in (0, 1)),
     *(("plain", 0, "4x", lr) for lr in (*LRS, EDGE)),
-    *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc")),
+    *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "topk")),
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
-    *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("int4", "topk")),
+    *(("int4", seed, "4x", BEST) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
@@ -92,8 +92,9 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
 before the methods judged at its best (at 1x the rate still in contention, 5e-4, before 2e-3; the bracket came
 later there, after ``tagc`` at 4x); the pairs that decide most first: ``tagc`` at 1x, then the two settings at
 ``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the twelfth
-screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x, where its gap was seen to grow; then
-the rest of the decision set, more seeds, 16x."""
+screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x, where its gap was seen to grow, beside
+``topk`` there, the fix that screen points to (a denser selection at the same bytes); then the rest of the decision
+set, more seeds, 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
