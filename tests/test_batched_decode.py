@@ -12,6 +12,7 @@ part whose table holds NaN/Inf.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -248,3 +249,35 @@ def test_a_batch_decodes_in_one_set_of_launches_and_ops(backend, monkeypatch):
             dispatch.union_index(code, 1000, cap, low, 8)
             nonfinite.decode_(tables, indexes, layout, 1, "estimate", ExchangeStats())
         assert reads.count == 0, dict(reads.sites)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_finite_rows_is_isfinite_all_on_every_row(dtype):
+    """The extremes decide a row exactly as ``isfinite(x).all(-1)`` does: NaN, +Inf and -Inf alone or together, at
+    a row's ends and inside it, values at the dtype's largest finite magnitude, rows of one entry and of none."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 257, generator=g).to(dtype)
+    big = torch.finfo(dtype).max
+    cases = {(0, 0, 0): math.nan, (0, 1, 256): math.inf, (0, 2, 100): -math.inf, (1, 3, 7): big, (1, 3, 8): -big,
+             (2, 0, 9): math.nan, (2, 0, 10): math.inf, (2, 4, 0): -math.inf, (2, 4, 1): math.inf}
+    for where, value in cases.items():
+        x[where] = value
+    for rows in (x, x[..., :1], x[..., :0], x.transpose(0, 1)):
+        assert torch.equal(nonfinite.finite_rows(rows), torch.isfinite(rows).all(dim=-1))
+    assert nonfinite.finite_parts(x).tolist() == [False, False, False, True, False]  # part 3: only the largest
+
+
+def test_a_parts_columns_are_taken_and_put_as_by_indexing():
+    from tagc.hooks.codecs.codec import PlainCodec
+    from tagc.hooks.core.plan import Part
+
+    rows = torch.randn(2, 40)
+    for columns in (slice(3, 17), torch.tensor([0, 5, 6, 7, 30, 39])):
+        numel = len(range(40)[columns]) if isinstance(columns, slice) else len(columns)
+        part = Part(columns, numel, PlainCodec(), "p")
+        assert torch.equal(part.take(rows), rows[:, columns])
+        out, expected = torch.zeros(40), torch.zeros(40)
+        values = torch.arange(numel, dtype=torch.float64)  # put casts to out's dtype, as indexing does
+        part.put(out, values)
+        expected[columns] = values.float()
+        assert torch.equal(out, expected)

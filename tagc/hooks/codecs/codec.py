@@ -590,7 +590,7 @@ class SummedSketch(AllReduceForm):
         indexes, tables, shifts = [], [], []
         for part, codec in zip(self.parts, self.codecs):
             shift = part.codec.summed_shift(part.key, part.numel)
-            grad = shift.feed(buffer[part.index(device)].view(1, part.numel))
+            grad = shift.feed(part.take(buffer).view(1, part.numel))
             residual = codec.residual(part.key, grad)
             shift.hold(residual)
             ok, grad = nonfinite.zero_unless_finite(grad)
@@ -602,7 +602,7 @@ class SummedSketch(AllReduceForm):
             stats.count("overflow", held)
             indexes.append(index.reshape(-1))
             tables.append(table.reshape(-1).float())
-        values = torch.cat([buffer[p.index(device)].float() for p in self.plain] + tables)
+        values = torch.cat([p.take(buffer).float() for p in self.plain] + tables)
         collectives.release()
         launched = [collectives.all_reduce(values)]
         merge = self._merge_indexes(torch.cat(indexes), collectives, launched)
@@ -614,7 +614,7 @@ class SummedSketch(AllReduceForm):
             summed = torch.empty(buffer.numel(), dtype=torch.float32, device=device)
             at = 0
             for part in self.plain:
-                summed[part.index(device)] = values[at : at + part.numel]
+                part.put(summed, values[at : at + part.numel])
                 at += part.numel
             index_at = 0
             for part, codec, shift in zip(self.parts, self.codecs, shifts):
@@ -623,7 +623,7 @@ class SummedSketch(AllReduceForm):
                 index_bytes = -(-part.numel * self.bits // 8)
                 union = merged[index_at : index_at + index_bytes]
                 decoded = nonfinite.decode_(table, union, layout, self.bits, "estimate", stats)
-                summed[part.index(device)] = shift.decoded(decoded)
+                part.put(summed, shift.decoded(decoded))
                 at += layout.table_numel
                 index_at += index_bytes
             scale_into(buffer, summed, op_scale(dist.ReduceOp.AVG, world))

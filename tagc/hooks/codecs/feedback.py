@@ -356,7 +356,7 @@ def _finite_rows(received: Sequence[torch.Tensor], parts: int) -> tuple[torch.Te
     floating = [wire.reshape(wire.shape[0], parts, -1) for wire in received if wire.is_floating_point()]
     if not floating:
         return torch.ones(parts, dtype=torch.bool, device=received[0].device), list(received)
-    rows = torch.stack([torch.isfinite(wire).all(dim=2) for wire in floating]).all(dim=0)  # [N, P]
+    rows = torch.stack([nonfinite.finite_rows(wire) for wire in floating]).all(dim=0)  # [N, P]
     clean = [torch.where(rows[..., None], wire.reshape(rows.shape + (-1,)), torch.zeros((), dtype=wire.dtype,
                          device=wire.device)).view(wire.shape) if wire.is_floating_point() else wire
              for wire in received]

@@ -423,7 +423,7 @@ class SummedFactors(AllReduceForm):
                   else buffer.new_zeros(0).float())
         uncompressed = [buffer[at : at + count] for at, count in columns_at]
         first = Summands([(values_dtype, p_flat), *((columns_dtype, t) for t in uncompressed),
-                          *((plain_dtype, buffer[p.index(device)]) for p in plain)])
+                          *((plain_dtype, p.take(buffer)) for p in plain)])
         collectives.release()
         summed_first = [collectives.all_reduce(tensor) for tensor in first.flat.values()]  # P's dtype first
         flight.future = future_of(buffer)

@@ -141,7 +141,7 @@ class PendingBucket:
                 timing.exposed_s += end - begin
                 timing.events.append(("wait", begin, end))  # the caller blocked on bytes, as in a wait
             for batch in self.plan.batches:
-                wires = coder.encode(batch, rows[:, batch.index(rows.device)], self.group, timing)
+                wires = coder.encode(batch, batch.take(rows), self.group, timing)
                 launched = launch(wires, self.group, coder.piece_bytes, stats, timing, self.remote_rows,
                                   summed=batch.codec.summed_rows)
                 self._in_flight.append(Flight(batch, 0, launched))
@@ -207,8 +207,7 @@ class PendingBucket:
     def _decode_next(self) -> None:
         flight = self._in_flight.popleft()
         received = self._receive(flight.exchanges)
-        self.summed[flight.batch.index(self.summed.device)] = self.coder.decode(flight.batch, received, self.group,
-                                                                                self.stats, self.timing)
+        flight.batch.put(self.summed, self.coder.decode(flight.batch, received, self.group, self.stats, self.timing))
 
     def _next_round(self, flight: Flight) -> None:
         received = self._receive(flight.exchanges)

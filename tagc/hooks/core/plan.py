@@ -45,6 +45,20 @@ class Part:
             self._on_device[device] = self.columns.to(device)
         return self._on_device[device]
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The part's columns of ``x`` (its last dimension): a view for a slice, else one ``index_select``, which
+        a CPU runs several times faster than the same advanced indexing."""
+        columns = self.index(x.device)
+        return x[..., columns] if isinstance(columns, slice) else x.index_select(-1, columns)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        """``out[columns] = values`` for a 1-D ``out`` (``index_copy_`` for a column list)."""
+        columns = self.index(out.device)
+        if isinstance(columns, slice):
+            out[columns] = values
+        else:
+            out.index_copy_(0, columns, values.to(out.dtype))
+
 
 @dataclasses.dataclass
 class Batch(Part):

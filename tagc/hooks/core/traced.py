@@ -40,7 +40,7 @@ def encode_bucket(plan: BucketPlan, rows: torch.Tensor, group, coder: PartCoder)
     """Every batch of ``rows`` (``[N, chunk]``) encoded, its wire tensors side by side as bytes, and the timing."""
     timing = UnitTiming(plan.key)
     encoded = [w.contiguous().view(torch.uint8) for batch in plan.batches
-               for w in coder.encode(batch, rows[:, batch.index(rows.device)], group, timing)]
+               for w in coder.encode(batch, batch.take(rows), group, timing)]
     return torch.cat(encoded, dim=1), timing
 
 
@@ -67,7 +67,7 @@ def decode_bucket(plan: BucketPlan, received: torch.Tensor, group, world: int, d
         for wire in batch.wire(world, dtype):
             batch_received.append(received[:, at : at + wire.row_bytes].contiguous().view(wire.dtype))
             at += wire.row_bytes
-        summed[batch.index(summed.device)] = coder.decode(batch, batch_received, group, stats)
+        batch.put(summed, coder.decode(batch, batch_received, group, stats))
     output = torch.empty(chunk, dtype=dtype, device=summed.device)
     scale_into(output, summed, op_scale(op, full))
     return output, stats
