@@ -92,6 +92,11 @@ class _Counter:
     def load_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step"])
 
+    def settle(self, forward_backward: Callable[[], None]) -> bool:
+        """After a resume, before the first trained step: nothing here (DDP's own reduction and torch's stateless
+        hooks reduce DDP's first iteration as every other). Returns whether it ran ``forward_backward``."""
+        return False
+
 
 class DDPOwnReduction(_Counter):
     """No comm hook: DDP's own fp32 all-reduce, ``ring(4 n)`` per rank and step, counted, not timed."""
@@ -150,6 +155,16 @@ class OurHook(_Counter):
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state)
+
+    def settle(self, forward_backward: Callable[[], None]) -> bool:
+        """After a resume, before the first trained step: a forward and backward whose gradients the caller drops
+        (``forward_backward``), as DDP's first iteration in this process. The hook reduces it as DDP does and
+        counts no step; DDP then rebuilds its buckets in the order the uninterrupted run rebuilt them after its
+        step 0, so the first trained step is compressed from the restored residuals as that run's was, and the
+        resumed run repeats its losses bit for bit."""
+        forward_backward()
+        self.state.end_step()
+        return True
 
 
 class TorchHook(_Counter):

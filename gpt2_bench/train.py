@@ -153,6 +153,18 @@ def _autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _dropped_backward(step_fn, opt, device, x, y) -> None:
+    """A forward and backward on ``x, y`` whose gradients are dropped, the RNG left as it was (DDP's first
+    iteration of a resumed process: :meth:`gpt2_bench.layout_ddp.OurHook.settle`)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with _autocast(device):
+            _, loss = step_fn(x, y)
+        loss.backward()
+    opt.zero_grad(set_to_none=True)
+
+
 def _sync(device) -> None:
     """Wait for the GPU before reading the clock (step times); nothing on the CPU."""
     import torch
@@ -190,9 +202,12 @@ def worker(cfg: TrainConfig, rank: int, world: int, data_dir: str, log_path: str
         hook.follow_lr(opt)  # as users call it
     data = TokenData(data_dir)
     first_step = _restore(cfg, model, opt, hook)
+    settled = first_step > 0 and cfg.integration == "ddp" and hook.settle(
+        lambda: _dropped_backward(step_fn, opt, device, *data.train_batch(
+            first_step, cfg.batch_size, model_cfg.block_size, cfg.seed, device, rank, world)))
     log = _open_log(log_path, first_step) if rank == 0 else None
     if log is not None:
-        log.write(json.dumps(run_record(cfg, first_step, device)) + "\n")
+        log.write(json.dumps({**run_record(cfg, first_step, device), **({"settled": True} if settled else {})}) + "\n")
     diagnostics = None
     if cfg.diagnostics:
         from gpt2_bench.diagnostics import StepDiagnostics

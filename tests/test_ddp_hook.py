@@ -117,12 +117,13 @@ def _every_codec(rank: int, world: int) -> dict:
         state, hook_fn = tagc.ddp_hook(ddp, **paper(select="all", dense_steps=0, min_compress_numel=1, **settings))
         ddp.register_comm_hook(state, hook_fn)
         names = [name for name, _ in model.named_parameters()]
-        steps = []
+        steps, wire = [], []
         before = {name: torch.zeros(p.numel()) for name, p in model.named_parameters()}
         for step in range(3):  # the first on DDP's first buckets, reduced as DDP does; two compressed
             local = _local_grads(model, rank, step)
             got = _grads(ddp, rank, step)
             state.end_step()
+            wire.append(state.stats()["last_step"]["wire_bytes"])
             after = _residual_per_parameter(state)
             records = []
             for name, g, avg in zip(names, local, got):
@@ -137,7 +138,8 @@ def _every_codec(rank: int, world: int) -> dict:
                                     "res_after": torch.stack(res_after).double()})
             before = after
             steps.append(records)
-        results[label] = {"steps": steps, "stats": state.stats()["last_step"], "forms": state.forms()}
+        results[label] = {"steps": steps, "stats": state.stats()["last_step"], "forms": state.forms(), "wire": wire,
+                          "numel": sum(p.numel() for p in model.parameters()), "counted": state.stats()["step"]}
     return results
 
 
@@ -186,6 +188,14 @@ def test_tagc_all_reduce_form(every_codec):
     assert stats["wire_bytes"] == planned  # the last step: every bucket compressed
     for form, bytes_ in forms.values():  # the chosen form is the leanest of those planned
         assert bytes_[form] == min(bytes_.values())
+
+
+def test_ddps_first_iteration_is_its_own_uncounted_step(every_codec):
+    """DDP's first iteration, reduced as DDP does, closes its own statistics (an fp32 ring all-reduce of every
+    parameter) and is not counted; the next step holds only its own compressed bytes."""
+    result = every_codec[0]["tagc"]
+    planned = sum(bytes_[form] for form, bytes_ in result["forms"].values())
+    assert result["wire"] == [ring(4 * result["numel"], 2), planned, planned] and result["counted"] == 2
 
 
 def test_reduce_scatter_forms_are_taken_where_leaner(every_codec):

@@ -123,9 +123,11 @@ class DDPHookState:
 
     def end_step(self) -> None:
         """Close a step (after ``optimizer.step()``): exact step counting, e.g. with gradient accumulation.
-        A step before DDP's buckets are final (:meth:`settled`) is not counted."""
+        A step before DDP's buckets are final (:meth:`settled`) is not counted; its statistics are closed as its
+        own (``stats()["last_step"]``), not added to the next step's."""
         if self._unsettled_step:
             self._unsettled_step = False
+            self.hook.state.close_step()
             return
         self.hook.end_step()
 
