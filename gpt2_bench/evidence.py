@@ -12,7 +12,9 @@ method's val loss over plain's, minus 1), and the verdict is the 95% t-interval 
 X%" means the interval's upper end is below X; an interval that holds 0 is a tie. Plain's learning rate is the one
 of the sweep (``plain`` at several ``--lr``) with the lowest mean final loss, bracketed (a best at an end of the
 sweep adds the rate one doubling past it, :data:`EDGE`), and every method is judged at it. A method whose settings
-earlier screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone.
+earlier screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone. A method
+exchanges every step after step 0 compressed, a resumed one too (the trainer settles DDP's buckets first); the runs
+resumed before it did count their uncompressed steps (:func:`unsettled_resumes`, in the report).
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
@@ -213,6 +215,17 @@ def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, pla
     return kept
 
 
+def unsettled_resumes(kept: dict) -> int:
+    """How many steps after step 0 a method's run exchanged uncompressed: one per resume of a session that did not
+    settle DDP's buckets first (the trainer before it did, :meth:`gpt2_bench.layout_ddp.OurHook.settle`: DDP's
+    first iteration in a process is reduced as DDP does). Of several sessions resuming at one step, the last
+    trained it. Plain runs exchange every step alike: 0."""
+    if kept["method"] == "plain":
+        return 0
+    last = {session["first_step"]: session for session in kept["sessions"]}
+    return sum(1 for step, session in last.items() if step > 0 and not session.get("settled"))
+
+
 def wire_mb_per_step(records: Sequence[dict]) -> Optional[float]:
     """The median of a trainer log's per-step ``wire_bytes`` in MB (None: the log has none)."""
     wire = sorted(r["wire_bytes"] for r in records if "step" in r and "wire_bytes" in r)
@@ -339,14 +352,15 @@ def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Option
     at a time, each resuming from its checkpoint, reading plain's best learning rate again after each round (a
     batch's sweep decides the lr of the runs after it). One at a time by default: a run's two ranks fill two
     cores, and a checkpoint does not outlive its machine, so a run that finishes within a session beats two that
-    are half done."""
+    are half done. Each run trains in one process (no segments: a process's start-up is paid once), checkpointing
+    at every evaluation; its curve file is written when it ends or stops."""
     from concurrent.futures import ThreadPoolExecutor
 
     platform = platform or cpu_platform()
     with ThreadPoolExecutor(parallel) as pool:
         while todo := unfinished(rows_dir, platform)[:parallel]:
             for item, done in zip(todo, pool.map(
-                    lambda item: run(*item, work=work, rows_dir=rows_dir, platform=platform), todo)):
+                    lambda item: run(*item, work=work, rows_dir=rows_dir, segments=False, platform=platform), todo)):
                 print(f"kept {item}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
                 if done.get("steps_done") != done.get("steps"):
                     raise RuntimeError(f"{item} stopped at step {done.get('steps_done')} of {done.get('steps')}: see "
@@ -576,9 +590,13 @@ def render_report(runs: list[dict]) -> str:
               "machine.", "",
               *render_machines(runs)]
     lines += ["", "## The runs", "", "*MB per step*: the median of what a step sent per rank (the trainer's "
-              "`wire_bytes`; a dash where the run's log was not at hand when its file was kept).", "",
-              "| batch | run | seed | steps done | epoch read | MB per step | machine | torch | commit |",
-              "|---|---|---:|---|---:|---:|---|---|---|"]
+              "`wire_bytes`; a dash where the run's log was not at hand when its file was kept). *Uncompressed "
+              "resumes*: steps after step 0 that a method's run exchanged uncompressed, one per resume made before "
+              "the trainer settled DDP's buckets first (2026-12-03; the runs then resumed at every evaluation; "
+              "`unsettled_resumes` in `gpt2_bench/evidence.py`).", "",
+              "| batch | run | seed | steps done | epoch read | MB per step | uncompressed resumes | machine | torch "
+              "| commit |",
+              "|---|---|---:|---|---:|---:|---:|---|---|---|"]
     for r in runs:
         session = r["sessions"][-1] if r["sessions"] else {}
         machine = session.get("machine", {})
@@ -586,7 +604,8 @@ def render_report(runs: list[dict]) -> str:
         name = run_name(r["method"], r["lr"], r.get("platform", "cpu"))
         wire = "-" if r.get("wire_mb_per_step") is None else f"{r['wire_mb_per_step']:.2f}"
         lines.append(f"| {r['batch']} | {name} | {r['seed']} | {r['steps_done']} of "
-                     f"{r['steps']} | {epoch} | {wire} | {machine.get('host', '?')} ({machine.get('cores', '?')} cores"
+                     f"{r['steps']} | {epoch} | {wire} | {unsettled_resumes(r)} | {machine.get('host', '?')} "
+                     f"({machine.get('cores', '?')} cores"
                      f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
                      f"{session.get('commit', '?')[:12]} |")
     return "\n".join(lines) + "\n"

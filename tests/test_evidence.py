@@ -57,7 +57,7 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     assert evidence.TUNED_ON["tagc"] == (0, 1) and last["untuned"] == f"1: {gaps[2]:+.2f}% [-, -], one seed: no verdict"
     assert (f"| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | {gaps[0]:+.2f}% (0), {gaps[1]:+.2f}% (1), "
             f"{gaps[2]:+.2f}% (2) |") in evidence.render_readme(runs)
-    assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | h (2 cores) |" in evidence.render_report(
+    assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | 0 | h (2 cores) |" in evidence.render_report(
         [{**r, "method": "tagc"} for r in runs if r["seed"] == 2 and r["method"] == "tagc"])
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
 
@@ -207,8 +207,8 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(method, seed, batch, lr, work, rows_dir, platform):
-        assert platform == "cpu"
+    def fake_run(method, seed, batch, lr, work, rows_dir, segments, platform):
+        assert platform == "cpu" and not segments  # each run in one process
         calls.append((method, seed, batch, lr))
         steps = evidence.schedule(batch)[0]
         loss = 5.0 - (0.1 if (method, lr) == ("plain", "2e-3") and batch == "4x" else 0.0)
@@ -236,7 +236,8 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
 
 
 def test_the_queue_stops_on_a_run_that_does_not_finish(tmp_path, monkeypatch):
-    monkeypatch.setattr(evidence, "run", lambda *item, work, rows_dir, platform: {"steps_done": 400, "steps": 2000})
+    monkeypatch.setattr(evidence, "run",
+                        lambda *item, work, rows_dir, segments, platform: {"steps_done": 400, "steps": 2000})
     with pytest.raises(RuntimeError, match="stopped at step 400 of 2000"):
         evidence.queue(tmp_path / "work", tmp_path / "rows", platform="cpu")
 
@@ -378,3 +379,15 @@ def test_the_numerics_fingerprint_is_stable_and_leaves_the_random_state_alone():
     assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
     assert re.fullmatch(r"[0-9a-f]{12}", first) and numerics_fingerprint("tiny", 16, threads=threads + 1) == first
     assert numerics_fingerprint("tiny", 32) != first  # another computation, another hash
+
+
+def test_unsettled_resumes_count_a_method_runs_resumes_made_before_the_trainer_settled_ddps_buckets():
+    def kept(method, *sessions):
+        return {"method": method, "sessions": [{"first_step": step, **({"settled": True} if settled else {})}
+                                               for step, settled in sessions]}
+
+    old = kept("tagc", (0, False), (200, False), (400, False), (400, False), (600, False))
+    assert evidence.unsettled_resumes(old) == 3  # 200, 400 (its second session trained it), 600
+    assert evidence.unsettled_resumes(kept("tagc", (0, False), (200, False), (200, True), (400, True))) == 0
+    assert evidence.unsettled_resumes(kept("plain", (0, False), (200, False))) == 0  # every step exchanged alike
+    assert evidence.unsettled_resumes(kept("topk", (0, False))) == 0
