@@ -336,14 +336,21 @@ def lr_name(lr: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def progress(rows_dir: Path = ROWS, platform: str = "cpu") -> list[str]:
-    """One line per unfinished run of the queue on ``platform``, in its order: what it is and how far its curve
-    file has got."""
+def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] = None) -> list[str]:
+    """One line per unfinished run of the queue on ``platform``, in its order: what it is, how far its curve file
+    has got and, where its log under ``work`` has got further (a run in progress writes its curve file when it
+    ends), how far that is."""
     out = []
     for method, seed, batch, lr in unfinished(rows_dir, platform):
         path = curve_path(rows_dir, method, seed, batch, lr, platform)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
-        out.append(f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}")
+        line = f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}"
+        log = None if work is None else work / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.jsonl"
+        if log is not None and log.exists():
+            trained = 1 + max((json.loads(r).get("step", -1) for r in log.read_text().splitlines() if r.strip()),
+                              default=-1)
+            line += f", {trained} trained in its log" if trained > done else ""
+        out.append(line)
     return out
 
 
@@ -753,7 +760,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra,
             segments=not args.in_one)
     elif args.command == "queue" and args.list:
-        print("\n".join(progress(Path(args.rows), cpu_platform())) or "the queue is done")
+        print("\n".join(progress(Path(args.rows), cpu_platform(), Path(args.work))) or "the queue is done")
     elif args.command == "queue":
         queue(Path(args.work), Path(args.rows), args.parallel)
     else:

@@ -197,10 +197,14 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": "5e-4", "steps": 2000,
                                 "steps_done": 400, "val_loss": [[399, 6.5]]}))
-    assert evidence.main(["queue", "--list", "--rows", str(tmp_path)]) == 0
+    log = tmp_path / "work" / "1x" / "seed-0" / f"{evidence.run_name('plain', '5e-4')}.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps(r) + "\n" for r in [{"run": "x", "first_step": 0}, *({"step": s} for s in range(
+        612))]))  # a run in progress: its log has got further than its curve file
+    assert evidence.main(["queue", "--list", "--rows", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept on cpu",
-                         "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept on cpu"]
+                         "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept on cpu, 612 trained in its log"]
     assert len(lines) == len(evidence.unfinished(tmp_path))
 
 
