@@ -673,7 +673,8 @@ def plot(runs: list[dict], path: Path) -> None:
         for (method, lr), mine in _series(decisions(runs, batch)).items():
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
             label = f"{method} ({lr})" if lr.startswith("own") else method
-            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label)
+            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label,
+                              color=_colour(method, lr.startswith("own")))
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.15)
             for seed in dict.fromkeys(seed for r in mine for seed in r["seeds"]):
@@ -690,7 +691,7 @@ def plot(runs: list[dict], path: Path) -> None:
             xs, ys = [p["tokens_per_step"] for p in mine], [p["mean"] for p in mine]
             spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
                       [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
-            bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method)
+            bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method, color=_colour(method))
             ax.plot([p["tokens_per_step"] for p in mine for _ in p["gaps"]], [g for p in mine for g in p["gaps"]],
                     "x", color=bars[0].get_color(), alpha=0.7)
             if (line := doubling_line(mine)) is not None:
@@ -707,6 +708,11 @@ def plot(runs: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _colour(method: str, own_lr: bool = False) -> str:
+    """The plot's colour of ``method`` (at plain's lr, or at its own), the same in every panel."""
+    return f"C{(list(METHODS).index(method) + (len(METHODS) if own_lr else 0)) % 10}"
 
 
 def readme_with(text: str, block: str) -> str:
