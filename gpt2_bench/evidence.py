@@ -121,6 +121,11 @@ def curve_path(rows_dir: Path, method: str, seed: int, batch: str, lr: str, plat
     return rows_dir / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.json"
 
 
+def log_path(work: Path, method: str, seed: int, batch: str, lr: str, platform: str = "cpu") -> Path:
+    """Where a run's trainer log is written: ``<work>/<batch>/seed-<seed>/<run name>.jsonl``."""
+    return work / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.jsonl"
+
+
 def platform_of(extra: Sequence[str]) -> str:
     """``"gpu"`` where the trainer arguments ``extra`` put the run on CUDA (``--device cuda...``), else ``"cpu"``.
     The platforms keep apart: a GPU run (bf16 autocast) pairs only with plain on a GPU."""
@@ -242,8 +247,9 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     platform = platform or platform_of(extra)
     platform = cpu_platform() if platform == "cpu" else platform
     name = run_name(method, lr, platform)
-    out_dir, checkpoints = work / batch / f"seed-{seed}", work / "checkpoints" / batch / f"seed-{seed}" / name
-    argv = [*trainer_argv(method, seed, batch, lr, out_dir, checkpoints, platform), *extra]
+    log = log_path(work, method, seed, batch, lr, platform)
+    checkpoints = work / "checkpoints" / batch / f"seed-{seed}" / name
+    argv = [*trainer_argv(method, seed, batch, lr, log.parent, checkpoints, platform), *extra]
     command = shlex.join(["python", "-m", "gpt2_bench.evidence", "run", method, "--seed", str(seed), "--batch", batch,
                           "--lr", lr, *(["--in-one"] if not segments else []), *(["--", *extra] if extra else [])])
     rows = curve_path(rows_dir, method, seed, batch, lr, platform)
@@ -252,7 +258,6 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     from gpt2_bench.checkpoint import latest, step_of
     from gpt2_bench.train import COMMAND_ENV, NUMERICS_ENV
 
-    log = out_dir / f"{name}.jsonl"
     kept = keep(log, rows, method, seed, batch, lr, platform) if log.exists() else {}
     with tqdm(total=steps, desc=f"{name} seed {seed} {batch}", unit="step") as bar:
         for stop in [*range(interval, steps, interval), steps] if segments else [steps]:
@@ -345,7 +350,7 @@ def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] 
         path = curve_path(rows_dir, method, seed, batch, lr, platform)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
         line = f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}"
-        log = None if work is None else work / batch / f"seed-{seed}" / f"{run_name(method, lr, platform)}.jsonl"
+        log = None if work is None else log_path(work, method, seed, batch, lr, platform)
         if log is not None and log.exists():
             trained = 1 + max((json.loads(r).get("step", -1) for r in log.read_text().splitlines() if r.strip()),
                               default=-1)
