@@ -14,7 +14,8 @@ of the sweep (``plain`` at several ``--lr``) with the lowest mean final loss, br
 sweep adds the rate one doubling past it, :data:`EDGE`), and every method is judged at it. A method whose settings
 earlier screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone. A method
 exchanges every step after step 0 compressed, a resumed one too (the trainer settles DDP's buckets first); the runs
-resumed before it did count their uncompressed steps (:func:`unsettled_resumes`, in the report).
+resumed before it did count their uncompressed steps (:func:`unsettled_resumes`, in the report), and the queue
+makes them again.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
 one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
@@ -290,7 +291,8 @@ def complete(kept: dict) -> bool:
 def unfinished(rows_dir: Path = ROWS, platform: str = "cpu") -> list[tuple[str, int, str, str]]:
     """The queue's runs still to make on a CPU of ``platform``, in the queue's order: a plain run not finished on
     any CPU, and a method's run that has no finished pair on one CPU platform, preceded by plain's run on
-    ``platform`` where that is not finished."""
+    ``platform`` where that is not finished. A method's run with uncompressed resumes (:func:`unsettled_resumes`)
+    is no pair: the queue makes it again in one process, and :func:`pairs` takes the clean one."""
     runs = load(rows_dir)
     rates = {}
     for batch in BATCHES:  # each batch's bracket and best once; the best waits while a bracket is open
@@ -298,7 +300,7 @@ def unfinished(rows_dir: Path = ROWS, platform: str = "cpu") -> list[tuple[str, 
         rates[batch] = {EDGE: edge, BEST: None if edge else best_lr(runs, batch) or "1e-3"}
     done: dict[tuple[str, int, str, str], set[str]] = {}
     for r in runs:
-        if on_cpu(r) and complete(r):
+        if on_cpu(r) and complete(r) and not unsettled_resumes(r):
             done.setdefault((r["method"], r["seed"], r["batch"], r["lr"]), set()).add(r.get("platform", "cpu"))
     todo = []
     for method, seed, batch, lr in QUEUE:
@@ -436,22 +438,25 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str,
           plain_lr: Optional[str] = None) -> dict[int, list[tuple[str, float]]]:
     """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against plain of the same seed
     and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``).
-    A seed paired on two CPU platforms counts once, by the first in name order (the runs before fingerprints)."""
+    A seed paired on two CPU platforms counts once: by a run with no uncompressed resumes
+    (:func:`unsettled_resumes`) where it has one, else by the first in name order (the runs before fingerprints)."""
     def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
-        return {(r.get("platform", "cpu"), r["seed"]): dict(map(tuple, r["val_loss"])) for r in runs
+        return {(r.get("platform", "cpu"), r["seed"]): r for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
 
     plains = curves("plain", plain_lr or lr)
     gaps: dict[int, list[tuple[str, float]]] = {}
-    for (platform, seed), curve in sorted(curves(method, lr).items()):
-        plain = plains.get((platform, seed))
-        if plain is None:
+    methods = curves(method, lr)
+    for key in sorted(methods, key=lambda key: (unsettled_resumes(methods[key]) > 0, key)):
+        if key not in plains:
             continue
-        label = f"{seed}{'' if platform.startswith('cpu') else 'g'}"
+        curve, plain = (dict(map(tuple, kept[key]["val_loss"])) for kept in (methods, plains))
+        label = f"{key[1]}{'' if key[0].startswith('cpu') else 'g'}"
         for step in sorted(set(curve) & set(plain)):
             if label not in dict(gaps.get(step, [])):
                 gaps.setdefault(step, []).append((label, 100 * (curve[step] / plain[step] - 1)))
-    return gaps
+    return {step: sorted(seeds, key=lambda seed: (seed[0].endswith("g"), int(seed[0].rstrip("g"))))
+            for step, seeds in gaps.items()}
 
 
 def decisions(runs: list[dict], batch: str) -> list[dict]:
@@ -605,7 +610,8 @@ def render_report(runs: list[dict]) -> str:
               "`wire_bytes`; a dash where the run's log was not at hand when its file was kept). *Uncompressed "
               "resumes*: steps after step 0 that a method's run exchanged uncompressed, one per resume made before "
               "the trainer settled DDP's buckets first (2026-12-03; the runs then resumed at every evaluation; "
-              "`unsettled_resumes` in `gpt2_bench/evidence.py`).", "",
+              "`unsettled_resumes` in `gpt2_bench/evidence.py`). The queue makes such a run again in one process, "
+              "and the clean run takes its seed's place in the verdicts.", "",
               "| batch | run | seed | steps done | epoch read | MB per step | uncompressed resumes | machine | torch "
               "| commit |",
               "|---|---|---:|---|---:|---:|---:|---|---|---|"]

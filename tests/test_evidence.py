@@ -217,7 +217,7 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
         steps = evidence.schedule(batch)[0]
         loss = 5.0 - (0.1 if (method, lr) == ("plain", "2e-3") and batch == "4x" else 0.0)
         kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "steps": steps, "steps_done": steps,
-                "val_loss": [[steps - 1, loss]]}
+                "val_loss": [[steps - 1, loss]], "sessions": [{"first_step": 0}]}
         path = rows_dir / batch / f"seed-{seed}" / f"{evidence.run_name(method, lr)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(kept))
@@ -356,6 +356,30 @@ def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
                                        ("2.5e-4", 5.9, "cpu-0a1b"), ("5e-4", 5.70, "cpu-0a1b"))]
     assert evidence.best_lr(four[:3], "4x") == "5e-4" and evidence.edge_lr(four[:3], "4x") == "2.5e-4"
     assert evidence.best_lr(four, "4x") == "5e-4" and evidence.edge_lr(four, "4x") is None  # bracketed
+
+
+def test_a_method_run_with_uncompressed_resumes_is_made_again_and_the_clean_pair_decides(tmp_path):
+    def curve(method, seed, loss, platform, resumed=False):
+        path = evidence.curve_path(tmp_path, method, seed, "1x", "1e-3", platform)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sessions = [{"first_step": 0}, *([{"first_step": 200}] if resumed else [])]
+        path.write_text(json.dumps({"method": method, "seed": seed, "batch": "1x", "lr": "1e-3",
+                                    "platform": platform, "steps": 2000, "steps_done": 2000,
+                                    "val_loss": [[1999, loss]], "sessions": sessions, "epoch_fraction": None}))
+
+    _sweep(tmp_path, "1x", {"5e-4": 5.71, "1e-3": 5.70, "2e-3": 5.80})  # plain 1e-3: 5.70 (seed 0), 5.71 (1)
+    curve("tagc", 0, 5.75, "cpu", resumed=True)  # one step after step 0 exchanged uncompressed
+    curve("tagc", 1, 5.76, "cpu")
+    todo = evidence.unfinished(tmp_path, "cpu-0a1b")
+    assert todo.index(("plain", 0, "1x", "1e-3")) < todo.index(("tagc", 0, "1x", "1e-3"))
+    assert ("tagc", 1, "1x", "1e-3") not in todo
+    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # until then the marked run counts
+    assert gaps == [("0", pytest.approx(100 * (5.75 / 5.70 - 1))), ("1", pytest.approx(100 * (5.76 / 5.71 - 1)))]
+    curve("plain", 0, 5.66, "cpu-0a1b")
+    curve("tagc", 0, 5.68, "cpu-0a1b")
+    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # the clean pair, though named later
+    assert gaps == [("0", pytest.approx(100 * (5.68 / 5.66 - 1))), ("1", pytest.approx(100 * (5.76 / 5.71 - 1)))]
+    assert ("tagc", 0, "1x", "1e-3") not in evidence.unfinished(tmp_path, "cpu-0a1b")
 
 
 def test_a_run_carried_on_by_a_machine_that_computes_otherwise_is_refused(tmp_path):
