@@ -143,15 +143,22 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
     """Peel with a queue of pure cells; writes settled values into ``out`` and takes them out
     of ``work``. Returns the settled mask, the number of generations (rounds) and the number
     of cells no position maps to that are non-zero (the consistency check of
-    :func:`tagc.sketch.codec.decode`)."""
+    :func:`tagc.sketch.codec.decode`).
+
+    Peeling is bound by random reads of the table, so each cell keeps its tally and its value side by side (one
+    cache line for both), a pure cell's tally names its position itself (no read of ``positions``), and the
+    settled positions are bits of a bitmap."""
     k = positions.size
-    one = np.int64(1) << 40  # tally = (unsettled positions on the cell) << 40 | (sum of their ids)
-    tally = np.zeros(work.size, dtype=np.int64)
+    one = np.int64(1) << 40  # tally = (unsettled positions on the cell) << 40 | (sum of those positions)
+    cells = np.zeros(2 * work.size, dtype=np.int64)
+    tally = cells[0::2]
+    table = cells.view(np.float64)[1::2]
+    table[:] = work
     for i in range(k):
         p = positions[i]
         for j in range(3):
-            tally[cell(p, j, block_rows, lane_xor, lane_bits)] += one + i
-    known = np.zeros(k, dtype=np.bool_)
+            tally[cell(p, j, block_rows, lane_xor, lane_bits)] += one + p
+    settled_bits = np.zeros((out.size + 63) >> 6, dtype=np.uint64)
     queue = np.empty(work.size + 3 * k, dtype=np.int64)
     tail = 0
     inconsistent = 0
@@ -159,7 +166,7 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
         if (tally[c] >> 40) == 1:
             queue[tail] = c
             tail += 1
-        elif tally[c] == 0 and work[c] != 0:
+        elif tally[c] == 0 and table[c] != 0:
             inconsistent += 1
     head = 0
     rounds = 0
@@ -171,23 +178,22 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
             head += 1
             if (tally[c] >> 40) != 1:
                 continue
-            i = tally[c] & (one - 1)
-            p = positions[i]
+            p = tally[c] & (one - 1)
             b = p >> lane_bits
             c0 = cell(p, 0, block_rows, lane_xor, lane_bits)
             c1 = cell(p, 1, block_rows, lane_xor, lane_bits)
             c2 = cell(p, 2, block_rows, lane_xor, lane_bits)
             s0, s1, s2 = block_signs[b, 0], block_signs[b, 1], block_signs[b, 2]
-            value = (s0 if c == c0 else (s1 if c == c1 else s2)) * work[c]
+            value = (s0 if c == c0 else (s1 if c == c1 else s2)) * table[c]
             out[p] = value
-            known[i] = True
+            settled_bits[p >> 6] |= np.uint64(1) << np.uint64(p & 63)
             settled = True
-            work[c0] -= s0 * value
-            work[c1] -= s1 * value
-            work[c2] -= s2 * value
-            tally[c0] -= one + i
-            tally[c1] -= one + i
-            tally[c2] -= one + i
+            table[c0] -= s0 * value
+            table[c1] -= s1 * value
+            table[c2] -= s2 * value
+            tally[c0] -= one + p
+            tally[c1] -= one + p
+            tally[c2] -= one + p
             if (tally[c0] >> 40) == 1:
                 queue[tail] = c0
                 tail += 1
@@ -199,6 +205,11 @@ def peel(positions, work, out, block_rows, block_signs, lane_xor, lane_bits):
                 tail += 1
         if settled:
             rounds += 1
+    work[:] = table
+    known = np.empty(k, dtype=np.bool_)
+    for i in range(k):
+        p = positions[i]
+        known[i] = (settled_bits[p >> 6] >> np.uint64(p & 63)) & np.uint64(1)
     return known, rounds, inconsistent
 
 
