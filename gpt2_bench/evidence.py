@@ -671,7 +671,8 @@ def render_readme(runs: list[dict]) -> str:
 
 def plot(runs: list[dict], path: Path) -> None:
     """Per batch, each method's mean gap against the tokens read, its 95% interval as a band and each seed's gap
-    dashed (with two seeds the band is wide, and whether every seed trails is what a reader looks for); last, each
+    dashed (with two seeds the band is wide, and whether every seed trails is what a reader looks for; the panel
+    spans the seeds' gaps, so a band wider than them runs off it); last, each
     method's gap at each batch's end against tokens per step (log scale), each seed's as a cross, its
     :func:`doubling_line` dashed to GPT-2's."""
     import matplotlib
@@ -681,20 +682,25 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(BATCHES) + 1, figsize=(16, 4))
     for ax, batch in zip(axes, BATCHES):
+        shown = [0.0]  # what the panel spans: zero, the means and every seed's gap
         for (method, lr), mine in _series(decisions(runs, batch)).items():
+            shown += [g for r in mine for g in (r["mean"], *r["gaps"])]
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
             label = f"{method} ({lr})" if lr.startswith("own") else method
             (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label,
                               color=_colour(method, lr.startswith("own")))
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
-                            alpha=0.15)
+                            alpha=0.08)
             for seed in dict.fromkeys(seed for r in mine for seed in r["seeds"]):
                 gaps = [(t, g) for t, r in zip(tokens, mine) for s, g in zip(r["seeds"], r["gaps"]) if s == seed]
                 ax.plot(*zip(*gaps), color=line.get_color(), lw=1, ls="--", alpha=0.7)
         if not ax.lines:
             ax.text(0.5, 0.5, "no finished pair yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        else:
+            margin = max(0.5, 0.15 * (max(shown) - min(shown)))
+            ax.set_ylim(min(shown) - margin, max(shown) + margin)
         ax.set(title=f"{batch} ({tokens_per_step(batch):,} tokens per step)", xlabel="tokens read (M)")
-    axes[0].set_ylabel("val loss against plain, same seed (%)")
+    axes[0].set_ylabel("val loss against plain, same seed (%)\nbands: 95% intervals, cut at the seeds' range")
     ax, points = axes[-1], batch_axis(runs)
     for method in METHODS:
         mine = [p for p in points if p["method"] == method]
