@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decision set of docs/evidence.md on one lent GPU: every run at once, two gloo ranks each on GPU 0
-# (--device cuda-shared, bf16 autocast), each through `python -m gpt2_bench.evidence run ... --in-one`, so that its
+# (--device cuda-shared, bf16 autocast), each through `python -m gpt2_bench.evidence run ...`, so that its
 # curve file (command, commit, torch, machine) lands in docs/rows/evidence/ as on the CPU.
 #
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
@@ -38,7 +38,7 @@ print(next(s for s in range(100) if not finished('tagc', s, '$batch', '${lrs%% *
     for s in $seeds; do
       for r in $RUNS; do
         python -m gpt2_bench.evidence run "$r" --seed "$s" --batch "$batch" --lr "$lr" --work "$OUT/work" \
-          --rows "$OUT/rows" --in-one -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$MAXT" \
+          --rows "$OUT/rows" -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$MAXT" \
           > "$OUT/logs/$r-$batch-s$s-lr$lr.txt" 2>&1 &
       done
     done

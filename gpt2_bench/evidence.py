@@ -17,9 +17,9 @@ exchanges every step after step 0 compressed, a resumed one too (the trainer set
 resumed before it did count their uncompressed steps (:func:`unsettled_resumes`, in the report), and the queue
 makes them again.
 
-``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in segments of
-one evaluation each, checkpointing and rewriting its curve file after each, so that a stopped run resumes where it
-was (``--resume`` from its checkpoint) and a finished curve can be committed at once;
+``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in one process,
+checkpointing at every evaluation, so that a stopped run resumes where it was (``--resume`` from its checkpoint),
+and writes its curve file, to be committed at once;
 ``python -m gpt2_bench.evidence rebuild`` remakes ``docs/evidence.md``, its plot and the README's quality block;
 ``tests/test_evidence.py`` checks that they match the kept files.
 """
@@ -239,12 +239,13 @@ def wire_mb_per_step(records: Sequence[dict]) -> Optional[float]:
 
 
 def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path = ROWS, extra: Sequence[str] = (),
-        segments: bool = True, platform: Optional[str] = None) -> dict:
-    """Train (or resume) one run of the protocol, one evaluation interval at a time (``segments``; else in one go),
-    rewriting its curve file after each; returns the curve file's content. ``extra``: more trainer arguments, where
-    the run is made (``--device cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how.
-    ``platform``: this machine's (default: ``"gpu"`` on CUDA, else :func:`cpu_platform`)."""
-    steps, interval = schedule(batch)
+        platform: Optional[str] = None) -> dict:
+    """Train (or resume from its newest checkpoint) one run of the protocol in one trainer process, then write its
+    curve file; returns the file's content. A run stopped early (``--max-time``, a killed session) resumes where its
+    checkpoint is at the next call. ``extra``: more trainer arguments, where the run is made (``--device
+    cuda-shared``, ``--dataset`` a prepared folder, ``--max-time``), not how. ``platform``: this machine's (default:
+    ``"gpu"`` on CUDA, else :func:`cpu_platform`)."""
+    steps, _ = schedule(batch)
     platform = platform or platform_of(extra)
     platform = cpu_platform() if platform == "cpu" else platform
     name = run_name(method, lr, platform)
@@ -252,29 +253,17 @@ def run(method: str, seed: int, batch: str, lr: str, work: Path, rows_dir: Path 
     checkpoints = work / "checkpoints" / batch / f"seed-{seed}" / name
     argv = [*trainer_argv(method, seed, batch, lr, log.parent, checkpoints, platform), *extra]
     command = shlex.join(["python", "-m", "gpt2_bench.evidence", "run", method, "--seed", str(seed), "--batch", batch,
-                          "--lr", lr, *(["--in-one"] if not segments else []), *(["--", *extra] if extra else [])])
+                          "--lr", lr, *(["--", *extra] if extra else [])])
     rows = curve_path(rows_dir, method, seed, batch, lr, platform)
-    from tqdm.auto import tqdm
-
     from gpt2_bench.checkpoint import latest, step_of
     from gpt2_bench.train import COMMAND_ENV, NUMERICS_ENV
 
-    kept = keep(log, rows, method, seed, batch, lr, platform) if log.exists() else {}
-    with tqdm(total=steps, desc=f"{name} seed {seed} {batch}", unit="step") as bar:
-        for stop in [*range(interval, steps, interval), steps] if segments else [steps]:
-            newest = latest(checkpoints)
-            done = 0 if newest is None else step_of(newest)  # what --resume starts from
-            bar.update(max(0, min(done, stop) - bar.n))
-            if done >= stop:
-                continue
-            subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(stop)], check=True,
-                           env={**os.environ, COMMAND_ENV: command,
-                                NUMERICS_ENV: platform.removeprefix("cpu-") if platform.startswith("cpu-") else ""})
-            kept = keep(log, rows, method, seed, batch, lr, platform)
-            bar.update(kept["steps_done"] - bar.n)
-            if kept["steps_done"] < stop:  # stopped early (--max-time): resume later
-                break
-    return kept
+    newest = latest(checkpoints)
+    if newest is None or step_of(newest) < steps:
+        subprocess.run([sys.executable, "-m", "gpt2_bench.train", *argv, "--stop-at", str(steps)], check=True,
+                       env={**os.environ, COMMAND_ENV: command,
+                            NUMERICS_ENV: platform.removeprefix("cpu-") if platform.startswith("cpu-") else ""})
+    return keep(log, rows, method, seed, batch, lr, platform)
 
 
 def finished(method: str, seed: int, batch: str, lr: str, rows_dir: Path = ROWS, platform: str = "cpu") -> bool:
@@ -366,15 +355,14 @@ def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Option
     at a time, each resuming from its checkpoint, reading plain's best learning rate again after each round (a
     batch's sweep decides the lr of the runs after it). One at a time by default: a run's two ranks fill two
     cores, and a checkpoint does not outlive its machine, so a run that finishes within a session beats two that
-    are half done. Each run trains in one process (no segments: a process's start-up is paid once), checkpointing
-    at every evaluation; its curve file is written when it ends or stops."""
+    are half done."""
     from concurrent.futures import ThreadPoolExecutor
 
     platform = platform or cpu_platform()
     with ThreadPoolExecutor(parallel) as pool:
         while todo := unfinished(rows_dir, platform)[:parallel]:
             for item, done in zip(todo, pool.map(
-                    lambda item: run(*item, work=work, rows_dir=rows_dir, segments=False, platform=platform), todo)):
+                    lambda item: run(*item, work=work, rows_dir=rows_dir, platform=platform), todo)):
                 print(f"kept {item}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
                 if done.get("steps_done") != done.get("steps"):
                     raise RuntimeError(f"{item} stopped at step {done.get('steps_done')} of {done.get('steps')}: see "
@@ -759,7 +747,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     go.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
     go.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
     go.add_argument("--in-one", action="store_true",
-                    help="one trainer call to the end (a GPU), not one per evaluation (the default, a CPU)")
+                    help="(what every run does now; kept so that the commands earlier curve files record still run)")
     go.epilog = ("after --: trainer arguments for where it runs, e.g. -- --device cuda-shared --dataset "
                  ".gpu/data/mix --max-time 420")
     line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
@@ -780,8 +768,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             float(args.lr)
         except ValueError:
             parser.error(f"--lr takes a number such as 1e-3, got {args.lr!r}")
-        run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra,
-            segments=not args.in_one)
+        run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra)
     elif args.command == "queue" and args.list:
         print("\n".join(progress(Path(args.rows), cpu_platform(), Path(args.work))) or "the queue is done")
     elif args.command == "queue":

@@ -211,8 +211,8 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(method, seed, batch, lr, work, rows_dir, segments, platform):
-        assert platform == "cpu" and not segments  # each run in one process
+    def fake_run(method, seed, batch, lr, work, rows_dir, platform):
+        assert platform == "cpu"
         calls.append((method, seed, batch, lr))
         steps = evidence.schedule(batch)[0]
         loss = 5.0 - (0.1 if (method, lr) == ("plain", "2e-3") and batch == "4x" else 0.0)
@@ -241,7 +241,7 @@ def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypat
 
 def test_the_queue_stops_on_a_run_that_does_not_finish(tmp_path, monkeypatch):
     monkeypatch.setattr(evidence, "run",
-                        lambda *item, work, rows_dir, segments, platform: {"steps_done": 400, "steps": 2000})
+                        lambda *item, work, rows_dir, platform: {"steps_done": 400, "steps": 2000})
     with pytest.raises(RuntimeError, match="stopped at step 400 of 2000"):
         evidence.queue(tmp_path / "work", tmp_path / "rows", platform="cpu")
 
@@ -266,9 +266,11 @@ def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
     """``.gpu/quality.sh``'s call: trainer arguments after ``--`` reach the run, and only the run takes them."""
     calls = []
     monkeypatch.setattr(evidence, "run", lambda *args, **kwargs: calls.append((args, kwargs)))
+    evidence.main(["run", "tagc", "--seed", "2", "--", "--device", "cuda-shared", "--max-time", "480"])
     evidence.main(["run", "tagc", "--seed", "2", "--in-one", "--", "--device", "cuda-shared", "--max-time", "480"])
+    assert calls[0] == calls[1]  # --in-one, as earlier curve files record it: what every run does now
     (method, seed, batch, lr, _, _, extra), kwargs = calls[0]
-    assert (method, seed, batch, lr) == ("tagc", 2, "1x", "1e-3") and kwargs == {"segments": False}
+    assert (method, seed, batch, lr) == ("tagc", 2, "1x", "1e-3") and kwargs == {}
     assert extra == ["--device", "cuda-shared", "--max-time", "480"] and evidence.platform_of(extra) == "gpu"
     with pytest.raises(SystemExit):
         evidence.main(["rebuild", "--", "--device", "cpu"])
@@ -284,6 +286,34 @@ def _sweep(tmp_path, batch, losses):
             path.write_text(json.dumps({"method": "plain", "seed": seed, "batch": batch, "lr": lr, "steps": steps,
                                         "steps_done": steps, "val_loss": [[steps - 1, loss + seed / 100]],
                                         "sessions": [], "epoch_fraction": None}))
+
+
+def test_a_run_trains_in_one_trainer_call_and_keeps_its_curve(tmp_path, monkeypatch):
+    from gpt2_bench import checkpoint
+    from gpt2_bench.train import COMMAND_ENV, NUMERICS_ENV
+
+    calls, commands = [], []
+
+    def trainer(argv, check, env):
+        calls.append(argv)
+        commands.append(env[COMMAND_ENV])
+        log = evidence.log_path(tmp_path / "work", "tagc", 0, "1x", "1e-3", "cpu-0a1b")
+        log.parent.mkdir(parents=True)
+        _log(log, {199: 6.0, 399: 5.0})
+        session, *rest = log.read_text().splitlines()
+        session = json.loads(session)
+        session["machine"]["numerics"] = env[NUMERICS_ENV]  # as the trainer records the machine it ran on
+        log.write_text("\n".join([json.dumps(session), *rest]) + "\n")
+
+    monkeypatch.setattr(evidence.subprocess, "run", trainer)
+    kept = evidence.run("tagc", 0, "1x", "1e-3", tmp_path / "work", tmp_path / "rows", platform="cpu-0a1b")
+    assert len(calls) == 1 and calls[0][calls[0].index("--stop-at") + 1] == "2000" and "--resume" in calls[0]
+    assert kept["steps_done"] == 400 and kept["val_loss"] == [[199, 6.0], [399, 5.0]]
+    assert json.loads(evidence.curve_path(tmp_path / "rows", "tagc", 0, "1x", "1e-3", "cpu-0a1b").read_text()) == kept
+    assert commands == ["python -m gpt2_bench.evidence run tagc --seed 0 --batch 1x --lr 1e-3"]  # what it records
+    monkeypatch.setattr(checkpoint, "latest", lambda directory: directory / "step-2000")  # at its end
+    assert evidence.run("tagc", 0, "1x", "1e-3", tmp_path / "work", tmp_path / "rows", platform="cpu-0a1b") == kept
+    assert len(calls) == 1  # no trainer call: the curve is kept from the log
 
 
 def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it(tmp_path):
