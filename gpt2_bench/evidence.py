@@ -87,7 +87,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
     *(("int4", seed, "4x", BEST) for seed in (0, 1)),
-    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief")),
+    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief", "topk")),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
 )
@@ -97,7 +97,8 @@ later there, after ``tagc`` at 4x); the pairs that decide most first: ``tagc`` a
 ``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the twelfth
 screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x, where its gap was seen to grow, beside
 ``topk`` there, the fix that screen points to (a denser selection at the same bytes); then the rest of the decision
-set, more seeds, 16x."""
+set, more seeds (``topk``'s too: its settings were picked on seeds 0 and 1, :data:`TUNED_ON`, and only other seeds
+can say whether it should take ``tagc.hook()``'s place), 16x."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
