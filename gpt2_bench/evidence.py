@@ -592,8 +592,11 @@ def render_report(runs: list[dict]) -> str:
               "", *render_batch_axis(runs)]
     lines += ["", "## One run on two machines", "",
               "The same run (method, seed, batch, lr) finished on CPUs of different numerics fingerprints: the "
-              "second's val loss against the first's, in %, at each evaluation. This is why a pair is made on one "
-              "machine.", "",
+              "second's val loss against the first's, in %, at each evaluation. Machines that differ in the last "
+              "bits of their arithmetic can still give one plain run alike; a compressed run amplifies such a "
+              "difference (its selection is discontinuous: [a protocol check](quality-diagnosis.md#a-protocol-"
+              "check-a-resumes-uncompressed-step-and-how-far-one-step-moves-a-compressed-run)), so a pair is made "
+              "on one machine.", "",
               *render_machines(runs)]
     lines += ["", "## The runs", "", "*MB per step*: the median of what a step sent per rank (the trainer's "
               "`wire_bytes`; a dash where the run's log was not at hand when its file was kept). *Uncompressed "
