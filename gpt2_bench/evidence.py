@@ -278,11 +278,12 @@ def complete(kept: dict) -> bool:
     return kept["steps_done"] == kept["steps"]
 
 
-def unfinished(rows_dir: Path = ROWS, platform: str = "cpu") -> list[tuple[str, int, str, str]]:
+def unfinished(rows_dir: Path = ROWS, platform: str = "cpu", waiting: bool = False) -> list[tuple[str, int, str, str]]:
     """The queue's runs still to make on a CPU of ``platform``, in the queue's order: a plain run not finished on
     any CPU, and a method's run that has no finished pair on one CPU platform, preceded by plain's run on
     ``platform`` where that is not finished. A method's run with uncompressed resumes (:func:`unsettled_resumes`)
-    is no pair: the queue makes it again in one process, and :func:`pairs` takes the clean one."""
+    is no pair: the queue makes it again in one process, and :func:`pairs` takes the clean one. ``waiting``: the
+    runs at plain's best lr of a batch whose bracket is still open are listed too, in their place, at :data:`BEST`."""
     runs = load(rows_dir)
     rates = {}
     for batch in BATCHES:  # each batch's bracket and best once; the best waits while a bracket is open
@@ -296,6 +297,8 @@ def unfinished(rows_dir: Path = ROWS, platform: str = "cpu") -> list[tuple[str, 
     for method, seed, batch, lr in QUEUE:
         item = (method, seed, batch, rates[batch].get(lr, lr))
         plain = ("plain", *item[1:])
+        if not item[3] and waiting and lr == BEST:
+            todo.append((method, seed, batch, BEST))
         if not item[3] or done.get(item, set()) & done.get(plain, set()):
             continue
         todo += [run for run in (plain, item) if platform not in done.get(run, set())]
@@ -336,9 +339,19 @@ def lr_name(lr: float) -> str:
 def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] = None) -> list[str]:
     """One line per unfinished run of the queue on ``platform``, in its order: what it is, how far its curve file
     has got and, where its log under ``work`` has got further (a run in progress writes its curve file when it
-    ends), how far that is."""
+    ends), how far that is. A run at plain's best lr of a batch whose bracket is still open says that it waits, in
+    the place where the queue takes it up: after the bracket's runs where it comes before them in :data:`QUEUE`."""
+    order = unfinished(rows_dir, platform, waiting=True)
+    runs = load(rows_dir)
+    for batch in dict.fromkeys(item[2] for item in order if item[3] == BEST):
+        last = max((k for k, item in enumerate(order) if item[2:] == (batch, edge_lr(runs, batch))), default=-1)
+        early = [item for item in order[:last] if item[2:] == (batch, BEST)]
+        order = [item for item in order[:last + 1] if item not in early] + early + order[last + 1:]
     out = []
-    for method, seed, batch, lr in unfinished(rows_dir, platform):
+    for method, seed, batch, lr in order:
+        if lr == BEST:
+            out.append(f"{method} seed {seed} {batch} at plain's best lr: waits for {batch}'s bracket")
+            continue
         path = curve_path(rows_dir, method, seed, batch, lr, platform)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
         line = f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}"

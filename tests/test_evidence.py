@@ -325,6 +325,14 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     todo = evidence.unfinished(tmp_path)
     assert ("plain", 0, "1x", "2.5e-4") in todo and ("plain", 1, "1x", "2.5e-4") in todo
     assert not [item for item in todo if item[2] == "1x" and item[3] != "2.5e-4"]  # 1x's methods wait for it
+    lines = evidence.progress(tmp_path)
+    waiting = [k for k, line in enumerate(lines) if "waits" in line]
+    assert lines[waiting[0]] == "tagc seed 0 1x at plain's best lr: waits for 1x's bracket"
+    assert len(waiting) == sum(1 for item in evidence.QUEUE if item[2:] == ("1x", evidence.BEST))
+    assert lines[waiting[0] - 1].startswith("plain seed 1 1x lr 2.5e-4:")  # taken up after the bracket's runs
+    assert lines[waiting[0] + 6] == "tagc-brief seed 0 1x at plain's best lr: waits for 1x's bracket"
+    later = lines.index("plain seed 2 1x at plain's best lr: waits for 1x's bracket")  # after 4x's int4, as queued
+    assert lines[later - 1].startswith("int4 seed 1 4x lr ")
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
     assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"
     _sweep(tmp_path, "1x", {"1.25e-4": 5.75})  # bracketed: the methods go at 2.5e-4
