@@ -10,7 +10,7 @@ summed error against the summed noise, ``||sum_t (estimate - mean)||^2 / sum_t n
 same way step after step (what a fading shift or a stateless rounding's bias leaves out for good) grows in it with
 the steps, where a fresh, independent one does not.
 
-    python docs/rows/screens/codec_error.py CHECKPOINT --batch 4 --steps 12 --json OUT.json
+    python docs/rows/screens/codec_error.py CHECKPOINT --batch 4 --steps 12 --json OUT.json [--screen density]
 
 ``CHECKPOINT``: a ``step-N`` directory a decision run left (``python -m gpt2_bench.evidence run ...`` keeps the
 last under ``bench_out/evidence/checkpoints``); its windows are seed 7's, a seed no decision judges.
@@ -72,13 +72,23 @@ def masks(kind: str, changes: list[torch.Tensor], share: float) -> list[torch.Te
     return [top(sum(c.abs() for c in changes), share)] * len(changes)  # shared entries, an oracle
 
 
-SELECTIONS = {  # name: (mask kind, kept share, value rounding); shares at about 4 bits per compressed element
-    "tagc: own top 8.1%, exact": ("own", 0.081, None),
-    "topk-f8: own top 35%, float8": ("own", 0.35, fp8),
-    "shared blocks of 64, 23%, float16": ("blocks", 0.23, fp16),
-    "shared blocks of 64, 46%, float8": ("blocks", 0.46, fp8),
-    "shared entries, 23%, float16 (oracle)": ("entries", 0.23, fp16),
-    "int4, no feedback": ("int4", None, None),
+SCREENS = {  # name: (mask kind, kept share, value rounding)
+    "support": {  # the twelfth screen: a support the ranks share, at about 4 bits per compressed element
+        "tagc: own top 8.1%, exact": ("own", 0.081, None),
+        "topk-f8: own top 35%, float8": ("own", 0.35, fp8),
+        "shared blocks of 64, 23%, float16": ("blocks", 0.23, fp16),
+        "shared blocks of 64, 46%, float8": ("blocks", 0.46, fp8),
+        "shared entries, 23%, float16 (oracle)": ("entries", 0.23, fp16),
+        "int4, no feedback": ("int4", None, None),
+    },
+    "density": {  # the thirteenth: denser selections, at 2 to 3 times the bytes (TAGC: ratio 2.25 and 1.5)
+        "tagc: own top 8.1%, exact (ratio 4.5, 4.6 bits)": ("own", 0.081, None),
+        "tagc: own top 17%, exact (ratio 2.25, 8.1 bits)": ("own", 0.170, None),
+        "tagc: own top 27%, exact (ratio 1.5, 11.7 bits)": ("own", 0.270, None),
+        "topk-f8: own top 35%, float8 (about 4 bits)": ("own", 0.35, fp8),
+        "topk-f8: own top 70%, float8 (about 7.4 bits)": ("own", 0.70, fp8),
+        "int4, no feedback (4.25 bits)": ("int4", None, None),
+    },
 }
 
 
@@ -88,7 +98,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="windows of 128 tokens per rank (4: 1x, 16: 4x)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--screen", choices=sorted(SCREENS), default="support",
+                        help="which selections: the twelfth screen's (support, the default) or the thirteenth's")
     args = parser.parse_args()
+    SELECTIONS = SCREENS[args.screen]
     torch.set_num_threads(1)
     checkpoint = Path(args.checkpoint)
     saved = checkpoint.with_suffix(".pt")
@@ -137,6 +150,7 @@ def main() -> None:
         print(step, " ".join(f"{r[-1]:.3f}" for r in ratios.values()), flush=True)
     kept = slice(settled - start, None)
     record = {"checkpoint": checkpoint.name, "batch": args.batch, "steps": args.steps, "seed": SEED,
+              "screen": args.screen,
               "median_error_over_noise": {name: sorted(r[kept])[len(r[kept]) // 2] for name, r in ratios.items()},
               "summed_error_over_summed_noise": {name: sum(e.pow(2).sum().item() for e in summed[name]) / summed_noise
                                                  for name in SELECTIONS},
