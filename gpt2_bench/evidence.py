@@ -344,7 +344,8 @@ def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] 
     order = unfinished(rows_dir, platform, waiting=True)
     runs = load(rows_dir)
     for batch in dict.fromkeys(item[2] for item in order if item[3] == BEST):
-        last = max((k for k, item in enumerate(order) if item[2:] == (batch, edge_lr(runs, batch))), default=-1)
+        edge = edge_lr(runs, batch)
+        last = max((k for k, item in enumerate(order) if item[2:] == (batch, edge)), default=-1)
         early = [item for item in order[:last] if item[2:] == (batch, BEST)]
         order = [item for item in order[:last + 1] if item not in early] + early + order[last + 1:]
     out = []
