@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--screen", choices=sorted(SCREENS), default="support",
                         help="which selections: the twelfth screen's (support, the default) or the thirteenth's")
     args = parser.parse_args()
-    SELECTIONS = SCREENS[args.screen]
+    selections = SCREENS[args.screen]
     torch.set_num_threads(1)
     checkpoint = Path(args.checkpoint)
     saved = checkpoint.with_suffix(".pt")
@@ -113,11 +113,11 @@ def main() -> None:
     params = [p for n, p in model.named_parameters() if non_attention_linear(n, modules.get(n.rsplit(".", 1)[0]))]
     data = TokenData(prepare("mix", progress=False))
     start = int(checkpoint.name.rsplit("-", 1)[1])
-    shifts = {name: [[torch.zeros(p.numel()) for p in params] for _ in range(2)] for name in SELECTIONS}
+    shifts = {name: [[torch.zeros(p.numel()) for p in params] for _ in range(2)] for name in selections}
     generator = torch.Generator().manual_seed(0)
-    ratios = {name: [] for name in SELECTIONS}
+    ratios = {name: [] for name in selections}
     settled = start + args.steps // 3
-    summed = {name: [torch.zeros(p.numel()) for p in params] for name in SELECTIONS}
+    summed = {name: [torch.zeros(p.numel()) for p in params] for name in selections}
     summed_noise = 0.0
 
     def gradients(step: int, rank: int) -> list[torch.Tensor]:
@@ -130,7 +130,7 @@ def main() -> None:
         grads = [gradients(step, rank) for rank in range(2)]
         noise = sum(((a - b) / 2).pow(2).sum() for a, b in zip(*grads)).item()
         summed_noise += noise if step >= settled else 0.0
-        for name, (kind, share, rounding) in SELECTIONS.items():
+        for name, (kind, share, rounding) in selections.items():
             error = 0.0
             for j, pair in enumerate(zip(*grads)):
                 if kind == "int4":
@@ -153,7 +153,7 @@ def main() -> None:
               "screen": args.screen,
               "median_error_over_noise": {name: sorted(r[kept])[len(r[kept]) // 2] for name, r in ratios.items()},
               "summed_error_over_summed_noise": {name: sum(e.pow(2).sum().item() for e in summed[name]) / summed_noise
-                                                 for name in SELECTIONS},
+                                                 for name in selections},
               "per_step": ratios}
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "per_step"}, indent=1))
