@@ -256,7 +256,7 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
         assert edges == evidence.sweep_seeds(batch), batch  # a bracket on every seed of the sweep
     seeds = {m: {seed for m2, seed, b, _ in evidence.QUEUE if m2 == m and b == "1x"} for m in evidence.METHODS}
     assert all(len(seeds[m]) >= 4 for m in ("plain", "tagc", "tagc-brief"))  # the seed counts
-    assert all(len(seeds[m]) >= 2 for m in evidence.METHODS)
+    assert all(len(seeds[m]) >= 2 for m in ("int4", "topk", "powersgd-r16"))
     first = [item[:3] for item in evidence.QUEUE]  # what could replace tagc at 1x runs before the 4x sweep
     assert max(first.index((m, seed, "1x")) for m in ("topk", "int4") for seed in (0, 1)) < first.index(
         ("plain", 0, "4x"))
