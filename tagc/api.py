@@ -21,7 +21,8 @@ def hook(ratio: float | None = None, index_bits: int | None = None, sparsity: fl
     documents every one of them.
 
     With no arguments, codec ``tagc`` runs the screens' pick for plain training's loss at no more bytes than
-    ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`; its loss against plain: ``docs/evidence.md``):
+    ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`; its loss against plain, and at which batches it
+    trails: ``docs/evidence.md``, whose verdicts the README's choice of codec follows):
     ratio 4.5, the other columns in ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every
     argument given overrides its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic",
     positions="bitmap", value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list
