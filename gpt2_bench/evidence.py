@@ -70,8 +70,8 @@ METHODS: dict[str, tuple[str, list[str]]] = {
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (run at 4x only): run name ->
 (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes per exchange, still
-half its bytes per token read at 4x the tokens per step: the thirteenth screen of ``docs/quality-diagnosis.md``
-found it holds 1x's error at 4x."""
+half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
+``docs/quality-diagnosis.md`` points to."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
                                          "tagc-ratio2.25": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
