@@ -54,19 +54,18 @@ EVALUATIONS = 10
 """Evaluations per run, evenly spaced (every 200 steps at 1x)."""
 LRS = ("5e-4", "1e-3", "2e-3")
 """Plain's learning-rate sweep."""
+TAGC_FLAGS = ["--compression", "non-attn", "--codec", "tagc", "--feedback-decay-follows-lr"]
+"""The trainer's flags for ``tagc.hook()`` + ``hook.follow_lr(optimizer)``; a variant of it adds its own."""
 METHODS: dict[str, tuple[str, list[str]]] = {
     "plain": ("plain DDP", ["--compression", "none", "--transport", "gloo"]),
-    "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`",
-             ["--compression", "non-attn", "--codec", "tagc", "--feedback-decay-follows-lr"]),
+    "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`", TAGC_FLAGS),
     "tagc-brief": ("`tagc.hook(ratio=10, index_bits=1)`",
                    ["--compression", "non-attn", "--codec", "tagc", "--ratio", "10", "--index-bits", "1"]),
     "int4": ("`tagc.hook(codec=\"int4\", select=\"all\")`", ["--compression", "all", "--codec", "int4"]),
     "topk": ("`tagc.hook(codec=\"topk\")`", ["--compression", "non-attn", "--codec", "topk"]),
     "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", rank=16)`)",
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
-    "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`",
-                       ["--compression", "non-attn", "--codec", "tagc", "--feedback-decay-follows-lr",
-                        "--ratio", "2.25"]),
+    "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--ratio", "2.25"]),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (run at 4x only): run name ->
 (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes per exchange, still
