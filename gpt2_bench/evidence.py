@@ -87,27 +87,24 @@ lowest or the highest rate swept (:func:`edge_lr`): a best at an end of the swee
 drops out of the queue once the best is bracketed."""
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("1e-3", "5e-4", "2e-3")),
-    *(("tagc", seed, "1x", BEST) for seed in (0, 1)),
-    *((m, seed, "1x", BEST) for m in ("topk", "int4") for seed in (0, 1)),
     *(("plain", 0, "4x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "4x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "topk")),
     *(("tagc-ratio2.25", seed, "4x", BEST) for seed in (0, 1)),
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
-    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc-brief", "powersgd-r16")),
+    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "topk")),
+    *((m, seed, "1x", BEST) for m in ("tagc-brief", "powersgd-r16") for seed in (2, 3)),
     *(("int4", seed, "4x", BEST) for seed in (0, 1)),
-    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief", "topk")),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
+    *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "int4", "tagc-brief")),
 )
-"""The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end,
-before the methods judged at its best (at 1x the rate still in contention, 5e-4, before 2e-3; the bracket came
-later there, after ``tagc`` at 4x); the pairs that decide most first: ``tagc`` at 1x, then the two settings at
-``int4``'s bytes that could take its place where it trails (``topk`` first, the smallest error in the twelfth
-screen of ``docs/quality-diagnosis.md``, then ``int4``), then ``tagc`` at 4x, where its gap was seen to grow, beside
-``topk`` there, the fix that screen points to (a denser selection at the same bytes), and ``tagc`` at twice its
-bytes, the fix the thirteenth points to (a density that follows the batch); then the rest of the decision
-set, more seeds (``topk``'s too: its settings were picked on seeds 0 and 1, :data:`TUNED_ON`, and only other seeds
-can say whether it should take ``tagc.hook()``'s place), 16x."""
+"""The CPU's order of work (``queue``) from here on: each batch's learning-rate sweep, bracketed where its best is
+at an end, before the methods judged at its best; ``tagc`` at 4x, where its gap was seen to grow, beside ``topk``
+there and ``tagc`` at twice its bytes (the fixes the twelfth and thirteenth screens of
+``docs/quality-diagnosis.md`` point to); then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can
+say whether ``topk`` should take ``tagc.hook()``'s place; then ``int4`` at 4x and 16x. Last, seeds 0 and 1 at 1x:
+their first runs were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than a
+cleaner copy of one already read; there ``tagc-brief`` and the copies need plain again on this machine."""
 GPT2_TOKENS_PER_STEP = 512 * 1024
 """GPT-2's tokens per step (512 sequences of 1,024 tokens): where the batch axis is read off."""
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)

@@ -257,9 +257,9 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
     seeds = {m: {seed for m2, seed, b, _ in evidence.QUEUE if m2 == m and b == "1x"} for m in evidence.METHODS}
     assert all(len(seeds[m]) >= 4 for m in ("plain", "tagc", "tagc-brief"))  # the seed counts
     assert all(len(seeds[m]) >= 2 for m in ("int4", "topk", "powersgd-r16"))
-    first = [item[:3] for item in evidence.QUEUE]  # what could replace tagc at 1x runs before the 4x sweep
-    assert max(first.index((m, seed, "1x")) for m in ("topk", "int4") for seed in (0, 1)) < first.index(
-        ("plain", 0, "4x"))
+    first = [item[:3] for item in evidence.QUEUE]  # the seeds that can judge a default before copies of tuned ones
+    untuned = [first.index((m, seed, "1x")) for m in ("tagc", "topk") for seed in (2, 3)]
+    assert max(untuned) < min(first.index((m, seed, "1x")) for m in ("tagc", "topk") for seed in evidence.TUNED_ON[m])
 
 
 def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
@@ -327,12 +327,12 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert not [item for item in todo if item[2] == "1x" and item[3] != "2.5e-4"]  # 1x's methods wait for it
     lines = evidence.progress(tmp_path)
     waiting = [k for k, line in enumerate(lines) if "waits" in line]
-    assert lines[waiting[0]] == "tagc seed 0 1x at plain's best lr: waits for 1x's bracket"
+    assert lines[waiting[0]] == "plain seed 2 1x at plain's best lr: waits for 1x's bracket"
     assert len(waiting) == sum(1 for item in evidence.QUEUE if item[2:] == ("1x", evidence.BEST))
     assert lines[waiting[0] - 1].startswith("plain seed 1 1x lr 2.5e-4:")  # taken up after the bracket's runs
-    assert lines[waiting[0] + 6] == "tagc-brief seed 0 1x at plain's best lr: waits for 1x's bracket"
-    later = lines.index("plain seed 2 1x at plain's best lr: waits for 1x's bracket")  # after 4x's int4, as queued
-    assert lines[later - 1].startswith("int4 seed 1 4x lr ")
+    assert lines[waiting[0] + 6] == "tagc-brief seed 2 1x at plain's best lr: waits for 1x's bracket"
+    later = lines.index("tagc seed 0 1x at plain's best lr: waits for 1x's bracket")  # after 16x, as queued
+    assert lines[later - 1].startswith("topk seed 1 16x lr ")
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
     assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"
     _sweep(tmp_path, "1x", {"1.25e-4": 5.75})  # bracketed: the methods go at 2.5e-4
