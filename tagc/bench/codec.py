@@ -1,6 +1,6 @@
 """Codec benchmark: the peeling success curve of TAGC's count sketch.
 
-``python -m tagc.bench codec [--peel-sizes 1M,16K] [--loads 0.5,0.7,0.9] [--json out.json] [--quick]``
+``python -m tagc.bench codec [--json out.json] [--quick]``
 
 It decodes random supports at a sweep of loads (union non-zeros per row of a lane) and counts how often, and how
 much of, the support is recovered exactly: the margin ``PLANNED_LOAD`` keeps below the threshold (docs/design.md,
@@ -41,17 +41,6 @@ def parse_sizes(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"bad size {item!r}: use a positive integer with an optional K/M/G suffix")
         sizes.append(int(match.group(1)) * _SUFFIXES[match.group(2).upper()])
     return sizes
-
-
-def parse_loads(text: str) -> list[float]:
-    """``"0.5,0.7"`` -> loads in (0, 1]."""
-    try:
-        loads = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad loads {text!r}: use comma-separated numbers") from None
-    if not all(0 < x <= 1 for x in loads):
-        raise argparse.ArgumentTypeError(f"loads must be in (0, 1], got {text!r}")
-    return loads
 
 
 def human(n: int) -> str:
@@ -142,20 +131,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tagc.bench codec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ratio", type=float, default=10.0, help="sketch compression ratio (default 10)")
     parser.add_argument("--bits", type=int, choices=(1, 4), default=1, help="index bits per element (default 1)")
-    parser.add_argument("--trials", type=int, default=None,
-                        help="random supports per load on the peeling curve (default 20; quick 2)")
-    parser.add_argument("--peel-sizes", type=parse_sizes, default=None,
-                        help=f"chunk sizes for the peeling curve (default {DEFAULT_PEEL_SIZES})")
-    parser.add_argument("--loads", type=parse_loads, default=None, help="comma-separated loads for the peeling curve")
     parser.add_argument("--json", metavar="PATH", help="write machine-readable results here")
-    parser.add_argument("--quick", action="store_true", help="small sizes and few trials (smoke test)")
+    parser.add_argument("--quick", action="store_true", help=f"size {QUICK_PEEL_SIZES} (default {DEFAULT_PEEL_SIZES}), "
+                        "3 loads, 2 trials per load (default 20): a smoke test")
     parser.add_argument("--seed", type=int, default=0, help="torch RNG seed (default 0)")
     args = parser.parse_args(argv)
-    if args.trials is not None and args.trials < 1:
-        parser.error("--trials must be at least 1")
-    peel_sizes = args.peel_sizes or parse_sizes(QUICK_PEEL_SIZES if args.quick else DEFAULT_PEEL_SIZES)
-    loads = args.loads or list(QUICK_LOADS if args.quick else DEFAULT_LOADS)
-    trials = args.trials or (2 if args.quick else 20)
+    peel_sizes = parse_sizes(QUICK_PEEL_SIZES if args.quick else DEFAULT_PEEL_SIZES)
+    loads = list(QUICK_LOADS if args.quick else DEFAULT_LOADS)
+    trials = 2 if args.quick else 20
     torch.manual_seed(args.seed)
 
     peel_rows = peeling(peel_sizes, args.ratio, loads, trials, args.bits)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -219,11 +219,25 @@ def one_rank_group(device: torch.device) -> dict:
     return result
 
 
+def time_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def kernel_times(device: torch.device, sizes: list[int], ratio: float = 10.0, ranks: int = 8) -> list[dict]:
     """Milliseconds of the fused compress and the sync-free decode of one part against a memcpy of
     the bytes each reads (CUDA events)."""
     from tagc.kernels import dispatch
-    from tagc.kernels.benchutil import time_ms
     from tagc.sketch import SketchLayout, plan_density
 
     rows = []

@@ -241,42 +241,27 @@ def _rank(rank: int, world: int, store_dir: str, fn: Callable, args: tuple) -> N
 def run_ranks(fn: Callable, world: int, *args, environ: Optional[dict[str, str]] = None) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks (spawned, with ``environ`` added to the environment);
     every rank's result."""
+    from unittest import mock
+
     import torch.multiprocessing as mp
 
-    saved = {name: os.environ.get(name) for name in environ or {}}
-    os.environ.update(environ or {})
-    try:
-        with tempfile.TemporaryDirectory() as store_dir:
-            mp.start_processes(_rank, args=(world, store_dir, fn, args), nprocs=world, join=True,
-                               start_method="spawn")
-            return [torch.load(os.path.join(store_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with mock.patch.dict(os.environ, environ or {}), tempfile.TemporaryDirectory() as store_dir:
+        mp.start_processes(_rank, args=(world, store_dir, fn, args), nprocs=world, join=True, start_method="spawn")
+        return [torch.load(os.path.join(store_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def backend_environ(backend: str) -> dict[str, str]:
     """The environment of a back end's ranks: ``TAGC_BACKEND``, and Triton's interpreter for ``triton``."""
-    environ = {"TAGC_BACKEND": backend}
-    if backend == "triton":
-        environ["TRITON_INTERPRET"] = "1"
-    return environ
+    return {"TAGC_BACKEND": backend, **({"TRITON_INTERPRET": "1"} if backend == "triton" else {})}
 
 
 def available(backend: str) -> Optional[str]:
     """``None`` when ``backend`` can run here, else why not."""
-    if backend == "triton":
-        from tagc.kernels._triton import triton_available
+    from tagc.kernels import triton_available
+    from tagc.kernels.cpu import numba_available
 
-        return None if triton_available() else "triton does not import"
-    if backend == "numba":
-        from tagc.kernels.cpu import numba_available
-
-        return None if numba_available() else "numba does not import"
-    return None
+    works = {"triton": triton_available, "numba": numba_available}.get(backend, lambda: True)()
+    return None if works else f"{backend} does not import"
 
 
 # ---------------------------------------------------------------- the table
