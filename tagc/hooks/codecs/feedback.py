@@ -12,8 +12,9 @@ step, and a change is sent when the gradient moves, not when a sum piled up.
 
 **Fading shifts**, ``feedback_decay=gamma`` (``< 1``): ``h_i = gamma h_i + C(g_i - gamma h_i)``, and every
 owner fades ``H`` alike, so ``H`` stays the sum of the ``h_i``; an unsent element shrinks toward zero with a time
-constant of ``1 / (1 - gamma)`` steps instead of holding a value AdamW would turn into full-size steps (why:
-:class:`~tagc.hooks.core.settings.HookSettings`, ``feedback_decay``).
+constant of ``1 / (1 - gamma)`` steps instead of holding a value AdamW would turn into full-size steps; that
+constant is meant to be near how long an element waits between sends (about one over the kept fraction): fading much
+faster leaves the compressed weights moving less than plain training's (docs/guide.md, "The hook").
 
 How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
 The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,

@@ -10,8 +10,9 @@
   later ``start`` (:meth:`PendingBucket.advance`) and finishes the rest in :meth:`PendingBucket.wait`:
   points every rank reaches in the same order, never on local arrival (which differs between
   ranks), so every rank issues the same all-to-alls in the same order.
-* On CUDA the codec work runs on a side stream (:class:`SideStreams`), so batch ``k+1`` is encoded
-  while batch ``k`` is on the wire and the caller's stream runs on meanwhile.
+* On CUDA the codec work runs on a side stream (:class:`SideStreams`, made to wait for the caller's stream), which
+  launches each batch's all-to-all, so NCCL waits only for that batch's encode: batch ``k+1`` is encoded while batch
+  ``k`` is on the wire and the caller's stream runs on meanwhile (``input`` and ``output`` marked used there).
 """
 
 from __future__ import annotations

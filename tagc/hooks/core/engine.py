@@ -50,14 +50,10 @@ class TAGCHook:
     Build it with :func:`tagc.hook`; install it with :func:`tagc.register_comm_hook` (FSDP2,
     FSDP1) or ``model.register_comm_hook(hook)`` (SimpleFSDP).
 
-    Memory: the residual of a compressed bucket has the bucket's *unsharded* size (every
-    rank keeps what it did not send to each owner), i.e. ``world_size`` times the sharded
-    gradient of the compressed parameters, in ``residual_dtype`` (``torch.bfloat16``
-    halves it at some loss of what error feedback carries). ``fallback="raw"`` keeps one more
-    such copy per bucket during the exchange, to re-send what decode cannot recover exactly.
-    With ``overlap=True`` the exchanges of a backward pass are in flight together: their wire
-    tensors (about ``1/ratio`` of each compressed bucket, all of a plain one) live until the
-    backward pass ends.
+    Memory: the residuals (docs/guide.md, "The hook", "Memory"); ``fallback="raw"`` keeps one more residual-sized
+    copy per bucket during the exchange, to re-send what decode cannot recover exactly; with ``overlap=True`` the
+    wire tensors of a backward pass (about ``1/ratio`` of each compressed bucket, all of a plain one) live until
+    the backward pass ends.
     """
 
     def __init__(self, settings: HookSettings | TAGCConfig, **arguments) -> None:
@@ -377,16 +373,9 @@ class TAGCHook:
               segments: Sequence[Segment], unit: str | None = None) -> PendingBucket:
         """Encode ``input``'s parts and launch their exchange; :meth:`PendingBucket.wait` finishes it.
 
-        Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round
-        parts move one round on. Every rank must start the same buckets in the same order (FSDP's
-        backward order is the same on every rank).
-
-        On CUDA (``side_stream``) the codec work runs on a side stream of the hook's: it waits for
-        the caller's stream (where ``input`` was produced) with an event, then encodes part after
-        part and launches each part's all-to-all from the side stream, so NCCL waits only for that
-        part's encode: part ``k+1`` is encoded while part ``k`` is on the wire, and the caller's
-        stream (the next backward) runs on meanwhile. ``input`` and ``output`` are marked
-        (``record_stream``) as used on the side stream.
+        Earlier buckets' parts whose bytes have arrived are decoded first, and their multi-round parts move one
+        round on (:mod:`tagc.hooks.core.eager`, which also says how the codec work runs on a side stream on CUDA).
+        Every rank must start the same buckets in the same order (FSDP's backward order is the same on every rank).
         """
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         chunk = input.numel() // world

@@ -91,7 +91,8 @@ def _is_int(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HookSettings:
-    """What a hook does, validated once: the arguments of :func:`tagc.hook`, documented here.
+    """What a hook does, validated once: the arguments of :func:`tagc.hook`, documented here (why and how each
+    behaves, at length: ``docs/guide.md``, "The hook", the paragraph named in brackets below).
 
     ``select`` holds the resolved policy (a callable), ``codec_options`` the codec's options with
     its defaults filled in, ``ranks_per_host`` the resolved value (torchrun's ``LOCAL_WORLD_SIZE``
@@ -105,76 +106,49 @@ class HookSettings:
             that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
         index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
         sparsity: fraction of each chunk zeroed before encoding, or ``"auto"`` (default).
-        select: which parameters to compress: ``"non_attention_linear"`` (default),
-            ``"all"``, ``"none"`` or a callable ``(param_fqn, module) -> bool``; for ``tagc`` and
-            ``topk`` the callable may return a parameter's own ratio instead of ``True``
-            (:func:`tagc.hooks.core.selection.ratio_for`, e.g. a denser embedding).
-        codec: how the selected columns cross the wire, one of
-            :func:`tagc.hooks.codecs.registry.codec_names`: ``"tagc"`` (index + count sketch,
-            error feedback), ``"plain"`` (the fair uncompressed reduce-scatter, for baselines),
-            or a peer codec; the unselected columns always go plain (:mod:`tagc.hooks.codecs.codec`).
-        overlap: launch each bucket's exchange as soon as its gradient is packed and finish
-            them all at the end of the backward pass (SimpleFSDP eager, FSDP2, DDP), decoding
-            whatever has arrived while later blocks compute; ``False`` blocks per bucket.
-        nonfinite: ``"propagate"`` (NaN/Inf reach the owners: plain columns where they are, a
-            compressed part NaN as a whole; residuals are never poisoned) or ``"raise"``
-            (``FloatingPointError`` on every rank once the exchange is complete). The same in
-            eager and compiled models.
-        residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory).
-        min_part: compressed columns are cut into pipeline parts of at least this many
-            elements (part ``k+1`` is compressed while part ``k`` is on the wire; a codec that batches,
-            ``tagc`` with ``fallback="estimate"``, takes a ratio's parts of one size in one call).
-        dense_steps: send everything uncompressed for the first this many steps (a dense
-            warm-up, as in Deep Gradient Compression): early gradients carry the large,
-            dense moves (e.g. every vocabulary row of the LM head) that sparsification with
-            error feedback under Adam would spread over many steps. ``None`` (default):
-            :data:`~tagc.hooks.core.settings.DENSE_STEPS` (10) for the error-feedback codecs (``tagc``,
-            ``topk``, ``sign``, ``powersgd``), 0 for the others; 0: compress from the first step.
-            Steps are counted by :meth:`TAGCHook.end_step` (or a bucket seen twice). A compiled
-            model runs the warm-up's exchange as one opaque op per block, then recompiles once
-            with the traced halves (its graph guards on :attr:`TAGCHook.warmed_up`).
-        plain: the codec of the columns that are not sparsified (those ``select`` leaves alone,
-            and everything during ``dense_steps``): ``"fp32"`` (as they are),
-            ``"bf16"``, ``"fp8"`` or ``"int4"`` (:mod:`tagc.hooks.codecs.quantized`, summed in float32
-            at the owner). ``"bf16"`` halves them at bf16 rounding. ``None`` (default): ``"int4"`` for ``tagc``
-            and ``topk``, ``"fp32"`` for the others.
-        hierarchy: ``"auto"`` (default): when the group spans more than one host, reduce plainly
-            inside each host first and compress only the exchange across hosts, planned for the
-            number of hosts (:mod:`tagc.hooks.core.hierarchy`); ``"flat"``: one compressed exchange
-            over the whole group. Nothing changes on one host. FSDP2 HSDP meshes are always
-            reduced in two steps (:mod:`tagc.hooks.adapters.fsdp2`).
-        ranks_per_host: ranks per host, numbered host-major as torchrun does (global rank ``r``
-            on host ``r // ranks_per_host``); must divide the world size. ``None`` (default):
-            torchrun's ``LOCAL_WORLD_SIZE`` when set, else one host.
+        select: which parameters to compress: ``"non_attention_linear"`` (default), ``"all"``, ``"none"`` or a
+            callable ``(param_fqn, module) -> bool``, which for ``tagc`` and ``topk`` may return a parameter's own
+            ratio instead of ``True`` (:func:`tagc.hooks.core.selection.ratio_for`) [Models you did not write].
+        codec: how the selected columns cross the wire, one of :func:`tagc.hooks.codecs.registry.codec_names`:
+            ``"tagc"``, ``"plain"`` (the fair uncompressed reduce-scatter, for baselines) or a peer [Codecs].
+        overlap: launch each bucket's exchange once its gradient is packed and finish them all at the end of the
+            backward pass (SimpleFSDP eager, FSDP2, DDP); ``False`` blocks per bucket [Overlapped by default].
+        nonfinite: ``"propagate"`` or ``"raise"`` (``FloatingPointError`` on every rank once the exchange is
+            complete), the same in eager and compiled models [NaN/Inf].
+        residual_dtype: error-feedback residual dtype (``torch.bfloat16`` halves its memory) [Memory].
+        min_part: compressed columns are cut into pipeline parts of at least this many elements (part ``k+1``
+            is compressed while part ``k`` is on the wire; a codec that batches takes parts of one size in one call).
+        dense_steps: send everything uncompressed for the first this many steps, counted by
+            :meth:`TAGCHook.end_step` (or a bucket seen twice). ``None`` (default): :data:`DENSE_STEPS` (10) for the
+            error-feedback codecs (``tagc``, ``topk``, ``sign``, ``powersgd``), 0 for the others. A compiled model
+            recompiles once after it (its graph guards on :attr:`TAGCHook.warmed_up`) [Warm-up, per-parameter ratios].
+        plain: the codec of the columns not sparsified (those ``select`` leaves alone, and everything during
+            ``dense_steps``): ``"fp32"`` (as they are), ``"bf16"``, ``"fp8"`` or ``"int4"``
+            (:mod:`tagc.hooks.codecs.quantized`). ``None`` (default): ``"int4"`` for ``tagc`` and ``topk``,
+            ``"fp32"`` for the others [The lean wire].
+        hierarchy: ``"auto"`` (default): on several hosts, reduce plainly inside each host and compress only
+            across hosts (:mod:`tagc.hooks.core.hierarchy`); ``"flat"``: one compressed exchange over the whole
+            group [Several hosts].
+        ranks_per_host: ranks per host, numbered host-major as torchrun does; must divide the world size.
+            ``None`` (default): torchrun's ``LOCAL_WORLD_SIZE`` when set, else one host.
         piece_bytes: bytes per peer of each all-to-all piece. ``None`` (default): pieces of
-            :data:`~tagc.hooks.core.transport.PIECE_BYTES` on gloo, whole collectives on NCCL (whose plain
-            columns go through its own reduce-scatter); a number cuts pieces on every backend.
-        side_stream: on CUDA, run the codec work on a side stream of the hook's, so the caller's
-            stream (the rest of the backward pass) runs on while parts are encoded and sent
-            (:mod:`tagc.hooks.core.eager`); ``False``: on the caller's stream. No effect on the CPU.
-        feedback: ``"classic"`` (the codec's own error feedback, the unsent rest waits as a
-            residual) or ``"ef21"`` (each rank sends the compressed change of its gradient against the
-            last estimate the owners know, and the owners hand the optimizer the running sum, dense, so
-            an unsent element keeps its last known value instead of zero; :mod:`tagc.hooks.codecs.feedback`).
-            Error-feedback codecs only, with ``residual_dtype=torch.float32``. ``None`` (default): ``"ef21"``
-            for ``tagc`` and ``topk``, ``"classic"`` for the others.
-        feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift (and the owners' sum) fades
-            by before each step's change is chosen against it: ``h = gamma h + C(g - gamma h)``. An element
-            that is not sent then fades toward zero instead of holding its last value, which AdamW would
-            otherwise turn into full-size steps in one direction for as long as it waits. Its time constant
-            ``1 / (1 - gamma)`` steps is meant to be near how long an element waits between sends (about one
-            over the kept fraction): fading much faster leaves the compressed weights moving less than plain
-            training's. 1: EF21 as published. ``None`` (default): 0.9 when ``tagc`` or ``topk`` runs EF21, else 1.
+            :data:`~tagc.hooks.core.transport.PIECE_BYTES` on gloo, whole collectives on NCCL; a number cuts
+            pieces on every backend.
+        side_stream: on CUDA, run the codec work on a side stream of the hook's (:mod:`tagc.hooks.core.eager`);
+            ``False``: on the caller's stream. No effect on the CPU.
+        feedback: ``"classic"`` (the codec's own error feedback) or ``"ef21"`` (:mod:`tagc.hooks.codecs.feedback`).
+            Error-feedback codecs only, with ``residual_dtype=torch.float32``. ``None`` (default): ``"ef21"`` for
+            ``tagc`` and ``topk``, ``"classic"`` for the others [Error feedback of another kind (TAGC's default)].
+        feedback_decay: with ``"ef21"``, the factor ``gamma`` every rank's shift fades by each step:
+            ``h = gamma h + C(g - gamma h)``; 1: EF21 as published. ``None`` (default): 0.9 when ``tagc`` or
+            ``topk`` runs EF21, else 1 [Error feedback of another kind (TAGC's default)].
         **options: the other :class:`~tagc.config.TAGCConfig` fields (``lane``, ``seed``, ``fallback``,
-            ``min_compress_numel``), or the codec's own options
-            (:data:`tagc.hooks.codecs.registry.SPECS`, e.g. ``block`` for ``int4``). The lean
-            wire of ``tagc`` and ``topk``: ``positions="coded"`` (each rank's support Elias-Fano
-            coded, ~0.25 instead of 1 bit per element at ratio 10; :mod:`tagc.sketch.positions`)
-            and ``value_dtype=torch.bfloat16`` (sketch cells or listed values in bf16; ``"float16"`` and
-            ``"float8"`` are scaled per block, and float8 suits ``topk`` only: a warning says why); ``tagc`` defaults
-            to ``positions="coded"`` (``"bitmap"`` with ``index_bits=4``) and ``value_dtype="float16"``,
-            ``topk`` to ``positions="coded"`` and ``value_dtype="float8"``;
-            ``positions="bitmap"`` and ``value_dtype="float32"`` are the paper's wire.
+            ``min_compress_numel``), or the codec's own options (:data:`tagc.hooks.codecs.registry.SPECS`, e.g.
+            ``block`` for ``int4``). The wire of ``tagc`` and ``topk``: ``positions`` (default ``"coded"``, each
+            rank's support Elias-Fano coded, :mod:`tagc.sketch.positions`; else ``"bitmap"`` for ``tagc``, its
+            default with ``index_bits=4``, ``"offsets"`` for ``topk``) and ``value_dtype`` (default ``"float16"``
+            for ``tagc``, ``"float8"`` for ``topk``, which alone it suits); ``positions="bitmap"``,
+            ``value_dtype="float32"`` are the paper's wire [The lean wire].
     """
 
     config: TAGCConfig = dataclasses.field(default_factory=TAGCConfig)
