@@ -22,6 +22,11 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is an ``int`` (``True`` and ``False`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class TAGCConfig:
     """Settings of the TAGC codec (nested in the hook's :class:`~tagc.hooks.core.settings.HookSettings`).
@@ -69,22 +74,13 @@ class TAGCConfig:
             raise ValueError(f"sparsity must be a fraction in [0, 1) or 'auto', got {sparsity!r}")
         else:
             object.__setattr__(self, "sparsity", float(sparsity))
-        if self.lane is not None and (
-            isinstance(self.lane, bool)
-            or not isinstance(self.lane, int)
-            or not is_power_of_two(self.lane)
-            or self.lane > MAX_LANE
-        ):
+        if self.lane is not None and (not is_int(self.lane) or not is_power_of_two(self.lane) or self.lane > MAX_LANE):
             raise ValueError(f"lane must be None or a power of two <= {MAX_LANE}, got {self.lane!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        if (
-            isinstance(self.min_compress_numel, bool)
-            or not isinstance(self.min_compress_numel, int)
-            or self.min_compress_numel < 0
-        ):
+        if not is_int(self.min_compress_numel) or self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be a non-negative integer, got {self.min_compress_numel!r}")
 
     def density(self, world_size: int) -> float:

@@ -111,9 +111,8 @@ class Description:
 
 
 def describe(hook: TAGCHook, model: nn.Module) -> str:
-    """A table of what ``hook`` does to ``model`` (a SimpleFSDP, FSDP2 or FSDP1 model): every
-    parameter, compressed or plain, at which ratio and by which codec, and the planned wire bytes per
-    step against plain, per unit and in all (:func:`describe_plan` gives the rows)."""
+    """:func:`describe_plan`'s rows for ``model`` (a SimpleFSDP, FSDP2 or FSDP1 model) as a table (module
+    docstring)."""
     return render(describe_plan(hook, model))
 
 
@@ -148,13 +147,9 @@ def describe_plan(hook: TAGCHook, model: nn.Module) -> Description:
 
 
 def warn_if_weak_selection(hook: TAGCHook) -> None:
-    """Warn when ``hook`` compresses nothing, or only embeddings and LM heads, in the buckets it has
-    planned (for the engine, at the end of the first step: every bucket has been seen).
-
-    Silent when nothing was asked for: ``codec="plain"`` or ``select="none"`` (the fair baseline).
-    The transformer blocks then cross the wire as plain as without the hook, and nothing else
-    would say so: the usual cause is a model whose linear layers the ``select`` policy does not
-    recognise, or buckets below ``min_compress_numel``."""
+    """The module docstring's warning, over the buckets ``hook`` has planned; silent when nothing was asked for
+    (``codec="plain"`` or ``select="none"``, the fair baseline). The usual cause is a model whose linear layers the
+    ``select`` policy does not recognise, or buckets below ``min_compress_numel``."""
     if not hook.codec.compresses or hook.settings.select is select_none:
         return
     planned = [(segments, plan) for (segments, _, _), plan in list(hook.planner.plans.items())]

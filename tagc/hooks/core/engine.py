@@ -104,10 +104,8 @@ class TAGCHook:
                 "units": [unit.as_dict() for unit in self.last_units]}
 
     def describe(self, model: torch.nn.Module) -> str:
-        """A table of what this hook does to ``model`` (wrapped by SimpleFSDP, FSDP2 or FSDP1): every
-        parameter, compressed or plain, at which ratio and by which codec, and the planned wire bytes
-        per step against plain, per unit and in all (:func:`tagc.hooks.adapters.describe.describe_plan` gives
-        the rows). Runs no collective."""
+        """A table of what this hook does to ``model`` (wrapped by SimpleFSDP, FSDP2 or FSDP1), per parameter and
+        unit: :mod:`tagc.hooks.adapters.describe`. Runs no collective."""
         return ADAPTERS["describe"](self, model)
 
     @property

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tagc.config import TAGCConfig
+from tagc.config import TAGCConfig, is_int
 from tagc.hooks.codecs.codec import Codec
 from tagc.hooks.codecs.feedback import check_feedback, with_feedback
 from tagc.hooks.codecs.registry import codec_names, error_feedback_codecs, make_codec, resolve_options, spec
@@ -83,10 +83,6 @@ def recommended_settings(codec: str, ratio: float | None = None, plain: str | No
 
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
 _SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +176,12 @@ class HookSettings:
             raise ValueError(f"nonfinite must be one of {NONFINITE} (see tagc.hooks.codecs.codec), got {self.nonfinite!r}")  # noqa: E501
         if self.residual_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {self.residual_dtype}")
-        if not _is_int(self.min_part) or self.min_part < 1:
+        if not is_int(self.min_part) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive integer, got {self.min_part!r}")
-        if self.piece_bytes is not None and (not _is_int(self.piece_bytes) or self.piece_bytes < 1):
+        if self.piece_bytes is not None and (not is_int(self.piece_bytes) or self.piece_bytes < 1):
             raise ValueError("piece_bytes must be None (pieces on gloo, whole collectives on NCCL) or a positive "
                              f"integer, got {self.piece_bytes!r}")
-        if self.dense_steps is not None and (not _is_int(self.dense_steps) or self.dense_steps < 0):
+        if self.dense_steps is not None and (not is_int(self.dense_steps) or self.dense_steps < 0):
             raise ValueError(f"dense_steps must be a non-negative integer or None (the codec's default), "
                              f"got {self.dense_steps!r}")
         # a wrong type is a ValueError like every other bad setting (callers and tests catch one kind)

@@ -1,30 +1,21 @@
 """Strict sync mode: count the host reads of tensors an exchange makes (``TAGC_STRICT_SYNC=1``).
 
-On a GPU every host read of a tensor (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``,
-``.tolist()``, ``t.__index__()``) waits for the device to catch up: the host stops queueing
-work and the overlap of compression, wire and backward collapses. The engine's steady state
-must make none; flags and statistics stay on the device and are read at
+On a GPU every host read of a tensor (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``.tolist()``,
+``t.__index__()``) waits for the device: the host stops queueing work and the overlap of compression, wire and
+backward collapses. The engine's steady state makes none; flags and statistics stay on the device until
 :meth:`~tagc.hooks.core.engine.TAGCHook.end_step` / :meth:`~tagc.hooks.core.engine.TAGCHook.stats`.
 
-:func:`count_host_reads` patches those six methods of ``torch.Tensor`` while it is open
-and counts every call made on the thread that opened it (the hook's own thread; gloo's and
-NCCL's threads call none of them). The engine opens one around each of its entry points
-(``start``, ``poll``, ``wait``, ``encode_bucket``, ``decode_bucket``) when
-``TAGC_STRICT_SYNC=1`` is set (or ``hook.strict_sync = True``), and adds the counts to its
-statistics: ``host_reads`` (per step in ``stats()["last_step"]``) and ``backend_host_reads``.
+:func:`count_host_reads` patches those six methods of ``torch.Tensor`` while it is open and counts the calls made
+on the thread that opened it (gloo's and NCCL's threads make none). With ``TAGC_STRICT_SYNC=1`` (or
+``hook.strict_sync = True``) the engine opens one around each entry point (:func:`counted`) and adds the counts to
+its statistics: ``host_reads``, the reads a GPU run would pay (where from: ``hook.host_read_sites``, ``"file:line"
+-> count``), and ``backend_host_reads``, made inside the Numba CPU back end (:mod:`tagc.kernels.cpu`), which only
+runs on CPU tensors, where a read costs no synchronisation.
 
-``backend_host_reads`` are reads made while the Numba CPU back end
-(:mod:`tagc.kernels.cpu`) is on the stack: that back end only ever runs on CPU tensors (on a
-GPU, :mod:`tagc.kernels.dispatch` takes the Triton kernels), where a read costs no
-synchronisation, so they are counted apart and not held against the engine. ``host_reads``
-are all the others: the ones a GPU run would pay. Where they come from is in
-``hook.host_read_sites`` (``"file:line" -> count``).
-
-Known host reads that remain by design (not in a steady ``propagate`` exchange):
-plan building (a bucket's first step), the settings check (once per group: the sizes of the
-settings' bytes), ``nonfinite="raise"`` (one read per bucket, to
-raise), ``fallback="raw"`` (data-dependent re-send sizes) and ``fallback="error"`` (to raise),
-and the torch reference decode when Triton is missing on a GPU.
+Host reads left by design (none in a steady ``propagate`` exchange): plan building (a bucket's first step), the
+settings check (once per group), ``nonfinite="raise"`` (one per bucket, to raise), ``fallback="raw"``
+(data-dependent re-send sizes) and ``"error"`` (to raise), and the torch reference decode when Triton is missing on
+a GPU.
 """
 
 from __future__ import annotations
