@@ -16,33 +16,19 @@ segments and gives the unit's bucket the hook's exchange:
     chunk = tagc::decode(wire, chunk, dtype)  # index merge, summed sketch, peeling
 
 One collective per bucket lets Inductor's ``sink_waits`` move its wait past the next block's
-backward compute (it does not sink a wait past a later collective).
-
-When the group spans several hosts (the hook's ``hierarchy="auto"`` with ``ranks_per_host``,
-:mod:`tagc.hooks.core.hierarchy`), :func:`bind` creates the local and cross subgroups, and the traced
-exchange first reduces inside the host with a functional all-to-all and a float32 sum (the
-eager engine's arithmetic, so both paths agree bit for bit), then runs the three steps above
-on the cross group::
-
-    block = all_to_all_single(packed as [G, H*S], local).sum(0)   # host-reduced [H, S]
-    wire = tagc::encode(block); wire = all_to_all_single(wire, cross); chunk = tagc::decode(wire, ...)
-
-On an HSDP mesh (``(replicate, shard)``: the unit's bucket names its ``replicate`` group) the unit's
-exchange is plain within the host and the replica all-reduce of FSDP2's HSDP across hosts, eager or
-compiled: :mod:`tagc.hooks.adapters.simple_hsdp`.
+backward compute (it does not sink a wait past a later collective). On several hosts (docs/design.md §11)
+:func:`bind` creates the local and cross subgroups, and the traced exchange first reduces inside the host
+(``all_to_all_single(packed as [G, H*S], local).sum(0)`` in float32, the eager engine's arithmetic), then runs
+the three steps above on the cross group. An HSDP mesh's units: :mod:`tagc.hooks.adapters.simple_hsdp`.
 
 The adapter installs itself through SimpleFSDP's reduce-scatter hook point
-(``model.register_comm_hook``, :data:`fsdp_integration.simple_fsdp.CommHook`), which
-:func:`tagc.register_comm_hook` calls with :func:`bind`; it reads a unit by duck typing
-and never imports ``fsdp_integration``.
-
-The data-dependent steps are ``torch.library`` custom ops with shape-only fake implementations; they
-reach the hook through a registry keyed by an integer (held weakly) and take the unit's *state token*
-(:attr:`_Binding.state`), which they bump and declare mutated, so a compiler keeps every call, once, in
-order (docs/design.md §2, "The traced path's state"). Settings with data-dependent sizes
-(``fallback="raw"``), buckets with nothing to compress and the dense warm-up run the whole exchange as
-the single op ``tagc::reduce_scatter`` (the graph guards on ``hook.warmed_up``, so it is made again, with
-the traced halves, once the warm-up is over).
+(:data:`fsdp_integration.simple_fsdp.CommHook`) and reads a unit by duck typing: it never imports
+``fsdp_integration``. The custom ops have shape-only fake implementations, reach the hook through a registry
+keyed by an integer (held weakly) and take the unit's *state token* (:attr:`_Binding.state`), which they bump
+and declare mutated (docs/design.md §2, "The traced path's state"). Settings with data-dependent sizes
+(``fallback="raw"``), buckets with nothing to compress and the dense warm-up run the whole exchange as the
+single op ``tagc::reduce_scatter`` (the graph guards on ``hook.warmed_up``, so it is made again, with the
+traced halves, once the warm-up is over).
 """
 
 from __future__ import annotations

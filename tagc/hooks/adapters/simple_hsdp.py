@@ -4,16 +4,11 @@ hosts through the replica exchange FSDP2's HSDP uses (:mod:`tagc.hooks.adapters.
 A SimpleFSDP model on a 2-D ``(replicate, shard)`` mesh (``fsdp_integration.hsdp``) hands a unit's
 hook the packed gradients over the shard group (``[G * S]``, row ``j`` for shard rank ``j``) and names
 the replicate group (``unit.bucket.replicate``, ``H`` replicas). The hook returns this rank's chunk
-averaged over all ``G * H`` ranks, in the two steps of FSDP2's HSDP adapter (:mod:`tagc.hooks.adapters.fsdp2`):
-
-1. within the host, plain: the fair reduce-scatter over the shard group, summed in float32 and
-   averaged over ``G`` (:func:`host_step`; blocking);
-2. across hosts (:func:`start_replicas`): the chunk cut into one piece per replica (:class:`Pieces`:
-   each parameter's part cut in ``H``, so ``select`` still sees parameters), then either every
-   replica's wire gathered and every piece decoded on every replica (:class:`GatheredWires`, where it
-   sends fewer bytes: :func:`gathers_wires`) or the engine's compressed reduce-scatter plus a dense
-   all-gather (:class:`PendingAllReduce`), averaged over ``H``. Every replica reads the gathered
-   values, its own piece too, so replicas stay bit-identical. Bytes are counted as FSDP2's HSDP counts them.
+averaged over all ``G * H`` ranks, in the two steps of FSDP2's HSDP adapter (:mod:`tagc.hooks.adapters.fsdp2`,
+docs/design.md §11): within the host plain (:func:`host_step`: the fair reduce-scatter over the shard group,
+summed in float32, averaged over ``G``; blocking), then across hosts the replica exchange (:func:`start_replicas`:
+gathered wires where they send fewer bytes, else a compressed reduce-scatter and a dense all-gather), averaged
+over ``H``, with the bytes counted as FSDP2's HSDP counts them.
 
 Eager with ``overlap=True``, step 2 is launched in the unit's backward and finished in the backward
 pass's final callback (SimpleFSDP's ``PendingGradients``). Under ``torch.compile``, where the gathered

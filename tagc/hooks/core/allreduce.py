@@ -1,11 +1,9 @@
 """The all-reduce form of a codec: a whole bucket reduced by all-reduces, every rank decoding all of it.
 
-Where every rank needs the whole average (DDP), a codec whose wire adds up can skip the reduce-scatter:
-its tensors are summed by all-reduces and every rank decodes the sum. A codec says so through
-:meth:`tagc.hooks.codecs.codec.Codec.all_reduce_form`, which returns ``None`` (the default: none) or an
-:class:`AllReduceForm` of the bucket, implemented beside the codec: TAGC's summed sketch and merged index
-(:class:`tagc.hooks.codecs.codec.SummedSketch`, also under EF21), PowerSGD's ``P`` then ``Q``
-(:class:`tagc.hooks.codecs.powersgd.SummedFactors`). The form plans its bytes from the settings alone
+Where every rank needs the whole average (DDP), a codec whose wire adds up can skip the reduce-scatter
+(docs/design.md §3.1, "A codec owns its exchange forms"): :meth:`tagc.hooks.codecs.codec.Codec.all_reduce_form`
+returns ``None`` (the default) or an :class:`AllReduceForm` of the bucket, implemented beside the codec
+(``SummedSketch``, ``SummedFactors``). The form plans its bytes from the settings alone
 (:meth:`AllReduceForm.planned_bytes`) and runs through :class:`Collectives`, which an adapter makes for each
 bucket: the group, the bucket's :class:`~tagc.hooks.core.flights.Flight` and the adapter's release of earlier
 buckets' dependent collectives. Every rank receives the same sums, so every rank must decode them to the same

@@ -1,11 +1,6 @@
-"""Where the DDP hook's future callbacks run on CUDA: on one stream of the hook's per device.
-
-torch runs a CUDA future's ``then`` callback on the next stream of its global pool, a different
-one from call to call, and the caching allocator keeps a block freed on a stream for that stream
-alone. A callback that decodes a bucket allocates bucket-sized temporaries; spread over the pool's
-streams, each stream caches its own copy, and the process reserves many times what it uses at once.
-:func:`on_own_stream` runs a callback on one stream per device instead, so every callback reuses one
-cache. Off CUDA it changes nothing.
+"""Where the DDP hook's future callbacks run on CUDA: on one stream of the hook's per device (:func:`on_own_stream`),
+not on the next stream of torch's pool, so that every callback's bucket-sized temporaries reuse one stream's cache
+(why: docs/design.md §2, "Where DDP's callbacks run"). Off CUDA it changes nothing.
 """
 
 from __future__ import annotations

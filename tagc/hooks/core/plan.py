@@ -120,7 +120,6 @@ class BucketPlan:
         return bool(self.compressed_parts)
 
 
-
 def _columns(segments: Sequence[Segment]) -> torch.Tensor | None:
     """A plan's column list, on the host: plans are device-free; :meth:`Part.index` puts it on the device."""
     if not segments:
@@ -205,10 +204,9 @@ class Planner:
             self.plans[cache_key] = self.make_plan(segments, chunk, world)
         return self.plans[cache_key]
 
-    def make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int,
-                  codec_at: Callable[[float], Codec] | None = None) -> BucketPlan:
-        """A plan, not cached (:func:`make_plan`); ``codec_at`` defaults to :meth:`codec_at`."""
-        return make_plan(segments, chunk, world, self.settings, self.codec, self.plain, codec_at or self.codec_at)
+    def make_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
+        """A plan, not cached (:func:`make_plan`), its parts' codecs from :meth:`codec_at`."""
+        return make_plan(segments, chunk, world, self.settings, self.codec, self.plain, self.codec_at)
 
     def plain_plan(self, key: str, chunk: int) -> BucketPlan:
         """The whole bucket through the plain codec (a dense warm-up step), under the steady plan's ``key``."""

@@ -1,18 +1,12 @@
-"""Fair transports on any process group: true reduce-scatter volume, line-rate pieces on gloo.
+"""Fair transports on any process group: true reduce-scatter volume, line-rate pieces on gloo (docs/design.md §7,
+§10).
 
-Every exchange is an all-to-all (row ``j`` to rank ``j``): each rank sends ``(N-1)/N`` of its
-buffer, the volume of a ring reduce-scatter, and the owner reduces locally. How it is sent
-follows the backend that runs the collective (:func:`backend_of`):
-
-* **gloo** (CPU tensors): gloo's ``reduce_scatter`` is an all-reduce underneath (twice the
-  bytes), and one large gloo message reaches about half of a shaped link's rate, so an
-  all-to-all is cut into pieces of at most :data:`PIECE_BYTES` per peer;
-* **NCCL** (and any other backend): every all-to-all is sent whole (pieces would be many small
-  launches), and a plain reduce-scatter (:func:`reduce_scatter_rows`) is NCCL's own
-  ``reduce_scatter_single``, the collective FSDP itself uses: the fair baseline there.
-
-``piece_bytes`` given explicitly (an int) cuts every all-to-all on every backend; ``None``
-(the default) picks by backend as above.
+Every exchange is an all-to-all (row ``j`` to rank ``j``): each rank sends ``(N-1)/N`` of its buffer, a ring
+reduce-scatter's volume, and the owner reduces locally. On gloo (whose ``reduce_scatter`` is an all-reduce
+underneath, twice the bytes) an all-to-all is cut into pieces of at most :data:`PIECE_BYTES` per peer; on NCCL
+(and any other backend, :func:`backend_of`) it goes whole, and a plain reduce-scatter (:func:`reduce_scatter_rows`)
+is NCCL's own ``reduce_scatter_single``, the collective FSDP uses. ``piece_bytes`` given (an int) cuts every
+all-to-all on every backend.
 """
 
 from __future__ import annotations
