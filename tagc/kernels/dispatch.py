@@ -1,13 +1,9 @@
 """One entry point per codec operation; each picks the Triton kernels, the CPU kernels or the torch reference.
 
-The back end (docs/design.md §8): the ``backend=`` argument, else ``TAGC_BACKEND``, else ``"auto"``: Triton for
-CUDA tensors, the Numba CPU kernels (:mod:`tagc.kernels.cpu`) for CPU tensors, the reference where neither imports
-(warned once, :func:`~tagc.kernels.fallbacks.warn_fallback`); ``"triton"`` (on CPU tensors under
-``TRITON_INTERPRET=1``), ``"numba"`` and ``"torch"`` (alias ``"reference"``) force one. Every back end takes the
-same arguments and returns the same things; every operation is one lookup in one table (operation -> back end ->
-implementation).
-
-Nothing here imports triton or numba until their path is taken.
+The back end is picked as docs/design.md §8 says (a fallback to the reference is warned once,
+:func:`~tagc.kernels.fallbacks.warn_fallback`; ``"reference"`` is an alias of ``"torch"``); every operation is one
+lookup in one table (operation -> back end -> implementation), each taking the same arguments. Nothing here imports
+triton or numba until their path is taken.
 """
 
 from __future__ import annotations

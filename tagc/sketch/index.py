@@ -1,9 +1,5 @@
-"""The support index: which positions of a chunk are non-zero.
-
-* ``bits=1``: a packed bitmap, element ``i`` in bit ``i % 8`` of byte ``i // 8``. Ranks
-  combine bitmaps by bitwise OR (exact; summing packed bits would carry into neighbours).
-* ``bits=4``: two 4-bit counters per byte (element ``2i`` in the low nibble). Ranks combine
-  them by addition, which is exact while at most 15 ranks mark the same element.
+"""The support index: which positions of a chunk are non-zero, as a packed bitmap (``bits=1``, merged by OR) or
+4-bit rank counts (``bits=4``, merged by addition); the byte layouts and why: docs/design.md §3.4.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Dynamic magnitude threshold and sparsification (docs/design.md §3.3).
-
-**The selection rule** (every back end: this reference, the Numba and the Triton kernels).
-A row (chunk) ``a`` of ``numel`` entries with threshold ``tau`` (:func:`row_thresholds`,
-made positive by :func:`positive_threshold`), limit ``k = keep_limit(numel, density)`` and
-capacity ``cap = capacity(numel, density)`` (``>= k``) keeps
-
-* the entries with ``|a| > tau`` (the sampled threshold may overshoot ``k`` by its sampling
-  error, a few percent), and
-* of the entries with ``|a| == tau`` (ties), the first ``k - count(|a| > tau)`` in index
-  order (none if that is ``<= 0``),
-
-and of those the first ``cap`` in index order (a wire may pass a smaller ``cap`` than the default); the rest stay
-in the residual. Why (ties, misjudged samples, the sketch's load): docs/design.md §3.3. Every entry is either kept
-or stays in the residual (error feedback), never both and never neither.
+"""Dynamic magnitude threshold and sparsification: the reference of the selection rule every back end keeps
+(docs/design.md §3.3, "The selection rule", and why). A row ``a`` with threshold ``tau`` (:func:`row_thresholds`,
+made positive by :func:`positive_threshold`) keeps the entries with ``|a| > tau`` and, of the ties ``|a| == tau``,
+the first ``keep_limit(numel, density) - count(|a| > tau)`` in index order; of those the first ``cap`` in index order
+(:func:`capacity`, or a wire's smaller one). Every other entry stays in the residual.
 """
 
 from __future__ import annotations
@@ -74,7 +64,7 @@ def keep_limit(numel: int, density: float) -> int:
     ``density <= 0``.
 
     The one definition of the count: the rank :func:`row_thresholds` selects (applied to the
-    sample size), and the most entries ties may fill a row up to (the module's selection rule).
+    sample size), and the most entries ties may fill a row up to (the selection rule).
     """
     if density >= 1.0:
         return numel
@@ -90,14 +80,9 @@ MARGIN = 8
 
 
 def capacity(numel: int, density: float) -> int:
-    """The most entries a row keeps (the selection rule's ``cap``): room for every entry the
-    threshold keeps, but for rare sampling outliers and inputs the sample misjudges.
-
-    ``k = keep_limit(numel, density)`` for a row thresholded exactly; for a sampled one ``ceil(mu + 4 sigma) + 8``,
-    ``mu = density * numel``, ``sigma = sqrt(mu + mu^2 / h)`` with ``h`` the sample's kept count: the threshold's
-    Beta spread (~``1/sqrt(h)``) and the row's binomial one. +6.25% for large rows, overflow odds ~3e-5 per row
-    (docs/design.md §3.3, §9).
-    """
+    """The most entries a row keeps (the selection rule's ``cap``): ``keep_limit(numel, density)`` for a row
+    thresholded exactly, else ``ceil(mu + 4 sigma) + 8`` with ``sigma = sqrt(mu + mu^2 / h)``, the threshold's Beta
+    spread and the row's binomial one (docs/design.md §3.3, §9)."""
     if not 0.0 < density < 1.0 or sample_size(numel, density) >= numel:
         return keep_limit(numel, density)
     hits = keep_limit(sample_size(numel, density), density)
@@ -148,7 +133,7 @@ def check_density(density: float) -> None:
 def split_kept(x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``x`` into its ~``density`` largest-magnitude entries and the rest.
 
-    ``x`` is one row (flattened): the selection rule of the module docstring, with ties at
+    ``x`` is one row (flattened): the selection rule (module docstring), with ties at
     the threshold broken by flat index, at most ``keep_limit(x.numel(), density)`` of them,
     and at most ``capacity(x.numel(), density)`` in all. Returns ``(kept, residual)`` with
     ``kept + residual == x`` exactly (every entry lands in exactly one of them). Raises

@@ -16,28 +16,17 @@ constant of ``1 / (1 - gamma)`` steps instead of holding a value AdamW would tur
 constant is meant to be near how long an element waits between sends (about one over the kept fraction): fading much
 faster leaves the compressed weights moving less than plain training's (docs/guide.md, "The hook").
 
-How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make).
-The codecs' residual holds ``-h_i`` between steps. The codec encodes ``x = g + r = g - h_i``,
-sends ``C(x)`` and leaves ``r = x - C(x)``; subtracting this step's input ``g`` gives
-``r = -h_i - C(x) = -(h_i + C(x))``, the next step's ``-h_i``. The part's decoded sum ``S`` (the sum
-over ranks of ``C(x_i)`` on this rank's columns) is added to ``H``, and ``H`` is returned. With
-``feedback_decay``, the residual (each matrix's, for ``powersgd``) is multiplied by ``gamma`` before the encode
-(:meth:`EF21Codec.fade`) and ``H`` before the sum is added.
-
-Where the inner codec's residual becomes final is the codec's to say
-(:attr:`~tagc.hooks.codecs.codec.Codec.feedback_at`):
-
-* ``"encode"``, the :class:`~tagc.hooks.codecs.codec.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``, and
-  any codec built on it whose ``encode`` leaves ``r = x - sent`` in :attr:`residuals` and whose
-  ``decode`` returns the sum of what was sent): ``g`` is subtracted right after ``encode``
-  (:meth:`~tagc.hooks.codecs.codec.Codec.subtract_input`). ``tagc``'s ``fallback="raw"`` re-sends
-  ``(g + r) - r_left`` from a copy it keeps until decode: ``g`` is taken off that copy too, so the
-  re-sent values stay what was sent.
-* ``"decode"``, ``powersgd``, which finalises its residuals in ``decode`` (``r = M - P Q^T / N`` per
-  matrix, ``M = g + r``): the codec turns each into ``r_before - P Q^T / N`` there, from the ``M`` it
-  kept (:meth:`~tagc.hooks.codecs.codec.Codec.decode_shifted`). The columns it sends plain (shapeless
-  parameters such as biases) have no error feedback under either kind: they reach the optimizer as
-  their plain sum, not through ``H``.
+How it is built, for every codec alike (:class:`EF21Codec` wraps the codec the settings make). The codecs'
+residual holds ``-h_i`` between steps: the codec encodes ``x = g + r = g - h_i``, sends ``C(x)`` and leaves
+``r = x - C(x)``; taking this step's ``g`` off gives ``-(h_i + C(x))``, the next step's ``-h_i``. The part's
+decoded sum (over ranks, on this rank's columns) is added to ``H``, and ``H`` is returned. With ``feedback_decay``
+the residual (each matrix's, for ``powersgd``) is multiplied by ``gamma`` before the encode (:meth:`EF21Codec.fade`)
+and ``H`` before the sum is added. Where ``g`` is taken off is the codec's to say
+(:attr:`~tagc.hooks.codecs.codec.Codec.feedback_at`): right after ``encode`` for the
+:class:`~tagc.hooks.codecs.codec.ResidualCodec` codecs (``tagc``, ``topk``, ``sign``; ``tagc``'s ``fallback="raw"``
+copy of ``g + r`` too, so the re-sent values stay what was sent), in ``decode`` for ``powersgd``, which turns each
+matrix's residual into ``r_before - P Q^T / N`` from the ``M`` it kept; the columns it sends plain (biases) have no
+error feedback under either kind and reach the optimizer as their plain sum, not through ``H``.
 
 In an all-reduce form (DDP's, :mod:`tagc.hooks.core.allreduce`), where every rank decodes the whole part,
 each part's shift is a :class:`SummedShift`: every rank keeps the whole part's ``H``.
