@@ -272,7 +272,5 @@ def resolve_corpus(dataset: Union[str, Path, Sequence[Union[str, Path]]], **kwar
         return mix_corpus()
     paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
     if not all(Path(p).expanduser().exists() for p in paths):
-        raise DataError(
-            f"unknown dataset {dataset!r}: use 'bbc', 'mix' or paths of local text/jsonl/parquet files"
-        )
+        raise DataError(f"unknown dataset {dataset!r}: use 'bbc', 'mix' or paths of local text/jsonl/parquet files")
     return local_corpus(paths, **{k: v for k, v in kwargs.items() if k in ("text_field", "sample_by", "hf_cache_dir")})

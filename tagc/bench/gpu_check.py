@@ -36,11 +36,8 @@ def run_kernel_tests(device: torch.device) -> dict:
     tests = Path(__file__).resolve().parents[2] / "tests" / "test_kernels.py"
     if not tests.exists():
         return {"ok": None, "note": f"{tests} not found (not a source checkout): kernel tests skipped"}
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "0",
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0)),
-    }
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index or 0))}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", str(tests)],
                             capture_output=True, text=True, env=env, cwd=tests.parents[1])
     tail = (result.stdout + result.stderr).strip().splitlines()[-15:]
@@ -95,9 +92,7 @@ def codec_round_trip(
         if step > 0:
             reads.append(host_reads)
         if nan_step:  # rank 1 sends NaN tables to every owner: every owner's part is NaN
-            checks.append(
-                ("a NaN rank poisons the part at every owner", all(bool(torch.isnan(d).all()) for d in decoded))
-            )
+            checks.append(("a NaN rank poisons the part at every owner", all(bool(d.isnan().all()) for d in decoded)))
             checks.append(("the NaN rank keeps its residual", bool(torch.equal(codecs[1].residuals["k"], before[1]))))
             checks.append(("nonfinite_parts counted", all(s.as_dict()["nonfinite_parts"] == 1 for s in stats)))
             continue
@@ -109,12 +104,8 @@ def codec_round_trip(
             checks.append((f"step {step} owner {owner}: exact support", bool(torch.equal(got != 0, exact != 0))))
             checks.append((f"step {step} owner {owner}: values within fp32 rounding (rel {rel:.1e})", rel <= 1e-6))
     failed = [name for name, ok in checks if not ok]
-    return {
-        "ok": not failed and all(r == 0 for r in reads),
-        "host_reads_per_steady_step": reads,
-        "failed": failed,
-        "checks": len(checks),
-    }
+    return {"ok": not failed and all(r == 0 for r in reads), "host_reads_per_steady_step": reads, "failed": failed,
+            "checks": len(checks)}
 
 
 GPT2_WEIGHTS = ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
@@ -248,19 +239,13 @@ def kernel_times(device: torch.device, sizes: list[int], ratio: float = 10.0, ra
         residual = torch.zeros(1, numel, device=device)
         index, table = dispatch.compress_(grad, residual.clone(), density, layout, 1)
         # the timed lambdas run at once, in this iteration: binding the tensors as defaults changes nothing
-        compress_ms = time_ms(
-            lambda grad=grad, residual=residual, layout=layout: dispatch.compress_(grad, residual, density, layout, 1)
-        )
-        decode_ms = time_ms(
-            lambda table=table, index=index, layout=layout: dispatch.decode_async(table[0], index[0], layout, 1)
-        )
+        compress_ms = time_ms(lambda g=grad, r=residual, lay=layout: dispatch.compress_(g, r, density, lay, 1))
+        decode_ms = time_ms(lambda t=table, i=index, lay=layout: dispatch.decode_async(t[0], i[0], lay, 1))
         src = torch.empty(numel * 3, device=device)  # compress reads grad and residual, writes residual
         dst = torch.empty_like(src)
         memcpy_ms = time_ms(lambda dst=dst, src=src: dst.copy_(src))
-        rows.append({
-            "numel": numel, "compress_ms": compress_ms, "decode_ms": decode_ms, "memcpy_3x_ms": memcpy_ms,
-            "compress_over_memcpy": compress_ms / memcpy_ms, "decode_over_memcpy": decode_ms / memcpy_ms,
-        })
+        rows.append({"numel": numel, "compress_ms": compress_ms, "decode_ms": decode_ms, "memcpy_3x_ms": memcpy_ms,
+                     "compress_over_memcpy": compress_ms / memcpy_ms, "decode_over_memcpy": decode_ms / memcpy_ms})
     return rows
 
 
@@ -290,13 +275,8 @@ def callback_memory(device: torch.device, calls: int = 48, numel: int = 16 << 20
         torch.cuda.synchronize(device)
         reserved[where] = torch.cuda.memory_reserved(device) - before
     bucket_bytes = bucket.numel() * bucket.element_size()
-    return {
-        "ok": reserved["own"] <= 4 * bucket_bytes,
-        "calls": calls,
-        "bucket_mb": bucket_bytes / 2**20,
-        "reserved_mb_pool_streams": reserved["pool"] / 2**20,
-        "reserved_mb_own_stream": reserved["own"] / 2**20,
-    }
+    return {"ok": reserved["own"] <= 4 * bucket_bytes, "calls": calls, "bucket_mb": bucket_bytes / 2**20,
+            "reserved_mb_pool_streams": reserved["pool"] / 2**20, "reserved_mb_own_stream": reserved["own"] / 2**20}
 
 
 def counters_across_streams(device: torch.device, rounds: int = 64) -> dict:
@@ -373,16 +353,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.cuda.set_device(device)
     from tagc.kernels import triton_available
 
-    results: dict = {
-        "device": torch.cuda.get_device_name(device),
-        "capability": torch.cuda.get_device_capability(device),
-        "torch": torch.__version__,
-        "triton": triton_available(),
-    }
-    print(
-        f"gpu-check on {results['device']} (sm_{''.join(map(str, results['capability']))}), torch {torch.__version__}, "
-        f"triton {'yes' if results['triton'] else 'NO: the torch reference runs, not sync-free'}"
-    )
+    results: dict = {"device": torch.cuda.get_device_name(device),
+                     "capability": torch.cuda.get_device_capability(device), "torch": torch.__version__,
+                     "triton": triton_available()}
+    triton = "yes" if results["triton"] else "NO: the torch reference runs, not sync-free"
+    print(f"gpu-check on {results['device']} (sm_{''.join(map(str, results['capability']))}), torch "
+          f"{torch.__version__}, triton {triton}")
     if not args.skip_tests:
         results["kernel_tests"] = _guarded(run_kernel_tests, device)
         tests = results["kernel_tests"]
@@ -395,12 +371,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not isinstance(times, list):
         print(f"kernel times: FAILED {times}")
     for row in results["times"]:
-        print(
-            f"  {row['numel']:>10,} elements: "
-            f"compress {row['compress_ms']:.3f} ms ({row['compress_over_memcpy']:.1f}x memcpy), "
-            f"decode {row['decode_ms']:.3f} ms ({row['decode_over_memcpy']:.1f}x); "
-            f"memcpy of 3x the part {row['memcpy_3x_ms']:.3f} ms"
-        )
+        print(f"  {row['numel']:>10,} elements: compress {row['compress_ms']:.3f} ms "
+              f"({row['compress_over_memcpy']:.1f}x memcpy), decode {row['decode_ms']:.3f} ms "
+              f"({row['decode_over_memcpy']:.1f}x); memcpy of 3x the part {row['memcpy_3x_ms']:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     failed = [name for name in ("kernel_tests", *CHECKS)

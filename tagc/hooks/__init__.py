@@ -5,13 +5,5 @@ engine calls into (:data:`tagc.hooks.core.engine.ADAPTERS`) when :mod:`tagc.hook
 from tagc.hooks.core.engine import Segment, TAGCHook, op_scale
 from tagc.hooks.core.selection import POLICIES, non_attention_linear, resolve_policy, select_all, select_none
 
-__all__ = [
-    "POLICIES",
-    "Segment",
-    "TAGCHook",
-    "non_attention_linear",
-    "op_scale",
-    "resolve_policy",
-    "select_all",
-    "select_none",
-]
+__all__ = ["POLICIES", "Segment", "TAGCHook", "non_attention_linear", "op_scale", "resolve_policy", "select_all",
+           "select_none"]

@@ -282,11 +282,9 @@ def parts_of(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bit
         check_index(index[0] if len(index) else index.new_empty(index_nbytes(layout.numel, bits)), layout.numel, bits)
     parts = 1 if index.dim() == 1 else index.shape[0]
     if not isinstance(table, torch.Tensor) or table.numel() != parts * layout.table_numel:
-        raise ValueError(
-            f"table must have {layout.table_numel} elements for {layout}"
-            + (f" per part ({parts} parts)" if index.dim() == 2 else "")
-            + f", got {getattr(table, 'shape', type(table))}"
-        )
+        raise ValueError(f"table must have {layout.table_numel} elements for {layout}"
+                         + (f" per part ({parts} parts)" if index.dim() == 2 else "")
+                         + f", got {getattr(table, 'shape', type(table))}")
     return table.reshape(parts, layout.table_numel), index.reshape(parts, -1)
 
 

@@ -94,10 +94,8 @@ def merge_index(a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
     """
     check_bits(bits)
     if a.shape != b.shape or a.dtype != torch.uint8 or b.dtype != torch.uint8:
-        raise ValueError(
-            "indexes to merge must be uint8 tensors of one shape, "
-            f"got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
-        )
+        raise ValueError("indexes to merge must be uint8 tensors of one shape, "
+                         f"got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}")
     if bits == 1:
         return a | b
     low = (a & 0x0F) + (b & 0x0F)

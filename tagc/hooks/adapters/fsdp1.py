@@ -92,10 +92,8 @@ def register_fsdp1(model: FSDP, hook: TAGCHook) -> None:
     units = FSDP.fsdp_modules(model)
     for unit in units:
         if unit.sharding_strategy not in _SHARDED:
-            raise ValueError(
-                f"TAGC supports FSDP1 FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name} "
-                "(hybrid strategies reduce over two groups: use a 1-D sharding strategy)"
-            )
+            raise ValueError(f"TAGC supports FSDP1 FULL_SHARD and SHARD_GRAD_OP; got {unit.sharding_strategy.name} "
+                             "(hybrid strategies reduce over two groups: use a 1-D sharding strategy)")
         if comm_hook(unit) is not None:
             raise ValueError("a communication hook is already registered on this FSDP1 model")
     paths = {id(module): _clean(name) for name, module in model.named_modules()}
