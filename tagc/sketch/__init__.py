@@ -16,10 +16,10 @@ from tagc.sketch.index import (
     unpack_counts,
 )
 from tagc.sketch.layout import SketchLayout, choose_lane
-from tagc.sketch.plan import PEELING_THRESHOLD, PLANNED_LOAD, plan_density, union_density
+from tagc.sketch.plan import PEELING_THRESHOLD, PLANNED_LOAD, plan_density
 from tagc.sketch.sparsify import keep_limit, row_thresholds, split_kept, threshold
 
 __all__ = ["PEELING_THRESHOLD", "PLANNED_LOAD", "DecodeStats", "InconsistentSketchError", "SketchLayout", "build_index",
            "choose_lane", "compress_", "decode", "encode", "encode_positions", "index_nbytes", "index_positions",
            "index_to_mask", "keep_limit", "merge_index", "pack_mask", "plan_density", "row_thresholds", "split_kept",
-           "threshold", "union_density", "unpack_counts"]
+           "threshold", "unpack_counts"]

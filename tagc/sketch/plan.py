@@ -12,11 +12,6 @@ PLANNED_LOAD = 0.7
 finite lanes (thousands of rows) need; see ``python -m tagc.bench codec`` for the curve."""
 
 
-def union_density(density: float, world_size: int) -> float:
-    """Density of the union of ``world_size`` independent supports of ``density`` each."""
-    return 1.0 - (1.0 - density) ** world_size
-
-
 def plan_density(ratio: float, world_size: int, load: float = PLANNED_LOAD) -> float:
     """Per-rank kept fraction so ``world_size`` independent supports peel with margin: their union loads each
     lane's rows to at most ``load`` (docs/design.md §3.3)."""

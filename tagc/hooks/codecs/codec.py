@@ -61,12 +61,9 @@ if TYPE_CHECKING:
 
 VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float8": torch.float8_e4m3fn}
-"""What ``value_dtype`` may be for the sparse codecs (their values or sketch cells on the wire):
-a name, or the torch dtype. ``float16`` travels with a power-of-two float32 scale per
-:data:`SCALE_BLOCK` values (:func:`pack_values`): 11 significant bits instead of bf16's 8, at
-16 bits per value and 0.03 bits of scale. ``float8`` (e4m3, 4 significant bits) travels the same
-way at 8 bits per value: half the cells' bytes, so a sparse codec can keep about twice the entries
-at the same bytes, each rounded by up to 2**-4 of itself."""
+"""What ``value_dtype`` may be for the sparse codecs (their values or sketch cells on the wire): a name, or the
+torch dtype; ``float16`` and ``float8`` travel with a power-of-two float32 scale per :data:`SCALE_BLOCK` values
+(:func:`pack_values`; their bits and bytes: docs/design.md §7, the lean wire)."""
 SCALE_BLOCK = 1024
 """Values sharing one scale (``float16``, ``float8``)."""
 _SCALED_TOP = {torch.float16: 15, torch.float8_e4m3fn: 8}
@@ -314,12 +311,9 @@ class Stacks:
 
 
 class ResidualCodec(Codec):
-    """A codec with error feedback whose state is one residual per part: ``[N, n]`` (the part's rows),
-    in ``residual_dtype``, keyed by the part, created at zero the first time the part is encoded.
-
-    ``residuals`` is one dict for the codec's lifetime: :meth:`load_state_dict` updates it in place,
-    so copies at other ratios (:func:`with_ratio`) and anything else holding it see the loaded state.
-    """
+    """A codec with error feedback whose state is one residual per part: ``[N, n]`` (the part's rows), in
+    ``residual_dtype``, zeros until the part is first encoded. ``residuals`` is one dict for the codec's lifetime
+    (:meth:`load_state_dict` updates it in place), so copies at other ratios (:func:`with_ratio`) see the state."""
 
     error_feedback = True
     feedback_at = "encode"

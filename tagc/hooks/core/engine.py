@@ -66,9 +66,7 @@ class TAGCHook:
         self.settings = settings
         self.codec, self.plain = settings.make_codecs()
         self.planner = Planner(settings, self.codec, self.plain)
-        """How buckets are cut into parts (:class:`tagc.hooks.core.plan.Planner`): the plans made so far (``plans``),
-        a plan made without caching it (``make_plan``, what :mod:`tagc.hooks.adapters.describe` reports), the codec at a
-        ratio (``codec_at``), the ratio ``select`` gives a parameter (``ratio_of``)."""
+        """How buckets are cut into parts, and the plans made so far (:class:`tagc.hooks.core.plan.Planner`)."""
         self._selection = SelectionRecord(self.planner)
         self.state = ExchangeState(settings.warmup_steps(self.codec))
         self.step_count = 0  # sets warmed_up too
@@ -79,9 +77,7 @@ class TAGCHook:
         self._selection_checked = False  # warn_if_weak_selection ran (after the first warmed-up step)
         self.strict_sync = strict.enabled()
         """Count host reads of tensors in the exchange (``TAGC_STRICT_SYNC=1``; :mod:`tagc.hooks.core.strict`)."""
-        self.counting_reads = False
-        """Whether an entry point is counting host reads now (strict sync mode:
-        :func:`tagc.hooks.core.strict.counted`)."""
+        self.counting_reads = False  # an entry point is counting host reads now (tagc.hooks.core.strict.counted)
         self._lr_source: LearningRateFading | None = None
 
     # ------------------------------------------------------------------ public
@@ -93,12 +89,9 @@ class TAGCHook:
         return ADAPTERS["bind"](self, unit)
 
     def stats(self) -> dict:
-        """``{"step": n, "last_step": {...}, "total": {...}, "units": [...]}``: bytes this rank put on
-        the wire next to what a plain reduce-scatter would send, peel success, NaN/Inf parts, and
-        times (codec, wire, exposed) in all and, for the last step, per unit.
-
-        Codecs count on the device; this is where the counts are read (a host synchronisation).
-        On CUDA the times are the host's: when work was queued and when the caller waited."""
+        """``{"step": n, "last_step": {...}, "total": {...}, "units": [...]}``: :class:`ExchangeStats` of the last
+        step and of the run, and the last step's units. Codecs count on the device: this is where the counts are
+        read (a host synchronisation). On CUDA the times are the host's: when work was queued and when it waited."""
         self._streams.join()
         return {"step": self.step_count, "last_step": self.last_step.as_dict(), "total": self.total.as_dict(),
                 "units": [unit.as_dict() for unit in self.last_units]}
@@ -114,12 +107,9 @@ class TAGCHook:
         return checkpoint.residuals_by_bucket(self.codec)
 
     def agreed_settings(self) -> dict:
-        """Every setting that changes what crosses the wire, or when, as it is now (after :meth:`update`,
-        :meth:`set_feedback_decay` and :meth:`follow_lr` too): must agree across ranks.
-
-        ``select`` is compared by what it selects (:meth:`select_fingerprint`), not by its name; ``follow_lr`` is
-        the peak rate the fading follows (``"from the optimizer"`` when it reads it there), ``None`` when it does not
-        follow one."""
+        """Every setting that changes what crosses the wire, or when, as it is now: must agree across ranks.
+        ``select`` is its fingerprint (:meth:`select_fingerprint`); ``follow_lr`` the peak rate the fading follows
+        (``"from the optimizer"`` when it reads it there), ``None`` when it follows none."""
         source = self._lr_source
         follows = None if source is None else (source.peak_lr or "from the optimizer")
         return {**self.settings.agreed(self.codec, self.select_fingerprint()), "follow_lr": follows}
@@ -162,13 +152,9 @@ class TAGCHook:
         self._verified.clear()
 
     def follow_lr(self, optimizer: torch.optim.Optimizer | None, peak_lr: float | None = None) -> None:
-        """Fade EF21's shifts less as ``optimizer``'s learning rate decays: at each step's first exchange the fading
-        becomes ``1 - (1 - feedback_decay) * lr / peak_lr``, ``feedback_decay`` (the hook's, 0.9 by default) at the
-        peak and toward 1 as the rate falls, so that the late, small steps are not held back by a fast fading.
-
-        ``lr`` is the first parameter group's when the step's backward starts (after your scheduler's step);
-        ``peak_lr`` defaults to that group's ``initial_lr`` (torch's schedulers set it), else the largest rate seen.
-        ``feedback="ef21"`` only; ``None`` stops following (the fading stays where it is)."""
+        """Fade EF21's shifts less as ``optimizer``'s learning rate decays: at each step's first exchange
+        (:class:`tagc.hooks.codecs.feedback.LearningRateFading`; docs/guide.md, "The hook"). ``feedback="ef21"``
+        only; ``None`` stops following (the fading stays where it is)."""
         if optimizer is None:
             self._lr_source = None
             self._verified.clear()
@@ -270,11 +256,9 @@ class TAGCHook:
     # ------------------------------------------------------------------ what select selects, the settings check
 
     def note_parameters(self, segments: Iterable[Segment]) -> None:
-        """Record what ``select`` gives each of these parameters (an adapter calls this with the model's
-        parameters when it installs the hook): :meth:`select_fingerprint` is then a digest of those
-        answers, so two policies that select differently never pass the settings check as equal,
-        whatever their names (two lambdas are both ``<lambda>``). A loaded checkpoint's ``select`` is
-        compared at the next :meth:`verify` (adapters bind in steps)."""
+        """Record what ``select`` gives each of these parameters (an adapter calls this with the model's parameters
+        when it installs the hook), which :meth:`select_fingerprint` digests (:mod:`tagc.hooks.core.fingerprint`).
+        A loaded checkpoint's ``select`` is compared at the next :meth:`verify` (adapters bind in steps)."""
         self._selection.note_parameters(segments)
 
     def select_fingerprint(self) -> str:
@@ -330,13 +314,9 @@ class TAGCHook:
         return checkpoint.state_dict(self.codec, self.step_count, self.settings.config, self.select_fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
-        """Load :meth:`state_dict`'s output, before the first step or later.
-
-        Residuals are keyed by the bucket's compressed parameters and part: a checkpoint whose keys
-        this hook would not use is an error, never a silent restart of error feedback from zeros.
-        It is raised here when the checkpoint's ``select`` fingerprint differs from this hook's (once
-        the hook is installed on its model), else at the first compressed part the checkpoint holds
-        no state for."""
+        """Load :meth:`state_dict`'s output, before the first step or later. A checkpoint whose keys this hook
+        would not use is an error, never a silent restart of error feedback from zeros, raised as soon as it can be
+        seen (:mod:`tagc.hooks.core.checkpoint`)."""
         restored = checkpoint.restored_from(state, self.settings.config)
         checkpoint.check_feedback(state, self.codec)
         self._streams.join()

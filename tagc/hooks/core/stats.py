@@ -94,10 +94,8 @@ class ExchangeStats:
 
 def _used_on_current_stream(value: object) -> None:
     """Tell the caching allocator that the current stream reads ``value`` (a CUDA tensor; anything else is left
-    alone). A counter made on one stream and read on another would otherwise go back to its own stream's cache when
-    the next count replaces it, and a kernel there could overwrite it before the reading stream got to it: the
-    counts of a DDP run on a GPU read as garbage that way. No host synchronisation; nothing under compilation,
-    where the compiled graph orders its own buffers."""
+    alone), so that a counter made on another stream is not reused before it is read (docs/design.md §2, "Where
+    DDP's callbacks run"). No host synchronisation; nothing under compilation, which orders its own buffers."""
     if isinstance(value, torch.Tensor) and value.is_cuda and not torch.compiler.is_compiling():
         value.record_stream(torch.cuda.current_stream(value.device))
 
