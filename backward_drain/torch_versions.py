@@ -1,22 +1,12 @@
 """The torch releases this project supports and was tested on, and the check every module that reaches torch
-internals runs.
+internals runs when it is imported (:func:`check_internals`; the scheme: docs/design.md §2).
 
-Private torch names (an underscored attribute, a ``torch._*`` module) can change in any release.
-Each integration reads them in one module of its own (listed in docs/design.md §2), which maps each
-supported release's names (``"torch.a.b.new|old"``: the later name, then the earlier one) and calls
-:func:`check_internals` when it is imported:
-
-* a needed name that the running torch lacks (under every name a release gave it) raises
-  :class:`TorchInternalsError`, naming the version, the name and what to do: the integration cannot run without it;
-* a torch outside :data:`SUPPORTED` that has every name warns once per process (``RuntimeWarning``), naming the
-  range: the names are there, so the integration may well work, but nobody checked that they still mean what they
-  meant.
-
-Names read from objects made at run time (an FSDP unit's state, a parameter's record) cannot be
-checked at import: :func:`read_internal` reads them and raises the same error when one is missing.
-
-This module lives in ``backward_drain`` because that package depends on torch only and both
-``tagc`` and ``fsdp_integration`` import it (neither may import the other).
+A needed private name the running torch lacks (under every name a release gave it, ``"torch.a.b.new|old"``)
+raises :class:`TorchInternalsError`, naming the version, the name and what to do; a torch outside
+:data:`SUPPORTED` that has every name warns once per process: the names are there, but nobody checked that they
+still mean what they meant. Names read from objects made at run time cannot be checked at import:
+:func:`read_internal` reads them and raises the same error. This module lives in ``backward_drain`` because that
+package depends on torch only and both ``tagc`` and ``fsdp_integration`` import it (neither may import the other).
 """
 
 from __future__ import annotations

@@ -9,12 +9,10 @@ SimpleFSDP on gloo gets it by issuing the next unit's all-gather asynchronously:
   backward reaches) is started; when unit ``k`` re-gathers its parameters, the re-gather of
   the unit before it in forward order (the next one backward reaches) is started.
 
-So a block's parameters are on the wire while the previous block computes, and in backward
-also while its gradient exchange (e.g. TAGC's compression) runs, the overlap the TAGC paper
-builds into FSDP. Every rank runs the same order, so the prefetched collectives match across
-ranks. A prefetched all-gather is used only if the shards did not change since it started
-(their version counters), otherwise it is dropped and the unit gathers again. Compiled
-models do not prefetch here: Inductor reorders their collectives itself.
+Every rank runs the same order, so the prefetched collectives match across ranks (what it overlaps:
+docs/guide.md, "The hook", "SimpleFSDP"). A prefetched all-gather is used only if the shards did not change since
+it started (their version counters), else dropped. Compiled models do not prefetch here: Inductor reorders their
+collectives itself.
 """
 
 from __future__ import annotations

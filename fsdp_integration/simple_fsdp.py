@@ -143,25 +143,19 @@ def simple_fsdp(model: nn.Module, mesh: Optional[DeviceMesh] = None,
 
     Args:
         model: an ``nn.Module`` with plain (non-DTensor) parameters, identical on every rank.
-        mesh: a 1-D device mesh (default: every rank of the default group, on the
-            parameters' device type), or a 2-D ``(replicate, shard)`` mesh for HSDP: parameters
-            sharded over dim 1 (the ranks of a host) and replicated over dim 0 (across hosts), e.g.
-            ``init_device_mesh("cpu", (hosts, ranks_per_host), mesh_dim_names=("replicate", "shard"))``
-            (:mod:`fsdp_integration.hsdp`).
+        mesh: a 1-D device mesh (default: every rank of the default group, on the parameters' device type), or
+            a 2-D ``(replicate, shard)`` mesh for HSDP (:mod:`fsdp_integration.hsdp`), e.g.
+            ``init_device_mesh("cpu", (hosts, ranks_per_host), mesh_dim_names=("replicate", "shard"))``.
         mp_policy: compute / reduction dtypes.
-        reshard_after_forward: free each block's gathered parameters after its forward and
-            all-gather them again in backward (eager: saved-tensor hooks; compiled: the
-            all-gathers are marked for recomputation, see :mod:`fsdp_integration.compile`).
+        reshard_after_forward: free each block's gathered parameters after its forward and all-gather them again
+            in backward (:mod:`fsdp_integration.reshard`).
         units: module names to gather as one unit each (default: every child of every
             ``nn.ModuleList``); the root takes the parameters no unit holds.
-        prefetch: in eager mode, start the next unit's all-gather while this one computes,
-            forward and backward (:mod:`fsdp_integration.prefetch`); holds up to two units'
-            parameters at once.
-        overlap: in eager mode, launch each unit's reduce-scatter in its backward and finish
-            them all in a final callback of the backward pass (the exchange overlaps the
-            backward of the units before it; :class:`~fsdp_integration.bucket.PendingGradients`);
-            ``False`` waits for each unit's reduce-scatter in its backward. A comm hook may
-            decline to overlap (it returns no ``start``; e.g. ``tagc.hook(overlap=False)``).
+        prefetch: in eager mode, start the next unit's all-gather while this one computes, forward and backward
+            (:mod:`fsdp_integration.prefetch`); holds up to two units' parameters at once.
+        overlap: in eager mode, launch each unit's reduce-scatter in its backward and finish them all in a final
+            callback of the backward pass (:class:`~fsdp_integration.bucket.PendingGradients`); ``False`` waits in
+            each unit's backward. A comm hook may decline (it returns no ``start``: ``tagc.hook(overlap=False)``).
     """
     if not dist.is_initialized():
         raise RuntimeError("simple_fsdp needs torch.distributed: call dist.init_process_group(...) first")
