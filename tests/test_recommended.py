@@ -18,7 +18,7 @@ from tests.paper_wire import PAPER_RATIO, PAPER_STYLE_TOPK, PAPER_WIRE
 
 TAGC_RECOMMENDED = {"ratio": 4.5, "plain": "int4", "feedback": "ef21", "feedback_decay": 0.9, "positions": "coded",
                     "value_dtype": "float16"}
-"""Codec tagc's recommended setting as documented (``tagc.hook``'s docstring, docs/quality-diagnosis.md)."""
+"""Codec tagc's recommended setting as documented (``RECOMMENDED``'s docstring, docs/quality-diagnosis.md)."""
 
 TOPK_RECOMMENDED = {**TAGC_RECOMMENDED, "ratio": 1.2, "value_dtype": "float8"}
 """Codec topk's: the compare's ``topk-f8`` (docs/quality-diagnosis.md, tenth screen)."""

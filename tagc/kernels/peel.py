@@ -32,15 +32,11 @@ stream, and reads nothing on the host:
    normal equations, with the reference's rule for a determined position; the fallback is applied
    again to the others with the solved values taken out of their cells.
 
-**Bit-identical from run to run** (docs/design.md §5): no float atomics; within a tile the lowest
-position among those sharing a cell goes first (an integer ``atomic_min``), tiles run in list order,
-and the solve runs in one program in a fixed order, so no ``torch.use_deterministic_algorithms`` is needed.
-Values agree with the CPU back ends within float32 rounding (a position owning several pure cells may read
-another of them; the solve eliminates instead of taking an SVD).
-
-**A batch of parts** (docs/design.md §3.1, "Batched decode"): every kernel's grid has the parts as one
-more axis and each program moves its pointers to its part's rows of every buffer, so each part's
-programs do exactly what they do for the part alone.
+**Bit-identical from run to run** (docs/design.md §5): no float atomics (the lowest position sharing a cell goes
+first, by an integer ``atomic_min``), tiles in list order, the solve in one program. Values agree with the CPU back
+ends within float32 rounding (a position owning several pure cells may read another of them; the solve eliminates
+instead of taking an SVD). **A batch of parts** (docs/design.md §3.1, "Batched decode"): the parts are one more
+grid axis, each program doing for its part exactly what it does for the part alone.
 
 Statistics are accumulated on the device into an int64 ``stats`` tensor (a row per part): the
 :class:`~tagc.sketch.DecodeStats` fields in order, then the inconsistent, NaN and Inf cells
