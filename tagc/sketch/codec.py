@@ -338,13 +338,10 @@ def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits:
     ``parts``, a back end's :func:`decode_parts`).
 
     Args:
-        table: the (summed) count sketch, ``[layout.table_numel]`` (float32 as
-            :func:`encode` and :func:`compress_` make it; any float dtype is read exactly).
-        index: the (merged) union index of ``bits`` bits per element.
-        fallback: for positions neither peeling nor the exact solve recovers:
-            ``"estimate"`` writes the median of the three signed residual cells,
-            ``"raw"`` writes 0 and lists them in ``stats.raw_positions`` for a re-send,
-            ``"error"`` raises ``RuntimeError``.
+        table: the (summed) count sketch, ``[layout.table_numel]`` (float32 as :func:`encode` and :func:`compress_`
+            make it; any float dtype is read exactly). index: the (merged) union index of ``bits`` bits per element.
+        fallback: for positions neither peeling nor the exact solve recovers (docs/design.md §3.8): ``"estimate"``,
+            ``"raw"`` (0, listed in ``stats.raw_positions`` for a re-send) or ``"error"`` (``RuntimeError``).
 
     Raises:
         ValueError: sizes or arguments that do not match, NaN/Inf in the table.
@@ -353,10 +350,9 @@ def decode(table: torch.Tensor, index: torch.Tensor, layout: SketchLayout, bits:
     **Precision contract** (every back end; in full: docs/design.md §5): the support is exact (every position
     outside the union index decodes to exactly 0); every value peeling settles is within float32 rounding of the
     magnitudes that share its cells, solved ones within that amplified by their small system's conditioning,
-    estimated ones unbounded; tables are float32, inputs float32/bfloat16/float16 (float64 is rejected, cast it);
-    a cell no indexed position maps to must be exactly 0, or :class:`InconsistentSketchError` is raised (never on
-    a legitimate table; a rank's missing index is caught for all practical purposes). The check costs one pass
-    over the cell counts peeling builds anyway (:func:`tagc.kernels.decode_async` skips it, and the NaN check).
+    estimated ones unbounded; a cell no indexed position maps to must be exactly 0, or
+    :class:`InconsistentSketchError` is raised (never on a legitimate table), a check
+    :func:`tagc.kernels.decode_async` skips, as it skips the NaN check.
     """
     values, packed, rest = parts(table, index.reshape(-1), layout, bits, fallback)
     return values[0], as_decode_stats(packed[0], rest)

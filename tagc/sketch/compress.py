@@ -39,20 +39,13 @@ def compress_(grad: torch.Tensor, residual: torch.Tensor, density: float, layout
     """Compress ``grad + residual`` chunk by chunk; ``residual`` becomes what was not sent.
 
     Args:
-        grad: ``[N, S]`` (or ``[S]``) gradient: float32, bfloat16 or float16 (float64 is
-            rejected with a ``ValueError``: cast it).
-        residual: tensor of the same shape (float32, bfloat16 or float16), updated in
-            place: on return it holds ``grad + residual`` (rounded to its dtype) with the
-            sent entries zeroed.
-        density: fraction of each chunk to keep.
-        layout: the sketch layout of one chunk (``layout.numel == S``).
-        bits: index bits per element (1 or 4).
-        tau: optional per-chunk thresholds ``[N]`` to use instead of
-            :func:`row_thresholds` (so another back end's threshold can be replayed).
-        return_held: also return how many entries the selection rule keeps but each
-            chunk's capacity held back in the residual.
-        cap: the most entries a chunk keeps (default :func:`capacity`; a wire that holds
-            fewer passes its own).
+        grad: ``[N, S]`` (or ``[S]``) gradient: float32, bfloat16 or float16 (float64 is rejected: cast it).
+        residual: of the same shape and those dtypes, updated in place: ``grad + residual`` (rounded to its dtype)
+            with the sent entries zeroed.
+        density: fraction of each chunk to keep; layout: one chunk's (``layout.numel == S``); bits: 1 or 4.
+        tau: per-chunk thresholds ``[N]`` instead of :func:`row_thresholds` (to replay another back end's).
+        return_held: also return how many kept entries each chunk's capacity held back in the residual.
+        cap: the most entries a chunk keeps (default :func:`capacity`; a wire that holds fewer passes its own).
 
     Returns:
         ``(index, table)``: uint8 ``[N, index_nbytes(S, bits)]`` and float32

@@ -1,17 +1,10 @@
 """The kept entries as a list: TAGC's selection without the sketch (the ``topk`` peer's semantics).
 
-Per rank row of ``n`` entries: error feedback (``a = residual + grad``), TAGC's threshold and
-tie rule (:func:`~tagc.sketch.sparsify.row_thresholds`, :func:`~tagc.sketch.sparsify.keep_mask`),
-then the kept entries, in index order, written into fixed-size lists:
-
-* ``counts`` int32 ``[N, nb + 1]``: listed entries per block of :data:`POSITION_BLOCK`
-  positions (``nb = ceil(n / POSITION_BLOCK)``), then the row's *overflow* (kept entries
-  beyond the list's capacity ``cap``, which stay in the residual);
-* ``offsets`` uint16 ``[N, cap]``: each listed entry's position within its block;
-* ``values`` float32 ``[N, cap]``: its value ``a``; 0 past the row's count.
-
-The residual keeps every entry not listed. A part whose gradient holds a NaN/Inf lists nothing,
-sends NaN values (the owner turns its whole part NaN) and leaves the residual as it was.
+Per rank row of ``n`` entries: error feedback (``a = residual + grad``), TAGC's selection rule, then the kept
+entries, in index order, in fixed-size lists: ``counts`` int32 ``[N, nb + 1]`` (listed entries per block of
+:data:`POSITION_BLOCK` positions, then the row's *overflow*: kept entries beyond the capacity ``cap``, which stay in
+the residual), ``offsets`` uint16 ``[N, cap]`` (within the block) and ``values`` float32 ``[N, cap]`` (0 past the
+row's count). A part whose gradient holds a NaN/Inf lists nothing, sends NaN values and keeps its residual.
 
 This module is the reference (vectorised torch, no host reads: ``cumsum`` and ``searchsorted``
 instead of ``nonzero()``); :mod:`tagc.kernels.dispatch` gives the same results from the Numba

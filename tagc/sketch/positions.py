@@ -24,8 +24,7 @@ linear in its count, or less when it falls back to the bitmap). So a row that ke
 count within ``cap`` (``topk`` lists at most ``cap``; TAGC sends nothing from a row that would
 keep more, see :func:`tagc.sketch.compress.compress_`).
 
-**Cost.** About ``d (l + 1) + 2**-l + 16 / B`` bits per element: 0.245 at ``d = 3.56%``
-(``l = 4``) against the entropy's 0.222 and the bitmap's 1.
+**Cost** (docs/design.md §7): 0.245 bits per element at ``d = 3.56%`` (``l = 4``), the entropy's 0.222.
 
 This module is the reference (vectorised torch, no host reads, so it also serves CUDA);
 :mod:`tagc.kernels.dispatch` gives the same bytes from the CPU kernels and from the Triton

@@ -13,12 +13,9 @@ No codec here reads a tensor on the host in ``encode``/``decode`` (no ``.item()`
 the NaN/Inf count goes into :class:`~tagc.hooks.core.stats.ExchangeStats` as a 0-d tensor, read
 when the statistics are (``as_dict``).
 
-NaN/Inf (see :mod:`tagc.hooks.codecs.codec`): ``bf16`` carries them element by element like plain;
-``fp8``/``int4`` make the sender's whole *block* NaN at its owner (a block's scale is NaN).
-Every owner learns that some rank's part was not finite (``bf16``: a flag byte per row;
-``fp8``/``int4``: the sign bit of every scale the rank sends, scales being >= 0 otherwise),
-so every rank counts the part in ``nonfinite_parts`` and ``nonfinite="raise"`` raises on
-every rank, as with TAGC.
+NaN/Inf (docs/design.md §6, §7): ``bf16`` carries them element by element like plain, ``fp8``/``int4`` make the
+sender's whole block NaN at its owner; every owner learns that some rank's part was not finite (``bf16``'s flag
+byte, the sign bit of ``fp8``/``int4``'s scales), so every rank counts it and ``nonfinite="raise"`` raises there.
 """
 
 from __future__ import annotations
@@ -252,8 +249,7 @@ class Int4Codec(Codec):
     a flat part of columns does not have) and ``stochastic`` (default False: stochastic
     rounding from a counter-based hash of the element's place, the part, the sending rank
     and the step, so it is reproducible and the same eager and compiled).
-    Why ``[-7, 7]``: docs/design.md §9. Why float32 scales: a bf16 scale is off by up to 2^-8, so
-    ``absmax / s`` leaves [-7, 7] and needs clipping; 32/128 = 0.25 bit/element is the price (6% of 4 bits).
+    Why ``[-7, 7]``: docs/design.md §9; float32 scales: a bf16 one, off by up to 2^-8, would need clipping.
     NaN/Inf: the sender's whole block is NaN at its owner.
     State: with ``stochastic``, an encode counter per part (in ``state_dict``).
     """

@@ -40,19 +40,12 @@ POSITIONS = ("offsets", "coded")
 class TopKCodec(ResidualCodec):
     """TAGC's threshold and error feedback; the kept values as a (position, value) list.
 
-    Wire per rank row of ``n`` (``nb = ceil(n / 65536)``, ``cap = capacity(n, density)``):
-    ``nb + 1`` int32 (kept entries per block of 65,536 columns, then the row's overflow),
-    the positions, and ``cap`` values; entries past a row's total are padding (zeros, ignored).
-
-    * ``positions="offsets"``: ``cap`` uint16 offsets within their block (16 bits per entry);
-      about ``48 * density * (1 + slack)`` bits per element with float32 values.
-    * ``positions="coded"``: Elias-Fano per block of 4,096 (:mod:`tagc.sketch.positions`),
-      about ``density * (log2(1 / density) + 2)`` bits per element (7 per entry at 3.56%).
-    * ``value_dtype="bfloat16"`` (or ``"float16"``, scaled per 1,024 values): values sent in 16
-      bits and summed in float32 at the owner; ``"float8"`` (e4m3, scaled per 1,024) in 8 bits, so a
-      wire of the same bytes lists about 1.5 times the entries. Each value's rounding (at most 2**-9 of
-      it in bf16, 2**-4 in float8) goes back into the residual, so error feedback sends it later and
-      ``sent + residual == residual_before + grad`` stays exact.
+    Wire per rank row of ``n``: ``nb + 1`` int32 (kept entries per block of 65,536 columns, then the row's
+    overflow), the positions (``positions="offsets"``: ``cap`` uint16 offsets within their block;
+    ``"coded"``: Elias-Fano per block of 4,096, about ``density * (log2(1 / density) + 2)`` bits per element) and
+    ``cap`` values (``cap = capacity(n, density)``; zeros past a row's count; docs/design.md §7). Values in
+    bfloat16, float16 or float8 (``value_dtype``) give each value's rounding back to the residual, so error
+    feedback sends it later and ``sent + residual == residual_before + grad`` stays exact.
 
     Bound: exact on what was sent (the owner's float32 sum of the sent values, in rank order).
     Overflow: a row keeping more than ``cap`` sends its first ``cap`` kept entries in index
