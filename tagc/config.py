@@ -32,21 +32,16 @@ class TAGCConfig:
     """Settings of the TAGC codec (nested in the hook's :class:`~tagc.hooks.core.settings.HookSettings`).
 
     Args:
-        ratio: count-sketch compression ratio (gradient elements per sketch cell), in
-            ``(1, 1000]``. ``ratio=10`` sends a table 10x smaller than the gradient.
-        index_bits: 1 (packed bitmap, combined by exact OR) or 4 (per-element rank count,
-            combined by sum; at most 15 ranks).
-        sparsity: fraction of each gradient chunk zeroed before encoding (the paper's term),
-            in ``[0, 1)``, or ``"auto"`` to derive it from ``ratio`` and the group size with
-            :func:`tagc.sketch.plan_density` so that the union support stays peelable.
-        lane: sketch lane width (a power of two <= 1024), or ``None`` to pick it per chunk
-            so every lane has thousands of rows.
+        ratio: count-sketch compression ratio (gradient elements per sketch cell), in ``(1, 1000]``.
+        index_bits: 1 (packed bitmap, merged by OR) or 4 (rank counts, merged by sum: at most 15 ranks).
+        sparsity: fraction of each gradient chunk zeroed before encoding (the paper's term), in ``[0, 1)``, or
+            ``"auto"``: from ``ratio`` and the group size by :func:`tagc.sketch.plan_density` (docs/design.md §3.3).
+        lane: sketch lane width (a power of two <= 1024), or ``None``: picked per chunk (docs/design.md §3.5).
         seed: hash seed; must be identical on every rank.
-        fallback: what decode does with positions neither peeling nor the exact solve
-            recovers: ``"estimate"`` (median of the three cells), ``"raw"`` (re-send them
-            uncompressed) or ``"error"`` (raise).
-        min_compress_numel: chunks (per-rank shard lengths) smaller than this always take
-            the plain reduce-scatter; fixed costs dominate there.
+        fallback: what decode does with positions neither peeling nor the exact solve recovers: ``"estimate"``,
+            ``"raw"`` or ``"error"`` (docs/design.md §3.8).
+        min_compress_numel: chunks (per-rank shard lengths) smaller than this always take the plain
+            reduce-scatter; fixed costs dominate there.
     """
 
     ratio: float = 10.0

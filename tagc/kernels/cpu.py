@@ -1,9 +1,7 @@
 """CPU kernels (Numba): the fused compression pass and queue-driven peeling.
 
-On a CPU the torch reference is the production path, and it is bound by its passes: the
-vectorised compress makes about fifteen passes over a part (add, sample, two compares,
-nonzero, hashing, gathers, a scatter, packing, a masked fill) and peeling makes several
-index operations per round. These kernels do the same arithmetic in one loop each:
+The torch reference is bound by its passes (about fifteen over a part in compress, several index operations per
+peeling round); these kernels do the same arithmetic in one loop each:
 
 * :func:`compress_cpu` - one pass per chunk: ``a = residual + grad``, the selection rule of
   :mod:`tagc.sketch.sparsify` (``tau`` from the reference's sample, :func:`row_thresholds`), then a second

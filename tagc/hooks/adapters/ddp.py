@@ -28,9 +28,7 @@ Error feedback is keyed by the bucket's parameters (their names) and the part, n
 iteration runs on buckets it rebuilds afterwards: it is reduced as DDP reduces it and not counted as a step
 (:meth:`DDPHookState.settled`). Steps are counted as the engine counts them, or by :meth:`DDPHookState.end_step`.
 
-The exchange overlaps the rest of the backward pass (``overlap=True``): the hook encodes the bucket, launches its
-collectives and returns a future decoded as the bytes arrive; a collective that needs another's result goes at the
-next hook call, the last bucket's in a final callback of the backward pass (:mod:`tagc.hooks.core.flights`).
+The exchange overlaps the rest of the backward pass (``overlap=True``; how: :mod:`tagc.hooks.core.flights`);
 ``overlap=False`` finishes every bucket inside its hook call.
 """
 import dataclasses

@@ -1,13 +1,10 @@
 """What the one line does to a model: every parameter, compressed or plain, and the bytes per step.
 
-``describe(hook, model)`` (also :meth:`TAGCHook.describe`) renders :func:`describe_plan`'s rows as
-a table: for every parameter of every FSDP unit, the codec its columns take once the warm-up is
-over, at which ratio, and its share of the unit's planned wire bytes; per unit, the planned bytes
-per step against what a plain fp32 reduce-scatter sends. Nothing here moves a byte: the plan is
-the engine's own (``hook.planner``, :meth:`~tagc.hooks.core.plan.Planner.make_plan`: the same ``select``
-policy, size floor and pipeline parts), and the bytes are its codecs' wire shapes (:meth:`Codec.wire`),
-counted as the engine counts what it launches (``(N - 1)`` rank rows of every wire tensor), so the
-planned bytes are what ``hook.stats()`` reports after a compressed step.
+``describe(hook, model)`` (also :meth:`TAGCHook.describe`; an example: docs/guide.md, "The hook") renders
+:func:`describe_plan`'s rows as a table: every parameter of every FSDP unit with the codec its columns take once
+warmed up, its ratio and its share of the unit's planned wire bytes; per unit, those bytes against a plain fp32
+reduce-scatter's. Nothing here moves a byte: the plan is the engine's own (``hook.planner``), and the bytes are its
+codecs' wire shapes counted as the engine counts what it launches, so they are what ``hook.stats()`` reports.
 
 :func:`warn_if_weak_selection` is the engine's check at the end of the first step: a hook asked to
 compress that compresses nothing, or only the embedding and the LM head, says so once

@@ -24,12 +24,8 @@ A codec whose wire adds up offers an all-reduce form (:meth:`Codec.all_reduce_fo
 by all-reduces and every rank decodes the sum. TAGC's (:class:`SummedSketch`) is below; the plain
 codecs say in which dtype their columns add up (:attr:`Codec.summed_dtype`).
 
-The same two calls serve the eager pipeline (one all-to-all per part) and the traced halves of a
-compiled model (one all-to-all per wire dtype): the same values, bytes and NaN/Inf behaviour.
-
-**NaN/Inf policy** (every codec, eager and compiled alike): docs/design.md §6. The plain codec sends a
-non-finite value as it is; TAGC sends a table of NaN for a part holding one (count: ``nonfinite_parts``);
-residuals are never poisoned; ``nonfinite="raise"`` raises on every rank once the exchange is complete.
+The same calls serve the eager pipeline and the traced halves of a compiled model: the same values, bytes and
+NaN/Inf behaviour (the policy, every codec alike: docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -16,13 +16,10 @@ is viewed as ``(shape[0], -1)``, as the DDP hook does):
    exactly what the summed approximation missed). ``Q / N`` is kept for the next step's
    warm start.
 
-Each sum over ranks is an all-reduce built from two all-to-all rounds (a reduce-scatter of
-``ceil(len / N)`` float32 per rank row, then every owner sends its summed slice to every rank):
-``2 (N-1)/N`` of the vector per rank, a ring all-reduce's volume, and every rank adds the same
-values in the same order, so the orthonormalisation sees identical input everywhere. Four
-rounds in all (:attr:`PowerSGDCodec.rounds`); selected segments that are no matrix (biases) ride
-plain in round 0, and so do those whose shape the adapter cannot give (FSDP1's multi-parameter
-units), with a warning (once).
+Each sum over ranks is an all-reduce of two all-to-all rounds (docs/design.md §7: a ring all-reduce's volume),
+every rank adding the same values in the same order, so the orthonormalisation sees identical input everywhere:
+four rounds in all (:attr:`PowerSGDCodec.rounds`). Selected segments that are no matrix (biases) ride plain in
+round 0, and so do those whose shape the adapter cannot give (FSDP1's multi-parameter units), with a warning.
 
 Bytes per bucket: docs/design.md §7. ``value_dtype="bfloat16"`` halves them (as DDP's ``bf16_compress_wrapper``):
 P, Q and the plain columns travel in bf16 and are summed in float32; the summed slices go back in bf16, so every

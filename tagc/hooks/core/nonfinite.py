@@ -16,9 +16,7 @@ or one per part of a batch) and every branch is a ``torch.where``:
   :class:`~tagc.hooks.core.stats.ExchangeStats` as device tensors (``* ok``: a non-finite part
   counts only ``nonfinite_parts``). They are read once, by ``stats()``.
 
-``decode_async`` solves peeling's stopping sets on every back end: on the Triton back end on the
-device, in buffers whose sizes follow from the settings (up to ``EXACT_SOLVE_LIMIT`` positions);
-on the CPU back ends it is the full decode.
+``decode_async`` solves peeling's stopping sets on every back end (docs/design.md §3.7).
 """
 
 from __future__ import annotations
