@@ -1,12 +1,6 @@
-"""One flat all-gather and one reduce-scatter per unit (a transformer block, or the root).
-
-A unit's parameters are ``Shard(0)`` DTensors. Rank ``r`` holds rows
-``[r*R, min(dim0, (r+1)*R))`` of each parameter (``R = ceil(dim0 / world)``, torch.chunk's
-split, so the last ranks may hold fewer rows or none). The bucket packs every local shard,
-padded to ``R`` rows, into one chunk of ``S`` elements; row ``j`` of the gathered ``[world, S]``
-buffer is rank ``j``'s chunk — the same packed layout FSDP2 hands its reduce-scatter, so
-the TAGC hook sees one large aligned buffer per block with each parameter as a segment.
-The all-gather sends the chunk in ``param_dtype`` (or the parameters' dtype).
+"""One flat all-gather and one reduce-scatter per unit (a transformer block, or the root), of the packed chunk
+FSDP2 hands its reduce-scatter too (docs/design.md §4, "The packed chunk"): every local ``Shard(0)`` shard padded to
+``R = ceil(dim0 / world)`` rows. The all-gather sends the chunk in ``param_dtype`` (or the parameters' dtype).
 """
 
 from __future__ import annotations
@@ -63,16 +57,10 @@ ReduceScatterStart = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
 
 
 class PendingGradients:
-    """Reduce-scatters launched in backward, finished in a final callback of the same backward pass.
-
-    A unit's backward launches its reduce-scatter and returns no gradient for its shards
-    (autograd leaves ``.grad`` alone); the callback, queued once per backward pass
-    (:class:`backward_drain.BackwardDrain`), finishes the exchanges oldest first and accumulates
-    each shard's gradient into its parameter's ``.grad`` (a ``Shard(0)`` DTensor), as autograd
-    would have: so gradient accumulation over several backward passes is unchanged, and
-    everything is in place when ``backward()`` returns. Post-accumulate-grad hooks of the
-    parameters do not run for these gradients.
-    """
+    """Reduce-scatters launched in backward, finished in a final callback of the same backward pass
+    (:class:`backward_drain.BackwardDrain`): a unit's backward returns no gradient for its shards, and the callback
+    accumulates each into its parameter's ``.grad`` as autograd would have (gradient accumulation unchanged), oldest
+    first. Post-accumulate-grad hooks of the parameters do not run for these gradients."""
 
     def __init__(self) -> None:
         self._drain = BackwardDrain()

@@ -11,11 +11,8 @@ transformer block (every child of an ``nn.ModuleList``) and the root for the res
 one flat all-gather in forward and one reduce-scatter in backward per unit
 (:mod:`fsdp_integration.bucket`). A unit's reduce-scatter is the hook point (docs/design.md §2):
 ``model.register_comm_hook(hook)`` hands each unit to ``hook``, which returns the unit's reduce-scatter
-(:data:`CommHook`), so a hook sees one large aligned buffer per block. This package never imports ``tagc``.
-
-On a 2-D ``(replicate, shard)`` mesh the model is HSDP (:mod:`fsdp_integration.hsdp`): parameters are
-``(Replicate(), Shard(0))`` DTensors, gathered within the shard group (a host), their gradients
-reduce-scattered there and all-reduced across the replicate group (the hosts).
+(:data:`CommHook`), so a hook sees one large aligned buffer per block. This package never imports ``tagc``. On a 2-D
+``(replicate, shard)`` mesh the model is HSDP (:mod:`fsdp_integration.hsdp`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Coded positions on the device: the Elias-Fano wire of :mod:`tagc.sketch.positions`, one program per block.
 
-Each row's code is a header of per-block counts and the blocks' codes back to back; a block's
-bit offset is the exclusive scan of the sizes before it, and its size follows from its count
-alone. So, with the counts known, every (block, row) is independent: a grid of
-``(blocks, rows)`` programs, each handling one :data:`~tagc.sketch.positions.CODE_BLOCK`.
+A block's bit offset is the exclusive scan of the sizes before it, and its size follows from its count alone, so
+with the counts known every (block, row) is independent: a grid of ``(blocks, rows)`` programs, one
+:data:`~tagc.sketch.positions.CODE_BLOCK` each.
 
 * **code a bitmap** (:func:`launch_code_index`): ``_count_kernel`` counts each block's set
   bits; in torch, the counts are bounded by the capacity (a row codes its first ``cap``
@@ -24,8 +23,7 @@ which may straddle two words); the union ORs one bit per entry. OR is order-free
 bytes are the reference's exactly, whatever order the programs run in. No host reads: shapes
 follow from ``(numel, cap, low)``.
 
-Layout: kernels and launchers; :mod:`tagc.kernels.ops` registers them as torch operators and
-:mod:`tagc.kernels.dispatch` picks them for CUDA tensors.
+:mod:`tagc.kernels.ops` registers the launchers as torch operators; :mod:`tagc.kernels.dispatch` picks them.
 """
 
 from __future__ import annotations

@@ -2,25 +2,18 @@
 bucket, :class:`Flights` to defer them, and the future helpers.
 
 A wrapper that hands a hook one bucket at a time and waits on a future (DDP) gets the bucket's future at
-once: the hook encodes the bucket on the calling thread (the backward's critical path), launches its
-collectives (``async_op=True``) and returns a future that completes with the averaged buffer, decoded in
-the collectives' callbacks (``.then``). What must happen on the backward's thread after that is the
-bucket's :class:`Flight`:
+once: the hook encodes the bucket on the backward's thread, launches its collectives (``async_op=True``) and
+returns a future of the averaged buffer, decoded in the collectives' callbacks (``.then``). What must happen on
+the backward's thread after that is the bucket's :class:`Flight`:
 
-* a collective that needs another's result (an all-gather of a reduce-scatter's result, PowerSGD's ``Q``)
-  is launched on the backward's thread at the next hook call, just before that call launches its own
-  bucket's collectives (:meth:`Flights.release`; waiting there for the first collective if it is still on
-  the wire), and the last bucket's in a final callback of the backward pass that runs before the wrapper
-  waits for the buckets (so do the later rounds of a reduce-scatter of several rounds, which the engine
-  moves on one round per bucket it starts). The wrapper calls the hook for the buckets in one order on
-  every rank, on the backward's thread, so every rank launches every collective at the same point of
-  one sequence (for single-round exchanges, the blocking exchange's). Never from a collective's
-  callback, as torch's ``powerSGD_hook`` chains its ``Q``: on gloo that callback runs on the backend's
-  thread when the bytes happen to arrive, so with several buckets one rank may launch bucket ``k``'s
-  ``Q`` before bucket ``k+1``'s ``P`` and another after it, and gloo pairs collectives by the order they
-  were launched in (a mismatch sums the wrong tensors, or hangs);
-* the statistics, recorded in that final callback: the hook's counters are only ever touched by the
-  backward's thread.
+* a collective that needs another's result (an all-gather of a reduce-scatter's result, PowerSGD's ``Q``) is
+  launched at the next hook call, before that call's own collectives (:meth:`Flights.release`), and the last
+  bucket's in a final callback of the backward pass that runs before the wrapper waits (so do the later rounds of
+  a multi-round reduce-scatter): every rank launches every collective at the same point of one sequence. Never
+  from a collective's callback, as torch's ``powerSGD_hook`` chains its ``Q``: on gloo that callback runs when
+  the bytes happen to arrive, so ranks could launch bucket ``k``'s ``Q`` and bucket ``k+1``'s ``P`` in different
+  orders, and gloo pairs collectives by launch order (a mismatch sums the wrong tensors, or hangs);
+* the statistics, recorded in that final callback: only the backward's thread touches the hook's counters.
 
 The collectives, the wire and the decode are the blocking exchange's, so the gradients are bit for bit the
 same. ``overlap=False`` finishes every bucket inside its hook call; so does a hook called outside a
