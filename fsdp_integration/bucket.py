@@ -33,9 +33,8 @@ class BucketEntry:
         return math.prod(self.shape[1:])
 
 
-def bucket_layout(
-    fqns: Sequence[str], shapes: Sequence[torch.Size], world: int, rank: int
-) -> tuple[list[BucketEntry], int]:
+def bucket_layout(fqns: Sequence[str], shapes: Sequence[torch.Size], world: int,
+                  rank: int) -> tuple[list[BucketEntry], int]:
     """Entries of a unit's packed chunk and the chunk size ``S``."""
     entries, start = [], 0
     for fqn, shape in zip(fqns, shapes):
@@ -128,10 +127,8 @@ class Bucket:
 
     def pack_shards(self, shards: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Local shards -> this rank's chunk ``[S]`` (padded rows are zero)."""
-        flat = [
-            F.pad(shard.reshape(-1).to(dtype), (0, entry.numel - entry.local_rows * entry.row_numel))
-            for shard, entry in zip(shards, self.entries)
-        ]
+        flat = [F.pad(shard.reshape(-1).to(dtype), (0, entry.numel - entry.local_rows * entry.row_numel))
+                for shard, entry in zip(shards, self.entries)]
         return torch.cat(flat) if len(flat) > 1 else flat[0]
 
     def unpack_full(self, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -141,9 +138,8 @@ class Bucket:
                 for e in self.entries]
         return [p.to(self.compute_dtype) for p in full] if self.compute_dtype is not None else full
 
-    def pack_grads(
-        self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def pack_grads(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
         """Unsharded gradients -> the reduce-scatter input ``[world * S]`` (row ``j`` for rank ``j``)."""
         pieces = []
         for grad, e in zip(grads, self.entries):
@@ -157,10 +153,8 @@ class Bucket:
 
     def unpack_shards(self, chunk: torch.Tensor, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
         """This rank's reduced chunk ``[S]`` -> a gradient per local shard."""
-        return [
-            chunk[e.start : e.start + e.local_rows * e.row_numel].view(e.local_rows, *e.shape[1:]).to(dtype)
-            for e, dtype in zip(self.entries, dtypes)
-        ]
+        return [chunk[e.start : e.start + e.local_rows * e.row_numel].view(e.local_rows, *e.shape[1:]).to(dtype)
+                for e, dtype in zip(self.entries, dtypes)]
 
     # ------------------------------------------------------------------ the collective pair
 

@@ -88,13 +88,8 @@ class Unit:
 
 def _units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Each child of every ``nn.ModuleList`` (the transformer blocks), then the root."""
-    units = [
-        (f"{name}.{i}" if name else str(i), child)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for i, child in enumerate(module)
-    ]
-    return units + [("", model)]
+    return [(f"{name}.{i}" if name else str(i), child) for name, module in model.named_modules()
+            if isinstance(module, nn.ModuleList) for i, child in enumerate(module)] + [("", model)]
 
 
 def _check_identical_across_ranks(model: nn.Module, groups: Sequence[dist.ProcessGroup]) -> None:

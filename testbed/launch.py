@@ -206,10 +206,8 @@ class Launch:
         if failures:
             rank, code = failures[0]
             others = ", ".join(f"rank {r}: {exit_reason(c)}" for r, c in failures[1:])
-            raise RankFailed(
-                f"rank {rank} failed first ({exit_reason(code)}{'; ' + others if others else ''})", rank, code
-            )
-        bad = ", ".join(
-            f"host {h}: {exit_reason(c) if c is not None else 'still running'}" for h, c in enumerate(codes) if c != 0
-        )
+            raise RankFailed(f"rank {rank} failed first ({exit_reason(code)}{'; ' + others if others else ''})", rank,
+                             code)
+        bad = ", ".join(f"host {h}: {exit_reason(c) if c is not None else 'still running'}"
+                        for h, c in enumerate(codes) if c != 0)
         raise RankFailed(f"{what} failed ({bad}); see the output above")

@@ -94,11 +94,9 @@ class DDPHookState:
         hook.note_parameters(model_parameters(model.module))  # the settings check compares what select picks
 
     def settled(self) -> bool:
-        """Whether DDP's buckets are final. DDP rebuilds them once, in the order gradients became ready
-        in the first iteration (unless ``find_unused_parameters`` without ``static_graph``): buckets
-        of the first iteration differ from every later one's, so their residuals would be keyed for
-        buckets that never come back. Until then every bucket is reduced as DDP reduces it (as
-        torch's PowerSGD hook runs plain all-reduces first), and the step is not counted."""
+        """Whether DDP's buckets are final: it rebuilds them once, after the first iteration (unless
+        ``find_unused_parameters`` without ``static_graph``; :mod:`tagc.hooks.adapters.torch_ddp`). Until then every
+        bucket is reduced as DDP reduces it (as torch's PowerSGD hook runs plain all-reduces first), uncounted."""
         ddp = self._ddp
         return has_rebuilt_buckets(ddp) or (ddp.find_unused_parameters and not ddp.static_graph)
 

@@ -97,11 +97,8 @@ class HookSettings:
     ``min_compress_numel`` are the fields of ``config`` (:class:`~tagc.config.TAGCConfig`).
 
     Arguments of :func:`tagc.hook`:
-        ratio: count-sketch compression ratio (> 1; default 4.5 for ``tagc``, 1.2 for ``topk``). Like ``index_bits``,
-            ``sparsity`` and the other :class:`~tagc.config.TAGCConfig` fields, it applies to the codecs
-            that select with TAGC's threshold (``tagc``, ``topk``) and is an error elsewhere.
-        index_bits: 1 (exact OR of bitmaps, default) or 4 (rank counts, <= 15 ranks).
-        sparsity: fraction of each chunk zeroed before encoding, or ``"auto"`` (default).
+        ratio, index_bits, sparsity: :class:`~tagc.config.TAGCConfig`'s (``ratio``'s default here: 4.5 for ``tagc``,
+            1.2 for ``topk``); like its other fields they apply to ``tagc`` and ``topk`` only, an error elsewhere.
         select: which parameters to compress: ``"non_attention_linear"`` (default), ``"all"``, ``"none"`` or a
             callable ``(param_fqn, module) -> bool``, which for ``tagc`` and ``topk`` may return a parameter's own
             ratio instead of ``True`` (:func:`tagc.hooks.core.selection.ratio_for`) [Models you did not write].
