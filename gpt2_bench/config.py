@@ -327,15 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps sent uncompressed before the codec starts (default: the library's, tagc.hook()'s: "
                         "10 for the error-feedback codecs tagc, topk, sign, powersgd; 0 for the others)")
     p.add_argument("--diagnostics", action="store_true",
-                   help="log per step the grad norm and clipping, the AdamW update's RMS and exp_avg_sq per parameter "
-                        "group, and the staleness of compressed elements (under DDP also the decoded gradient's error "
-                        "against the exact mean of the ranks' gradients, and that mean's minibatch noise), to "
-                        "<run>.diagnostics.jsonl (compare two runs with python -m gpt2_bench.diagnostics PLAIN RUN)")
+                   help="log per-step diagnostics of the codec against AdamW (gpt2_bench.diagnostics) to "
+                        "<run>.diagnostics.jsonl; compare two runs with python -m gpt2_bench.diagnostics PLAIN RUN")
     p.add_argument("--feedback", default=None, choices=("classic", "ef21"),
                    help="error feedback of the error-feedback codecs (tagc, topk, sign, powersgd): classic (the "
-                        "codec's own: sends C(g + r), keeps r) or ef21 (sends C(g - h), every owner hands the "
-                        "optimizer the running sum H of the ranks' shifts h, dense; tagc.hooks.codecs.feedback); default: the "  # noqa: E501
-                        "library's, " + library_default("feedback"))
+                        "codec's own) or ef21 (tagc.hooks.codecs.feedback); default: the library's, "
+                        + library_default("feedback"))
     p.add_argument("--feedback-decay", type=float, default=None, metavar="GAMMA",
                    help="--feedback ef21: every shift fades by GAMMA each step, h = GAMMA h + C(g - GAMMA h), so an "
                         "element that is not sent fades instead of holding its last value (default: the "

@@ -173,11 +173,9 @@ def numerics_fingerprint(preset: str = "small", block_size: Optional[int] = 128,
 
 
 def cpu_platform() -> str:
-    """This machine's CPU platform: ``cpu-`` and its numerics fingerprint under the protocol's model and threads
-    (:func:`numerics_fingerprint`). Machines of one image and torch can differ in the last bits,
-    and a training run can grow that into differences as large as the gaps measured (the report's "One run on two
-    machines"), so a CPU run pairs only with plain of the same fingerprint. ``"cpu"`` alone names the runs made
-    before fingerprints, all on one machine whose repeats agreed to the bit."""
+    """This machine's CPU platform: ``cpu-`` and its :func:`numerics_fingerprint` under the protocol's model and
+    threads; a CPU run pairs only with plain of the same fingerprint (the report's "One run on two machines").
+    ``"cpu"`` alone names the runs made before fingerprints, all on one machine whose repeats agreed to the bit."""
     flags = dict(zip(PROTOCOL[::2], PROTOCOL[1::2]))
     return "cpu-" + numerics_fingerprint(threads=int(flags["--threads"]))
 
@@ -682,11 +680,9 @@ def render_readme(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """Per batch, each method's mean gap against the tokens read, its 95% interval as a band and each seed's gap
-    dashed (with two seeds the band is wide, and whether every seed trails is what a reader looks for; the panel
-    spans the seeds' gaps, so a band wider than them runs off it); last, each
-    method's gap at each batch's end against tokens per step (log scale), each seed's as a cross, its
-    :func:`doubling_line` dashed to GPT-2's."""
+    """Per batch, each method's mean gap against the tokens read, its 95% interval as a band (cut at the seeds'
+    gaps: with two seeds it is wide) and each seed's gap dashed; last, each method's gap at each batch's end against
+    tokens per step (log scale), each seed's as a cross, its :func:`doubling_line` dashed to GPT-2's."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -193,8 +193,9 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
     codec, plain = _codecs(method, ratio)
     n = sum(part.numel for part in parts)
     powersgd = method.get("codec") == "powersgd"
-    lean = method.get("plain") == "bf16"
+    gathered = 2 if method.get("plain") == "bf16" else 4  # bytes per element of the plain columns' all-gather
     value_bytes = 2 if method.get("options", {}).get("value_dtype") == "bfloat16" else 4
+    sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, gathered) if powersgd else {}
 
     def pieces_wire(world: int, shard: int = 1) -> tuple[int, int]:
         """(row bytes of every parameter's piece over ``world``, the piece's elements) for shards of ``1/shard``."""
@@ -205,36 +206,27 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             elements += piece
         return row, elements
 
+    powersgd_rs = (hosts - 1) * (2 * sizes["p"] + 2 * sizes["q"] + sizes["plain"]) / hosts if powersgd else 0
     if layout == "flat":
-        gathers = 2 * (hosts - 1) * n * param_bytes / hosts
-        if powersgd:
-            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
-            exchange = (hosts - 1) * (2 * sizes["p"] + 2 * sizes["q"] + sizes["plain"]) / hosts
-        else:
-            exchange = (hosts - 1) * pieces_wire(hosts)[0]
-        return gathers + exchange, "rs"
+        exchange = powersgd_rs if powersgd else (hosts - 1) * pieces_wire(hosts)[0]
+        return 2 * (hosts - 1) * n * param_bytes / hosts + exchange, "rs"
     if layout == "ddp":
         if method["compression"] == "none":
             return _ring((2 if method.get("bf16") else 4) * n, hosts), "allreduce"
         forms = {}
         if powersgd:  # P with the plain columns, then Q, each summed in its own dtype (fp32 or bf16)
-            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
             forms["sketch"] = _ring(sizes["p"] + sizes["plain"], hosts) + _ring(sizes["q"], hosts)
-        elif codec.name == "tagc" and codec.positions == "bitmap" and codec.value_dtype.itemsize == 4 and not lean:
+            forms["rs+ag"] = powersgd_rs + (hosts - 1) * sum(-(-part.numel // hosts) for part in parts) * gathered
+        elif codec.name == "tagc" and codec.positions == "bitmap" and codec.value_dtype.itemsize == 4 and gathered == 4:
             compressed = [part for part in parts if part.compressed]
             cells = sum(codec.layout(part.numel).table_numel for part in compressed)
             plain_numel = sum(part.numel for part in parts if not part.compressed)
             index = sum(-(-part.numel * codec.config.index_bits // 8) for part in compressed)
             merge = _ring(index, hosts) if backend == "gloo" or codec.config.index_bits == 4 else (hosts - 1) * index
             forms["sketch"] = _ring(4 * (cells + plain_numel), hosts) + merge
-        if powersgd:
-            sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, 2 if lean else 4)
-            piece_elements = sum(-(-part.numel // hosts) for part in parts)
-            forms["rs+ag"] = (hosts - 1) * (2 * sizes["p"] + 2 * sizes["q"] + sizes["plain"]) / hosts \
-                + (hosts - 1) * piece_elements * (2 if lean else 4)
-        else:
+        if not powersgd:
             row, elements = pieces_wire(hosts)
-            forms["rs+ag"] = (hosts - 1) * (row + elements * (2 if lean else 4))
+            forms["rs+ag"] = (hosts - 1) * (row + elements * gathered)
             forms["gather"] = (hosts - 1) * hosts * row
         form = min(forms, key=forms.get)
         return forms[form], form
@@ -248,7 +240,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             codec = None
             parts = [dataclasses.replace(part, compressed=False) for part in parts]
         row, elements = pieces_wire(hosts, g)
-        forms = {"rs+ag": (hosts - 1) * (row + elements * (2 if lean else 4))}
+        forms = {"rs+ag": (hosts - 1) * (row + elements * gathered)}
         if codec is not None and codec.traceable():
             forms["gather"] = (hosts - 1) * hosts * row
         form = min(forms, key=forms.get)
