@@ -20,18 +20,12 @@ __all__ = ["EmulatedHosts", "SUBNET"]
 SUBNET = "198.18.0"
 """Host ``i`` is ``198.18.0.(i+1)``; the range is reserved for benchmarks (RFC 2544)."""
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+def _ip(*args: str, check: bool = True, tool: str = "ip", note: str = "") -> subprocess.CompletedProcess:
+    """``tool *args`` (``ip`` or ``tc``), with ``LinkError`` when it fails (``check``), ``note`` added."""
+    result = subprocess.run([tool, *args], capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
-        raise LinkError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+        raise LinkError(f"`{tool} {' '.join(args)}` failed: {result.stderr.strip()}{note}")
     return result
-
-
-def _tc(namespace: str, *args: str) -> None:
-    result = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise LinkError(f"`tc -n {namespace} {' '.join(args)}` failed: {result.stderr.strip()}; refusing to run "
-                        "unshaped")
 
 
 class EmulatedHosts(Namespaces):
@@ -95,8 +89,8 @@ class EmulatedHosts(Namespaces):
             p = tbf_params(self.rate_bps, world=1)
             shape = ["root", "tbf", "rate", f"{p['rate_bps']}bit", "burst", str(p["burst_bytes"]), "limit",
                      str(p["limit_bytes"])]
-            _tc(ns, "qdisc", "add", "dev", "eth0", *shape)  # the host's upload
-            _tc(self.switch, "qdisc", "add", "dev", port, *shape)  # its download
+            for where, device in ((ns, "eth0"), (self.switch, port)):  # the host's upload, its download
+                _ip("-n", where, "qdisc", "add", "dev", device, *shape, tool="tc", note="; refusing to run unshaped")
 
     def _remove(self) -> None:
         """Remove every namespace (their veths go with them)."""
