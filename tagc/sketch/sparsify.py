@@ -68,9 +68,7 @@ def keep_limit(numel: int, density: float) -> int:
     """
     if density >= 1.0:
         return numel
-    if density <= 0.0 or numel == 0:
-        return 0
-    return min(numel, max(1, round(density * numel)))
+    return 0 if density <= 0.0 or numel == 0 else min(numel, max(1, round(density * numel)))
 
 
 SLACK_SIGMAS = 4.0

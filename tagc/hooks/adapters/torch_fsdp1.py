@@ -52,9 +52,7 @@ def flat_param(unit: FSDP) -> Optional[torch.nn.Parameter]:
 
 def param_entries(flat: Optional[torch.nn.Parameter]) -> list[tuple[str, tuple[int, ...], int]]:
     """``(name within the unit, shape, numel)`` of every parameter in a ``FlatParameter``, in buffer order."""
-    if flat is None:
-        return []
-    return [(fqn, tuple(shape), numel)
+    return [] if flat is None else [(fqn, tuple(shape), numel)
             for fqn, shape, numel in zip(flat._fqns, flat._shapes, flat._numels, strict=True)]
 
 

@@ -102,9 +102,7 @@ def with_feedback(codec: Codec, feedback: str = "classic", decay: float = 1.0) -
     """``codec`` itself (``"classic"``), or wrapped in :class:`EF21Codec` (``"ef21"``). A codec without error
     feedback (``plain``, ``bf16``, ``fp8``, ``int4``) is an error under ``"ef21"``: it keeps no residual to shift."""
     check_feedback(feedback, decay)
-    if feedback == "classic":
-        return codec
-    return EF21Codec(codec, decay)
+    return codec if feedback == "classic" else EF21Codec(codec, decay)
 
 
 def _inner(attr: str, doc: Optional[str] = None) -> property:

@@ -63,9 +63,7 @@ class Collectives:
         its callbacks run on streams made to wait for it, and the callback waits for the others (events, no host
         wait), so the decode stays off the backward's stream. Elsewhere ``collect_all``: a callback must not block
         a backend thread waiting for another collective."""
-        if backend_of(self.group, device) == "nccl":
-            return launched[-1]
-        return torch.futures.collect_all(launched)
+        return launched[-1] if backend_of(self.group, device) == "nccl" else torch.futures.collect_all(launched)
 
     def decoded(self, launched: list[torch.futures.Future], decode: Callable[[torch.futures.Future], torch.Tensor],
                 device: torch.device) -> torch.futures.Future:

@@ -249,9 +249,7 @@ class TAGCHook:
         bucket plain in the dense warm-up."""
         plan = self.plan(segments, chunk, world)
         self.begin_bucket(plan.key)
-        if self.state.dense:
-            return self.planner.plain_plan(plan.key, chunk)
-        return plan
+        return self.planner.plain_plan(plan.key, chunk) if self.state.dense else plan
 
     # ------------------------------------------------------------------ what select selects, the settings check
 

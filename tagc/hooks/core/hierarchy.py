@@ -79,9 +79,7 @@ class Topology:
     def step1_bytes(self, chunk: int, dtype: torch.dtype) -> int:
         """Bytes this rank sends in the intra-host step of a hierarchical exchange of ``chunk``-element
         chunks: ``G - 1`` blocks of ``H`` chunks (0 when flat)."""
-        if not self.hierarchical:
-            return 0
-        return (self.per_host - 1) * self.hosts * chunk * dtype.itemsize
+        return (self.per_host - 1) * self.hosts * chunk * dtype.itemsize if self.hierarchical else 0
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:

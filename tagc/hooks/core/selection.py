@@ -37,9 +37,7 @@ def is_projection(module: nn.Module) -> bool:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return True
     weight = getattr(module, "_parameters", {}).get("weight")
-    if weight is None or weight.dim() != 2:
-        return False
-    return "norm" not in type(module).__name__.lower()
+    return weight is not None and weight.dim() == 2 and "norm" not in type(module).__name__.lower()
 
 
 def _words(owner: str) -> list[list[str]]:
@@ -81,9 +79,7 @@ def is_embedding_or_head(fqn: str, module: Optional[nn.Module] = None) -> bool:
     (``wte``, ``embed_tokens``, ``tok_embeddings``, ``word_embeddings``, ``lm_head``, and a module
     named ``output`` as Meta's Llama names its head; not BERT's ``attention.output.dense``).
     A hook that compresses only these leaves every transformer block plain (:mod:`tagc.hooks.adapters.describe`)."""
-    if isinstance(module, nn.Embedding):
-        return True
-    return bool(_EMBEDDING_OR_HEAD.search(fqn.rsplit(".", 1)[0]))
+    return isinstance(module, nn.Embedding) or bool(_EMBEDDING_OR_HEAD.search(fqn.rsplit(".", 1)[0]))
 
 
 def non_attention_block_linear(fqn: str, module: Optional[nn.Module] = None) -> bool:
