@@ -70,14 +70,6 @@ _registry: "weakref.WeakValueDictionary[int, _Binding]" = weakref.WeakValueDicti
 _handles = itertools.count()
 
 
-def _world(handle: int) -> int:
-    return dist.get_world_size(_registry[handle].group)
-
-
-def _codec_world(handle: int) -> int:
-    return dist.get_world_size(_registry[handle].codec_group)
-
-
 @torch.library.custom_op("tagc::reduce_scatter", mutates_args=("state",))
 def reduce_scatter(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
     """The averaged chunk of this rank from ``packed`` (``[world * S]``), through a TAGC hook
@@ -91,7 +83,7 @@ def reduce_scatter(packed: torch.Tensor, state: torch.Tensor, handle: int) -> to
 
 @reduce_scatter.register_fake
 def _(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
-    return packed.new_empty(packed.numel() // _world(handle))
+    return packed.new_empty(packed.numel() // dist.get_world_size(_registry[handle].group))
 
 
 @torch.library.custom_op("tagc::encode", mutates_args=("state",))
@@ -107,7 +99,7 @@ def encode(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tens
 @encode.register_fake
 def _(packed: torch.Tensor, state: torch.Tensor, handle: int) -> torch.Tensor:
     binding = _registry[handle]
-    world = _codec_world(handle)
+    world = dist.get_world_size(binding.codec_group)
     row_bytes = binding.hook.wire_row_bytes(binding.segments, packed.numel() // world, world, packed.dtype)
     return packed.new_empty(world, row_bytes, dtype=torch.uint8)
 

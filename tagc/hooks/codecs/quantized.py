@@ -133,10 +133,7 @@ def quantize_int4(rows: torch.Tensor, block: int,
     blocks = blocked(rows, block)
     scales = block_scales(blocks, INT4_LEVELS)
     scaled = (blocks / _divisor(scales)).nan_to_num_(0.0)
-    if noise is None:
-        q = scaled.round_()
-    else:
-        q = scaled.add_(noise.view_as(scaled)).floor_()
+    q = scaled.round_() if noise is None else scaled.add_(noise.view_as(scaled)).floor_()
     codes = q.clamp_(-INT4_LEVELS, INT4_LEVELS).add_(8).to(torch.uint8)
     return pack_nibbles(unblocked(codes, rows.shape[1]), fill=8), scales
 
