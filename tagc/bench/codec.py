@@ -51,12 +51,6 @@ def human(n: int) -> str:
     return str(n)
 
 
-def nonzero_normal(k: int) -> torch.Tensor:
-    """``k`` standard normal fp32 values, none exactly zero."""
-    values = torch.randn(k)
-    return values.masked_fill_(values == 0, 1.0)
-
-
 def peeling(
     sizes: list[int], ratio: float, loads: list[float], trials: int, bits: int
 ) -> list[dict[str, Any]]:
@@ -78,7 +72,8 @@ def peeling(
             recovered, solved, seconds = [], [], []
             for _ in range(trials):
                 values = torch.zeros(numel)
-                values[torch.randperm(numel)[:k]] = nonzero_normal(k)
+                normal = torch.randn(k)
+                values[torch.randperm(numel)[:k]] = normal.masked_fill_(normal == 0, 1.0)  # no value exactly 0
                 table, index = encode(values, layout), build_index(values, bits)
                 start = time.perf_counter()
                 _, stats = decode(table, index, layout, bits)

@@ -24,12 +24,6 @@ from tagc.bench.codec import parse_sizes
 NO_GPU = "gpu-check: no CUDA device here ({why}); nothing to check on this machine. Run it where a GPU is visible."
 
 
-def _no_gpu_reason() -> str:
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is built without CUDA"
-    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
-
-
 def run_kernel_tests(device: torch.device) -> dict:
     """``pytest tests/test_kernels.py`` on the device (real Triton kernels), every case: the ``slow`` ones too, which
     the CPU's default suite leaves out because the interpreter is slow."""
@@ -345,7 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print(NO_GPU.format(why=_no_gpu_reason()))
+        print(NO_GPU.format(why=f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+                            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"))
         return 0
     device = torch.device(args.device)
     if device.index is None:

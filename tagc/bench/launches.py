@@ -204,13 +204,10 @@ def count_bucket(wire: str, parts: int, part_numel: int = PART_NUMEL, warm: int 
             hook.end_step()
     if not bool(torch.isfinite(out).all()):
         raise RuntimeError("the exchange returned NaN/Inf")
-    return {"backend": _backend(), "wire": wire, "parts": parts, "part_numel": part_numel, **work.summary()}
-
-
-def _backend() -> str:
     from tagc.kernels.dispatch import resolve_backend
 
-    return resolve_backend(torch.empty(0))
+    return {"backend": resolve_backend(torch.empty(0)), "wire": wire, "parts": parts, "part_numel": part_numel,
+            **work.summary()}
 
 
 def rank_counts(rank: int, world: int, wires: list[str], parts: list[int], part_numel: int = PART_NUMEL,
@@ -248,11 +245,6 @@ def run_ranks(fn: Callable, world: int, *args, environ: Optional[dict[str, str]]
     with mock.patch.dict(os.environ, environ or {}), tempfile.TemporaryDirectory() as store_dir:
         mp.start_processes(_rank, args=(world, store_dir, fn, args), nprocs=world, join=True, start_method="spawn")
         return [torch.load(os.path.join(store_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
-def backend_environ(backend: str) -> dict[str, str]:
-    """The environment of a back end's ranks: ``TAGC_BACKEND``, and Triton's interpreter for ``triton``."""
-    return {"TAGC_BACKEND": backend, **({"TRITON_INTERPRET": "1"} if backend == "triton" else {})}
 
 
 def available(backend: str) -> Optional[str]:
@@ -332,8 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"skipping back end {backend}: {why}", file=sys.stderr)
             continue
         start = time.perf_counter()
-        results = run_ranks(rank_counts, WORLD, args.wires, args.parts, args.part_numel, args.warm,
-                            environ=backend_environ(backend))
+        environ = {"TAGC_BACKEND": backend, **({"TRITON_INTERPRET": "1"} if backend == "triton" else {})}
+        results = run_ranks(rank_counts, WORLD, args.wires, args.parts, args.part_numel, args.warm, environ=environ)
         if any(row["backend"] != backend for result in results for row in result):
             raise RuntimeError(f"the ranks did not run back end {backend!r}")
         ranks[backend] = results
