@@ -48,15 +48,9 @@ def with_resharding(backend: Callable) -> Callable:
     return compile_with_resharding
 
 
-def backend_for(settings: CompileSettings = CompileSettings()) -> Callable:
-    """The ``torch.compile`` backend :func:`compile_model` uses."""
-    if settings.backend == "inductor":
-        return with_resharding(inductor_backend(INDUCTOR_OPTIONS))
-    return with_resharding(named_backend(settings.backend))
-
-
 def compile_model(model: nn.Module, settings: CompileSettings = CompileSettings()) -> nn.Module:
     """``torch.compile`` a :func:`~fsdp_integration.simple_fsdp` model, whole (``fullgraph``)."""
     if getattr(model, "_simple_fsdp_units", None) is None:
         raise ValueError("compile_model expects a simple_fsdp model: call fsdp_integration.simple_fsdp(model) first")
-    return torch.compile(model, backend=backend_for(settings), fullgraph=True)
+    backend = inductor_backend(INDUCTOR_OPTIONS) if settings.backend == "inductor" else named_backend(settings.backend)
+    return torch.compile(model, backend=with_resharding(backend), fullgraph=True)

@@ -740,20 +740,16 @@ def _colour(method: str, own_lr: bool = False) -> str:
     return f"C{(list(METHODS).index(method) + (len(METHODS) if own_lr else 0)) % 10}"
 
 
-def readme_with(text: str, block: str) -> str:
-    """``text`` (the README) with its quality block replaced by ``block``."""
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"README.md has no {README_BEGIN} ... {README_END} block")
-    return text[:begin] + block + text[end + len(README_END):]
-
-
 def rebuild(rows_dir: Path = ROWS) -> None:
     """Remake ``docs/evidence.md``, its plot and the README's quality block from the kept curve files."""
     runs = load(rows_dir)
     REPORT.write_text(render_report(runs))
     plot(runs, PLOT)
-    README.write_text(readme_with(README.read_text(), render_readme(runs)))
+    text = README.read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README.md has no {README_BEGIN} ... {README_END} block")
+    README.write_text(text[:begin] + render_readme(runs) + text[end + len(README_END):])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
