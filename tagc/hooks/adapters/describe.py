@@ -275,8 +275,13 @@ def _buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
     """``(label, segments, chunk, group, dtype, rows)`` for every unit of ``model``, as its adapter
     hands them to the engine; ``rows(segment)`` lists the parameters a segment holds."""
     units = getattr(model, "_simple_fsdp_units", None)
+    for unit in units or ():  # SimpleFSDP: the segments tagc.hooks.adapters.simple.bind hands the engine
+        bucket = unit.bucket
+        segments = tuple(Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
+                         for entry, module in zip(bucket.entries, unit.owner_modules, strict=True))
+        dtype = bucket.reduce_dtype or bucket.param_dtype or unit.params[0].dtype
+        yield unit.name, segments, bucket.chunk, bucket.group, dtype, _one_row
     if units is not None:
-        yield from _simple_fsdp_buckets(units)
         return
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -288,15 +293,6 @@ def _buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:
         raise ValueError("describe() found no FSDP unit: pass the model wrapped by fsdp_integration.simple_fsdp(...) "
                          "(SimpleFSDP), fully_shard(...) (FSDP2) or FullyShardedDataParallel (FSDP1)")
     yield from found
-
-
-def _simple_fsdp_buckets(units) -> Iterator[tuple]:
-    for unit in units:  # the segments tagc.hooks.adapters.simple.bind hands the engine
-        bucket = unit.bucket
-        segments = tuple(Segment(entry.fqn, entry.start, entry.numel, module, shape=tuple(entry.shape))
-                         for entry, module in zip(bucket.entries, unit.owner_modules, strict=True))
-        dtype = bucket.reduce_dtype or bucket.param_dtype or unit.params[0].dtype
-        yield unit.name, segments, bucket.chunk, bucket.group, dtype, _one_row
 
 
 def _fsdp2_buckets(hook: TAGCHook, model: nn.Module) -> Iterator[tuple]:

@@ -244,13 +244,6 @@ class TAGCHook:
         hierarchical): its parts and their codecs, cached (:meth:`tagc.hooks.core.plan.Planner.plan`)."""
         return self.planner.plan(segments, chunk, world)
 
-    def _step_plan(self, segments: tuple[Segment, ...], chunk: int, world: int) -> BucketPlan:
-        """This step's plan of a bucket (and the bucket counted in the step): the steady plan, or the whole
-        bucket plain in the dense warm-up."""
-        plan = self.plan(segments, chunk, world)
-        self.begin_bucket(plan.key)
-        return self.planner.plain_plan(plan.key, chunk) if self.state.dense else plan
-
     # ------------------------------------------------------------------ what select selects, the settings check
 
     def note_parameters(self, segments: Iterable[Segment]) -> None:
@@ -366,7 +359,10 @@ class TAGCHook:
         self.poll()
         for earlier in list(self.state.in_flight):  # the same point, the same order on every rank
             earlier.advance()
-        plan = self._step_plan(tuple(segments), chunk, codec_world)
+        plan = self.plan(tuple(segments), chunk, codec_world)
+        self.begin_bucket(plan.key)
+        if self.state.dense:  # the dense warm-up: the whole bucket plain, under the steady plan's key
+            plan = self.planner.plain_plan(plan.key, chunk)
         stats = ExchangeStats(buckets=1, compressed_buckets=int(plan.compressed),
                               plain_equivalent_bytes=plain_bytes(world, chunk))
         side = self._streams.for_input(input) if self.settings.side_stream else None
