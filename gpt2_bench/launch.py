@@ -1,11 +1,9 @@
 """Start a training run's ranks under torchrun, on one loopback or on emulated hosts, and summarise its log.
 
-:func:`run` writes the run's settings, starts ``python -m gpt2_bench.train --worker`` as
-``world`` ranks (one ``torchrun``; with ``hosts > 1`` one per emulated host, each in its own
-network namespace, :mod:`testbed.hosts`), waits, and returns :func:`summarise`'s record.
-``link`` shapes the ranks' loopback (:mod:`testbed.link`) or, on emulated hosts, the links
-between hosts; ``"scaled"`` picks the rate that keeps the paper's compute-to-communication
-ratio (:func:`scaled_link`).
+:func:`run` writes the run's settings, starts ``python -m gpt2_bench.train --worker`` as ``world`` ranks (one
+``torchrun``; one per emulated host with ``hosts > 1``, :mod:`testbed.hosts`), waits, and returns :func:`summarise`'s
+record. ``link`` shapes the ranks' loopback (:mod:`testbed.link`) or the links between hosts; ``"scaled"`` picks the
+rate that keeps the paper's compute-to-communication ratio (:func:`scaled_link`).
 """
 
 from __future__ import annotations

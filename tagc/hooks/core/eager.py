@@ -1,15 +1,12 @@
 """The eager exchange: a bucket's parts encoded and launched at once, decoded as their bytes arrive.
 
-* :meth:`PendingBucket.send` encodes every batch of parts (one codec call each,
-  :attr:`~tagc.hooks.core.plan.BucketPlan.batches`), launches its all-to-all and returns a
-  :class:`PendingBucket` at once; the bytes travel while the caller computes (the rest of the
-  backward pass). The hook's ``start`` first polls the buckets in flight, so the parts of earlier
-  buckets whose bytes have arrived are decoded between later buckets (on the caller's thread);
-  :meth:`PendingBucket.wait` decodes what is left and writes the output.
-* A codec with several rounds (``powersgd``: P, then Q) moves each part one round on at every
-  later ``start`` (:meth:`PendingBucket.advance`) and finishes the rest in :meth:`PendingBucket.wait`:
-  points every rank reaches in the same order, never on local arrival (which differs between
-  ranks), so every rank issues the same all-to-alls in the same order.
+* :meth:`PendingBucket.send` encodes every batch of parts (one codec call each) and launches its all-to-all; the
+  bytes travel while the caller computes. The hook's ``start`` first polls the buckets in flight, so earlier
+  buckets' parts whose bytes have arrived are decoded between later buckets; :meth:`PendingBucket.wait` decodes
+  what is left and writes the output.
+* A codec with several rounds (``powersgd``: P, then Q) moves each part one round on at every later ``start``
+  (:meth:`PendingBucket.advance`) and finishes in :meth:`PendingBucket.wait`: points every rank reaches in the same
+  order, never on local arrival, so every rank issues the same all-to-alls in the same order.
 * On CUDA the codec work runs on a side stream (:class:`SideStreams`, made to wait for the caller's stream), which
   launches each batch's all-to-all, so NCCL waits only for that batch's encode: batch ``k+1`` is encoded while batch
   ``k`` is on the wire and the caller's stream runs on meanwhile (``input`` and ``output`` marked used there).

@@ -50,10 +50,8 @@ class Flight:
     ``future`` is done; ``key``: the bucket then checked for NaN/Inf under ``nonfinite="raise"`` (``None``:
     the form raises where it decodes). ``errors``: what the callbacks raised, re-raised as it was (a
     future's ``wait`` would wrap it). ``bodies``: the callbacks, and with them every tensor they captured
-    from the backward's stream (a part's ``M``, an EF21 shift's copy), held until the flight is finished,
-    when that stream has waited for the future: freed at the callback's end, such a tensor's block could
-    go to the backward's stream's next allocation while the hook's stream still reads it (a future's own
-    values torch protects itself)."""
+    from the backward's stream (a part's ``M``, an EF21 shift's copy), held until that stream has waited for the
+    future (why: docs/design.md §2, "Where DDP's callbacks run")."""
 
     stats: ExchangeStats
     future: torch.futures.Future | None = None

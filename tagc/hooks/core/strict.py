@@ -144,9 +144,8 @@ def count_host_reads() -> Iterator[HostReads]:
 
 
 def counted(method: Callable) -> Callable:
-    """Decorate an engine entry point: in strict sync mode, its host reads go to the hook's
-    statistics (``host_reads``, ``backend_host_reads``, ``host_read_sites``). Nested entry
-    points (``start`` calls ``poll``) count once, in the outermost."""
+    """Decorate an engine entry point: in strict sync mode, its host reads go to the hook's statistics. Nested
+    entry points (``start`` calls ``poll``) count once, in the outermost."""
 
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
