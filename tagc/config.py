@@ -22,7 +22,7 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def is_int(value) -> bool:
+def is_int(value: object) -> bool:
     """Whether ``value`` is an ``int`` (``True`` and ``False`` are not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

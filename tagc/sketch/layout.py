@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tagc.config import MAX_LANE, is_power_of_two
+from tagc.config import MAX_LANE, is_int, is_power_of_two
 from tagc.sketch.hashing import hash32, permute
 
 TARGET_ROWS_PER_LANE = 4096
@@ -83,7 +83,7 @@ class SketchLayout:
     """
 
     def __init__(self, numel: int, ratio: float, lane: Optional[int] = None, seed: int = 0) -> None:
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        if not is_int(numel) or numel < 1:
             raise ValueError(f"numel must be a positive integer, got {numel!r}")
         if not isinstance(ratio, (int, float)) or not 1.0 < float(ratio) < math.inf:
             raise ValueError(f"ratio must be a finite number > 1, got {ratio!r}")

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tagc.config import is_int
 from tagc.hooks.codecs.codec import Codec, finite, resolve_value_dtype
 from tagc.hooks.core.allreduce import AllReduceForm, Collectives, Summands, by_dtype, ring
 from tagc.hooks.core.flights import complete, future_of
@@ -148,7 +149,7 @@ class PowerSGDCodec(Codec):
 
     def __init__(self, rank: int = DEFAULT_RANK, warm_start: bool = True,
                  residual_dtype: torch.dtype = torch.float32, value_dtype="float32") -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        if not is_int(rank) or rank < 1:
             raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
         if not isinstance(warm_start, bool):
             raise ValueError(f"powersgd warm_start must be True or False, got {warm_start!r}")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tagc.config import is_int
 from tagc.hooks.codecs.codec import Codec, Wire, finite
 from tagc.hooks.codecs.spec import CodecSpec
 
@@ -42,7 +43,7 @@ _M32 = 0xFFFFFFFF
 
 def check_block(block: object) -> int:
     """``block`` as a positive int, or a ``ValueError`` saying what is allowed."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block) or block < 1:
         raise ValueError(f"block must be a positive integer (elements per scale), got {block!r}")
     return block
 

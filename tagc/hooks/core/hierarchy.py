@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tagc.config import is_int
 from tagc.hooks.core.transport import plain_reduce_scatter
 
 HIERARCHIES = ("auto", "flat")
@@ -44,7 +45,7 @@ def resolve_ranks_per_host(ranks_per_host: Optional[int]) -> Optional[int]:
         if not env.strip().isdigit() or int(env) < 1:
             raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not a positive integer: pass ranks_per_host= explicitly")
         return int(env)
-    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+    if not is_int(ranks_per_host) or ranks_per_host < 1:
         raise ValueError(
             f"ranks_per_host must be None (torchrun's LOCAL_WORLD_SIZE, else one host) or an integer >= 1, "
             f"got {ranks_per_host!r}"
