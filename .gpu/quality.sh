@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# The decision set of docs/evidence.md on one lent GPU: every run at once, two gloo ranks each on GPU 0
+# The decision set of docs/evidence.md on one lent GPU: JOBS runs at once, two gloo ranks each on GPU 0
 # (--device cuda-shared, bf16 autocast), each through `python -m gpt2_bench.evidence run ...`, so that its
 # curve file (command, commit, torch, machine) lands in docs/rows/evidence/ as on the CPU.
 #
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
-# Then, with the device tool:  MAXT=480 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60;
-# copy $OUT/rows/ into docs/rows/evidence/ and run `python -m gpt2_bench.evidence rebuild`. A GPU's curve files end
-# in -gpu.json and pair only with each other (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does
-# not fit the way back), so a call runs what finishes in it: six runs at once reached step 799 of 2,000 in 430 s, so
-# the default is one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
+# Then, with the device tool:  MAXT=480 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60.
+# Everything comes back in one file, $OUT/quality.tar (the tool returns at most 8 files, none deeper than 2 folders):
+#   tar -xf /work/.device/N/quality.tar -C /tmp/gpu && cp -r /tmp/gpu/rows/* docs/rows/evidence/
+# then `python -m gpt2_bench.evidence rebuild`. A GPU's curve files end in -gpu.json and pair only with each other
+# (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does not fit the way back), so a call runs what
+# finishes in it: six runs at once reached step 799 of 2,000 in 430 s at 1x; at 16x a run trains its 125 steps in
+# about 20 s, and its start and evaluations take most of its time.
+# JOBS (default 6) caps the runs at once: at 16x each rank held up to 10 GiB, and 16 runs at once ran out of an H200.
 # RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x (several: one after the other, each given MAXT), LR
-# the learning rates (every run at each; default plain's best at the batch in the kept rows, else 1e-3).
-# At 4x and 16x a run has 500 and 125 steps, so one call can sweep plain's lr and pair tagc at each lr at both, e.g.
+# the learning rates (every run at each; default plain's best at the batch in the kept rows, else 1e-3); by default
+# one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
 #   BATCH="4x 16x" LR="5e-4 1e-3 2e-3" SEEDS=0 RUNS="plain tagc" MAXT=300 bash .gpu/quality.sh   (six runs twice)
+# THEN="plain:1 tagc:1 ..." (method:seed, in order of worth) then runs, on the last batch at plain's best lr among this
+# call's rows, as many of them as the time left fits by the first part's pace (a run cut short is wasted), e.g.
+#   BATCH=16x LR="2.5e-4 5e-4 1e-3" SEEDS=0 RUNS="plain tagc" THEN="topk:0 plain:1 tagc:1 topk:1 ..." MAXT=540
 # GPU_CHECK=1 first runs `python -m tagc.bench gpu-check --skip-tests` (its time comes off MAXT).
 # DEVICE=cpu MAXT=60 OUT=/tmp/q RUNS=plain SEEDS=0 bash .gpu/quality.sh smoke-tests it here.
-export PYTHONPATH=$PWD OMP_NUM_THREADS=1
+export PYTHONPATH=$PWD OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 MAXT=${MAXT:-480}
 RUNS=${RUNS:-"plain tagc"}
 BATCH=${BATCH:-1x}
+JOBS=${JOBS:-6}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python -c "import torch; print('torch', torch.__version__)"
 mkdir -p "$OUT/logs" "$OUT/rows"
+
+launch() {  # launch METHOD SEED BATCH LR MAX_TIME: one run in the background, once fewer than JOBS run
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  python -m gpt2_bench.evidence run "$1" --seed "$2" --batch "$3" --lr "$4" --work "$OUT/work" --rows "$OUT/rows" \
+    -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$5" > "$OUT/logs/$1-$3-s$2-lr$4.txt" 2>&1 &
+}
+
 if [ -n "$GPU_CHECK" ]; then
   began=$SECONDS
   timeout 150 python -m tagc.bench gpu-check --skip-tests --json "$OUT/logs/gpu-check.json" > "$OUT/logs/gpu-check.txt" 2>&1
@@ -34,19 +48,29 @@ print(best_lr(load(), '$batch') or '1e-3')")}
   seeds=${SEEDS:-$(python -c "from gpt2_bench.evidence import finished
 print(next(s for s in range(100) if not finished('tagc', s, '$batch', '${lrs%% *}', platform='gpu')))")}
   began=$SECONDS
-  for lr in $lrs; do
-    for s in $seeds; do
-      for r in $RUNS; do
-        python -m gpt2_bench.evidence run "$r" --seed "$s" --batch "$batch" --lr "$lr" --work "$OUT/work" \
-          --rows "$OUT/rows" -- --device "${DEVICE:-cuda-shared}" --dataset .gpu/data/mix --max-time "$MAXT" \
-          > "$OUT/logs/$r-$batch-s$s-lr$lr.txt" 2>&1 &
-      done
-    done
-  done
+  for lr in $lrs; do for s in $seeds; do for r in $RUNS; do launch "$r" "$s" "$batch" "$lr" "$MAXT"; done; done; done
   wait
   echo "$batch: $((SECONDS - began)) s"
 done
+if [ -n "$THEN" ]; then
+  took=$((SECONDS - began)); first=$(( $(echo $RUNS | wc -w) * $(echo $lrs | wc -w) * $(echo $seeds | wc -w) ))
+  waves=$(( (first + JOBS - 1) / JOBS ))
+  lr=$(python -c "from pathlib import Path; from gpt2_bench.evidence import best_lr, load
+print(best_lr(load(Path('$OUT/rows')), '$batch') or '')")
+  left=$((MAXT - took - 15))
+  fits=$((left * waves * JOBS * 10 / (took * 12 + 1)))  # a wave of JOBS runs as long as the first part's, 20% spare
+  todo=$(python -c "from pathlib import Path; from gpt2_bench.evidence import finished
+items = [i.split(':') for i in '$THEN'.split()]
+print(' '.join(f'{m}:{s}' for m, s in items if not finished(m, int(s), '$batch', '$lr', Path('$OUT/rows'), 'gpu')))")
+  [ "$fits" -gt 0 ] && [ -n "$lr" ] && todo=$(echo $todo | tr ' ' '\n' | head -n "$fits" | tr '\n' ' ') || todo=""
+  echo "then: plain's best lr $lr; $took s for $first runs; $left s left fit $fits: $todo"
+  began=$SECONDS
+  for item in $todo; do launch "${item%:*}" "${item#*:}" "$batch" "$lr" "$((left - SECONDS + began))"; done
+  wait
+  echo "then: $((SECONDS - began)) s"
+fi
 for f in "$OUT"/logs/*-s*.txt; do grep -q "Error\|Traceback" "$f" && { echo "== $f"; grep -m3 "Error" "$f"; }; done
 find "$OUT/rows" -name "*.json" -exec python -c "import json, sys; r = json.load(open(sys.argv[1]))
 print(sys.argv[1], r['steps_done'], 'of', r['steps'], r['val_loss'][-1:] )" {} \;
 rm -rf "$OUT/work"
+tar -cf "$OUT/quality.tar" -C "$OUT" rows logs && rm -rf "$OUT/rows" "$OUT/logs"
