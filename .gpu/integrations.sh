@@ -8,7 +8,8 @@
 #      really runs (one rank sends nothing). Gloo moves CUDA tensors for DDP's collectives only, so FSDP's
 #      reduce-scatter cannot run two ranks on one GPU.
 # Here first: python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data
-# Then, with the device tool: bash .gpu/integrations.sh  carrying [".gpu/data"], timeout_s 540.
+# Then, with the device tool: bash .gpu/integrations.sh  carrying [".gpu/data"], timeout_s 540. The logs come back
+# in one file, $OUT/integrations.tar (the tool returns at most 8 files).
 # DEVICE=cpu PRESET=tiny STEPS=3 OUT=/tmp/i61 bash .gpu/integrations.sh smoke-tests it here (skips gpu-check).
 export PYTHONPATH=$PWD OMP_NUM_THREADS=4
 DEVICE=${DEVICE:-cuda}
@@ -57,3 +58,4 @@ for log in sorted(pathlib.Path(sys.argv[1]).glob("*.jsonl")):
 EOF
 for f in "$OUT"/logs/*.txt; do grep -q "Traceback" "$f" && { echo "== $f"; grep -B2 -m2 "Error" "$f" | tail -6; }; done
 rm -rf "$OUT/runs"/checkpoints
+tar -cf "$OUT/integrations.tar" -C "$OUT" logs && rm -rf "$OUT/logs"
