@@ -30,6 +30,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python -c "import torch; print('torch', torch.__version__)"
 mkdir -p "$OUT/logs" "$OUT/rows"
 
+snapshot() { tar -cf "$OUT/quality.part" -C "$OUT" rows logs 2>/dev/null && mv "$OUT/quality.part" "$OUT/quality.tar"; }
+(while sleep 20; do snapshot; done) & snapper=$!; disown  # a call cut at its limit still brings back what finished
+
 launch() {  # launch METHOD SEED BATCH LR MAX_TIME: one run in the background, once fewer than JOBS run
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
   python -m gpt2_bench.evidence run "$1" --seed "$2" --batch "$3" --lr "$4" --work "$OUT/work" --rows "$OUT/rows" \
@@ -73,4 +76,4 @@ for f in "$OUT"/logs/*-s*.txt; do grep -q "Error\|Traceback" "$f" && { echo "== 
 find "$OUT/rows" -name "*.json" -exec python -c "import json, sys; r = json.load(open(sys.argv[1]))
 print(sys.argv[1], r['steps_done'], 'of', r['steps'], r['val_loss'][-1:] )" {} \;
 rm -rf "$OUT/work"
-tar -cf "$OUT/quality.tar" -C "$OUT" rows logs && rm -rf "$OUT/rows" "$OUT/logs"
+kill "$snapper"; snapshot && rm -rf "$OUT/rows" "$OUT/logs"
