@@ -4,27 +4,28 @@
 # curve file (command, commit, torch, machine) lands in docs/rows/evidence/ as on the CPU.
 #
 # Here, first:  python -m gpt2_bench.data --dataset mix --cache-dir .gpu/data   (the device has no corpus packages)
-# Then, with the device tool:  MAXT=480 bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60.
+# Then, with the device tool:  bash .gpu/quality.sh   carrying [".gpu/data"], timeout_s about MAXT + 60 (MAXT: 510).
 # Everything comes back in one file, $OUT/quality.tar (the tool returns at most 8 files, none deeper than 2 folders):
 #   tar -xf /work/.device/N/quality.tar -C /tmp/gpu && cp -r /tmp/gpu/rows/* docs/rows/evidence/
 # then `python -m gpt2_bench.evidence rebuild`. A GPU's curve files end in -gpu.json and pair only with each other
 # (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does not fit the way back), so a call runs what
 # finishes in it: six runs at once reached step 799 of 2,000 in 430 s at 1x; at 16x a run trains its 125 steps in
-# about 20 s, and its start and evaluations take most of its time.
-# JOBS (default 6) caps the runs at once: at 16x each rank held up to 10 GiB, and 16 runs at once ran out of an H200.
-# RUNS picks the methods, SEEDS the seeds, BATCH 1x / 4x / 16x (several: one after the other, each given MAXT), LR
-# the learning rates (every run at each; default plain's best at the batch in the kept rows, else 1e-3); by default
-# one pair, plain and tagc.hook(), on the first seed whose GPU pair is not yet kept here.
-#   BATCH="4x 16x" LR="5e-4 1e-3 2e-3" SEEDS=0 RUNS="plain tagc" MAXT=300 bash .gpu/quality.sh   (six runs twice)
-# THEN="plain:1 tagc:1 ..." (method:seed, in order of worth) then runs, on the last batch at plain's best lr among this
-# call's rows, as many of them as the time left fits by the first part's pace (a run cut short is wasted), e.g.
-#   BATCH=16x LR="2.5e-4 5e-4 1e-3" SEEDS=0 RUNS="plain tagc" THEN="topk:0 plain:1 tagc:1 topk:1 ..." MAXT=540
+# about 20 s, and its start and evaluations take most of its time. So by default a call runs the 16x decision set:
+# plain's sweep (LR) with tagc.hook() at each rate on seed 0 (RUNS, SEEDS), then THEN's runs (method:seed, in order
+# of worth) at plain's best rate among this call's rows, as many as the time left fits by the first part's pace
+# (a run cut short is wasted). BATCH 1x / 4x / 16x (several: one after the other, each given MAXT; THEN follows
+# the last). JOBS (default 6) caps the runs at once: at 16x each rank held up to 10 GiB, and 16 runs at once ran out
+# of an H200's memory. E.g. the 4x sweep: BATCH=4x LR="5e-4 1e-3 2e-3" THEN= MAXT=420 bash .gpu/quality.sh
 # GPU_CHECK=1 first runs `python -m tagc.bench gpu-check --skip-tests` (its time comes off MAXT).
-# DEVICE=cpu MAXT=60 OUT=/tmp/q RUNS=plain SEEDS=0 bash .gpu/quality.sh smoke-tests it here.
+# DEVICE=cpu MAXT=60 OUT=/tmp/q RUNS=plain LR=1e-3 THEN= bash .gpu/quality.sh smoke-tests it here.
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-MAXT=${MAXT:-480}
+MAXT=${MAXT:-510}
+BATCH=${BATCH:-16x}
+LR=${LR:-"2.5e-4 5e-4 1e-3"}
+SEEDS=${SEEDS:-0}
 RUNS=${RUNS:-"plain tagc"}
-BATCH=${BATCH:-1x}
+THEN=${THEN-"topk:0 plain:1 tagc:1 topk:1 plain:2 tagc:2 topk:2 plain:3 tagc:3 topk:3 int4:0 int4:1
+tagc-brief:0 tagc-brief:1 tagc-brief:2 tagc-brief:3 powersgd-r16:0 powersgd-r16:1"}
 JOBS=${JOBS:-6}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 python -c "import torch; print('torch', torch.__version__)"
@@ -46,17 +47,13 @@ if [ -n "$GPU_CHECK" ]; then
   MAXT=$((MAXT - (SECONDS - began)))
 fi
 for batch in $BATCH; do
-  lrs=${LR:-$(python -c "from gpt2_bench.evidence import best_lr, load
-print(best_lr(load(), '$batch') or '1e-3')")}
-  seeds=${SEEDS:-$(python -c "from gpt2_bench.evidence import finished
-print(next(s for s in range(100) if not finished('tagc', s, '$batch', '${lrs%% *}', platform='gpu')))")}
   began=$SECONDS
-  for lr in $lrs; do for s in $seeds; do for r in $RUNS; do launch "$r" "$s" "$batch" "$lr" "$MAXT"; done; done; done
+  for lr in $LR; do for s in $SEEDS; do for r in $RUNS; do launch "$r" "$s" "$batch" "$lr" "$MAXT"; done; done; done
   wait
   echo "$batch: $((SECONDS - began)) s"
 done
 if [ -n "$THEN" ]; then
-  took=$((SECONDS - began)); first=$(( $(echo $RUNS | wc -w) * $(echo $lrs | wc -w) * $(echo $seeds | wc -w) ))
+  took=$((SECONDS - began)); first=$(( $(echo $RUNS | wc -w) * $(echo $LR | wc -w) * $(echo $SEEDS | wc -w) ))
   waves=$(( (first + JOBS - 1) / JOBS ))
   lr=$(python -c "from pathlib import Path; from gpt2_bench.evidence import best_lr, load
 print(best_lr(load(Path('$OUT/rows')), '$batch') or '')")

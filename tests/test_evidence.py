@@ -83,7 +83,7 @@ def test_a_gpu_run_pairs_only_with_plain_on_a_gpu(tmp_path):
     assert not evidence.finished("tagc", 0, "1x", "1e-3", tmp_path / "rows", "gpu")  # 400 of 2,000 steps
     done = tmp_path / "rows" / "1x" / "seed-2" / "tagc-lr1e-3-gpu.json"
     done.parent.mkdir()
-    done.write_text(json.dumps({"steps": 2000, "steps_done": 2000}))  # what .gpu/quality.sh's seed pick reads
+    done.write_text(json.dumps({"steps": 2000, "steps_done": 2000}))  # what .gpu/quality.sh's THEN skips
     assert evidence.finished("tagc", 2, "1x", "1e-3", tmp_path / "rows", "gpu")
     assert not evidence.finished("tagc", 2, "1x", "1e-3", tmp_path / "rows")  # the CPU's file of that run
 
