@@ -67,9 +67,9 @@ METHODS: dict[str, tuple[str, list[str]]] = {
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
     "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--ratio", "2.25"]),
 }
-"""The decision set, then a candidate fix for the gap that grows with the batch (run at 4x only): run name ->
-(what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes per exchange, still
-half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
+"""The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU,
+last): run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes
+per exchange, still half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
 ``docs/quality-diagnosis.md`` points to."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
                                          "tagc-ratio2.25": (0, 1)}
