@@ -7,17 +7,18 @@ import re
 import pytest
 
 from gpt2_bench import evidence
+from gpt2_bench import evidence_report as report
 
 
 def test_t_interval_by_hand_and_against_scipy():
-    mean, low, high = evidence.t_interval([1.0, 2.0, 3.0])  # sd 1, se 1/sqrt(3), t(0.975, 2) = 4.303
+    mean, low, high = report.t_interval([1.0, 2.0, 3.0])  # sd 1, se 1/sqrt(3), t(0.975, 2) = 4.303
     assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3))
     assert mean - low == pytest.approx(high - mean)
-    assert math.isnan(evidence.t_interval([0.4])[1])
+    assert math.isnan(report.t_interval([0.4])[1])
     with pytest.raises(ValueError):
-        evidence.t_interval([])
+        report.t_interval([])
     stats = pytest.importorskip("scipy.stats")
-    for df, t in enumerate(evidence.T_975, start=1):
+    for df, t in enumerate(report.T_975, start=1):
         assert t == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4)
 
 
@@ -27,7 +28,7 @@ def test_t_interval_by_hand_and_against_scipy():
     (0.6, 1.4, "behind"), (-0.9, -0.1, "ahead"), (math.nan, math.nan, "one seed: no verdict"),
 ])
 def test_verdicts(low, high, words):
-    assert evidence.verdict(low, high) == words
+    assert report.verdict(low, high) == words
 
 
 def _log(path, losses, lr="1e-3"):
@@ -49,15 +50,15 @@ def test_kept_runs_pair_by_seed_and_judge_by_interval(tmp_path):
     assert kept["steps_done"] == 400 and kept["epoch_fraction"] == 0.05 and kept["sessions"][0]["commit"] == "abc"
     assert kept["train_loss"] == [[199, 5.0], [399, 5.0]] and kept["wire_mb_per_step"] == 0.5  # the median step
     runs = evidence.load(tmp_path / "rows")
-    last = [row for row in evidence.decisions(runs, "1x") if row["method"] == "tagc"][-1]
+    last = [row for row in report.decisions(runs, "1x") if row["method"] == "tagc"][-1]
     gaps = [100 * (5.01 / 5.0 - 1), 100 * (5.0898 / 5.1 - 1), 100 * (4.9049 / 4.9 - 1)]  # +0.2, -0.2, +0.1
     assert last["step"] == 399 and last["seeds"] == ["0", "1", "2"] and last["gaps"] == pytest.approx(gaps)
-    assert (last["mean"], last["low"], last["high"]) == pytest.approx(evidence.t_interval(gaps))
+    assert (last["mean"], last["low"], last["high"]) == pytest.approx(report.t_interval(gaps))
     assert 0.5 < last["high"] < 1 and last["verdict"] == "tie; within 1%"
     assert evidence.TUNED_ON["tagc"] == (0, 1) and last["untuned"] == f"1: {gaps[2]:+.2f}% [-, -], one seed: no verdict"
     assert (f"| `tagc.hook()` + `hook.follow_lr(optimizer)` | 1x | 400 | {gaps[0]:+.2f}% (0), {gaps[1]:+.2f}% (1), "
-            f"{gaps[2]:+.2f}% (2) |") in evidence.render_readme(runs)
-    assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | 0 | h (2 cores) |" in evidence.render_report(
+            f"{gaps[2]:+.2f}% (2) |") in report.render_readme(runs)
+    assert "| 1x | tagc-lr1e-3 | 2 | 400 of 2000 | 0.05 | 0.50 | 0 | h (2 cores) |" in report.render_report(
         [{**r, "method": "tagc"} for r in runs if r["seed"] == 2 and r["method"] == "tagc"])
     assert evidence.best_lr(runs, "1x") is None  # unfinished (400 of 2,000 steps): no sweep result yet
 
@@ -72,13 +73,13 @@ def test_a_gpu_run_pairs_only_with_plain_on_a_gpu(tmp_path):
         evidence.keep(tmp_path / "log.jsonl",
                       tmp_path / "rows" / "1x" / "seed-0" / f"{evidence.run_name(method, '1e-3', platform)}.json",
                       method, 0, "1x", "1e-3", platform)
-    gaps = evidence.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]
+    gaps = report.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]
     assert [seed for seed, _ in gaps] == ["0", "0g"]
     assert [gap for _, gap in gaps] == pytest.approx([100 * (5.05 / 5.0 - 1), 100 * (4.02 / 4.0 - 1)])
     _log(tmp_path / "log.jsonl", {199: 7.0})  # a lone GPU method run: no pair
     evidence.keep(tmp_path / "log.jsonl", tmp_path / "rows" / "1x" / "seed-1" / "tagc-lr1e-3-gpu.json", "tagc", 1,
                   "1x", "1e-3", "gpu")
-    assert [seed for seed, _ in evidence.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]] == [
+    assert [seed for seed, _ in report.pairs(evidence.load(tmp_path / "rows"), "tagc", "1x", "1e-3")[399]] == [
         "0", "0g"]
     assert not evidence.finished("tagc", 0, "1x", "1e-3", tmp_path / "rows", "gpu")  # 400 of 2,000 steps
     done = tmp_path / "rows" / "1x" / "seed-2" / "tagc-lr1e-3-gpu.json"
@@ -115,20 +116,20 @@ def test_the_batch_axis_reads_each_batch_at_its_schedules_end_and_carries_a_line
             _curve(tmp_path, "tagc", seed, batch, 5.0 * (1 + gap / 100))
     _curve(tmp_path, "int4", 0, "1x", 5.0)  # one batch, one seed
     runs = evidence.load(tmp_path)
-    points = evidence.batch_axis(runs)
+    points = report.batch_axis(runs)
     assert [(p["method"], p["tokens_per_step"], p["step"]) for p in points] == [
         ("tagc", 1024, 1999), ("int4", 1024, 1999), ("tagc", 4096, 499)]
     tagc = [p for p in points if p["method"] == "tagc"]
     assert [p["mean"] for p in tagc] == pytest.approx([0.6, 1.6])
-    at_gpt2, per_doubling = evidence.doubling_line(tagc)
+    at_gpt2, per_doubling = report.doubling_line(tagc)
     assert per_doubling == pytest.approx(0.5)  # 1 point over log2(4096 / 1024) = 2 doublings
-    assert at_gpt2 == pytest.approx(1.6 + 0.5 * math.log2(evidence.GPT2_TOKENS_PER_STEP / 4096))  # 7 more: +5.1%
-    assert evidence.doubling_line([p for p in points if p["method"] == "int4"]) is None
-    block = evidence.render_readme(runs)
+    assert at_gpt2 == pytest.approx(1.6 + 0.5 * math.log2(report.GPT2_TOKENS_PER_STEP / 4096))  # 7 more: +5.1%
+    assert report.doubling_line([p for p in points if p["method"] == "int4"]) is None
+    block = report.render_readme(runs)
     assert "+0.50 points per doubling" in block and f"reads {at_gpt2:+.2f}% at GPT-2's 524,288" in block
     assert "one batch measured: no slope yet" in block
-    assert "## The batch axis" in evidence.render_report(runs)
-    evidence.plot(runs, tmp_path / "gap.png")
+    assert "## The batch axis" in report.render_report(runs)
+    report.plot(runs, tmp_path / "gap.png")
     assert (tmp_path / "gap.png").stat().st_size > 0
 
 
@@ -139,27 +140,27 @@ def test_a_method_adds_its_own_best_lr_as_a_second_row_against_plains_best(tmp_p
             _curve(tmp_path, method, seed, "1x", loss, lr)
     runs = evidence.load(tmp_path)
     assert evidence.best_lr(runs, "1x") == "1e-3" and evidence.best_lr(runs, "1x", "tagc") == "2e-3"
-    last = {row["lr"]: row for row in evidence.decisions(runs, "1x") if row["step"] == 1999}
+    last = {row["lr"]: row for row in report.decisions(runs, "1x") if row["step"] == 1999}
     assert last["1e-3"]["mean"] == pytest.approx(1.2) and last["own 2e-3"]["mean"] == pytest.approx(0.4)
-    assert "at its own best lr, 2e-3 | 1x | 2000 | +0.40% (0), +0.40% (1) | +0.40%" in evidence.render_readme(runs)
-    assert [p["lr"] for p in evidence.batch_axis(runs)] == ["1e-3"]  # the axis stays at plain's best
+    assert "at its own best lr, 2e-3 | 1x | 2000 | +0.40% (0), +0.40% (1) | +0.40%" in report.render_readme(runs)
+    assert [p["lr"] for p in report.batch_axis(runs)] == ["1e-3"]  # the axis stays at plain's best
 
 
 def test_readme_and_report_match_the_kept_rows():
     """Every quality number of the README's block and of docs/evidence.md comes from docs/rows/evidence."""
     runs = evidence.load()
-    assert evidence.render_readme(runs) in evidence.README.read_text(), "run: python -m gpt2_bench.evidence rebuild"
-    assert evidence.REPORT.read_text() == evidence.render_report(runs), "run: python -m gpt2_bench.evidence rebuild"
+    assert report.render_readme(runs) in report.README.read_text(), "run: python -m gpt2_bench.evidence rebuild"
+    assert report.REPORT.read_text() == report.render_report(runs), "run: python -m gpt2_bench.evidence rebuild"
 
 
 def test_no_val_loss_outside_the_rebuilt_files():
     """A val loss (4 decimals, 3-11) in the README outside its rebuilt block, or in a doc other than evidence.md, is
     a number no kept file rebuilds: quote it from docs/evidence.md or leave it out."""
     loss = re.compile(r"\b(?:[3-9]|10)\.\d{4}\b")
-    readme = evidence.README.read_text()
-    begin, end = readme.index(evidence.README_BEGIN), readme.index(evidence.README_END)
+    readme = report.README.read_text()
+    begin, end = readme.index(report.README_BEGIN), readme.index(report.README_END)
     texts = {"README.md": readme[:begin] + readme[end:]}
-    texts |= {doc.name: doc.read_text() for doc in evidence.REPORT.parent.glob("*.md") if doc != evidence.REPORT}
+    texts |= {doc.name: doc.read_text() for doc in report.REPORT.parent.glob("*.md") if doc != report.REPORT}
     assert {name: loss.findall(text) for name, text in texts.items() if loss.search(text)} == {}
 
 
@@ -341,7 +342,7 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert ("tagc", 0, "1x", "2.5e-4") in evidence.unfinished(tmp_path)
     _sweep(tmp_path, "4x", {"5e-4": 5.9, "1e-3": 5.8, "2e-3": 5.8})  # a tie at the top end is no edge
     assert evidence.edge_lr(evidence.load(tmp_path), "4x") is None
-    assert "| 1x | 1.25e-4 | 2 | cpu | 5.7550 |" in evidence.render_report(evidence.load(tmp_path))  # every rate run
+    assert "| 1x | 1.25e-4 | 2 | cpu | 5.7550 |" in report.render_report(evidence.load(tmp_path))  # every rate run
 
 
 def test_a_bracket_half_run_keeps_its_rate_until_every_seed_of_the_sweep_has_it(tmp_path):
@@ -375,18 +376,18 @@ def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
     curve("tagc", 1, "1e-3", 5.72, "cpu-0a1b")  # the method here, its plain not yet: plain alone
     here = evidence.unfinished(tmp_path, "cpu-0a1b")
     assert ("plain", 1, "1x", "1e-3") in here and ("tagc", 1, "1x", "1e-3") not in here
-    assert 1 not in {int(seed) for seed, _ in evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]}
+    assert 1 not in {int(seed) for seed, _ in report.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]}
     curve("plain", 1, "1e-3", 5.69, "cpu-0a1b")
     curve("plain", 0, "1e-3", 5.66, "cpu-0a1b")
     curve("tagc", 0, "1e-3", 5.67, "cpu-0a1b")  # seed 0 on both machines counts once, by the first
-    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]
+    gaps = report.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]
     assert gaps == [("0", pytest.approx(100 * (5.75 / 5.70 - 1))), ("1", pytest.approx(100 * (5.72 / 5.69 - 1)))]
     assert ("tagc", 1, "1x", "1e-3") not in evidence.unfinished(tmp_path, "cpu-0a1b")
-    assert evidence.render_machines(evidence.load(tmp_path)) == [  # the sweep's plain: 5.70 (seed 0), 5.71 (1)
+    assert report.render_machines(evidence.load(tmp_path)) == [  # the sweep's plain: 5.70 (seed 0), 5.71 (1)
         f"- plain seed 0 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.66 / 5.70 - 1):+.3f}%.",
         f"- plain seed 1 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.69 / 5.71 - 1):+.3f}%.",
         f"- tagc seed 0 1x lr 1e-3, cpu-0a1b against cpu: 2000: {100 * (5.67 / 5.75 - 1):+.3f}%."]
-    assert evidence.render_machines([]) == ["- none yet."]
+    assert report.render_machines([]) == ["- none yet."]
     # the sweep reads a CPU seed as one seed on every CPU: 4x's rates run on two machines still share seed 0
     four = [{"method": "plain", "seed": 0, "batch": "4x", "lr": lr, "platform": platform, "steps": 500,
              "steps_done": 500, "val_loss": [[499, loss]]}
@@ -411,11 +412,11 @@ def test_a_method_run_with_uncompressed_resumes_is_made_again_and_the_clean_pair
     todo = evidence.unfinished(tmp_path, "cpu-0a1b")
     assert todo.index(("plain", 0, "1x", "1e-3")) < todo.index(("tagc", 0, "1x", "1e-3"))
     assert ("tagc", 1, "1x", "1e-3") not in todo
-    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # until then the marked run counts
+    gaps = report.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # until then the marked run counts
     assert gaps == [("0", pytest.approx(100 * (5.75 / 5.70 - 1))), ("1", pytest.approx(100 * (5.76 / 5.71 - 1)))]
     curve("plain", 0, 5.66, "cpu-0a1b")
     curve("tagc", 0, 5.68, "cpu-0a1b")
-    gaps = evidence.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # the clean pair, though named later
+    gaps = report.pairs(evidence.load(tmp_path), "tagc", "1x", "1e-3")[1999]  # the clean pair, though named later
     assert gaps == [("0", pytest.approx(100 * (5.68 / 5.66 - 1))), ("1", pytest.approx(100 * (5.76 / 5.71 - 1)))]
     assert ("tagc", 0, "1x", "1e-3") not in evidence.unfinished(tmp_path, "cpu-0a1b")
 
