@@ -275,6 +275,8 @@ def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
     assert extra == ["--device", "cuda-shared", "--max-time", "480"] and evidence.platform_of(extra) == "gpu"
     with pytest.raises(SystemExit):
         evidence.main(["rebuild", "--", "--device", "cpu"])
+    monkeypatch.setattr(report, "rebuild", lambda: calls.append("rebuild"))
+    assert evidence.main(["rebuild"]) == 0 and calls[-1] == "rebuild"  # the report's, from the protocol's command
 
 
 def _sweep(tmp_path, batch, losses):
