@@ -8,7 +8,7 @@
 # Everything comes back in one file, $OUT/quality.tar (the tool returns at most 8 files, none deeper than 2 folders):
 #   tar -xf /work/.device/N/quality.tar -C /tmp/gpu && cp -r /tmp/gpu/rows/* docs/rows/evidence/
 # then `python -m gpt2_bench.evidence rebuild`. A GPU's curve files end in -gpu.json and pair only with each other
-# (gpt2_bench/evidence.py). Nothing resumes across calls (a checkpoint does not fit the way back), so a call runs what
+# (gpt2_bench/evidence). Nothing resumes across calls (a checkpoint does not fit the way back), so a call runs what
 # finishes in it: six runs at once reached step 799 of 2,000 in 430 s at 1x; at 16x a run trains its 125 steps in
 # about 20 s, and its start and evaluations take most of its time. So by default a call runs the 16x decision set:
 # plain's sweep (LR) with tagc.hook() at each rate on seed 0 (RUNS, SEEDS), then THEN's runs (method:seed, in order

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from gpt2_bench import evidence
-from gpt2_bench import evidence_report as report
+from gpt2_bench.evidence import __main__ as cli
+from gpt2_bench.evidence import report
 
 
 def test_t_interval_by_hand_and_against_scipy():
@@ -202,7 +203,7 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
     log.parent.mkdir(parents=True)
     log.write_text("".join(json.dumps(r) + "\n" for r in [{"run": "x", "first_step": 0}, *({"step": s} for s in range(
         612))]))  # a run in progress: its log has got further than its curve file
-    assert evidence.main(["queue", "--list", "--rows", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    assert cli.main(["queue", "--list", "--rows", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept on cpu",
                          "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept on cpu, 612 trained in its log"]
@@ -267,16 +268,16 @@ def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
     """``.gpu/quality.sh``'s call: trainer arguments after ``--`` reach the run, and only the run takes them."""
     calls = []
     monkeypatch.setattr(evidence, "run", lambda *args, **kwargs: calls.append((args, kwargs)))
-    evidence.main(["run", "tagc", "--seed", "2", "--", "--device", "cuda-shared", "--max-time", "480"])
-    evidence.main(["run", "tagc", "--seed", "2", "--in-one", "--", "--device", "cuda-shared", "--max-time", "480"])
+    cli.main(["run", "tagc", "--seed", "2", "--", "--device", "cuda-shared", "--max-time", "480"])
+    cli.main(["run", "tagc", "--seed", "2", "--in-one", "--", "--device", "cuda-shared", "--max-time", "480"])
     assert calls[0] == calls[1]  # --in-one, as earlier curve files record it: what every run does now
     (method, seed, batch, lr, _, _, extra), kwargs = calls[0]
     assert (method, seed, batch, lr) == ("tagc", 2, "1x", "1e-3") and kwargs == {}
     assert extra == ["--device", "cuda-shared", "--max-time", "480"] and evidence.platform_of(extra) == "gpu"
     with pytest.raises(SystemExit):
-        evidence.main(["rebuild", "--", "--device", "cpu"])
+        cli.main(["rebuild", "--", "--device", "cpu"])
     monkeypatch.setattr(report, "rebuild", lambda: calls.append("rebuild"))
-    assert evidence.main(["rebuild"]) == 0 and calls[-1] == "rebuild"  # the report's, from the protocol's command
+    assert cli.main(["rebuild"]) == 0 and calls[-1] == "rebuild"  # the report's, from the protocol's command
 
 
 def _sweep(tmp_path, batch, losses):

@@ -21,13 +21,12 @@ makes them again.
 checkpointing at every evaluation, so that a stopped run resumes where it was (``--resume`` from its checkpoint),
 and writes its curve file, to be committed at once;
 ``python -m gpt2_bench.evidence rebuild`` remakes ``docs/evidence.md``, its plot and the README's quality block
-(:mod:`gpt2_bench.evidence_report`);
+(:mod:`gpt2_bench.evidence.report`; the command line: ``__main__.py``);
 ``tests/test_evidence.py`` checks that they match the kept files.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -37,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = ROOT / "docs" / "rows" / "evidence"
 
 PROTOCOL = ["--preset", "small", "--integration", "ddp", "--dataset", "mix", "--block-size", "128", "--world", "2",
@@ -401,51 +400,3 @@ def best_lr(runs: list[dict], batch: str, method: str = "plain") -> Optional[str
 def _seed(kept: dict) -> tuple[str, int]:
     """A seed as the sweep reads it: a CPU's seed is one seed on every CPU platform, a GPU's another."""
     return "cpu" if on_cpu(kept) else kept["platform"], kept["seed"]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpt2_bench.evidence", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    go = sub.add_parser("run", help="train or resume one run of the protocol, keeping its curve in docs/rows/evidence")
-    go.add_argument("method", choices=sorted(METHODS))
-    go.add_argument("--seed", type=int, required=True)
-    go.add_argument("--batch", default="1x", choices=sorted(BATCHES))
-    go.add_argument("--lr", default="1e-3", help="the peak learning rate as written in the file name (default 1e-3)")
-    go.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
-    go.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
-    go.add_argument("--in-one", action="store_true",
-                    help="(what every run does now; kept so that the commands earlier curve files record still run)")
-    go.epilog = ("after --: trainer arguments for where it runs, e.g. -- --device cuda-shared --dataset "
-                 ".gpu/data/mix --max-time 420")
-    line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
-    line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
-    line.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
-    line.add_argument("--rows", default=str(ROWS), help=f"where the curve files go (default {ROWS.relative_to(ROOT)})")
-    line.add_argument("--list", action="store_true",
-                      help="print the unfinished runs in order and how far each is, and stop")
-    sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
-    args.extra = argv[cut + 1:]
-    if args.extra and args.command != "run":
-        parser.error("trainer arguments after -- go with the run command only")
-    if args.command == "run":
-        try:
-            float(args.lr)
-        except ValueError:
-            parser.error(f"--lr takes a number such as 1e-3, got {args.lr!r}")
-        run(args.method, args.seed, args.batch, args.lr, Path(args.work), Path(args.rows), args.extra)
-    elif args.command == "queue" and args.list:
-        print("\n".join(progress(Path(args.rows), cpu_platform(), Path(args.work))) or "the queue is done")
-    elif args.command == "queue":
-        queue(Path(args.work), Path(args.rows), args.parallel)
-    else:
-        from gpt2_bench.evidence_report import rebuild  # the report reads this module
-
-        rebuild()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
