@@ -101,9 +101,9 @@ there and ``tagc`` at twice its bytes (the fixes the twelfth and thirteenth scre
 ``docs/quality-diagnosis.md`` point to); then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can
 say whether ``topk`` should take ``tagc.hook()``'s place: first at 4x, whose sweep is bracketed and whose paired gaps
 varied by tenths of a point between seeds where 1x's varied by points, then at 1x after its bracket; then ``int4``
-at 4x and 16x. Last, seeds 0 and 1 at 1x:
-their first runs were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than a
-cleaner copy of one already read; there ``tagc-brief`` and the copies need plain again on this machine."""
+at 4x and 16x. Last, seeds 0 and 1 at 1x: their first runs were kept with uncompressed resumes
+(:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of one already read; there
+``tagc-brief`` and the copies need plain again on this machine."""
 
 
 def schedule(batch: str) -> tuple[int, int]:

@@ -19,21 +19,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpt2_bench.evidence",
                                      description=evidence.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    go = sub.add_parser("run", help="train or resume one run of the protocol, keeping its curve in docs/rows/evidence")
+    places = argparse.ArgumentParser(add_help=False)  # where run and queue keep what they make
+    places.add_argument("--work", default="bench_out/evidence",
+                        help="logs and checkpoints (default bench_out/evidence)")
+    places.add_argument("--rows", default=str(evidence.ROWS), help=f"where the curve files go (default {rows_default})")
+    go = sub.add_parser("run", parents=[places],
+                        help="train or resume one run of the protocol, keeping its curve in docs/rows/evidence")
     go.add_argument("method", choices=sorted(evidence.METHODS))
     go.add_argument("--seed", type=int, required=True)
     go.add_argument("--batch", default="1x", choices=sorted(evidence.BATCHES))
     go.add_argument("--lr", default="1e-3", help="the peak learning rate as written in the file name (default 1e-3)")
-    go.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
-    go.add_argument("--rows", default=str(evidence.ROWS), help=f"where the curve files go (default {rows_default})")
     go.add_argument("--in-one", action="store_true",
                     help="(what every run does now; kept so that the commands earlier curve files record still run)")
     go.epilog = ("after --: trainer arguments for where it runs, e.g. -- --device cuda-shared --dataset "
                  ".gpu/data/mix --max-time 420")
-    line = sub.add_parser("queue", help="run the queue's unfinished runs in order, a few at a time, resuming each")
+    line = sub.add_parser("queue", parents=[places],
+                          help="run the queue's unfinished runs in order, a few at a time, resuming each")
     line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
-    line.add_argument("--work", default="bench_out/evidence", help="logs and checkpoints (default bench_out/evidence)")
-    line.add_argument("--rows", default=str(evidence.ROWS), help=f"where the curve files go (default {rows_default})")
     line.add_argument("--list", action="store_true",
                       help="print the unfinished runs in order and how far each is, and stop")
     sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
