@@ -262,9 +262,11 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
     first = [item[:3] for item in evidence.QUEUE]  # the seeds that can judge a default before copies of tuned ones
     untuned = [first.index((m, seed, "1x")) for m in ("tagc", "topk") for seed in (2, 3)]
     assert max(untuned) < min(first.index((m, seed, "1x")) for m in ("tagc", "topk") for seed in evidence.TUNED_ON[m])
-    untuned_4x = [first.index((m, seed, "4x")) for m in ("plain", "topk") for seed in (2, 3)]
+    untuned_4x = [first.index((m, seed, "4x")) for m in ("plain", "topk", "int4") for seed in (2, 3)]
     bracket_1x = [i for i, item in enumerate(evidence.QUEUE) if item[2:] == ("1x", evidence.EDGE)]
     assert max(untuned_4x) < min(bracket_1x)  # 4x's sweep is bracketed: its untuned pairs need not wait for 1x's
+    plain_4x = {seed for m, seed, b, lr in evidence.QUEUE if m == "plain" and b == "4x" and lr == evidence.BEST}
+    assert {seed for m, seed, b, _ in evidence.QUEUE if m == "int4" and b == "4x"} <= plain_4x  # no plain run added
 
 
 def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
