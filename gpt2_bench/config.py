@@ -126,8 +126,9 @@ class TrainConfig:
         select = {"none": "none", "all": "all", "non-attn": "non_attention_linear",
                   "blocks": "non_attention_block_linear"}[self.compression]
         codec = "plain" if self.compression == "none" else self.codec
-        sketch = dict(ratio=self.ratio, index_bits=self.index_bits) if spec(
-            codec).uses_config else {}
+        fields = spec(codec).config_fields
+        sketch = {name: value for name, value in (("ratio", self.ratio), ("index_bits", self.index_bits))
+                  if name in fields}
         return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
                     codec=codec, overlap=self.overlap, plain=self.plain, feedback=self.feedback,
                     feedback_decay=self.feedback_decay, hierarchy=self.hierarchy, **sketch,

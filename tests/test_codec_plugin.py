@@ -53,7 +53,7 @@ class FP16Codec(Codec):
         return received[0].sum(dim=0, dtype=torch.float32) / self.scale
 
 
-FP16_SPEC = CodecSpec(NAME, lambda config, residual_dtype, options: FP16Codec(**options), {"scale": 1.0}, False,
+FP16_SPEC = CodecSpec(NAME, lambda config, residual_dtype, options: FP16Codec(**options), {"scale": 1.0}, (),
                       "scale * x cast to float16, summed in float32 at the owner (a test's toy codec)")
 
 register(FP16_SPEC)  # the one registration line (a library codec's lives in tagc.hooks.codecs.registry)

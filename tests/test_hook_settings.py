@@ -29,13 +29,20 @@ def test_piece_bytes_and_side_stream_reach_the_hook_from_tagc_hook():
 
 
 def test_settings_split_the_arguments_into_config_fields_and_codec_options():
-    settings = HookSettings.from_arguments(ratio=5, codec="topk", seed=3, min_compress_numel=7, positions="offsets",
+    settings = HookSettings.from_arguments(ratio=5, codec="tagc", seed=3, min_compress_numel=7, positions="offsets",
                                            min_part=1 << 10)
     assert settings.config == tagc.TAGCConfig(ratio=5.0, seed=3, min_compress_numel=7)
+    assert dict(settings.codec_options) == {"positions": "offsets", "value_dtype": "float16"}  # tagc's recommended
+    settings = HookSettings.from_arguments(ratio=5, codec="topk", sparsity=0.5, min_compress_numel=7,
+                                           positions="offsets", min_part=1 << 10)
+    assert settings.config == tagc.TAGCConfig(ratio=5.0, sparsity=0.5, min_compress_numel=7)
     assert dict(settings.codec_options) == {"positions": "offsets", "value_dtype": "float8"}  # topk's recommended
     assert settings.min_part == 1 << 10 and settings.codec == "topk"
     with pytest.raises(ValueError, match=r"codec 'topk' takes options \('positions', 'value_dtype'\); got 'block'"):
         HookSettings.from_arguments(codec="topk", block=3)
+    with pytest.raises(ValueError, match=r"seed applies only to codecs \('tagc',\), not to codec 'topk' .*it takes "
+                                         r"ratio, sparsity\)"):
+        HookSettings.from_arguments(codec="topk", seed=3)  # the list hashes nothing: a seed would be ignored
 
 
 @pytest.mark.parametrize("name, value, allowed", [

@@ -260,9 +260,11 @@ def test_a_4_bit_index_takes_bitmap_positions_by_default():
     assert TrainConfig(index_bits=4).codec_options == {"positions": "bitmap", "value_dtype": "float16"}
     with pytest.raises(ValueError, match="index_bits=1"):
         tagc.hook(index_bits=4, positions="coded")
-    topk = tagc.hook(codec="topk", index_bits=4).settings  # topk's list is each rank's own: it stays coded
-    assert topk.config.index_bits == 4 and _resolved(topk) == TOPK_RECOMMENDED
-    assert TrainConfig(codec="topk", index_bits=4).codec_options == {"positions": "coded", "value_dtype": "float8"}
+    with pytest.raises(ValueError, match=r"index_bits applies only to codecs \('tagc',\), not to codec 'topk'"):
+        tagc.hook(codec="topk", index_bits=4)  # topk's list is each rank's own: no index to size
+    bench_topk = TrainConfig(codec="topk", index_bits=4)  # the bench's --index-bits reaches tagc alone
+    assert bench_topk.codec_options == {"positions": "coded", "value_dtype": "float8"}
+    assert "index_bits" not in bench_topk.hook_arguments()
 
 
 @pytest.mark.parametrize("base_fields", [{"compression": "none"}, {"codec": "int4", "compression": "all"},

@@ -95,16 +95,15 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "int4", "tagc-brief")),
 )
-"""The CPU's order of work (``queue``) from here on: each batch's learning-rate sweep, bracketed where its best is
-at an end, before the methods judged at its best; ``tagc`` at 4x, where its gap was seen to grow, beside ``topk``
-there and ``tagc`` at twice its bytes (the fixes the twelfth and thirteenth screens of
-``docs/quality-diagnosis.md`` point to); then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can
-say whether ``topk`` should take ``tagc.hook()``'s place: first at 4x, whose sweep is bracketed and whose paired gaps
-varied by tenths of a point between seeds where 1x's varied by points, with ``int4`` there on the same seeds (no
-setting of it was picked on any seed, and their plain runs are already made), then at 1x after its bracket; then
-16x. Last, seeds 0 and 1 at 1x: their first runs were kept with uncompressed resumes (:func:`unsettled_resumes`),
-and a new seed tells more than a cleaner copy of one already read; there ``tagc-brief`` and the copies need plain
-again on this machine."""
+"""The CPU's order of work (``queue``) from here on: each batch's learning-rate sweep, bracketed where its best is at an
+end, before the methods judged at its best; ``tagc`` at 4x, where its gap was seen to grow, beside ``topk`` there and
+``tagc`` at twice its bytes (the fixes the twelfth and thirteenth screens of ``docs/quality-diagnosis.md`` point to);
+then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can say whether ``topk``, the README's pick
+over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose paired gaps varied by tenths of a
+point between seeds where 1x's varied by points, with ``int4`` there on the same seeds (no setting of it was picked
+on any seed, and their plain runs are already made), then at 1x after its bracket; then 16x. Last, seeds 0 and 1 at
+1x: their first runs were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than
+a cleaner copy of one already read; there ``tagc-brief`` and the copies need plain again on this machine."""
 
 
 def schedule(batch: str) -> tuple[int, int]:

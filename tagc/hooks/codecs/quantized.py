@@ -193,7 +193,7 @@ class BF16Codec(Codec):
 
 
 BF16_SPEC = CodecSpec(name="bf16", build=lambda config, residual_dtype, options: BF16Codec(), options={},
-                      uses_config=False, summary="values cast to bfloat16, summed in float32 at the owner")
+                      config_fields=(), summary="values cast to bfloat16, summed in float32 at the owner")
 
 
 class FP8Codec(Codec):
@@ -231,7 +231,7 @@ class FP8Codec(Codec):
 
 
 FP8_SPEC = CodecSpec(name="fp8", build=lambda config, residual_dtype, options: FP8Codec(**options),
-                     options={"block": 128}, uses_config=False,
+                     options={"block": 128}, config_fields=(),
                      summary="float8 e4m3, one float32 scale (absmax / 448) per block")
 
 
@@ -291,5 +291,5 @@ class Int4Codec(Codec):
 
 
 INT4_SPEC = CodecSpec(name="int4", build=lambda config, residual_dtype, options: Int4Codec(**options),
-                      options={"block": 128, "stochastic": False}, uses_config=False,
+                      options={"block": 128, "stochastic": False}, config_fields=(),
                       summary="ZeRO++ qgZ-style symmetric int4, one float32 scale per block")

@@ -38,21 +38,22 @@ def register(codec_spec: CodecSpec) -> CodecSpec:
 
 
 register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(config, residual_dtype, **options),
-                   {"positions": "bitmap", "value_dtype": "float32"}, True,
+                   {"positions": "bitmap", "value_dtype": "float32"},
+                   ("ratio", "index_bits", "sparsity", "lane", "seed", "fallback"),
                    "error feedback, threshold, exact index and count sketch (the paper's method)"))
-register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, False,
+register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, (),
                    "the columns as they are, summed in float32 at the owner (a fair reduce-scatter)"))
 register(CodecSpec("powersgd",
                    lambda config, residual_dtype, options: PowerSGDCodec(options["rank"], options["warm_start"],
                                                                          residual_dtype, options["value_dtype"]),
-                   {"rank": DEFAULT_RANK, "warm_start": True, "value_dtype": "float32"}, False,
+                   {"rank": DEFAULT_RANK, "warm_start": True, "value_dtype": "float32"}, (),
                    "rank-r PowerSGD of each weight matrix, error feedback, warm start (4 rounds)"))
 register(quantized.BF16_SPEC)
 register(quantized.FP8_SPEC)
 register(quantized.INT4_SPEC)
 register(sign.SPEC)
 register(CodecSpec("topk", lambda config, residual_dtype, options: TopKCodec(config, residual_dtype, **options),
-                   {"positions": "offsets", "value_dtype": "float32"}, True,
+                   {"positions": "offsets", "value_dtype": "float32"}, ("ratio", "sparsity"),
                    "TAGC's threshold and error feedback, kept values sent as a position/value list"))
 
 

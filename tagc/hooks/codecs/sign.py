@@ -84,6 +84,6 @@ class SignCodec(ResidualCodec):
 
 SPEC = CodecSpec(name="sign",
                  build=lambda config, residual_dtype, options: SignCodec(residual_dtype=residual_dtype, **options),
-                 options={"block": DEFAULT_BLOCK}, uses_config=False,
+                 options={"block": DEFAULT_BLOCK}, config_fields=(),
                  summary="1 bit per element and a mean-|a| scale per block, with error feedback")
 """The registry's entry for ``sign`` (:func:`tagc.hooks.codecs.registry.register`)."""

@@ -29,7 +29,13 @@ class CodecSpec:
     :attr:`options` and completed with its defaults."""
     options: Mapping[str, Any]
     """The codec's own options and their defaults (``tagc.hook(codec=name, **options)``)."""
-    uses_config: bool
-    """Whether the :class:`TAGCConfig` fields (``ratio``, ``index_bits``, ``sparsity``, ...) apply."""
+    config_fields: tuple[str, ...]
+    """The :class:`TAGCConfig` fields (``ratio``, ``index_bits``, ``sparsity``, ...) that apply; ``tagc.hook``
+    refuses the others for this codec (``min_compress_numel``, how columns are planned, applies to every codec)."""
     summary: str
     """One line: what the codec sends."""
+
+    @property
+    def uses_config(self) -> bool:
+        """Whether any :class:`TAGCConfig` field applies (the codec reads ``config``)."""
+        return bool(self.config_fields)

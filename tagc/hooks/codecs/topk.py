@@ -52,7 +52,7 @@ class TopKCodec(ResidualCodec):
     order and leaves the rest in the residual (error feedback sends them later); the owner
     adds the count to ``stats.overflow``.
     Settings: ``ratio``/``sparsity`` give the density exactly as for TAGC; ``index_bits``,
-    ``lane``, ``seed`` and ``fallback`` do not apply.
+    ``lane``, ``seed`` and ``fallback`` do not apply, and ``tagc.hook`` refuses them.
     NaN/Inf: a rank whose gradient part is not finite sends NaN values; the owner's whole
     part is NaN (``nonfinite_parts``); that rank's residual stays as it was.
     """

@@ -206,7 +206,8 @@ class HookSettings:
         :func:`recommended_settings`: the :class:`TAGCConfig` fields (``ratio``, ``index_bits``,
         ``sparsity`` and, among ``settings``, ``lane``, ``seed``, ``fallback``, ``min_compress_numel``)
         go to ``config``, the other names of this class to their fields, and what is left to
-        ``codec_options``. A config field a codec does not use is an error that names its options."""
+        ``codec_options``. A config field a codec does not use (not in its ``config_fields``) is an error that names
+        what it takes."""
         codec_spec = spec(codec)
         own_options = {name: settings.pop(name) for name in list(settings) if name in codec_spec.options}
         filled = recommended_settings(codec, ratio, settings.pop("plain", None), settings.pop("feedback", None),
@@ -217,10 +218,12 @@ class HookSettings:
         given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
         config_args = {name: value for name, value in given.items() if value is not None}
         config_args.update({name: settings.pop(name) for name in list(settings) if name in _CONFIG_FIELDS})
-        misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS))
-        if misplaced and not codec_spec.uses_config:
-            takes = [name for name in codec_names() if spec(name).uses_config]
+        misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS) - set(codec_spec.config_fields))
+        if misplaced:
+            takes = [name for name in codec_names() if set(misplaced) <= set(spec(name).config_fields)]
             own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
+            if codec_spec.config_fields:
+                own += f"; of the sketch's settings it takes {', '.join(codec_spec.config_fields)}"
             verb = "applies" if len(misplaced) == 1 else "apply"
             raise ValueError(f"{', '.join(misplaced)} {verb} only to codecs {tuple(takes)}, not to codec {codec!r} "
                              f"({own})")
