@@ -215,7 +215,7 @@ class TrainConfig:
 
         if self.compression == "none":
             algo = "fsdp"
-        elif spec(self.codec).uses_config:
+        elif spec(self.codec).config_fields:
             algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc"
                                                                          else "")
         else:

@@ -34,8 +34,3 @@ class CodecSpec:
     refuses the others for this codec (``min_compress_numel``, how columns are planned, applies to every codec)."""
     summary: str
     """One line: what the codec sends."""
-
-    @property
-    def uses_config(self) -> bool:
-        """Whether any :class:`TAGCConfig` field applies (the codec reads ``config``)."""
-        return bool(self.config_fields)
