@@ -168,7 +168,7 @@ def render_batch_axis(runs: list[dict]) -> list[str]:
         if not mine:
             continue
         measured = ", ".join(f"{p['tokens_per_step']:,}: {_pct(p['mean'])} [{_pct(p['low'])}, {_pct(p['high'])}] "
-                             f"(seeds {','.join(p['seeds'])})" for p in mine)
+                             f"(seed{'s' * (len(p['seeds']) > 1)} {','.join(p['seeds'])})" for p in mine)
         line = doubling_line(mine)
         implied = ("one batch measured: no slope yet" if line is None else
                    f"{line[1]:+.2f} points per doubling; a line through the means reads {line[0]:+.2f}% at GPT-2's "
