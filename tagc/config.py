@@ -93,3 +93,9 @@ class TAGCConfig:
     def fingerprint(self) -> tuple:
         """The fields as a tuple: what a checkpoint records (:mod:`tagc.hooks.core.checkpoint`)."""
         return dataclasses.astuple(self)
+
+
+SELECTION_FIELDS = ("min_compress_numel",)
+"""The :class:`TAGCConfig` fields that say how columns are planned: they apply to every codec."""
+SKETCH_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig) if field.name not in SELECTION_FIELDS)
+"""The other fields, TAGC's own: the ``tagc`` codec takes them all, another codec those its spec names."""

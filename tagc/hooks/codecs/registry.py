@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tagc.config import TAGCConfig
+from tagc.config import SKETCH_FIELDS, TAGCConfig
 from tagc.hooks.codecs import quantized, sign
 from tagc.hooks.codecs.codec import Codec, PlainCodec, TAGCCodec
 from tagc.hooks.codecs.powersgd import DEFAULT_RANK, PowerSGDCodec
@@ -38,8 +38,7 @@ def register(codec_spec: CodecSpec) -> CodecSpec:
 
 
 register(CodecSpec("tagc", lambda config, residual_dtype, options: TAGCCodec(config, residual_dtype, **options),
-                   {"positions": "bitmap", "value_dtype": "float32"},
-                   ("ratio", "index_bits", "sparsity", "lane", "seed", "fallback"),
+                   {"positions": "bitmap", "value_dtype": "float32"}, SKETCH_FIELDS,
                    "error feedback, threshold, exact index and count sketch (the paper's method)"))
 register(CodecSpec("plain", lambda config, residual_dtype, options: PlainCodec(), {}, (),
                    "the columns as they are, summed in float32 at the owner (a fair reduce-scatter)"))

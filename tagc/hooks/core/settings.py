@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tagc.config import TAGCConfig, is_int
+from tagc.config import SELECTION_FIELDS, TAGCConfig, is_int
 from tagc.hooks.codecs.codec import Codec
 from tagc.hooks.codecs.feedback import check_feedback, with_feedback
 from tagc.hooks.codecs.registry import codec_names, error_feedback_codecs, make_codec, resolve_options, spec
@@ -82,7 +82,6 @@ def recommended_settings(codec: str, ratio: float | None = None, plain: str | No
 
 
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(TAGCConfig))
-_SELECTION_FIELDS = ("min_compress_numel",)  # how columns are planned: applies to every codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +217,7 @@ class HookSettings:
         given = {"ratio": ratio, "index_bits": index_bits, "sparsity": sparsity}
         config_args = {name: value for name, value in given.items() if value is not None}
         config_args.update({name: settings.pop(name) for name in list(settings) if name in _CONFIG_FIELDS})
-        misplaced = sorted(set(config_args) - set(_SELECTION_FIELDS) - set(codec_spec.config_fields))
+        misplaced = sorted(set(config_args) - set(SELECTION_FIELDS) - set(codec_spec.config_fields))
         if misplaced:
             takes = [name for name in codec_names() if set(misplaced) <= set(spec(name).config_fields)]
             own = f"its options are {tuple(codec_spec.options)}" if codec_spec.options else "it takes no options"
