@@ -267,6 +267,8 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
     assert max(untuned_4x) < min(bracket_1x)  # 4x's sweep is bracketed: its untuned pairs need not wait for 1x's
     plain_4x = {seed for m, seed, b, lr in evidence.QUEUE if m == "plain" and b == "4x" and lr == evidence.BEST}
     assert {seed for m, seed, b, _ in evidence.QUEUE if m == "int4" and b == "4x"} <= plain_4x  # no plain run added
+    brief = [first.index(("tagc-brief", seed, "1x")) for seed in (2, 3)]  # 1x outlasts a GPU call
+    assert max(brief) < min(first.index(("tagc", seed, "4x")) for seed in (2, 3))
 
 
 def test_the_run_command_passes_what_follows_dashes_to_the_trainer(monkeypatch):
@@ -339,7 +341,7 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert lines[waiting[0]] == "plain seed 2 1x at plain's best lr: waits for 1x's bracket"
     assert len(waiting) == sum(1 for item in evidence.QUEUE if item[2:] == ("1x", evidence.BEST))
     assert lines[waiting[0] - 1].startswith("plain seed 1 1x lr 2.5e-4:")  # taken up after the bracket's runs
-    assert lines[waiting[0] + 6] == "tagc-brief seed 2 1x at plain's best lr: waits for 1x's bracket"
+    assert lines[waiting[0] + 2] == "tagc-brief seed 2 1x at plain's best lr: waits for 1x's bracket"
     later = lines.index("tagc seed 0 1x at plain's best lr: waits for 1x's bracket")  # after 16x, as queued
     assert lines[later - 1].startswith("topk seed 1 16x lr ")
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
