@@ -468,3 +468,22 @@ def test_unsettled_resumes_count_a_method_runs_resumes_made_before_the_trainer_s
     assert evidence.unsettled_resumes(kept("tagc", (0, False), (200, False), (200, True), (400, True))) == 0
     assert evidence.unsettled_resumes(kept("plain", (0, False), (200, False))) == 0  # every step exchanged alike
     assert evidence.unsettled_resumes(kept("topk", (0, False))) == 0
+
+
+@pytest.mark.parametrize("method", [m for m in evidence.METHODS if m != "plain"])
+def test_each_method_runs_the_hook_its_name_says_users_call(method, tmp_path):
+    """The issue's "what users call is not what was run": the trainer's hook for a decision method has the settings,
+    warm-up and lr-following of the ``tagc.hook(...)`` call its description quotes."""
+    import tagc
+    from gpt2_bench.config import build_parser, config_from_args
+    from gpt2_bench.sharding import make_hook
+
+    described = evidence.METHODS[method][0]
+    call = re.search(r"`(tagc\.hook\(.*?\))`", described).group(1)
+    users = eval(call, {"tagc": tagc})
+    cfg = config_from_args(build_parser().parse_args(evidence.trainer_argv(method, 0, "1x", "5e-4", tmp_path,
+                                                                           tmp_path / "checkpoints")))
+    trainers = make_hook(cfg)
+    assert trainers.settings.replace(dense_steps=None) == users.settings.replace(dense_steps=None)
+    assert trainers.dense_steps == users.dense_steps  # the trainer passes the warm-up the library would give
+    assert cfg.feedback_decay_follows_lr == ("hook.follow_lr(optimizer)" in described)

@@ -58,7 +58,7 @@ METHODS: dict[str, tuple[str, list[str]]] = {
                    ["--compression", "non-attn", "--codec", "tagc", "--ratio", "10", "--index-bits", "1"]),
     "int4": ("`tagc.hook(codec=\"int4\", select=\"all\")`", ["--compression", "all", "--codec", "int4"]),
     "topk": ("`tagc.hook(codec=\"topk\")`", ["--compression", "non-attn", "--codec", "topk"]),
-    "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", rank=16)`)",
+    "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", select=\"all\", rank=16)`)",
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
     "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--ratio", "2.25"]),
 }
