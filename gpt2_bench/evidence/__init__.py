@@ -66,13 +66,14 @@ METHODS: dict[str, tuple[str, list[str]]] = {
 last): run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes
 per exchange, still half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
 ``docs/quality-diagnosis.md`` points to."""
-TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
+TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
                                          "tagc-ratio2.25": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
-picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``topk``'s ratio 1.2 and float8 values;
-PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio on plain seed 1's weights, the rest as ``tagc`` (their windows were
-drawn with replacement, so they differ from these). A method listed here gets a second verdict over its other seeds
-alone."""
+picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the
+brief fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8
+values; PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio on plain seed 1's weights, the rest as ``tagc`` (their
+windows were drawn with replacement, so they differ from these). A method listed here gets a second verdict over
+its other seeds alone."""
 BEST = "best"
 """A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one).
 While the sweep's best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch wait."""
