@@ -487,3 +487,30 @@ def test_each_method_runs_the_hook_its_name_says_users_call(method, tmp_path):
     assert trainers.settings.replace(dense_steps=None) == users.settings.replace(dense_steps=None)
     assert trainers.dense_steps == users.dense_steps  # the trainer passes the warm-up the library would give
     assert cfg.feedback_decay_follows_lr == ("hook.follow_lr(optimizer)" in described)
+
+
+def test_pairs_at_a_rate_the_sweep_left_are_kept_as_a_record_not_a_decision(tmp_path):
+    """Plain's best moves (the bracket below the sweep wins, on another machine) after topk ran at the old best:
+    topk's pairs there leave the decisions and the README, and stay in docs/evidence.md's record, against plain at
+    their own rate."""
+    _sweep(tmp_path, "1x", {"5e-4": 5.70, "1e-3": 5.71, "2e-3": 6.06})
+    for seed in evidence.sweep_seeds("1x"):
+        path = tmp_path / "1x" / f"seed-{seed}" / "topk-lr5e-4.json"
+        path.write_text(json.dumps({"method": "topk", "seed": seed, "batch": "1x", "lr": "5e-4", "steps": 2000,
+                                    "steps_done": 2000, "val_loss": [[1999, 5.70 * (1 + seed / 1000) + seed / 100]],
+                                    "sessions": [], "epoch_fraction": None}))
+    runs = evidence.load(tmp_path)
+    assert [row["lr"] for row in report.decisions(runs, "1x") if row["method"] == "topk"] == ["5e-4"]
+    assert report.off_best(runs, "1x") == []  # at plain's best: a decision, no record
+    for seed in evidence.sweep_seeds("1x"):  # the bracket, on a machine topk did not run on
+        path = tmp_path / "1x" / f"seed-{seed}" / f"{evidence.run_name('plain', '2.5e-4', 'cpu-0123456789ab')}.json"
+        path.write_text(json.dumps({"method": "plain", "seed": seed, "batch": "1x", "lr": "2.5e-4", "steps": 2000,
+                                    "steps_done": 2000, "val_loss": [[1999, 5.60]], "platform": "cpu-0123456789ab",
+                                    "sessions": [], "epoch_fraction": None}))
+    runs = evidence.load(tmp_path)
+    assert evidence.best_lr(runs, "1x") == "2.5e-4" and not report.decisions(runs, "1x")
+    [row] = report.off_best(runs, "1x")
+    assert (row["method"], row["lr"], row["step"], row["seeds"]) == ("topk", "5e-4", 1999, ["0", "1"])
+    assert row["gaps"] == pytest.approx([0.0, 100 * (5.7157 / 5.71 - 1)])  # against plain at 5e-4, seed by seed
+    assert "| 1x | topk | 5e-4 | 2000 | 0,1 | +0.00, +0.10 |" in report.render_report(runs)
+    assert "topk" not in report.render_readme(runs)

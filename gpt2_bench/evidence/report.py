@@ -104,6 +104,21 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
     return out
 
 
+def off_best(runs: list[dict], batch: str) -> list[dict]:
+    """Per method, the last evaluation of its pairs with plain at the same lr where that lr is not plain's best at
+    ``batch`` nor a method's own best that :func:`decisions` shows: a record of what was measured there before
+    the sweep moved plain's best, not a decision."""
+    lr = best_lr(runs, batch) or "1e-3"
+    shown = {(row["method"], row["lr"].removeprefix("own ")) for row in decisions(runs, batch)}
+    out = []
+    for method in METHODS:
+        rates = {r["lr"] for r in runs if r["method"] == method and r["batch"] == batch} - {lr}
+        for at in sorted(rates, key=float):
+            if method != "plain" and (method, at) not in shown:
+                out += _rows(method, batch, at, pairs(runs, method, batch, at))[-1:]
+    return out
+
+
 def _rows(method: str, batch: str, label: str, by_step: dict[int, list[tuple[str, float]]]) -> list[dict]:
     """One decision row per evaluation step of ``by_step`` (:func:`pairs`' gaps)."""
     out = []
@@ -227,6 +242,19 @@ def render_report(runs: list[dict]) -> str:
                          f"{row['untuned']} |")
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | | |")
+    lines += ["", "## Pairs at a rate that is not plain's best", "",
+              "A method paired with plain at the same lr, where that lr is no longer plain's best at its batch (the "
+              "sweep moved it after these runs): their last evaluation, a record and not a verdict on the method; "
+              "the queue runs the method again at plain's best.", "",
+              "| batch | method | lr | step | seeds | gaps | mean | 95% interval | at that lr |",
+              "|---|---|---|---:|---|---|---:|---|---|"]
+    for batch in BATCHES:
+        for row in off_best(runs, batch):
+            lines.append(f"| {batch} | {row['method']} | {row['lr']} | {row['step'] + 1} | "
+                         f"{','.join(map(str, row['seeds']))} | {', '.join(f'{g:+.2f}' for g in row['gaps'])} | "
+                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
+    if lines[-1].startswith("|---"):
+        lines.append("| (none) | | | | | | | | |")
     lines += ["", "## The batch axis", "",
               "Each method's gap at the end of each batch's schedule (the same tokens read), against tokens per step "
               "(the plot's last panel):",
