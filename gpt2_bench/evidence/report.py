@@ -193,6 +193,13 @@ def render_batch_axis(runs: list[dict]) -> list[str]:
     return lines or ["- no batch has a finished pair yet."]
 
 
+def _cells(row: dict) -> str:
+    """A decision row (:func:`_rows`) as a markdown table row, up to its verdict."""
+    return (f"| {row['batch']} | {row['method']} | {row['lr']} | {row['step'] + 1} | {','.join(row['seeds'])} | "
+            f"{', '.join(f'{g:+.2f}' for g in row['gaps'])} | {_pct(row['mean'])} | "
+            f"[{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
+
+
 def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:+.2f}%"
 
@@ -235,11 +242,7 @@ def render_report(runs: list[dict]) -> str:
               "| batch | method | lr | step | seeds | gaps | mean | 95% interval | verdict | untuned seeds |",
               "|---|---|---|---:|---|---|---:|---|---|---|"]
     for batch in BATCHES:
-        for row in decisions(runs, batch):
-            lines.append(f"| {batch} | {row['method']} | {row['lr']} | {row['step'] + 1} | "
-                         f"{','.join(map(str, row['seeds']))} | {', '.join(f'{g:+.2f}' for g in row['gaps'])} | "
-                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} | "
-                         f"{row['untuned']} |")
+        lines += [f"{_cells(row)} {row['untuned']} |" for row in decisions(runs, batch)]
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | | |")
     lines += ["", "## Pairs at a rate that is not plain's best", "",
@@ -249,10 +252,7 @@ def render_report(runs: list[dict]) -> str:
               "| batch | method | lr | step | seeds | gaps | mean | 95% interval | at that lr |",
               "|---|---|---|---:|---|---|---:|---|---|"]
     for batch in BATCHES:
-        for row in off_best(runs, batch):
-            lines.append(f"| {batch} | {row['method']} | {row['lr']} | {row['step'] + 1} | "
-                         f"{','.join(map(str, row['seeds']))} | {', '.join(f'{g:+.2f}' for g in row['gaps'])} | "
-                         f"{_pct(row['mean'])} | [{_pct(row['low'])}, {_pct(row['high'])}] | {row['verdict']} |")
+        lines += [_cells(row) for row in off_best(runs, batch)]
     if lines[-1].startswith("|---"):
         lines.append("| (none) | | | | | | | | |")
     lines += ["", "## The batch axis", "",
