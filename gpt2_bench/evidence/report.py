@@ -246,9 +246,9 @@ def render_report(runs: list[dict]) -> str:
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | | |")
     lines += ["", "## Pairs at a rate that is not plain's best", "",
-              "A method paired with plain at the same lr, where that lr is no longer plain's best at its batch (the "
-              "sweep moved it after these runs): their last evaluation, a record and not a verdict on the method; "
-              "the queue runs the method again at plain's best.", "",
+              "A method paired with plain at the same lr, where that lr is not plain's best at its batch (the sweep "
+              "moved the best after these runs, or the method tried a rate of its own): their last evaluation, a "
+              "record and not a verdict on the method; the queue runs the method at plain's best.", "",
               "| batch | method | lr | step | seeds | gaps | mean | 95% interval | at that lr |",
               "|---|---|---|---:|---|---|---:|---|---|"]
     for batch in BATCHES:
