@@ -215,9 +215,9 @@ class TrainConfig:
 
         if self.compression == "none":
             algo = "fsdp"
-        elif spec(self.codec).config_fields:
-            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}" + (f"-b{self.index_bits}" if self.codec == "tagc"
-                                                                         else "")
+        elif fields := spec(self.codec).config_fields:
+            index = f"-b{self.index_bits}" if "index_bits" in fields else ""
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}{index}"
         else:
             algo = f"{self.codec}-{self.compression}"
         algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
