@@ -180,7 +180,7 @@ def test_plains_best_lr_compares_the_seeds_every_lr_has():
     assert evidence.best_lr(cpu_and_gpu, "1x") == "1e-3"
 
 
-def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
+def test_queue_runs_the_methods_at_plains_best_lr_once_the_sweep_has_finished(tmp_path):
     assert evidence.unfinished(tmp_path)[:2] == [("plain", 0, "1x", "1e-3"), ("plain", 0, "1x", "5e-4")]
     for lr, loss in (("1e-3", 5.0), ("2e-3", 4.9)):
         path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', lr)}.json"
@@ -189,8 +189,12 @@ def test_queue_moves_to_plains_best_lr_once_the_sweep_has_one(tmp_path):
                                     "steps_done": 2000, "val_loss": [[1999, loss]]}))
     todo = evidence.unfinished(tmp_path)
     assert todo[0] == ("plain", 0, "1x", "5e-4") and ("plain", 0, "1x", "1e-3") not in todo  # the sweep first
-    assert ("tagc", 0, "1x", "2e-3") in todo and ("tagc", 0, "1x", "1e-3") not in todo
-    assert ("plain", 2, "1x", "2e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x has no sweep result yet
+    assert not [item for item in todo if item[0] != "plain"]  # no method at a rate the sweep may yet move
+    _sweep(tmp_path, "1x", {"5e-4": 5.1, "1e-3": 5.0, "2e-3": 5.05})  # finished, its best between two rates
+    todo = evidence.unfinished(tmp_path)
+    assert ("tagc", 0, "1x", "1e-3") in todo and not [item for item in todo if item[2] == "1x" and item[3] != "1e-3"]
+    assert ("plain", 2, "1x", "1e-3") in todo and ("plain", 0, "4x", "1e-3") in todo  # 4x's sweep is still to run
+    assert not [item for item in todo if item[2] != "1x" and item[0] != "plain"]
 
 
 def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_path, capsys, monkeypatch):
@@ -207,7 +211,10 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["plain seed 0 1x lr 1e-3: 0 of 2000 steps kept on cpu",
                          "plain seed 0 1x lr 5e-4: 400 of 2000 steps kept on cpu, 612 trained in its log"]
-    assert len(lines) == len(evidence.unfinished(tmp_path))
+    assert len(lines) == len(evidence.unfinished(tmp_path, waiting=True))
+    waiting = [line for line in lines if "waits" in line]  # no sweep finished: every method waits for its batch's
+    assert len(waiting) == sum(1 for item in evidence.QUEUE if item[3] == evidence.BEST)
+    assert all(line.endswith(f"waits for {line.split()[3]}'s sweep") for line in waiting)
 
 
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
@@ -337,13 +344,14 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert ("plain", 0, "1x", "2.5e-4") in todo and ("plain", 1, "1x", "2.5e-4") in todo
     assert not [item for item in todo if item[2] == "1x" and item[3] != "2.5e-4"]  # 1x's methods wait for it
     lines = evidence.progress(tmp_path)
-    waiting = [k for k, line in enumerate(lines) if "waits" in line]
+    waiting = [k for k, line in enumerate(lines) if "waits for 1x" in line]
     assert lines[waiting[0]] == "plain seed 2 1x at plain's best lr: waits for 1x's bracket"
     assert len(waiting) == sum(1 for item in evidence.QUEUE if item[2:] == ("1x", evidence.BEST))
     assert lines[waiting[0] - 1].startswith("plain seed 1 1x lr 2.5e-4:")  # taken up after the bracket's runs
     assert lines[waiting[0] + 2] == "tagc-brief seed 2 1x at plain's best lr: waits for 1x's bracket"
     later = lines.index("tagc seed 0 1x at plain's best lr: waits for 1x's bracket")  # after 16x, as queued
-    assert lines[later - 1].startswith("topk seed 1 16x lr ")
+    assert lines[later - 1] == "topk seed 1 16x at plain's best lr: waits for 16x's sweep"  # none at a guessed lr
+    assert not [item for item in todo if item[2] == "16x" and item[0] != "plain"]
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
     assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"
     _sweep(tmp_path, "1x", {"1.25e-4": 5.75})  # bracketed: the methods go at 2.5e-4

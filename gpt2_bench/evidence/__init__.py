@@ -75,8 +75,9 @@ values; PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio on plain seed 1's weights
 windows were drawn with replacement, so they differ from these). A method listed here gets a second verdict over
 its other seeds alone."""
 BEST = "best"
-"""A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`; 1e-3 until the sweep has one).
-While the sweep's best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch wait."""
+"""A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`). Until the sweep has finished
+(:func:`sweep_means`), and while its best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch
+wait."""
 EDGE = "edge"
 """A queue item's learning rate meaning the rate one doubling past plain's best at its batch while that best is the
 lowest or the highest rate swept (:func:`edge_lr`): a best at an end of the sweep is not yet bracketed. The item
@@ -286,12 +287,14 @@ def unfinished(rows_dir: Path = ROWS, platform: str = "cpu", waiting: bool = Fal
     any CPU, and a method's run that has no finished pair on one CPU platform, preceded by plain's run on
     ``platform`` where that is not finished. A method's run with uncompressed resumes (:func:`unsettled_resumes`)
     is no pair: the queue makes it again in one process, and :func:`pairs` takes the clean one. ``waiting``: the
-    runs at plain's best lr of a batch whose bracket is still open are listed too, in their place, at :data:`BEST`."""
+    runs at plain's best lr of a batch whose sweep or bracket is still open are listed too, in their place, at
+    :data:`BEST`."""
     runs = load(rows_dir)
     rates = {}
-    for batch in BATCHES:  # each batch's bracket and best once; the best waits while a bracket is open
+    for batch in BATCHES:  # each batch's bracket and best once; the best waits while the sweep or a bracket is open
         edge = edge_lr(runs, batch)
-        rates[batch] = {EDGE: edge, BEST: None if edge else best_lr(runs, batch) or "1e-3"}
+        waits = edge or sweep_means(runs, batch) is None
+        rates[batch] = {EDGE: edge, BEST: None if waits else best_lr(runs, batch)}
     done: dict[tuple[str, int, str, str], set[str]] = {}
     for r in runs:
         if on_cpu(r) and complete(r) and not unsettled_resumes(r):
@@ -313,19 +316,30 @@ def sweep_seeds(batch: str) -> set[int]:
     return {seed for method, seed, b, lr in QUEUE if method == "plain" and b == batch and lr in LRS}
 
 
-def edge_lr(runs: list[dict], batch: str) -> Optional[str]:
-    """Half plain's best learning rate at ``batch``, or twice it, while that best is the lowest or the highest rate
-    every seed of the sweep (:func:`sweep_seeds`, on a CPU) has finished and beats the rate next to it; None once
-    the best lies between two rates run, or before the sweep (:data:`LRS`) has finished."""
+def sweep_means(runs: list[dict], batch: str) -> Optional[dict[str, float]]:
+    """Plain's mean last val loss at ``batch`` per rate that every seed of the sweep (:func:`sweep_seeds`) has
+    finished on a CPU (a seed run on several CPU platforms: their mean), or None before every rate of the sweep
+    (:data:`LRS`) has."""
     seeds = sweep_seeds(batch)
-    last: dict[str, dict[int, list[float]]] = {}  # a seed run on several CPU platforms: their mean
+    last: dict[str, dict[int, list[float]]] = {}
     for r in runs:
         if r["method"] == "plain" and r["batch"] == batch and complete(r) and on_cpu(r):
             last.setdefault(r["lr"], {}).setdefault(r["seed"], []).append(r["val_loss"][-1][1])
-    swept = sorted((lr for lr, by_seed in last.items() if seeds <= set(by_seed)), key=float)
+    swept = [lr for lr, by_seed in last.items() if seeds <= set(by_seed)]
     if not seeds or not set(LRS) <= set(swept):
         return None
-    mean = {lr: sum(sum(last[lr][seed]) / len(last[lr][seed]) for seed in seeds) / len(seeds) for lr in swept}
+    return {lr: sum(sum(last[lr][seed]) / len(last[lr][seed]) for seed in seeds) / len(seeds)
+            for lr in sorted(swept, key=float)}
+
+
+def edge_lr(runs: list[dict], batch: str) -> Optional[str]:
+    """Half plain's best learning rate at ``batch``, or twice it, while that best is the lowest or the highest rate
+    every seed of the sweep has finished (:func:`sweep_means`) and beats the rate next to it; None once the best
+    lies between two rates run, or before the sweep has finished."""
+    mean = sweep_means(runs, batch)
+    if mean is None:
+        return None
+    swept = list(mean)
     if mean[swept[0]] < min(mean[lr] for lr in swept[1:]):
         return lr_name(float(swept[0]) / 2)
     if mean[swept[-1]] < min(mean[lr] for lr in swept[:-1]):
@@ -342,19 +356,24 @@ def lr_name(lr: float) -> str:
 def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] = None) -> list[str]:
     """One line per unfinished run of the queue on ``platform``, in its order: what it is, how far its curve file
     has got and, where its log under ``work`` has got further (a run in progress writes its curve file when it
-    ends), how far that is. A run at plain's best lr of a batch whose bracket is still open says that it waits, in
-    the place where the queue takes it up: after the bracket's runs where it comes before them in :data:`QUEUE`."""
+    ends), how far that is. A run at plain's best lr of a batch whose sweep or bracket is still open says that it
+    waits, in the place where the queue takes it up: after the bracket's runs where it comes before them in
+    :data:`QUEUE`."""
     order = unfinished(rows_dir, platform, waiting=True)
     runs = load(rows_dir)
+    waits_for = {}
     for batch in dict.fromkeys(item[2] for item in order if item[3] == BEST):
         edge = edge_lr(runs, batch)
+        waits_for[batch] = "bracket" if edge else "sweep"
+        if edge is None:  # its sweep's runs come first in the queue
+            continue
         last = max((k for k, item in enumerate(order) if item[2:] == (batch, edge)), default=-1)
         early = [item for item in order[:last] if item[2:] == (batch, BEST)]
         order = [item for item in order[:last + 1] if item not in early] + early + order[last + 1:]
     out = []
     for method, seed, batch, lr in order:
         if lr == BEST:
-            out.append(f"{method} seed {seed} {batch} at plain's best lr: waits for {batch}'s bracket")
+            out.append(f"{method} seed {seed} {batch} at plain's best lr: waits for {batch}'s {waits_for[batch]}")
             continue
         path = curve_path(rows_dir, method, seed, batch, lr, platform)
         done = json.loads(path.read_text())["steps_done"] if path.exists() else 0
