@@ -182,19 +182,22 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
     ``nccl``) or ``hsdp`` (``ranks_per_host`` ranks per host, each exchanging its shard across the replicas by
     ``rs+ag`` or ``gather``; PowerSGD sends a piece plain). The formulas: docs/layout.md, "Bytes between hosts at 2,
     8 and 64 hosts". Codec wires are the engine's per parameter (within a few bytes of its plan per bucket)."""
+    import torch
+
+    from tagc.hooks.adapters.replicas import replica_gather_dtype
+
     method = ARITHMETIC_METHODS[method_name]
     parts = parts_by_compression[method["compression"]]
     codec, plain = _codecs(method, ratio)
     n = sum(part.numel for part in parts)
     powersgd = method.get("codec") == "powersgd"
-    gathered = 2 if method.get("plain") == "bf16" else 4  # bytes per element of the plain columns' all-gather
+    gathered = 2 if method.get("plain") == "bf16" else 4  # bytes per element of the plain columns
+    reduced = replica_gather_dtype(method.get("plain", "fp32"), codec, torch.float32).itemsize  # rs+ag's all-gather
     value_bytes = 2 if method.get("options", {}).get("value_dtype") == "bfloat16" else 4
     sizes = _powersgd_bytes(parts, rank, hosts, value_bytes, gathered) if powersgd else {}
 
     def pieces_wire(world: int, shard: int = 1) -> tuple[int, int]:
         """(row bytes of every parameter's piece over ``world``, the piece's elements) for shards of ``1/shard``."""
-        import torch
-
         row = elements = 0
         for part in parts:
             piece = _ceil_div(_ceil_div(part.numel, shard), world)
@@ -213,7 +216,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
         forms = {}
         if powersgd:  # P with the plain columns, then Q, each summed in its own dtype (fp32 or bf16)
             forms["sketch"] = _ring(sizes["p"] + sizes["plain"], hosts) + _ring(sizes["q"], hosts)
-            forms["rs+ag"] = powersgd_rs + (hosts - 1) * sum(-(-part.numel // hosts) for part in parts) * gathered
+            forms["rs+ag"] = powersgd_rs + (hosts - 1) * sum(-(-part.numel // hosts) for part in parts) * reduced
         elif codec.name == "tagc" and codec.positions == "bitmap" and codec.value_dtype.itemsize == 4 and gathered == 4:
             compressed = [part for part in parts if part.compressed]
             cells = sum(codec.layout(part.numel).table_numel for part in compressed)
@@ -223,7 +226,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             forms["sketch"] = _ring(4 * (cells + plain_numel), hosts) + merge
         if not powersgd:
             row, elements = pieces_wire(hosts)
-            forms["rs+ag"] = (hosts - 1) * (row + elements * gathered)
+            forms["rs+ag"] = (hosts - 1) * (row + elements * reduced)
             forms["gather"] = (hosts - 1) * hosts * row
         form = min(forms, key=forms.get)
         return forms[form], form
@@ -237,7 +240,7 @@ def per_host_bytes(layout: str, method_name: str, hosts: int, parts_by_compressi
             codec = None
             parts = [dataclasses.replace(part, compressed=False) for part in parts]
         row, elements = pieces_wire(hosts, g)
-        forms = {"rs+ag": (hosts - 1) * (row + elements * gathered)}
+        forms = {"rs+ag": (hosts - 1) * (row + elements * reduced)}
         if codec is not None and codec.traceable():
             forms["gather"] = (hosts - 1) * hosts * row
         form = min(forms, key=forms.get)

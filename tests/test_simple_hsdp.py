@@ -237,7 +237,8 @@ def _unit_exchange(rank, world, options, route="gathered"):
             before = after
     finally:
         simple_hsdp.gathers_wires = chooses
-    return {"steps": steps, "stats": hook.stats()["total"]}
+    return {"steps": steps, "stats": hook.stats()["total"], "piece": binding.piece,
+            "remote_rows": binding.replica_remote_rows}
 
 
 def _both_routes(rank, world):
@@ -265,6 +266,41 @@ def test_tagc_conserves_the_exact_sum_and_both_routes_agree():
             assert torch.equal(gathered["out"], scattered["out"])
         gathered, scattered = result["gathered"]["stats"], result["scattered"]["stats"]
         assert 0 < gathered["inter_host_bytes"] < scattered["inter_host_bytes"]
+
+
+def test_the_reduced_pieces_are_gathered_in_bf16_only_where_no_residual_accounts_for_them():
+    from tagc.hooks.adapters.replicas import replica_gather_dtype
+
+    def dtype(dtype=torch.float32, **options):
+        hook = tagc.hook(**options)
+        return replica_gather_dtype(hook.settings.plain, hook.codec, dtype)
+
+    for options in ({}, {"codec": "topk"}, {"codec": "powersgd", "rank": 4}, {"ratio": 10, "plain": "fp32"}):
+        assert dtype(**options) == torch.float32, options  # error feedback: the sum stays conserved
+    for options in ({"codec": "int4", "select": "all"}, {"codec": "fp8"}, {"codec": "bf16"}, {"plain": "bf16"}):
+        assert dtype(**options) == torch.bfloat16, options
+    assert dtype(torch.float16, codec="int4") == torch.float16  # never wider, nor another 16-bit format
+    assert replica_gather_dtype("fp32", None, torch.float32) == torch.float32  # no codec: plain
+
+
+def _int4_routes(rank, world):
+    return {route: _unit_exchange(rank, world, INT4, route) for route in ("gathered", "scattered")}
+
+
+def test_int4_reduce_scatter_route_gathers_the_reduced_pieces_in_bf16():
+    """``int4`` keeps no residual, so the reduce-scatter route all-gathers its reduced pieces in bf16: the gathered
+    wires' values rounded to bf16, bit for bit, every replica alike, and an all-gather of 2 bytes per element."""
+    for result in run_ranks(_int4_routes, WORLD, timeout_s=300):
+        gathered, scattered = result["gathered"], result["scattered"]
+        for wires, reduced in zip(gathered["steps"], scattered["steps"]):
+            assert reduced["replicas_agree"]
+            assert torch.equal(reduced["out"], wires["out"].bfloat16().float())
+            assert not torch.equal(reduced["out"], wires["out"])  # rounded, not float32
+        # between hosts, per step: the gathered route sends its H wire rows to each other host; the reduce-scatter
+        # route one wire row per remote replica, then the reduced piece in bf16 (2 bytes an element)
+        steps, remote = len(scattered["steps"]), scattered["remote_rows"]
+        row = gathered["stats"]["inter_host_bytes"] // (steps * (HOSTS - 1) * HOSTS)
+        assert scattered["stats"]["inter_host_bytes"] == steps * remote * (row + 2 * scattered["piece"])
 
 
 @pytest.mark.torch_range  # CI runs it on the oldest and the newest supported torch too

@@ -13,8 +13,8 @@ module only turns DDP's buckets into the engine's parts and futures; each bucket
   under EF21: :class:`tagc.hooks.codecs.codec.SummedSketch`), PowerSGD's ``P`` then ``Q`` as torch's ``powerSGD_hook``
   (:class:`tagc.hooks.codecs.powersgd.SummedFactors`).
 * ``"rs+ag"``: the engine's compressed reduce-scatter over the bucket cut as HSDP cuts a shard (rank ``j`` owns
-  piece ``j`` of every parameter), then an all-gather of the reduced pieces (float32, or bf16 with
-  ``plain="bf16"``). Every codec.
+  piece ``j`` of every parameter), then an all-gather of the reduced pieces (in
+  :func:`tagc.hooks.adapters.replicas.replica_gather_dtype`). Every codec.
 * ``"gather"``: each rank's encoded pieces all-gathered and every rank decodes all ``N`` pieces (fixed-shape wires).
 
 Bytes each rank sends per bucket of ``n`` elements (``ring(x) = 2 (N-1) x / N``): ``allreduce`` ``ring(4 n)``;
@@ -45,6 +45,7 @@ from tagc.hooks.adapters.replicas import (
     decodes_alike_on_every_replica,
     gathers_wires,
     model_parameters,
+    replica_gather_dtype,
 )
 from tagc.hooks.adapters.torch_ddp import has_rebuilt_buckets
 from tagc.hooks.core.allreduce import AllReduceForm, Collectives, ring
@@ -202,7 +203,7 @@ class DDPHookState:
             pieces = self._pieces(layout, world, buffer.device)
             chunk = pieces.index.shape[1]
             row = hook.wire_row_bytes(pieces.segments, chunk, world, buffer.dtype)
-            gather_size = 2 if hook.settings.plain == "bf16" else buffer.element_size()
+            gather_size = replica_gather_dtype(hook.settings.plain, hook.codec, buffer.dtype).itemsize
             planned["rs+ag"] = (world - 1) * (row + chunk * gather_size)
             if identical and all(part.codec.traceable() for part in hook.plan(pieces.segments, chunk, world).parts):
                 planned["gather"] = (world - 1) * world * row
@@ -246,7 +247,7 @@ class DDPHookState:
         pieces = self._pieces(layout, world, buffer.device)
         rows = pieces.cut(buffer)
         chunk = buffer.new_empty(pieces.index.shape[1])
-        gather_dtype = torch.bfloat16 if hook.settings.plain == "bf16" else buffer.dtype
+        gather_dtype = replica_gather_dtype(hook.settings.plain, hook.codec, buffer.dtype)
         op = dist.ReduceOp.AVG
         self.flights.release()
         if layout.form == "gather" and gathers_wires(hook, pieces.segments, chunk, world, gather_dtype, self.group):

@@ -35,7 +35,14 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from backward_drain import BackwardDrain, in_backward_pass
-from tagc.hooks.adapters.replicas import GatheredWires, PendingAllReduce, Pieces, gathers_wires, model_parameters
+from tagc.hooks.adapters.replicas import (
+    GatheredWires,
+    PendingAllReduce,
+    Pieces,
+    gathers_wires,
+    model_parameters,
+    replica_gather_dtype,
+)
 from tagc.hooks.adapters.torch_fsdp2 import (
     ReduceScatter,
     all_reduce_hook,
@@ -181,7 +188,7 @@ class _ReplicaAllReduce:
         chunk = reduce_output.new_empty(pieces.index.shape[1])
         # FSDP2 already applied a divide factor of its own to the reduce-scatter: then the replicas sum
         op = dist.ReduceOp.AVG if self.param_group.gradient_divide_factor is None else dist.ReduceOp.SUM
-        gather_dtype = torch.bfloat16 if hook.settings.plain == "bf16" else chunk.dtype
+        gather_dtype = replica_gather_dtype(hook.settings.plain, hook.codec, chunk.dtype)
         if gathers_wires(hook, pieces.segments, chunk, hosts, gather_dtype, group):
             finish = GatheredWires(hook, rows, reduce_output, pieces, group, op, comm.take_host_stats())
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from tagc.hooks.core.stats import ExchangeStats, plain_bytes
 from tagc.hooks.core.transport import all_gather_single
 from tagc.kernels import dispatch
 from tagc.kernels.fallbacks import warn_fallback
+
+if TYPE_CHECKING:
+    from tagc.hooks.codecs.codec import Codec
 
 
 @dataclasses.dataclass
@@ -122,6 +126,16 @@ class PendingAllReduce:
 
     def _write(self, gathered: torch.Tensor) -> torch.Tensor:
         return self.pieces.join(gathered, into=self.output)  # every replica, its own piece too
+
+
+def replica_gather_dtype(plain: str, codec: Codec | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ``rs+ag`` route all-gathers each replica's reduced piece in, for chunks of ``dtype``: bf16 for
+    ``plain="bf16"`` and for a compressing ``codec`` that keeps no residual (``int4``, ``fp8``, ``bf16``: its
+    quantization errs by bf16's relative 2^-8 or more, and nothing accounts for either); else ``dtype``. An
+    error-feedback codec's reduced values are gathered as decoded, so what the ranks sent and kept still adds up
+    to their gradients, and the route gives the gathered wires' bits."""
+    lean = plain == "bf16" or (codec is not None and codec.compresses and not codec.error_feedback)
+    return torch.bfloat16 if lean and dtype.itemsize > 2 else dtype
 
 
 def decodes_alike_on_every_replica(chunk: torch.Tensor) -> bool:

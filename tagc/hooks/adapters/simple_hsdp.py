@@ -44,6 +44,7 @@ from tagc.hooks.adapters.replicas import (
     Pieces,
     decodes_alike_on_every_replica,
     gathers_wires,
+    replica_gather_dtype,
 )
 from tagc.hooks.adapters.torch_simple_fsdp import funcol
 from tagc.hooks.core.hierarchy import group_ranks, layout
@@ -89,8 +90,8 @@ class ReplicaBinding:
         return self.pieces.index.shape[1]
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dense all-gather's dtype (the reduce-scatter route): bf16 with ``plain="bf16"``."""
-        return torch.bfloat16 if self.hook.settings.plain == "bf16" else dtype
+        """The dense all-gather's dtype (the reduce-scatter route): :func:`replica_gather_dtype`."""
+        return replica_gather_dtype(self.hook.settings.plain, self.hook.codec, dtype)
 
 
 def _host_stats(binding: ReplicaBinding, sent: int, itemsize: int, exposed_s: float) -> ExchangeStats:
