@@ -92,9 +92,10 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief", "topk")),
     *(("powersgd-r16", seed, "1x", BEST) for seed in (2, 3)),
+    *(("tagc-brief", seed, "4x", BEST) for seed in (2, 3)),
     *(("tagc", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
-    *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "int4", "topk")),
+    *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "tagc-brief", "int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "int4", "tagc-brief")),
 )
 """The CPU's order of work (``queue``) from here on: each batch's learning-rate sweep, bracketed where its best is at an
@@ -104,9 +105,10 @@ then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can say 
 over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose paired gaps varied by tenths of a
 point between seeds where 1x's varied by points, with ``int4`` there on the same seeds (no setting of it was picked
 on any seed, and their plain runs are already made), then at 1x after its bracket, with the brief's line
-(``tagc-brief``), which has no seed yet. ``tagc``'s untuned seeds at 4x come after those: its two tuned ones already
-put it behind there, and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where 1x's 2,000 steps do not.
-Then 16x. Last, seeds 0 and 1 at 1x: their first runs were kept with uncompressed resumes
+(``tagc-brief``), which has no seed yet. The brief's line at 4x (the verdict the issue asks of it as of ``tagc``;
+seeds 2 and 3, untuned, whose plain runs are made) and ``tagc``'s untuned seeds at 4x come after those: its two
+tuned ones already put it behind there, and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where 1x's
+2,000 steps do not. Then 16x. Last, seeds 0 and 1 at 1x: their first runs were kept with uncompressed resumes
 (:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of one already read; there
 ``tagc-brief`` and the copies need plain again on this machine."""
 
