@@ -90,9 +90,9 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "4x", BEST) for seed in (2, 3) for m in ("plain", "topk")),
     *(("int4", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
+    *(("tagc-brief", seed, "4x", BEST) for seed in (2, 3)),
     *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief", "topk")),
     *(("powersgd-r16", seed, "1x", BEST) for seed in (2, 3)),
-    *(("tagc-brief", seed, "4x", BEST) for seed in (2, 3)),
     *(("tagc", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "tagc-brief", "int4", "topk")),
@@ -104,13 +104,13 @@ end, before the methods judged at its best; ``tagc`` at 4x, where its gap was se
 then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can say whether ``topk``, the README's pick
 over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose paired gaps varied by tenths of a
 point between seeds where 1x's varied by points, with ``int4`` there on the same seeds (no setting of it was picked
-on any seed, and their plain runs are already made), then at 1x after its bracket, with the brief's line
-(``tagc-brief``), which has no seed yet. The brief's line at 4x (the verdict the issue asks of it as of ``tagc``;
-seeds 2 and 3, untuned, whose plain runs are made) and ``tagc``'s untuned seeds at 4x come after those: its two
-tuned ones already put it behind there, and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where 1x's
-2,000 steps do not. Then 16x. Last, seeds 0 and 1 at 1x: their first runs were kept with uncompressed resumes
-(:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of one already read; there
-``tagc-brief`` and the copies need plain again on this machine."""
+on any seed, and their plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
+which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
+as a 1x one); then 1x's untuned seeds, the brief's line among them. ``tagc``'s untuned seeds at 4x come after
+those: its two tuned ones already put it behind there, and a 4x run fits one call of a lent GPU
+(``.gpu/quality.sh``), where 1x's 2,000 steps do not. Then 16x. Last, seeds 0 and 1 at 1x: their first runs
+were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of
+one already read; there ``tagc-brief`` and the copies need plain again on this machine."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
