@@ -20,9 +20,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser = build_parser()
     parser.prog = "python -m gpt2_bench.compare"
     parser.description = __doc__.split("\n\n")[0]
-    # 60 steps of 4x128 tokens per rank (~15 min on 2 CPU cores); the dense warm-up is the library's (tagc.hook():
-    # 10 steps for TAGC; ``--dense-steps 0`` to see plain top-k from step 0: +11% val loss at 30 steps, the early
-    # LM-head moves that error feedback spreads out).
+    # 60 steps of 4x128 tokens per rank; the dense warm-up is the library's (tagc.hook(): 10 steps for TAGC;
+    # ``--dense-steps 0`` compresses from step 0, where error feedback spreads the early LM-head moves out).
     parser.set_defaults(link="scaled", out_dir="bench_out/compare", steps=60, block_size=128, eval_interval=20,
                         ratio=PAPER_RATIO)
     helps = {"ratio": "ratio of the paper's TAGC methods, the main job's TAGC runs and topk; default 10, the paper's "

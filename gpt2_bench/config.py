@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go (one step-<N> directory each)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="write a checkpoint every N steps (0: never)")
     p.add_argument("--keep-checkpoints", type=int, default=0,
-                   help="keep only the newest K complete checkpoints (default 0: keep all); each small-preset one is "
-                        "~0.4-0.6 GB")
+                   help="keep only the newest K complete checkpoints (default 0: keep all); each holds about 12 "
+                        "bytes a parameter (weights, AdamW's moments), more with error-feedback residuals")
     p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--fault-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-overlap", dest="overlap", action="store_false",

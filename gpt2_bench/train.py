@@ -131,7 +131,8 @@ HEAP_KEEP_BYTES = 256 << 20
 
 def keep_freed_memory() -> bool:
     """Have glibc keep freed memory below :data:`HEAP_KEEP_BYTES` for reuse (heap, never trimmed) instead of
-    ``munmap``ing it: page faults cost a step here 25-30% (docs/results.md, "The main job"). False if not glibc."""
+    ``munmap``ing it: on the CPU every step frees and allocates its activations again, and their page faults
+slow it (docs/results.md, "The main job"). False if not glibc."""
     import ctypes
     import ctypes.util
 

@@ -102,12 +102,12 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
 end, before the methods judged at its best; ``tagc`` at 4x, where its gap was seen to grow, beside ``topk`` there and
 ``tagc`` at twice its bytes (the fixes the twelfth and thirteenth screens of ``docs/quality-diagnosis.md`` point to);
 then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can say whether ``topk``, the README's pick
-over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose paired gaps varied by tenths of a
-point between seeds where 1x's varied by points, with ``int4`` there on the same seeds (no setting of it was picked
-on any seed, and their plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
+over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose pairs were the tighter
+(``docs/evidence.md``), with ``int4`` there on the same seeds (no setting of it was picked on any seed, and their
+plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
 which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
 as a 1x one); then 1x's untuned seeds, the brief's line among them. ``tagc``'s untuned seeds at 4x come after
-those: its two tuned ones already put it behind there, and a 4x run fits one call of a lent GPU
+those: its tuned ones there already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU
 (``.gpu/quality.sh``), where 1x's 2,000 steps do not. Then 16x. Last, seeds 0 and 1 at 1x: their first runs
 were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of
 one already read; there ``tagc-brief`` and the copies need plain again on this machine."""
