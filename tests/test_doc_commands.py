@@ -1,0 +1,88 @@
+"""Every command the README and docs/ give (``python -m`` one of this repo's tools, in a code block or a code span)
+parses with today's flags: a reader who reruns a result's command should not meet "unrecognized arguments". The
+"Removed" sections record tools and flags that are gone, so their commands are not checked."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND = re.compile(r"python -m ((?:gpt2_bench|tagc|testbed)[\w.]*)([^&|;>#\n]*)")
+FENCE = re.compile(r"```[\w-]*\n(.*?)```", flags=re.S)
+SPAN = re.compile(r"`([^`]+)`")
+ELIDED = ("...", "$", "<", "[")
+"""A command with one of these is a pattern (``--methods ...``, ``$b``, ``<run>``, ``[--flat]``), not one to run."""
+
+
+def doc_commands() -> list[tuple[str, str, str, list[str]]]:
+    """``(doc, section, module, arguments)`` for every command in the docs, sections by their ``##`` heading."""
+    found = []
+    for doc in DOCS:
+        section = ""
+        for chunk in re.split(r"^(?=## )", doc.read_text(), flags=re.M):
+            section = chunk.splitlines()[0] if chunk.startswith("## ") else section
+            blocks = [re.sub(r"\\\n\s*", " ", block) for block in FENCE.findall(chunk)]
+            spans = [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", chunk))]
+            for text in (*blocks, *spans):
+                for match in COMMAND.finditer(text):
+                    found.append((doc.name, section, match.group(1), match.group(2).strip()))
+    return [(doc, section, module, shlex.split(args)) for doc, section, module, args in found
+            if not any(mark in args for mark in ELIDED) and "Removed" not in section]
+
+
+COMMANDS = doc_commands()
+
+
+def exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+class Parsed(Exception):
+    """Raised right after the command line parsed, so that nothing runs."""
+
+
+def parse_only(monkeypatch: pytest.MonkeyPatch, module: str, argv: list[str]) -> None:
+    """Call ``module``'s ``main(argv)`` (its ``__main__``'s for a package) and stop at its first parse."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    target = f"{module}.__main__" if importlib.util.find_spec(module).submodule_search_locations else module
+    with pytest.raises(Parsed):
+        importlib.import_module(target).main(argv)
+
+
+def test_the_docs_give_commands():
+    modules = {module for _, _, module, args in COMMANDS if args}
+    assert {"gpt2_bench.compare", "gpt2_bench.evidence", "gpt2_bench.train", "tagc.bench"} <= modules, modules
+
+
+@pytest.mark.parametrize("doc, section, module, argv", [c for c in COMMANDS if not c[3]],
+                         ids=lambda value: value if isinstance(value, str) and "." in value else None)
+def test_a_named_tool_exists(doc, section, module, argv):
+    assert exists(module), f"{doc} ({section}) names python -m {module}, which is gone"
+
+
+@pytest.mark.parametrize("doc, section, module, argv", [c for c in COMMANDS if c[3]],
+                         ids=lambda value: value if isinstance(value, str) and "." in value else None)
+def test_a_documented_command_parses(monkeypatch, capsys, doc, section, module, argv):
+    assert exists(module), f"{doc} ({section}) gives python -m {module}, which is gone"
+    try:
+        parse_only(monkeypatch, module, argv)
+    except SystemExit as stop:
+        pytest.fail(f"{doc} ({section}): python -m {module} {shlex.join(argv)}: {capsys.readouterr().err.strip()} "
+                    f"(exit {stop.code})")
