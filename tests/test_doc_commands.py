@@ -1,4 +1,5 @@
-"""Every command the README and docs/ give (``python -m`` one of this repo's tools, in a code block or a code span)
+"""Every command the README and docs/ give (``python -m`` one of this repo's tools, or ``python`` one of the scripts
+kept beside their records in docs/, in a code block or a code span)
 parses with today's flags: a reader who reruns a result's command should not meet "unrecognized arguments". The
 "Removed" sections record tools and flags that are gone, so their commands are not checked."""
 
@@ -7,15 +8,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"python -m ((?:gpt2_bench|tagc|testbed)[\w.]*)([^&|;>#\n]*)")
+COMMAND = re.compile(r"python (?:-m )?((?:gpt2_bench|tagc|testbed)[\w.]*|docs/[\w/]+\.py)([^&|;>#\n]*)")
 FENCE = re.compile(r"```[\w-]*\n(.*?)```", flags=re.S)
 SPAN = re.compile(r"`([^`]+)`")
 ELIDED = ("...", "$", "<", "[")
@@ -42,6 +46,8 @@ COMMANDS = doc_commands()
 
 
 def exists(module: str) -> bool:
+    if module.endswith(".py"):
+        return (ROOT / module).is_file()
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
@@ -52,8 +58,19 @@ class Parsed(Exception):
     """Raised right after the command line parsed, so that nothing runs."""
 
 
+def load(module: str):
+    """The module whose ``main`` the command runs: a script by its path, a package's ``__main__``, or the module."""
+    if module.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(module).stem, ROOT / module)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        return script
+    return importlib.import_module(f"{module}.__main__" if importlib.util.find_spec(module).submodule_search_locations
+                                   else module)
+
+
 def parse_only(monkeypatch: pytest.MonkeyPatch, module: str, argv: list[str]) -> None:
-    """Call ``module``'s ``main(argv)`` (its ``__main__``'s for a package) and stop at its first parse."""
+    """Call ``module``'s ``main`` on ``argv`` (a script's reads ``sys.argv``) and stop at its first parse."""
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -61,9 +78,10 @@ def parse_only(monkeypatch: pytest.MonkeyPatch, module: str, argv: list[str]) ->
         raise Parsed
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    target = f"{module}.__main__" if importlib.util.find_spec(module).submodule_search_locations else module
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    main = load(module).main
     with pytest.raises(Parsed):
-        importlib.import_module(target).main(argv)
+        main(argv) if inspect.signature(main).parameters else main()
 
 
 def test_the_docs_give_commands():
@@ -86,3 +104,19 @@ def test_a_documented_command_parses(monkeypatch, capsys, doc, section, module, 
     except SystemExit as stop:
         pytest.fail(f"{doc} ({section}): python -m {module} {shlex.join(argv)}: {capsys.readouterr().err.strip()} "
                     f"(exit {stop.code})")
+
+
+ONE_LINERS = [(doc.name, line.strip()) for doc in DOCS for block in FENCE.findall(doc.read_text())
+              for line in block.splitlines() if line.strip().startswith("python -c ")]
+"""The docs' ``python -c`` commands that recompute a table from kept files."""
+
+
+@pytest.mark.parametrize("doc, line", ONE_LINERS, ids=lambda value: value if value.endswith(".md") else None)
+def test_a_documented_one_liner_runs_on_the_kept_files(doc, line):
+    done = subprocess.run([sys.executable, "-c", shlex.split(line)[2]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip(), f"{doc}: {line[:80]}...: {done.stderr.strip()[-300:]}"
+
+
+def test_the_docs_give_one_liners():
+    assert len(ONE_LINERS) >= 2
