@@ -1,7 +1,7 @@
 """Every command the README and docs/ give (``python -m`` one of this repo's tools, or ``python`` one of the scripts
-kept beside their records in docs/, in a code block or a code span)
-parses with today's flags: a reader who reruns a result's command should not meet "unrecognized arguments". The
-"Removed" sections record tools and flags that are gone, so their commands are not checked."""
+kept beside their records in docs/, in a code block or a code span) parses with today's flags: a reader who reruns
+a result's command should not meet "unrecognized arguments". The "Removed" sections record tools and flags that are
+gone, so their commands are not checked; the docs' ``python -c`` one-liners run on the kept files."""
 
 from __future__ import annotations
 
