@@ -132,7 +132,7 @@ HEAP_KEEP_BYTES = 256 << 20
 def keep_freed_memory() -> bool:
     """Have glibc keep freed memory below :data:`HEAP_KEEP_BYTES` for reuse (heap, never trimmed) instead of
     ``munmap``ing it: on the CPU every step frees and allocates its activations again, and their page faults
-slow it (docs/results.md, "The main job"). False if not glibc."""
+    slow it (docs/results.md, "The main job"). False if not glibc."""
     import ctypes
     import ctypes.util
 
