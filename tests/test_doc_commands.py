@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.doc_text import DOCS, ROOT, records_removals, sections
+
 COMMAND = re.compile(r"python (?:-m )?((?:gpt2_bench|tagc|testbed)[\w.]*|docs/[\w/]+\.py)([^&|;>#\n]*)")
 FENCE = re.compile(r"```[\w-]*\n(.*?)```", flags=re.S)
 SPAN = re.compile(r"`([^`]+)`")
@@ -30,16 +30,14 @@ def doc_commands() -> list[tuple[str, str, str, list[str]]]:
     """``(doc, section, module, arguments)`` for every command in the docs, sections by their ``##`` heading."""
     found = []
     for doc in DOCS:
-        section = ""
-        for chunk in re.split(r"^(?=## )", doc.read_text(), flags=re.M):
-            section = chunk.splitlines()[0] if chunk.startswith("## ") else section
+        for section, chunk in sections(doc):
             blocks = [re.sub(r"\\\n\s*", " ", block) for block in FENCE.findall(chunk)]
             spans = [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", chunk))]
             for text in (*blocks, *spans):
                 for match in COMMAND.finditer(text):
                     found.append((doc.name, section, match.group(1), match.group(2).strip()))
     return [(doc, section, module, shlex.split(args)) for doc, section, module, args in found
-            if not any(mark in args for mark in ELIDED) and "Removed" not in section]
+            if not any(mark in args for mark in ELIDED) and not records_removals(section)]
 
 
 COMMANDS = doc_commands()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.doc_text import DOCS
+
 CODE_BLOCK = re.compile(r"```.*?```", flags=re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.doc_text import DOCS, records_removals, sections
+
 NAME = re.compile(r"`((?:tagc|gpt2_bench|testbed|fsdp_integration|backward_drain)(?:\.\w+)+)(?:\([^`]*\))?`")
 
 
@@ -20,8 +19,8 @@ def quoted_names() -> list[tuple[str, str, str]]:
     under it."""
     found = []
     for doc in DOCS:
-        for section in re.split(r"^(?=## )", doc.read_text(), flags=re.M):
-            if section.startswith("## ") and "Removed" in section.splitlines()[0]:
+        for heading, section in sections(doc):
+            if records_removals(heading):
                 continue
             for paragraph in re.split(r"\n\s*\n", re.sub(r"^(#+ .*)\n\n", r"\1\n", section, flags=re.M)):
                 found += [(doc.name, match.group(1), paragraph) for match in NAME.finditer(paragraph)]
