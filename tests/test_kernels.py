@@ -412,7 +412,8 @@ _ROUND_TRIPS = [
 @pytest.mark.parametrize("dtype, bits, ranks", _ROUND_TRIPS)
 def test_round_trip_over_ranks(ranks, bits, dtype):
     """compress on every rank -> sum tables, merge indexes -> decode: exact wherever peeling
-    settles, the same as the reference everywhere.
+    settles (up to the float32 table's rounding carried along the peeling chain), the same as
+    the reference everywhere.
 
     At plan density about 1 chunk in 700 of this size keeps a small stopping set (a property
     of the code, not of a back end: the reference leaves the same positions), so the test
@@ -442,8 +443,10 @@ def test_round_trip_over_ranks(ranks, bits, dtype):
         if stats.raw_positions is not None:
             settled[stats.raw_positions] = False
         assert int((~settled).sum()) == stats.unpeeled
-        scale = kept[chunk].abs().max().item()
-        torch.testing.assert_close(values.double()[settled], kept[chunk][settled], rtol=1e-5, atol=1e-6 * scale)
+        # Each peel subtracts values recovered in earlier rounds, so the float32 table's rounding
+        # (eps of its largest cell) adds up along the chain: at most one such unit per round, twice over.
+        chain_rounding = 2 * max(stats.rounds, 1) * torch.finfo(torch.float32).eps * table[chunk].abs().max().item()
+        torch.testing.assert_close(values.double()[settled], kept[chunk][settled], rtol=0, atol=chain_rounding)
 
 
 # ---------------------------------------------------------------- coded positions (tagc.sketch.positions)
