@@ -26,6 +26,19 @@ def test_the_first_screen_holds_the_five_answers():
     assert code.index("hook = tagc.hook()") < code.index("hook.follow_lr")  # the snippet defines what it uses
 
 
+def test_the_one_line_is_a_call_the_table_picks():
+    """The snippet's live call (not a comment) is a pick of the table whose evidence does not say it trails plain,
+    so the README never shows first a setting its evidence does not hold."""
+    screen = README[:40]
+    start = screen.index("```python")
+    live = [line.split("#")[0].strip() for line in screen[start + 1:screen.index("```", start + 1)]]
+    call = next(line.removeprefix("hook = ") for line in live if line.startswith("hook = "))
+    rows = [line.strip("|").split("|") for line in README[README.index("## Which codec to use"):start]
+            if line.startswith("| ")]
+    evidence = [cells[2] for cells in rows if cells[1].strip().startswith(f"`{call}`")]
+    assert evidence and "behind" not in evidence[0], (call, evidence)
+
+
 def test_which_codec_table_is_short():
     start = README.index("## Which codec to use")
     table = []
