@@ -353,7 +353,8 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert len(waiting) == sum(1 for item in evidence.QUEUE if item[2:] == ("1x", evidence.BEST))
     bracket = [k for k, line in enumerate(lines) if " 1x lr 2.5e-4:" in line]
     assert len(bracket) == 2 and max(bracket) < waiting[0]  # taken up after the bracket's runs
-    assert lines[waiting[0] + 2] == "tagc-brief seed 2 1x at plain's best lr: waits for 1x's bracket"
+    assert lines[waiting[0] + 1] == "topk seed 2 1x at plain's best lr: waits for 1x's bracket"  # the README's pick
+    assert lines[waiting[0] + 2] == "tagc seed 2 1x at plain's best lr: waits for 1x's bracket"
     later = lines.index("tagc seed 0 1x at plain's best lr: waits for 1x's bracket")  # after 16x, as queued
     assert lines[later - 1] == "topk seed 1 16x at plain's best lr: waits for 16x's sweep"  # none at a guessed lr
     assert not [item for item in todo if item[2] == "16x" and item[0] != "plain"]

@@ -91,7 +91,8 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("int4", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *(("tagc-brief", seed, "4x", BEST) for seed in (2, 3)),
-    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "tagc", "tagc-brief", "topk")),
+    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "topk", "tagc")),
+    *(("tagc-brief", seed, "1x", BEST) for seed in (2, 3)),
     *(("powersgd-r16", seed, "1x", BEST) for seed in (2, 3)),
     *(("tagc", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
@@ -106,7 +107,8 @@ over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and who
 (``docs/evidence.md``), with ``int4`` there on the same seeds (no setting of it was picked on any seed, and their
 plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
 which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
-as a 1x one); then 1x's untuned seeds, the brief's line among them. ``tagc``'s untuned seeds at 4x come after
+as a 1x one); then 1x's untuned seeds: ``topk`` first, the README's pick, then ``tagc``, each seed's pair
+before the next seed, and the brief's line after both seeds. ``tagc``'s untuned seeds at 4x come after
 those: its tuned ones there already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU
 (``.gpu/quality.sh``), where 1x's 2,000 steps do not. Then 16x. Last, seeds 0 and 1 at 1x: their first runs
 were kept with uncompressed resumes (:func:`unsettled_resumes`), and a new seed tells more than a cleaner copy of
