@@ -444,7 +444,7 @@ def test_round_trip_over_ranks(ranks, bits, dtype):
             settled[stats.raw_positions] = False
         assert int((~settled).sum()) == stats.unpeeled
         # Each peel subtracts values recovered in earlier rounds, so the float32 table's rounding
-        # (eps of its largest cell) adds up along the chain: at most one such unit per round, twice over.
+        # (eps of its largest cell) adds up along the chain: the bound allows two such units per round.
         chain_rounding = 2 * max(stats.rounds, 1) * torch.finfo(torch.float32).eps * table[chunk].abs().max().item()
         torch.testing.assert_close(values.double()[settled], kept[chunk][settled], rtol=0, atol=chain_rounding)
 
