@@ -26,20 +26,8 @@ def test_the_first_screen_holds_the_five_answers():
     assert code.index("hook = tagc.hook()") < code.index("hook.follow_lr")  # the snippet defines what it uses
 
 
-def test_the_one_line_is_a_call_the_table_picks():
-    """The snippet's live call (not a comment) is a pick of the table whose evidence does not say it trails plain,
-    so the README never shows first a setting its evidence does not hold."""
-    screen = README[:40]
-    start = screen.index("```python")
-    live = [line.split("#")[0].strip() for line in screen[start + 1:screen.index("```", start + 1)]]
-    call = next(line.removeprefix("hook = ") for line in live if line.startswith("hook = "))
-    rows = [line.strip("|").split("|") for line in README[README.index("## Which codec to use"):start]
-            if line.startswith("| ")]
-    evidence = [cells[2] for cells in rows if cells[1].strip().startswith(f"`{call}`")]
-    assert evidence and "behind" not in evidence[0], (call, evidence)
-
-
-def test_which_codec_table_is_short():
+def _codec_table() -> list[list[str]]:
+    """The cells of each body row of the "Which codec to use" table."""
     start = README.index("## Which codec to use")
     table = []
     for line in README[start + 1:]:
@@ -48,10 +36,25 @@ def test_which_codec_table_is_short():
                 break
             continue
         table.append(line)
-    body = table[2:]
+    return [line.strip("|").split("|") for line in table[2:]]
+
+
+def test_the_one_line_is_a_call_the_table_picks():
+    """The snippet's live call (not a comment) is a pick of the table whose evidence does not say it trails plain,
+    so the README never shows first a setting its evidence does not hold."""
+    screen = README[:40]
+    start = screen.index("```python")
+    live = [line.split("#")[0].strip() for line in screen[start + 1:screen.index("```", start + 1)]]
+    call = next(line.removeprefix("hook = ") for line in live if line.startswith("hook = "))
+    evidence = [cells[2] for cells in _codec_table() if cells[1].strip().startswith(f"`{call}`")]
+    assert evidence and "behind" not in evidence[0], (call, evidence)
+
+
+def test_which_codec_table_is_short():
+    body = _codec_table()
     assert 1 <= len(body) <= 6
-    for line in body:
-        for cell in line.strip("|").split("|"):
+    for cells in body:
+        for cell in cells:
             assert len(cell.split()) <= 15, cell
 
 
