@@ -271,8 +271,8 @@ def render_report(runs: list[dict]) -> str:
               "`wire_bytes`; a dash where the run's log was not at hand when its file was kept). *Uncompressed "
               "resumes*: steps after step 0 that a method's run exchanged uncompressed, one per resume made before "
               "the trainer settled DDP's buckets first (2026-12-03; the runs then resumed at every evaluation; "
-              "`unsettled_resumes` in `gpt2_bench.evidence`). The queue makes such a run again in one process, "
-              "and the clean run takes its seed's place in the verdicts.", "",
+              "`unsettled_resumes` in `gpt2_bench.evidence`). Such a run is a record; where a seed has a run made in "
+              "one process beside it, that run takes the seed's place in the verdicts.", "",
               "| batch | run | seed | steps done | epoch read | MB per step | uncompressed resumes | machine | torch "
               "| commit |",
               "|---|---|---:|---|---:|---:|---:|---|---|---|"]
