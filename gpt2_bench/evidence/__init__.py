@@ -91,12 +91,10 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("int4", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", seed, "1x", EDGE) for seed in (0, 1)),
     *(("tagc-brief", seed, "4x", BEST) for seed in (2, 3)),
-    *((m, seed, "1x", BEST) for seed in (2, 3) for m in ("plain", "topk", "tagc")),
-    *((m, seed, "1x", BEST) for seed in (4, 5) for m in ("plain", "tagc")),
+    *((m, seed, "1x", BEST) for seed in (2, 3, 4, 5) for m in ("plain", "topk", "tagc")),
     *(("tagc-brief", seed, "1x", BEST) for seed in (2, 3, 4, 5)),
     *(("powersgd-r16", seed, "1x", BEST) for seed in (2, 3)),
     *(("int4", seed, "1x", BEST) for seed in (2, 3)),
-    *(("topk", seed, "1x", BEST) for seed in (4, 5)),
     *(("tagc", seed, "4x", BEST) for seed in (2, 3)),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "tagc-brief", "int4", "topk")),
@@ -110,13 +108,13 @@ over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and who
 (``docs/evidence.md``), with ``int4`` there on the same seeds (no setting of it was picked on any seed, and their
 plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
 which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
-as a 1x one); then 1x's untuned seeds: ``topk`` first, the README's pick, then ``tagc``, each seed's pair
-before the next seed; then seeds 4 and 5 with their plain runs, so that ``tagc.hook()`` and the brief's line are
+as a 1x one); then 1x's untuned seeds 2 to 5, each with its plain run: ``topk`` first, the README's pick and the
+candidate for ``tagc.hook()``'s default, then ``tagc``, each seed's pairs before the next seed, so that both are
 judged at 1x on four seeds none of their settings was picked on, where seeds 0 and 1 would give four only with the
-seeds that tuned them; then the rest of the decision set there (PowerSGD; ``int4`` on seeds whose plain runs are
-made) and ``topk``'s further seeds. ``tagc``'s untuned seeds at 4x come after those: its tuned ones there already
-give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where 1x's
-2,000 steps do not. Then 16x, which a GPU runs in one call. Last, seeds 0 and 1 at 1x, the seeds that picked
+seeds that tuned them; then the brief's line there on the same seeds, and the rest of the decision set (PowerSGD;
+``int4`` on seeds whose plain runs are made). ``tagc``'s untuned seeds at 4x come after those: its tuned ones there
+already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where
+1x's 2,000 steps do not. Then 16x, which a GPU runs in one call. Last, seeds 0 and 1 at 1x, the seeds that picked
 those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
