@@ -267,7 +267,7 @@ def test_the_queue_sweeps_each_batch_before_it_judges_a_method_there():
     untuned = {m: seeds[m] - set(evidence.TUNED_ON.get(m, ())) for m in seeds}  # seeds that did not pick a setting
     assert all(len(untuned[m]) >= 4 for m in ("plain", "tagc", "tagc-brief"))  # the issue's seed counts
     assert all(len(untuned[m]) >= 2 for m in ("int4", "powersgd-r16"))
-    assert len(untuned["topk"]) >= 4  # the candidate for tagc.hook()'s default gets the defaults' count
+    assert len(untuned["topk"]) >= 4  # the README's pick gets the defaults' count
     assert all(seeds[m] <= seeds["plain"] for m in seeds)  # every method seed has its plain run
     first = [item[:3] for item in evidence.QUEUE]  # the seeds that can judge a default before copies of tuned ones
     judging = [first.index((m, seed, "1x")) for m in ("tagc", "topk") for seed in (2, 3)]

@@ -108,8 +108,8 @@ over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and who
 (``docs/evidence.md``), with ``int4`` there on the same seeds (no setting of it was picked on any seed, and their
 plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
 which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
-as a 1x one); then 1x's untuned seeds 2 to 5, each with its plain run: ``topk`` first, the README's pick and the
-candidate for ``tagc.hook()``'s default, then ``tagc``, each seed's pairs before the next seed, so that both are
+as a 1x one); then 1x's untuned seeds 2 to 5, each with its plain run: ``topk`` first, the README's pick, which gets
+the defaults' four seeds, then ``tagc``, each seed's pairs before the next seed, so that both are
 judged at 1x on four seeds none of their settings was picked on, where seeds 0 and 1 would give four only with the
 seeds that tuned them; then the brief's line there on the same seeds, and the rest of the decision set (PowerSGD;
 ``int4`` on seeds whose plain runs are made). ``tagc``'s untuned seeds at 4x come after those: its tuned ones there
