@@ -217,6 +217,24 @@ def test_queue_list_prints_the_unfinished_runs_in_order_with_their_progress(tmp_
     assert all(line.endswith(f"waits for {line.split()[3]}'s sweep") for line in waiting)
 
 
+def test_queue_list_gives_a_method_in_progress_its_gap_to_plain_at_the_newest_shared_evaluation(tmp_path, capsys,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(evidence, "cpu_platform", lambda: "cpu")
+    _sweep(tmp_path, "1x", {"5e-4": 5.72, "1e-3": 5.70, "2e-3": 5.71})  # bracketed: 1x's methods go at 1e-3
+    _curve(tmp_path, "plain", 2, "1x", 5.0)  # evaluations at steps 999 (6.0) and 1999 (5.0)
+    log = evidence.log_path(tmp_path / "work", "topk", 2, "1x", "1e-3")
+    log.parent.mkdir(parents=True)
+    records = [{"run": "x", "first_step": 0}, *({"step": s, "loss": 6.0} for s in range(1200)),
+               {"step": 999, "val_loss": 6.06}, {"step": 1199, "val_loss": 5.5}]  # plain has no step 1199
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(["queue", "--list", "--rows", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("topk seed 2 1x"))
+    assert line == "topk seed 2 1x lr 1e-3: 0 of 2000 steps kept on cpu, 1200 trained in its log, " \
+                   "+1.00% to plain at step 1000"
+    assert evidence.interim_gap(records, tmp_path / "absent.json") == ""
+    assert evidence.interim_gap(records[:1], evidence.curve_path(tmp_path, "plain", 2, "1x", "1e-3")) == ""
+
+
 def test_the_queue_reads_plains_best_lr_again_after_each_run(tmp_path, monkeypatch):
     calls = []
 

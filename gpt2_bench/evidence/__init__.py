@@ -387,11 +387,27 @@ def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] 
         line = f"{method} seed {seed} {batch} lr {lr}: {done} of {schedule(batch)[0]} steps kept on {platform}"
         log = None if work is None else log_path(work, method, seed, batch, lr, platform)
         if log is not None and log.exists():
-            trained = 1 + max((json.loads(r).get("step", -1) for r in log.read_text().splitlines() if r.strip()),
-                              default=-1)
+            records = [json.loads(r) for r in log.read_text().splitlines() if r.strip()]
+            trained = 1 + max((r.get("step", -1) for r in records), default=-1)
             line += f", {trained} trained in its log" if trained > done else ""
+            plain = curve_path(rows_dir, "plain", seed, batch, lr, platform)
+            line += interim_gap(records, plain) if method != "plain" else ""
         out.append(line)
     return out
+
+
+def interim_gap(records: Sequence[dict], plain: Path) -> str:
+    """``", +1.57% to plain at step 1200"``: a trainer log's val loss at its newest evaluation that plain's kept
+    curve (``plain``) also has, against plain's, so that a run in progress can be read before it is kept; ``""``
+    where none is shared."""
+    if not plain.exists():
+        return ""
+    theirs = {step: loss for step, loss in json.loads(plain.read_text())["val_loss"]}
+    ours = {r["step"]: r["val_loss"] for r in records if "val_loss" in r and r.get("step") in theirs}
+    if not ours:
+        return ""
+    step = max(ours)
+    return f", {100 * (ours[step] / theirs[step] - 1):+.2f}% to plain at step {step + 1}"
 
 
 def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Optional[str] = None) -> None:

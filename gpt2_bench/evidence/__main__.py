@@ -37,7 +37,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           help="run the queue's unfinished runs in order, a few at a time, resuming each")
     line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
     line.add_argument("--list", action="store_true",
-                      help="print the unfinished runs in order and how far each is, and stop")
+                      help="print the unfinished runs in order, how far each is and, for a method in progress, "
+                           "its gap to plain's kept curve at their newest shared evaluation; then stop")
     sub.add_parser("rebuild", help="remake docs/evidence.md, its plot and the README's quality block")
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
