@@ -396,6 +396,11 @@ def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] 
     return out
 
 
+def gap_percent(loss: float, plain_loss: float) -> float:
+    """A method's val loss against plain's at the same step, in percent (positive: behind plain)."""
+    return 100 * (loss / plain_loss - 1)
+
+
 def interim_gap(records: Sequence[dict], plain: Path) -> str:
     """``", +1.57% to plain at step 1200"``: a trainer log's val loss at its newest evaluation that plain's kept
     curve (``plain``) also has, against plain's, so that a run in progress can be read before it is kept; ``""``
@@ -407,7 +412,7 @@ def interim_gap(records: Sequence[dict], plain: Path) -> str:
     if not ours:
         return ""
     step = max(ours)
-    return f", {100 * (ours[step] / theirs[step] - 1):+.2f}% to plain at step {step + 1}"
+    return f", {gap_percent(ours[step], theirs[step]):+.2f}% to plain at step {step + 1}"
 
 
 def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Optional[str] = None) -> None:

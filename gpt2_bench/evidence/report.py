@@ -19,6 +19,7 @@ from gpt2_bench.evidence import (
     TUNED_ON,
     best_lr,
     complete,
+    gap_percent,
     load,
     on_cpu,
     run_name,
@@ -83,7 +84,7 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str,
         label = f"{key[1]}{'' if key[0].startswith('cpu') else 'g'}"
         for step in sorted(set(curve) & set(plain)):
             if label not in dict(gaps.get(step, [])):
-                gaps.setdefault(step, []).append((label, 100 * (curve[step] / plain[step] - 1)))
+                gaps.setdefault(step, []).append((label, gap_percent(curve[step], plain[step])))
     return {step: sorted(seeds, key=lambda seed: (seed[0].endswith("g"), int(seed[0].rstrip("g"))))
             for step, seeds in gaps.items()}
 
@@ -302,7 +303,7 @@ def render_machines(runs: list[dict]) -> list[str]:
     for (method, seed, batch, lr), (first, *others) in sorted(groups.items()):
         for other in others:
             mine = dict(map(tuple, other["val_loss"]))
-            gaps = ", ".join(f"{step + 1}: {100 * (mine[step] / loss - 1):+.3f}%" for step, loss in first["val_loss"]
+            gaps = ", ".join(f"{step + 1}: {gap_percent(mine[step], loss):+.3f}%" for step, loss in first["val_loss"]
                              if step in mine)
             lines.append(f"- {method} seed {seed} {batch} lr {lr}, {other['platform']} against "
                          f"{first.get('platform', 'cpu')}: {gaps}.")
