@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import threading
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 __all__ = ["LinkError", "Namespaces", "ShapedLink", "SignalUnwind", "parse_rate", "format_rate", "tbf_params"]
@@ -253,8 +254,9 @@ class ShapedLink(Namespaces):
         for _ in range(500):
             if holder.poll() is not None:
                 raise LinkError(f"`unshare -rn` failed: {holder.stderr.read().strip() if holder.stderr else ''}")
-            try:
-                if os.readlink(f"/proc/{holder.pid}/ns/net") != ours:
+            try:  # ready once its uid map is written too: nsenter into an unmapped user namespace is not root
+                if (os.readlink(f"/proc/{holder.pid}/ns/net") != ours
+                        and Path(f"/proc/{holder.pid}/uid_map").read_text().strip()):
                     self.kind = "unshare"
                     return
             except OSError:
