@@ -61,13 +61,15 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", select=\"all\", rank=16)`)",
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
     "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--ratio", "2.25"]),
+    "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", ["--compression", "non-attn", "--codec", "tagc"]),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU,
-last): run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s bytes
-per exchange, still half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
-``docs/quality-diagnosis.md`` points to."""
+last), then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
+``tagc.hook()``'s bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the
+thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
+fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
-                                         "tagc-ratio2.25": (0, 1)}
+                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
 picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the
 brief fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8
@@ -96,6 +98,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("powersgd-r16", seed, "1x", BEST) for seed in (2, 3)),
     *(("int4", seed, "1x", BEST) for seed in (2, 3)),
     *(("tagc", seed, "4x", BEST) for seed in (2, 3)),
+    *(("tagc-no-follow", seed, "1x", BEST) for seed in (2, 3)),
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("plain", "tagc", "tagc-brief", "int4", "topk")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
@@ -114,7 +117,9 @@ judged at 1x on four seeds none of their settings was picked on, where seeds 0 a
 seeds that tuned them; then the brief's line there on the same seeds, and the rest of the decision set (PowerSGD;
 ``int4`` on seeds whose plain runs are made). ``tagc``'s untuned seeds at 4x come after those: its tuned ones there
 already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where
-1x's 2,000 steps do not. Then 16x, which a GPU runs in one call. Last, seeds 0 and 1 at 1x, the seeds that picked
+1x's 2,000 steps do not. Then ``tagc.hook()`` without ``follow_lr`` on untuned seeds whose plain runs are made,
+the one setting the README shows that no decision run has left out. Then 16x, which a GPU runs in one call.
+Last, seeds 0 and 1 at 1x, the seeds that picked
 those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
