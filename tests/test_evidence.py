@@ -550,3 +550,18 @@ def test_pairs_at_a_rate_the_sweep_left_are_kept_as_a_record_not_a_decision(tmp_
     assert row["gaps"] == pytest.approx([0.0, 100 * (5.7157 / 5.71 - 1)])  # against plain at 5e-4, seed by seed
     assert "| 1x | topk | 5e-4 | 2000 | 0,1 | +0.00, +0.10 |" in report.render_report(runs)
     assert "topk" not in report.render_readme(runs)
+
+
+def test_an_ablation_pairs_a_method_with_its_variant_seed_by_seed(tmp_path):
+    """tagc over tagc-no-follow: -1.0%, -1.1% and -0.9% on three seeds (follow_lr lowers the loss, an interval
+    below 0), whatever plain's own gaps; a seed whose variant has not run gives no gap."""
+    for seed, (plain, follow, drop) in enumerate(((5.0, 5.05, 1.0), (5.2, 5.2, 1.1), (5.1, 5.3, 0.9), (5.0, 5.0, 0))):
+        _curve(tmp_path, "plain", seed, "1x", plain)
+        _curve(tmp_path, "tagc", seed, "1x", follow)
+        if drop:
+            _curve(tmp_path, "tagc-no-follow", seed, "1x", follow / (1 - drop / 100))
+    runs = evidence.load(tmp_path)
+    last = [row for row in report.ablations(runs, "1x") if row["step"] == 1999]
+    assert [(row["method"], row["seeds"]) for row in last] == [("tagc over tagc-no-follow", ["0", "1", "2"])]
+    assert last[0]["gaps"] == pytest.approx([-1.0, -1.1, -0.9]) and last[0]["verdict"] == "ahead"
+    assert "| 1x | tagc over tagc-no-follow | 1e-3 | 2000 | 0,1,2 | -1.00, -1.10, -0.90 |" in report.render_report(runs)

@@ -68,6 +68,9 @@ last), then an ablation: run name -> (what users call, the trainer's flags). ``t
 ``tagc.hook()``'s bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the
 thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
 fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line."""
+ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow"}
+"""A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what
+that setting buys (negative: the setting lowers the loss)."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
                                          "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from gpt2_bench.evidence import (
+    ABLATIONS,
     BATCHES,
     METHODS,
     ROOT,
@@ -64,17 +65,18 @@ def verdict(low: float, high: float) -> str:
     return next((f"behind, within {b:g}%" for b in (0.5, 1.0) if high < b), "behind")
 
 
-def pairs(runs: list[dict], method: str, batch: str, lr: str,
-          plain_lr: Optional[str] = None) -> dict[int, list[tuple[str, float]]]:
-    """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against plain of the same seed
-    and platform at ``plain_lr`` (default ``lr``); a seed is named by its number, ``g`` added on a GPU (``"2g"``).
+def pairs(runs: list[dict], method: str, batch: str, lr: str, plain_lr: Optional[str] = None,
+          base: str = "plain") -> dict[int, list[tuple[str, float]]]:
+    """Per evaluation step both have, every seed's gap (%) of ``method`` at ``lr`` against ``base`` (plain, or an
+    ablation's variant) of the same seed and platform at ``plain_lr`` (default ``lr``); a seed is named by its
+    number, ``g`` added on a GPU (``"2g"``).
     A seed paired on two CPU platforms counts once: by a run with no uncompressed resumes
     (:func:`unsettled_resumes`) where it has one, else by the first in name order (the runs before fingerprints)."""
     def curves(name: str, at: str) -> dict[tuple[str, int], dict]:
         return {(r.get("platform", "cpu"), r["seed"]): r for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
 
-    plains = curves("plain", plain_lr or lr)
+    plains = curves(base, plain_lr or lr)
     gaps: dict[int, list[tuple[str, float]]] = {}
     methods = curves(method, lr)
     for key in sorted(methods, key=lambda key: (unsettled_resumes(methods[key]) > 0, key)):
@@ -103,6 +105,15 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
         for at in [lr, *([own] if own not in (None, lr) else [])]:
             out += _rows(method, batch, lr if at == lr else f"own {at}", pairs(runs, method, batch, at, lr))
     return out
+
+
+def ablations(runs: list[dict], batch: str) -> list[dict]:
+    """Per :data:`ABLATIONS` entry, at plain's best lr at ``batch``: one row per evaluation step with each seed's
+    gap of the method over its variant that leaves one setting out, their mean, interval and verdict (*ahead*:
+    the setting lowers the loss)."""
+    lr = best_lr(runs, batch) or "1e-3"
+    return [{**row, "method": f"{method} over {variant}"} for method, variant in ABLATIONS.items()
+            for row in _rows(method, batch, lr, pairs(runs, method, batch, lr, base=variant))]
 
 
 def off_best(runs: list[dict], batch: str) -> list[dict]:
@@ -245,6 +256,17 @@ def render_report(runs: list[dict]) -> str:
               "|---|---|---|---:|---|---|---:|---|---|---|"]
     for batch in BATCHES:
         lines += [f"{_cells(row)} {row['untuned']} |" for row in decisions(runs, batch)]
+    if lines[-1].startswith("|---"):
+        lines.append("| (no paired runs yet) | | | | | | | | | |")
+    lines += ["", "## What a setting buys", "",
+              "A method against the same method with one setting left out (`ABLATIONS` in `gpt2_bench.evidence`), "
+              "on the same seed, machine and lr: the gap is the method's val loss over the variant's, in %; *ahead* "
+              "means the setting lowers the loss, a *tie* that the seeds cannot tell.", "",
+              "| batch | method over variant | lr | step | seeds | gaps | mean | 95% interval | verdict "
+              "| untuned seeds |",
+              "|---|---|---|---:|---|---|---:|---|---|---|"]
+    for batch in BATCHES:
+        lines += [f"{_cells(row)} {row['untuned']} |" for row in ablations(runs, batch)]
     if lines[-1].startswith("|---"):
         lines.append("| (no paired runs yet) | | | | | | | | | |")
     lines += ["", "## Pairs at a rate that is not plain's best", "",
