@@ -252,23 +252,12 @@ def render_report(runs: list[dict]) -> str:
               "Gap: the method's val loss against plain's of the same seed, in %; the interval is the 95% t-interval "
               "of the mean over seeds. *Untuned seeds*: the same over the seeds the method's settings were not "
               "picked on (`TUNED_ON` in `gpt2_bench.evidence`): their count, mean [interval] and verdict.", "",
-              "| batch | method | lr | step | seeds | gaps | mean | 95% interval | verdict | untuned seeds |",
-              "|---|---|---|---:|---|---|---:|---|---|---|"]
-    for batch in BATCHES:
-        lines += [f"{_cells(row)} {row['untuned']} |" for row in decisions(runs, batch)]
-    if lines[-1].startswith("|---"):
-        lines.append("| (no paired runs yet) | | | | | | | | | |")
+              *_verdicts("method", [row for batch in BATCHES for row in decisions(runs, batch)])]
     lines += ["", "## What a setting buys", "",
               "A method against the same method with one setting left out (`ABLATIONS` in `gpt2_bench.evidence`), "
               "on the same seed, machine and lr: the gap is the method's val loss over the variant's, in %; *ahead* "
               "means the setting lowers the loss, a *tie* that the seeds cannot tell.", "",
-              "| batch | method over variant | lr | step | seeds | gaps | mean | 95% interval | verdict "
-              "| untuned seeds |",
-              "|---|---|---|---:|---|---|---:|---|---|---|"]
-    for batch in BATCHES:
-        lines += [f"{_cells(row)} {row['untuned']} |" for row in ablations(runs, batch)]
-    if lines[-1].startswith("|---"):
-        lines.append("| (no paired runs yet) | | | | | | | | | |")
+              *_verdicts("method over variant", [row for batch in BATCHES for row in ablations(runs, batch)])]
     lines += ["", "## Pairs at a rate that is not plain's best", "",
               "A method paired with plain at the same lr, where that lr is not plain's best at its batch (the sweep "
               "moved the best after these runs, or the method tried a rate of its own): their last evaluation, a "
@@ -312,6 +301,13 @@ def render_report(runs: list[dict]) -> str:
                      f"{', ' + machine['gpu'] if machine.get('gpu') else ''}) | {session.get('torch', '?')} | "
                      f"{session.get('commit', '?')[:12]} |")
     return "\n".join(lines) + "\n"
+
+
+def _verdicts(method_column: str, rows: list[dict]) -> list[str]:
+    """A markdown table of decision rows (:func:`_rows`), each with its untuned seeds' verdict."""
+    return [f"| batch | {method_column} | lr | step | seeds | gaps | mean | 95% interval | verdict | untuned seeds |",
+            "|---|---|---|---:|---|---|---:|---|---|---|",
+            *([f"{_cells(row)} {row['untuned']} |" for row in rows] or ["| (no paired runs yet) | | | | | | | | | |"])]
 
 
 def render_machines(runs: list[dict]) -> list[str]:
