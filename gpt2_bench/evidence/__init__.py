@@ -49,19 +49,19 @@ EVALUATIONS = 10
 """Evaluations per run, evenly spaced (every 200 steps at 1x)."""
 LRS = ("5e-4", "1e-3", "2e-3")
 """Plain's learning-rate sweep."""
-TAGC_FLAGS = ["--compression", "non-attn", "--codec", "tagc", "--feedback-decay-follows-lr"]
-"""The trainer's flags for ``tagc.hook()`` + ``hook.follow_lr(optimizer)``; a variant of it adds its own."""
+TAGC_FLAGS = ["--compression", "non-attn", "--codec", "tagc"]
+"""The trainer's flags for ``tagc.hook()``; a variant adds its own (``--feedback-decay-follows-lr``: ``follow_lr``)."""
 METHODS: dict[str, tuple[str, list[str]]] = {
     "plain": ("plain DDP", ["--compression", "none", "--transport", "gloo"]),
-    "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`", TAGC_FLAGS),
-    "tagc-brief": ("`tagc.hook(ratio=10, index_bits=1)`",
-                   ["--compression", "non-attn", "--codec", "tagc", "--ratio", "10", "--index-bits", "1"]),
+    "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--feedback-decay-follows-lr"]),
+    "tagc-brief": ("`tagc.hook(ratio=10, index_bits=1)`", [*TAGC_FLAGS, "--ratio", "10", "--index-bits", "1"]),
     "int4": ("`tagc.hook(codec=\"int4\", select=\"all\")`", ["--compression", "all", "--codec", "int4"]),
     "topk": ("`tagc.hook(codec=\"topk\")`", ["--compression", "non-attn", "--codec", "topk"]),
     "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", select=\"all\", rank=16)`)",
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
-    "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--ratio", "2.25"]),
-    "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", ["--compression", "non-attn", "--codec", "tagc"]),
+    "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`",
+                       [*TAGC_FLAGS, "--feedback-decay-follows-lr", "--ratio", "2.25"]),
+    "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", TAGC_FLAGS),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU,
 last), then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
@@ -124,8 +124,8 @@ already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a l
 1x's 2,000 steps do not. Then ``tagc.hook()`` without ``follow_lr`` on untuned seeds whose plain runs are made,
 the one setting the README shows that no decision run has left out. Then 16x's sweep, then that ablation on
 seeds 4 and 5, so that it is judged on the defaults' four seeds, then 16x's methods, which a GPU runs in one call.
-Last, seeds 0 and 1 at 1x, the seeds that picked
-those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
+Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over every seed,
+not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:

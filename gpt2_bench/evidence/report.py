@@ -76,19 +76,24 @@ def pairs(runs: list[dict], method: str, batch: str, lr: str, plain_lr: Optional
         return {(r.get("platform", "cpu"), r["seed"]): r for r in runs
                 if r["method"] == name and r["batch"] == batch and r["lr"] == at}
 
-    plains = curves(base, plain_lr or lr)
+    bases = curves(base, plain_lr or lr)
     gaps: dict[int, list[tuple[str, float]]] = {}
     methods = curves(method, lr)
     for key in sorted(methods, key=lambda key: (unsettled_resumes(methods[key]) > 0, key)):
-        if key not in plains:
+        if key not in bases:
             continue
-        curve, plain = (dict(map(tuple, kept[key]["val_loss"])) for kept in (methods, plains))
+        curve, against = (dict(map(tuple, kept[key]["val_loss"])) for kept in (methods, bases))
         label = f"{key[1]}{'' if key[0].startswith('cpu') else 'g'}"
-        for step in sorted(set(curve) & set(plain)):
+        for step in sorted(set(curve) & set(against)):
             if label not in dict(gaps.get(step, [])):
-                gaps.setdefault(step, []).append((label, gap_percent(curve[step], plain[step])))
+                gaps.setdefault(step, []).append((label, gap_percent(curve[step], against[step])))
     return {step: sorted(seeds, key=lambda seed: (seed[0].endswith("g"), int(seed[0].rstrip("g"))))
             for step, seeds in gaps.items()}
+
+
+def judged_lr(runs: list[dict], batch: str) -> str:
+    """The lr every method is judged at at ``batch``: plain's best, or 1e-3 before plain has finished a run there."""
+    return best_lr(runs, batch) or "1e-3"
 
 
 def decisions(runs: list[dict], batch: str) -> list[dict]:
@@ -96,7 +101,7 @@ def decisions(runs: list[dict], batch: str) -> list[dict]:
     one row per evaluation step with the seeds' gaps, their mean and its 95% interval, and the verdict. A method
     whose own finished runs do best at another lr gets its rows there too, against plain at plain's best (their
     ``lr``: ``"own 2e-3"``)."""
-    lr = best_lr(runs, batch) or "1e-3"
+    lr = judged_lr(runs, batch)
     out = []
     for method in METHODS:
         if method == "plain":
@@ -111,7 +116,7 @@ def ablations(runs: list[dict], batch: str) -> list[dict]:
     """Per :data:`ABLATIONS` entry, at plain's best lr at ``batch``: one row per evaluation step with each seed's
     gap of the method over its variant that leaves one setting out, their mean, interval and verdict (*ahead*:
     the setting lowers the loss)."""
-    lr = best_lr(runs, batch) or "1e-3"
+    lr = judged_lr(runs, batch)
     return [{**row, "method": f"{method} over {variant}"} for method, variant in ABLATIONS.items()
             for row in _rows(method, batch, lr, pairs(runs, method, batch, lr, base=variant))]
 
@@ -120,7 +125,7 @@ def off_best(runs: list[dict], batch: str) -> list[dict]:
     """Per method, the last evaluation of its pairs with plain at the same lr where that lr is not plain's best at
     ``batch`` nor a method's own best that :func:`decisions` shows: a record of what was measured there before
     the sweep moved plain's best, not a decision."""
-    lr = best_lr(runs, batch) or "1e-3"
+    lr = judged_lr(runs, batch)
     shown = {(row["method"], row["lr"].removeprefix("own ")) for row in decisions(runs, batch)}
     out = []
     for method in METHODS:
