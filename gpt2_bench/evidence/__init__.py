@@ -106,6 +106,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("tagc-no-follow", seed, "1x", BEST) for seed in (4, 5)),
     *((m, 1, "16x", BEST) for m in ("plain", "tagc")),
     *(("topk", seed, "16x", BEST) for seed in (0, 1)),
+    *((m, seed, "16x", BEST) for seed in (2, 3) for m in ("plain", "tagc")),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
@@ -126,7 +127,8 @@ already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a l
 1x's 2,000 steps do not. Then ``tagc.hook()`` without ``follow_lr`` on untuned seeds whose plain runs are made,
 the one setting the README shows that no decision run has left out. Then 16x's sweep, then that ablation on
 seeds 4 and 5, so that it is judged on the defaults' four seeds, then 16x's methods, which a GPU runs in one call:
-``tagc`` on a second seed first, which gives its 16x gap an interval, then ``topk``, the README's pick, on two.
+``tagc`` on a second seed first, which gives its 16x gap an interval, then ``topk``, the README's pick, on two, then
+``tagc`` on the two seeds no setting was picked on, which make its four.
 Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over every seed,
 not to the one over untuned seeds."""
 
