@@ -128,9 +128,8 @@ already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a l
 the one setting the README shows that no decision run has left out. Then 16x's sweep, then that ablation on
 seeds 4 and 5, so that it is judged on the defaults' four seeds, then 16x's methods, which a GPU runs in one call:
 ``tagc`` on a second seed first, which gives its 16x gap an interval, then ``topk``, the README's pick, on two, then
-``tagc`` on the two seeds no setting was picked on, which make its four.
-Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over every seed,
-not to the one over untuned seeds."""
+``tagc`` on the two seeds no setting was picked on, which make its four. Last, seeds 0 and 1 at 1x, the seeds that
+picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
