@@ -110,26 +110,16 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
-"""The CPU's order of work (``queue``) from here on: each batch's learning-rate sweep, bracketed where its best is at an
-end, before the methods judged at its best; ``tagc`` at 4x, where its gap was seen to grow, beside ``topk`` there and
-``tagc`` at twice its bytes (the fixes the twelfth and thirteenth screens of ``docs/quality-diagnosis.md`` point to);
-then the seeds no setting was picked on (:data:`TUNED_ON`), which alone can say whether ``topk``, the README's pick
-over ``tagc.hook()``, holds there: first at 4x, whose sweep is bracketed and whose pairs were the tighter
-(``docs/evidence.md``), with ``int4`` there on the same seeds (no setting of it was picked on any seed, and their
-plain runs are already made). Then 1x's bracket; then the brief's line (``tagc-brief``),
-which has never run, at 4x on seeds 2 and 3 (untuned, their plain runs made; a 4x run exchanges a quarter as often
-as a 1x one); then 1x's untuned seeds 2 to 5, each with its plain run: ``topk`` first, the README's pick, which gets
-the defaults' four seeds, then ``tagc``, each seed's pairs before the next seed, so that both are
-judged at 1x on four seeds none of their settings was picked on, where seeds 0 and 1 would give four only with the
-seeds that tuned them; then the brief's line there on the same seeds, and the rest of the decision set (PowerSGD;
-``int4`` on seeds whose plain runs are made). ``tagc``'s untuned seeds at 4x come after those: its tuned ones there
-already give a verdict (``docs/evidence.md``), and a 4x run fits one call of a lent GPU (``.gpu/quality.sh``), where
-1x's 2,000 steps do not. Then ``tagc.hook()`` without ``follow_lr`` on untuned seeds whose plain runs are made,
-the one setting the README shows that no decision run has left out. Then 16x's sweep, then that ablation on
-seeds 4 and 5, so that it is judged on the defaults' four seeds, then 16x's methods, which a GPU runs in one call:
-``tagc`` on a second seed first, which gives its 16x gap an interval, then ``topk``, the README's pick, on two, then
-``tagc`` on the two seeds no setting was picked on, which make its four. Last, seeds 0 and 1 at 1x, the seeds that
-picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
+"""The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end
+(:data:`EDGE`), before the methods judged at its best (:data:`BEST`). Within a batch, the pairs that decide most
+come first: ``tagc`` (``tagc.hook()``) and ``topk`` (the README's pick over it), then the candidate fix for the gap
+that grows with the batch (``tagc-ratio2.25``, after the twelfth and thirteenth screens of
+``docs/quality-diagnosis.md``), then the seeds no setting was picked on (:data:`TUNED_ON`), which alone say whether a
+pick holds, each seed's pairs before the next seed's; then the rest of the decision set (the brief's line, ``int4``,
+PowerSGD) on seeds whose plain runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes
+before 1x's untuned seeds, since its pairs were the tighter and a 4x run exchanges a quarter as often; 16x comes
+after, since a lent GPU runs its whole set in one call (``.gpu/quality.sh``). Last, seeds 0 and 1 at 1x, the seeds
+that picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
