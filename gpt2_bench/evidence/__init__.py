@@ -111,15 +111,16 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
 """The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end
-(:data:`EDGE`), before the methods judged at its best (:data:`BEST`). Within a batch, the pairs that decide most
-come first: ``tagc`` (``tagc.hook()``) and ``topk`` (the README's pick over it), then the candidate fix for the gap
-that grows with the batch (``tagc-ratio2.25``, after the twelfth and thirteenth screens of
-``docs/quality-diagnosis.md``), then the seeds no setting was picked on (:data:`TUNED_ON`), which alone say whether a
-pick holds, each seed's pairs before the next seed's; then the rest of the decision set (the brief's line, ``int4``,
-PowerSGD) on seeds whose plain runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes
-before 1x's untuned seeds, since its pairs were the tighter and a 4x run exchanges a quarter as often; 16x comes
-after, since a lent GPU runs its whole set in one call (``.gpu/quality.sh``). Last, seeds 0 and 1 at 1x, the seeds
-that picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
+(:data:`EDGE`), before the methods judged at its best (:data:`BEST`). Within a batch, the pairs that decide most come
+first: ``tagc`` (``tagc.hook()``) and ``topk`` (the README's pick over it), then the candidate fix for the gap that
+grows with the batch (``tagc-ratio2.25``, after the twelfth and thirteenth screens of ``docs/quality-diagnosis.md``),
+then the seeds no setting was picked on (:data:`TUNED_ON`), which alone say whether a pick holds, each seed's pairs
+before the next seed's; then the rest of the decision set (the brief's line, ``int4``, PowerSGD) on seeds whose plain
+runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since its
+pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which follow 1x's
+since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set in one call
+(``.gpu/quality.sh``). Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict
+over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
