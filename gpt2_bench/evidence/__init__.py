@@ -105,7 +105,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", 0, "16x", lr) for lr in (*LRS, EDGE)),
     *(("tagc-no-follow", seed, "1x", BEST) for seed in (4, 5)),
     *((m, 1, "16x", BEST) for m in ("plain", "tagc")),
-    *(("topk", seed, "16x", BEST) for seed in (0, 1)),
+    *(("topk", seed, "16x", BEST) for seed in (0, 1, 2)),
     *((m, seed, "16x", BEST) for seed in (2, 3) for m in ("plain", "tagc")),
     *((m, seed, "16x", BEST) for seed in (0, 1) for m in ("tagc-brief", "int4")),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
