@@ -39,6 +39,9 @@ class TrainConfig:
     param_dtype: Optional[str] = None
     ratio: Optional[float] = None
     index_bits: int = 1
+    sparsity: float | str = "auto"
+    """tagc's and topk's share of entries each rank holds back: ``"auto"`` (the density ``ratio`` plans) or a
+    fraction in [0, 1) (:class:`tagc.config.TAGCConfig`)."""
     min_compress_numel: int = 65536
     dense_steps: Optional[int] = None
     feedback: Optional[str] = None
@@ -127,7 +130,8 @@ class TrainConfig:
                   "blocks": "non_attention_block_linear"}[self.compression]
         codec = "plain" if self.compression == "none" else self.codec
         fields = spec(codec).config_fields
-        sketch = {name: value for name, value in (("ratio", self.ratio), ("index_bits", self.index_bits))
+        sketch = {name: value for name, value in (("ratio", self.ratio), ("index_bits", self.index_bits),
+                                                       ("sparsity", self.sparsity))
                   if name in fields}
         return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
                     codec=codec, overlap=self.overlap, plain=self.plain, feedback=self.feedback,
@@ -217,7 +221,8 @@ class TrainConfig:
             algo = "fsdp"
         elif fields := spec(self.codec).config_fields:
             index = f"-b{self.index_bits}" if "index_bits" in fields else ""
-            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}{index}"
+            held = f"-s{self.sparsity:g}" if self.sparsity != "auto" else ""
+            algo = f"{self.codec}-{self.compression}-r{self.ratio:g}{index}{held}"
         else:
             algo = f"{self.codec}-{self.compression}"
         algo += "".join(f"-{key}{value}" for key, value in sorted(self.codec_options.items()))
@@ -321,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compression ratio of tagc and topk (default: the library's, "
                         + ", ".join(f"{filled['ratio']} for {codec}" for codec, filled in RECOMMENDED.items()) + ")")
     p.add_argument("--index-bits", type=int, default=defaults.index_bits, choices=(1, 4))
+    p.add_argument("--sparsity", type=sparsity_arg, default=defaults.sparsity,
+                   help="tagc and topk: the share of entries each rank holds back, auto (the density --ratio plans) "
+                        "or a fraction such as 0.3 (70%% of entries sent; default %(default)s)")
     for field in ("steps", "batch_size", "block_size", "eval_interval", "eval_tokens", "seed", "world", "threads",
                   "warmup_steps", "min_compress_numel"):
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
@@ -395,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     p.add_argument("--log-file", dest="log", help=argparse.SUPPRESS)
     return p
+
+
+def sparsity_arg(text: str) -> float | str:
+    """``--sparsity``'s value: ``"auto"`` or a fraction."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto or a fraction such as 0.3, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

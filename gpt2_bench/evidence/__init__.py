@@ -62,21 +62,28 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`",
                        [*TAGC_FLAGS, "--feedback-decay-follows-lr", "--ratio", "2.25"]),
     "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", TAGC_FLAGS),
+    "topk-dense": ("`tagc.hook(codec=\"topk\", sparsity=0.3)`",
+                   ["--compression", "non-attn", "--codec", "topk", "--sparsity", "0.3"]),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU,
 last), then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
 ``tagc.hook()``'s bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the
 thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
-fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line."""
+fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line.
+``topk-dense`` sends 70% of each rank's entries where ``topk`` sends 35% (about 7.4 bits an element against 4): the
+same fix for the list, whose gap also grows with the batch; at 16x the tokens per step that is still under an
+eighth of ``topk``'s bytes per token read at 1x."""
 ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow"}
 """A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what
 that setting buys (negative: the setting lowers the loss)."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
-                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1)}
+                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1),
+                                         "topk-dense": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
 picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the
 brief fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8
-values; PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio on plain seed 1's weights, the rest as ``tagc`` (their
+values; PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio and ``topk-dense``'s density on plain seed 1's weights,
+the rest as ``tagc`` and ``topk`` (their
 windows were drawn with replacement, so they differ from these). A method listed here gets a second verdict over
 its other seeds alone."""
 BEST = "best"
@@ -107,7 +114,10 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *((m, 1, "16x", BEST) for m in ("plain", "tagc")),
     *(("topk", seed, "16x", BEST) for seed in (0, 1, 2)),
     *((m, seed, "16x", BEST) for seed in (2, 3) for m in ("plain", "tagc")),
-    *(("int4", seed, "16x", BEST) for seed in (0, 1)),
+    ("int4", 0, "16x", BEST),
+    ("topk-dense", 2, "16x", BEST),
+    ("int4", 1, "16x", BEST),
+    ("topk-dense", 3, "16x", BEST),
     *(("tagc-brief", seed, "16x", BEST) for seed in (0, 1)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
@@ -117,12 +127,13 @@ first: ``tagc`` (``tagc.hook()``) and ``topk`` (the README's pick over it), then
 grows with the batch (``tagc-ratio2.25``, after the twelfth and thirteenth screens of ``docs/quality-diagnosis.md``),
 then the seeds no setting was picked on (:data:`TUNED_ON`), which alone say whether a pick holds, each seed's pairs
 before the next seed's; then the rest of the decision set (the brief's line, ``int4``, PowerSGD) on seeds whose plain
-runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since its
-pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which follow 1x's
-since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set in one call
-(``.gpu/quality.sh``); there ``int4`` comes before the brief's line, since the batch axis asks for it and not for
-the brief's line. Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict
-over every seed, not to the one over untuned seeds."""
+runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since
+its pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which
+follow 1x's since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set
+in one call (``.gpu/quality.sh``); there ``int4``'s seeds and ``topk-dense``'s (the list's fix for its own gap that
+grows with the batch) take turns, before the brief's line, since the batch axis asks for ``int4`` and not for the
+brief's line. Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over
+every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
