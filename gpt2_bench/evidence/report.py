@@ -371,8 +371,8 @@ def plot(runs: list[dict], path: Path) -> None:
             shown += [g for r in mine for g in (r["mean"], *r["gaps"])]
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
             label = f"{method} ({lr})" if lr.startswith("own") else method
-            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="o", label=label,
-                              color=_colour(method, lr.startswith("own")))
+            (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="s" if lr.startswith("own") else "o",
+                              label=label, color=_colour(method))
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.08)
             for seed in dict.fromkeys(seed for r in mine for seed in r["seeds"]):
@@ -411,9 +411,9 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _colour(method: str, own_lr: bool = False) -> str:
-    """The plot's colour of ``method`` (at plain's lr, or at its own), the same in every panel."""
-    return f"C{(list(METHODS).index(method) + (len(METHODS) if own_lr else 0)) % 10}"
+def _colour(method: str) -> str:
+    """The plot's colour of ``method``, the same in every panel and at its own lr (drawn with squares there)."""
+    return f"C{list(METHODS).index(method) % 10}"
 
 
 def rebuild(rows_dir: Path = ROWS) -> None:
