@@ -378,7 +378,7 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert lines[waiting[0] + 1] == "topk seed 2 1x at plain's best lr: waits for 1x's bracket"  # the README's pick
     assert lines[waiting[0] + 2] == "tagc seed 2 1x at plain's best lr: waits for 1x's bracket"
     later = lines.index("tagc seed 0 1x at plain's best lr: waits for 1x's bracket")  # after 16x, as queued
-    assert lines[later - 1] == "tagc-brief seed 1 16x at plain's best lr: waits for 16x's sweep"  # none at a guessed lr
+    assert lines[later - 1] == "topk-dense seed 3 4x at plain's best lr: waits for 4x's sweep"  # none at a guessed lr
     assert not [item for item in todo if item[2] == "16x" and item[0] != "plain"]
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
     assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"

@@ -119,6 +119,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     ("int4", 1, "16x", BEST),
     ("topk-dense", 3, "16x", BEST),
     *(("tagc-brief", seed, "16x", BEST) for seed in (0, 1)),
+    *(("topk-dense", seed, "4x", BEST) for seed in (2, 3)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
 """The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end
@@ -132,8 +133,8 @@ its pairs were the tighter and a 4x run exchanges a quarter as often, except ``t
 follow 1x's since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set
 in one call (``.gpu/quality.sh``); there ``int4``'s seeds and ``topk-dense``'s (the list's fix for its own gap that
 grows with the batch) take turns, before the brief's line, since the batch axis asks for ``int4`` and not for the
-brief's line. Last, seeds 0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over
-every seed, not to the one over untuned seeds."""
+brief's line; then ``topk-dense`` at 4x, on the seeds whose plain runs are made. Last, seeds 0 and 1 at 1x, the seeds
+that picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
