@@ -65,27 +65,23 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "topk-dense": ("`tagc.hook(codec=\"topk\", sparsity=0.3)`",
                    ["--compression", "non-attn", "--codec", "topk", "--sparsity", "0.3"]),
 }
-"""The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU,
-last), then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
+"""The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU, last),
+then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
 ``tagc.hook()``'s bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the
 thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
 fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line.
-``topk-dense`` sends 70% of each rank's entries where ``topk`` sends 35% (about 7.4 bits an element against 4): the
-same fix for the list, whose gap also grows with the batch; at 16x the tokens per step that is still under an
-eighth of ``topk``'s bytes per token read at 1x."""
+``topk-dense``, 70% of each rank's entries sent where ``topk`` sends 35%, is that fix for the list."""
 ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow"}
 """A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what
 that setting buys (negative: the setting lowers the loss)."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
-                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1),
-                                         "topk-dense": (0, 1)}
+                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1), "topk-dense": (0, 1)}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
-picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the
-brief fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8
-values; PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio and ``topk-dense``'s density on plain seed 1's weights,
-the rest as ``tagc`` and ``topk`` (their
-windows were drawn with replacement, so they differ from these). A method listed here gets a second verdict over
-its other seeds alone."""
+picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the brief
+fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8 values;
+PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio and ``topk-dense``'s density on plain seed 1's weights, the rest as
+``tagc`` and ``topk`` (their windows were drawn with replacement, so they differ from these). A method listed here
+gets a second verdict over its other seeds alone."""
 BEST = "best"
 """A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`). Until the sweep has finished
 (:func:`sweep_means`), and while its best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch
@@ -130,11 +126,9 @@ before the next seed's; then the rest of the decision set (the brief's line, ``i
 runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since
 its pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which
 follow 1x's since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set
-in one call (``.gpu/quality.sh``); there ``int4``'s first seed, then ``topk-dense``'s two (the list's fix for its own
-gap that grows with the batch), then ``int4``'s second, before the brief's line, since the batch axis asks for
-``int4`` and not for the brief's line; then ``topk-dense`` at 4x, on the seeds whose plain runs are made. Last, seeds
-0 and 1 at 1x, the seeds that picked those methods' settings: they add to the verdict over every seed, not to the one
-over untuned seeds."""
+in one call (``.gpu/quality.sh``); there ``int4`` and ``topk-dense`` (the list's fix for its gap) before the brief's
+line, which the batch axis does not ask for; then ``topk-dense`` at 4x. Last, seeds 0 and 1 at 1x, the seeds that
+picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
@@ -243,8 +237,7 @@ def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, pla
     kept = {"method": method, "seed": seed, "batch": batch, "lr": lr, "platform": platform, "steps": steps,
             "steps_done": done,
             "epoch_fraction": next((r["epoch_fraction"] for r in reversed(records) if "epoch_fraction" in r), None),
-            "wire_mb_per_step": wire_mb_per_step(records),
-            "sessions": sessions,
+            "wire_mb_per_step": wire_mb_per_step(records), "sessions": sessions,
             "val_loss": [[r["step"], r["val_loss"]] for r in records if "step" in r and "val_loss" in r],
             "train_loss": train}
     rows.parent.mkdir(parents=True, exist_ok=True)
@@ -319,8 +312,7 @@ def unfinished(rows_dir: Path = ROWS, platform: str = "cpu", waiting: bool = Fal
     rates = {}
     for batch in BATCHES:  # each batch's bracket and best once; the best waits while the sweep or a bracket is open
         edge = edge_lr(runs, batch)
-        waits = edge or sweep_means(runs, batch) is None
-        rates[batch] = {EDGE: edge, BEST: None if waits else best_lr(runs, batch)}
+        rates[batch] = {EDGE: edge, BEST: None if edge or sweep_means(runs, batch) is None else best_lr(runs, batch)}
     done: dict[tuple[str, int, str, str], set[str]] = {}
     for r in runs:
         if on_cpu(r) and complete(r) and not unsettled_resumes(r):
@@ -424,9 +416,7 @@ def interim_gap(records: Sequence[dict], plain: Path) -> str:
     """``", +1.57% to plain at step 1200"``: a trainer log's val loss at its newest evaluation that plain's kept
     curve (``plain``) also has, against plain's, so that a run in progress can be read before it is kept; ``""``
     where none is shared."""
-    if not plain.exists():
-        return ""
-    theirs = {step: loss for step, loss in json.loads(plain.read_text())["val_loss"]}
+    theirs = dict(map(tuple, json.loads(plain.read_text())["val_loss"])) if plain.exists() else {}
     ours = {r["step"]: r["val_loss"] for r in records if "val_loss" in r and r.get("step") in theirs}
     if not ours:
         return ""
@@ -434,23 +424,18 @@ def interim_gap(records: Sequence[dict], plain: Path) -> str:
     return f", {gap_percent(ours[step], theirs[step]):+.2f}% to plain at step {step + 1}"
 
 
-def queue(work: Path, rows_dir: Path = ROWS, parallel: int = 1, platform: Optional[str] = None) -> None:
-    """Run the queue's unfinished runs on this machine (``platform``, default :func:`cpu_platform`), ``parallel``
-    at a time, each resuming from its checkpoint, reading plain's best learning rate again after each round (a
-    batch's sweep decides the lr of the runs after it). One at a time by default: a run's two ranks fill two
-    cores, and a checkpoint does not outlive its machine, so a run that finishes within a session beats two that
-    are half done."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def queue(work: Path, rows_dir: Path = ROWS, platform: Optional[str] = None) -> None:
+    """Run the queue's unfinished runs on this machine (``platform``, default :func:`cpu_platform`) one at a time,
+    each resuming from its checkpoint, reading plain's best learning rate again after each (a batch's sweep decides
+    the lr of the runs after it). One at a time: a run's two ranks fill two cores, and a checkpoint does not outlive
+    its machine, so a run that finishes within a session beats two that are half done."""
     platform = platform or cpu_platform()
-    with ThreadPoolExecutor(parallel) as pool:
-        while todo := unfinished(rows_dir, platform)[:parallel]:
-            for item, done in zip(todo, pool.map(
-                    lambda item: run(*item, work=work, rows_dir=rows_dir, platform=platform), todo)):
-                print(f"kept {item}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
-                if done.get("steps_done") != done.get("steps"):
-                    raise RuntimeError(f"{item} stopped at step {done.get('steps_done')} of {done.get('steps')}: see "
-                                       f"its log under {work}, then run the queue again to resume it")
+    while todo := unfinished(rows_dir, platform):
+        done = run(*todo[0], work=work, rows_dir=rows_dir, platform=platform)
+        print(f"kept {todo[0]}: {done.get('steps_done')} of {done.get('steps')} steps", file=sys.stderr)
+        if done.get("steps_done") != done.get("steps"):
+            raise RuntimeError(f"{todo[0]} stopped at step {done.get('steps_done')} of {done.get('steps')}: see its "
+                               f"log under {work}, then run the queue again to resume it")
 
 
 def load(rows_dir: Path = ROWS) -> list[dict]:

@@ -34,8 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     go.epilog = ("after --: trainer arguments for where it runs, e.g. -- --device cuda-shared --dataset "
                  ".gpu/data/mix --max-time 420")
     line = sub.add_parser("queue", parents=[places],
-                          help="run the queue's unfinished runs in order, a few at a time, resuming each")
-    line.add_argument("--parallel", type=int, default=1, help="runs at once (default 1: two ranks per two cores)")
+                          help="run the queue's unfinished runs in order, one at a time, resuming each")
     line.add_argument("--list", action="store_true",
                       help="print the unfinished runs in order, how far each is and, for a method in progress, "
                            "its gap to plain's kept curve at their newest shared evaluation; then stop")
@@ -56,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lines = evidence.progress(Path(args.rows), evidence.cpu_platform(), Path(args.work))
         print("\n".join(lines) or "the queue is done")
     elif args.command == "queue":
-        evidence.queue(Path(args.work), Path(args.rows), args.parallel)
+        evidence.queue(Path(args.work), Path(args.rows))
     else:
         report.rebuild()
     return 0

@@ -7,6 +7,7 @@ checks that the written files match the kept ones.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -185,10 +186,9 @@ def doubling_line(points: Sequence[dict]) -> Optional[tuple[float, float]]:
     :data:`GPT2_TOKENS_PER_STEP`; None under two batches. Means only: the line has no interval."""
     if len({p["tokens_per_step"] for p in points}) < 2:
         return None
-    xs, ys = [math.log2(p["tokens_per_step"]) for p in points], [p["mean"] for p in points]
-    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
-    return y_mean + slope * (math.log2(GPT2_TOKENS_PER_STEP) - x_mean), slope
+    slope, intercept = statistics.linear_regression([math.log2(p["tokens_per_step"]) for p in points],
+                                                    [p["mean"] for p in points])
+    return intercept + slope * math.log2(GPT2_TOKENS_PER_STEP), slope
 
 
 def render_batch_axis(runs: list[dict]) -> list[str]:
@@ -365,6 +365,7 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(BATCHES) + 1, figsize=(16, 4))
+    colour = {method: f"C{k % 10}" for k, method in enumerate(METHODS)}  # alike in every panel and at a method's lr
     for ax, batch in zip(axes, BATCHES):
         shown = [0.0]  # what the panel spans: zero, the means and every seed's gap
         for (method, lr), mine in _series(decisions(runs, batch)).items():
@@ -372,7 +373,7 @@ def plot(runs: list[dict], path: Path) -> None:
             tokens = [(r["step"] + 1) * tokens_per_step(batch) / 1e6 for r in mine]
             label = f"{method} ({lr})" if lr.startswith("own") else method
             (line,) = ax.plot(tokens, [r["mean"] for r in mine], marker="s" if lr.startswith("own") else "o",
-                              label=label, color=_colour(method))
+                              label=label, color=colour[method])
             ax.fill_between(tokens, [r["low"] for r in mine], [r["high"] for r in mine], color=line.get_color(),
                             alpha=0.08)
             for seed in dict.fromkeys(seed for r in mine for seed in r["seeds"]):
@@ -392,7 +393,7 @@ def plot(runs: list[dict], path: Path) -> None:
             xs, ys = [p["tokens_per_step"] for p in mine], [p["mean"] for p in mine]
             spread = [[0 if math.isnan(p["low"]) else p["mean"] - p["low"] for p in mine],
                       [0 if math.isnan(p["high"]) else p["high"] - p["mean"] for p in mine]]
-            bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method, color=_colour(method))
+            bars = ax.errorbar(xs, ys, yerr=spread, marker="o", capsize=3, label=method, color=colour[method])
             ax.plot([p["tokens_per_step"] for p in mine for _ in p["gaps"]], [g for p in mine for g in p["gaps"]],
                     "x", color=bars[0].get_color(), alpha=0.7)
             if (line := doubling_line(mine)) is not None:
@@ -409,11 +410,6 @@ def plot(runs: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _colour(method: str) -> str:
-    """The plot's colour of ``method``, the same in every panel and at its own lr (drawn with squares there)."""
-    return f"C{list(METHODS).index(method) % 10}"
 
 
 def rebuild(rows_dir: Path = ROWS) -> None:
