@@ -129,9 +129,8 @@ class TrainConfig:
                   "blocks": "non_attention_block_linear"}[self.compression]
         codec = "plain" if self.compression == "none" else self.codec
         fields = spec(codec).config_fields
-        sketch = {name: value for name, value in (("ratio", self.ratio), ("index_bits", self.index_bits),
-                                                       ("sparsity", self.sparsity))
-                  if name in fields}
+        given = (("ratio", self.ratio), ("index_bits", self.index_bits), ("sparsity", self.sparsity))
+        sketch = {name: value for name, value in given if name in fields}
         return dict(select=select, min_compress_numel=self.min_compress_numel, dense_steps=self.dense_steps,
                     codec=codec, overlap=self.overlap, plain=self.plain, feedback=self.feedback,
                     feedback_decay=self.feedback_decay, hierarchy=self.hierarchy, **sketch,
