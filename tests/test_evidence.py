@@ -363,9 +363,11 @@ def test_a_run_trains_in_one_trainer_call_and_keeps_its_curve(tmp_path, monkeypa
 def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it(tmp_path):
     assert [evidence.lr_name(x) for x in (2.5e-4, 4e-3, 1.6e-2, 1e-3)] == ["2.5e-4", "4e-3", "1.6e-2", "1e-3"]
     _sweep(tmp_path, "1x", {"5e-4": 5.70, "1e-3": 5.71})
-    assert evidence.edge_lr(evidence.load(tmp_path), "1x") is None  # 2e-3 not yet run: no sweep result
+    # 2e-3 not yet run: no sweep result
+    assert evidence.edge_lr(evidence.sweep_means(evidence.load(tmp_path), "1x")) is None
     _sweep(tmp_path, "1x", {"2e-3": 6.06})
-    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "2.5e-4"  # the lowest rate is the best
+    # the lowest rate is the best
+    assert evidence.edge_lr(evidence.sweep_means(evidence.load(tmp_path), "1x")) == "2.5e-4"
     todo = evidence.unfinished(tmp_path)
     assert ("plain", 0, "1x", "2.5e-4") in todo and ("plain", 1, "1x", "2.5e-4") in todo
     assert not [item for item in todo if item[2] == "1x" and item[3] != "2.5e-4"]  # 1x's methods wait for it
@@ -381,13 +383,13 @@ def test_a_best_at_an_end_of_the_sweep_is_bracketed_before_the_methods_run_at_it
     assert lines[later - 1] == "topk-dense seed 3 4x at plain's best lr: waits for 4x's sweep"  # none at a guessed lr
     assert not [item for item in todo if item[2] == "16x" and item[0] != "plain"]
     _sweep(tmp_path, "1x", {"2.5e-4": 5.69})  # better again: one more halving
-    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "1.25e-4"
+    assert evidence.edge_lr(evidence.sweep_means(evidence.load(tmp_path), "1x")) == "1.25e-4"
     _sweep(tmp_path, "1x", {"1.25e-4": 5.75})  # bracketed: the methods go at 2.5e-4
     runs = evidence.load(tmp_path)
-    assert evidence.edge_lr(runs, "1x") is None and evidence.best_lr(runs, "1x") == "2.5e-4"
+    assert evidence.edge_lr(evidence.sweep_means(runs, "1x")) is None and evidence.best_lr(runs, "1x") == "2.5e-4"
     assert ("tagc", 0, "1x", "2.5e-4") in evidence.unfinished(tmp_path)
     _sweep(tmp_path, "4x", {"5e-4": 5.9, "1e-3": 5.8, "2e-3": 5.8})  # a tie at the top end is no edge
-    assert evidence.edge_lr(evidence.load(tmp_path), "4x") is None
+    assert evidence.edge_lr(evidence.sweep_means(evidence.load(tmp_path), "4x")) is None
     assert "| 1x | 1.25e-4 | 2 | cpu | 5.7550 |" in report.render_report(evidence.load(tmp_path))  # every rate run
 
 
@@ -396,7 +398,7 @@ def test_a_bracket_half_run_keeps_its_rate_until_every_seed_of_the_sweep_has_it(
     path = tmp_path / "1x" / "seed-0" / f"{evidence.run_name('plain', '2.5e-4')}.json"
     path.write_text(json.dumps({"method": "plain", "seed": 0, "batch": "1x", "lr": "2.5e-4", "steps": 2000,
                                 "steps_done": 2000, "val_loss": [[1999, 5.60]]}))  # seed 0 alone, far better
-    assert evidence.edge_lr(evidence.load(tmp_path), "1x") == "2.5e-4"
+    assert evidence.edge_lr(evidence.sweep_means(evidence.load(tmp_path), "1x")) == "2.5e-4"
     todo = evidence.unfinished(tmp_path)
     assert ("plain", 1, "1x", "2.5e-4") in todo and not [item for item in todo if item[3] == "1.25e-4"]
 
@@ -439,8 +441,9 @@ def test_a_cpu_run_pairs_with_plain_on_a_machine_that_computes_alike(tmp_path):
              "steps_done": 500, "val_loss": [[499, loss]]}
             for lr, loss, platform in (("5e-4", 5.76, "cpu"), ("1e-3", 5.86, "cpu"), ("2e-3", 6.0, "cpu-0a1b"),
                                        ("2.5e-4", 5.9, "cpu-0a1b"), ("5e-4", 5.70, "cpu-0a1b"))]
-    assert evidence.best_lr(four[:3], "4x") == "5e-4" and evidence.edge_lr(four[:3], "4x") == "2.5e-4"
-    assert evidence.best_lr(four, "4x") == "5e-4" and evidence.edge_lr(four, "4x") is None  # bracketed
+    assert evidence.best_lr(four[:3], "4x") == "5e-4" and evidence.best_lr(four, "4x") == "5e-4"
+    assert evidence.edge_lr(evidence.sweep_means(four[:3], "4x")) == "2.5e-4"
+    assert evidence.edge_lr(evidence.sweep_means(four, "4x")) is None  # bracketed
 
 
 def test_a_method_run_with_uncompressed_resumes_is_made_again_and_the_clean_pair_decides(tmp_path):

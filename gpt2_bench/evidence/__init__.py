@@ -311,8 +311,9 @@ def unfinished(rows_dir: Path = ROWS, platform: str = "cpu", waiting: bool = Fal
     runs = load(rows_dir)
     rates = {}
     for batch in BATCHES:  # each batch's bracket and best once; the best waits while the sweep or a bracket is open
-        edge = edge_lr(runs, batch)
-        rates[batch] = {EDGE: edge, BEST: None if edge or sweep_means(runs, batch) is None else best_lr(runs, batch)}
+        mean = sweep_means(runs, batch)
+        edge = edge_lr(mean)
+        rates[batch] = {EDGE: edge, BEST: None if edge or mean is None else best_lr(runs, batch)}
     done: dict[tuple[str, int, str, str], set[str]] = {}
     for r in runs:
         if on_cpu(r) and complete(r) and not unsettled_resumes(r):
@@ -350,11 +351,10 @@ def sweep_means(runs: list[dict], batch: str) -> Optional[dict[str, float]]:
             for lr in sorted(swept, key=float)}
 
 
-def edge_lr(runs: list[dict], batch: str) -> Optional[str]:
-    """Half plain's best learning rate at ``batch``, or twice it, while that best is the lowest or the highest rate
-    every seed of the sweep has finished (:func:`sweep_means`) and beats the rate next to it; None once the best
-    lies between two rates run, or before the sweep has finished."""
-    mean = sweep_means(runs, batch)
+def edge_lr(mean: Optional[dict[str, float]]) -> Optional[str]:
+    """Half plain's best learning rate, or twice it, while that best is the lowest or the highest rate of a
+    batch's sweep (``mean``: :func:`sweep_means`'s) and beats the rate next to it; None once the best lies between
+    two rates run, or before the sweep has finished (``mean`` None)."""
     if mean is None:
         return None
     swept = list(mean)
@@ -381,7 +381,7 @@ def progress(rows_dir: Path = ROWS, platform: str = "cpu", work: Optional[Path] 
     runs = load(rows_dir)
     waits_for = {}
     for batch in dict.fromkeys(item[2] for item in order if item[3] == BEST):
-        edge = edge_lr(runs, batch)
+        edge = edge_lr(sweep_means(runs, batch))
         waits_for[batch] = "bracket" if edge else "sweep"
         if edge is None:  # its sweep's runs come first in the queue
             continue
