@@ -113,6 +113,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     ("int4", 0, "16x", BEST),
     *(("topk-dense", seed, "16x", BEST) for seed in (2, 3)),
     ("int4", 1, "16x", BEST),
+    ("topk", 3, "16x", BEST),
     *(("tagc-brief", seed, "16x", BEST) for seed in (0, 1)),
     *(("topk-dense", seed, "4x", BEST) for seed in (2, 3)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
@@ -126,8 +127,9 @@ before the next seed's; then the rest of the decision set (the brief's line, ``i
 runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since
 its pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which
 follow 1x's since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set
-in one call (``.gpu/quality.sh``); there ``int4`` and ``topk-dense`` (the list's fix for its gap) before the brief's
-line, which the batch axis does not ask for; then ``topk-dense`` at 4x. Last, seeds 0 and 1 at 1x, the seeds that
+in one call (``.gpu/quality.sh``); there ``int4`` and ``topk-dense`` (the list's fix for its gap), then ``topk``'s
+fourth seed, which pairs the list with ``topk-dense`` on two seeds, before the brief's line, which the batch axis
+does not ask for; then ``topk-dense`` at 4x. Last, seeds 0 and 1 at 1x, the seeds that
 picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
