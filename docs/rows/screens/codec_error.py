@@ -1,16 +1,24 @@
-"""The twelfth screen (docs/quality-diagnosis.md): what each selection at ``tagc.hook()``'s bytes adds to the
-mean of two ranks' gradients, in units of that mean's minibatch noise, on real gradients at fixed weights.
+"""The twelfth to fourteenth screens (docs/quality-diagnosis.md): what each selection at ``tagc.hook()``'s bytes
+adds to the mean of the ranks' gradients (two, or ``--ranks``), in units of that mean's minibatch noise, on real
+gradients at fixed weights.
 
 A model of the codecs, not the codecs: selections are exact top-k per parameter (TAGC's peel decoded every
 entry in the decision runs), EF21 with shifts fading by 0.9 where a codec has feedback, values rounded as the
 wire would. Per step ``t``: ``error = ||estimate - mean||^2`` and ``noise = ||(g_0 - g_1) / 2||^2`` (the
-variance of the mean of two draws), over the parameters ``tagc.hook()`` compresses; the record is the median of
+variance of the mean of two draws; of ``N``: ``sum_r ||g_r - mean||^2 / (N (N - 1))``), over the parameters
+``tagc.hook()`` compresses; the record is the median of
 ``error / noise`` over the steps after the first third (EF21's shifts start at zero), and over those same steps the
 summed error against the summed noise, ``||sum_t (estimate - mean)||^2 / sum_t noise``: an error that points the
 same way step after step (what a fading shift or a stateless rounding's bias leaves out for good) grows in it with
 the steps, where a fresh, independent one does not.
 
     python docs/rows/screens/codec_error.py CHECKPOINT --batch 4 --steps 12 --json OUT.json [--screen density]
+    python docs/rows/screens/codec_error.py CHECKPOINT --screen group --ranks 8 --json OUT.json
+
+``--screen group``: ``tagc.hook()`` and ``tagc.hook(codec="topk")`` at the per-rank share they plan for ``--ranks``
+(:func:`tagc.sketch.plan_density` at ratio 4.5 and 1.2), beside ``int4``. Step ``s`` reads the same windows for
+every split of one global batch (``--ranks 8 --batch 4`` and ``--ranks 2 --batch 16``), so their mean and its
+noise are alike and only the split differs.
 
 ``CHECKPOINT``: a ``step-N`` directory a decision run left (``python -m gpt2_bench.evidence run ...`` keeps the
 last under ``bench_out/evidence/checkpoints``); its windows are seed 7's, a seed no decision judges.
@@ -26,6 +34,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from gpt2_bench.data import TokenData, prepare
 from gpt2_bench.model import GPT, GPTConfig
 from tagc.hooks.core.selection import non_attention_linear
+from tagc.sketch import plan_density
 
 FADING = 0.9
 BLOCK = 64
@@ -98,10 +107,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="windows of 128 tokens per rank (4: 1x, 16: 4x)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", required=True)
-    parser.add_argument("--screen", choices=sorted(SCREENS), default="support",
-                        help="which selections: the twelfth screen's (support, the default) or the thirteenth's")
+    parser.add_argument("--screen", choices=sorted(SCREENS) + ["group"], default="support",
+                        help="which selections: the twelfth screen's (support, the default), the thirteenth's, or "
+                             "the sparse codecs at the share they plan for --ranks (group)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks whose gradients are averaged")
     args = parser.parse_args()
-    selections = SCREENS[args.screen]
+    ranks = args.ranks
+    tagc, topk = plan_density(4.5, ranks), plan_density(1.2, ranks)
+    selections = SCREENS.get(args.screen) or {f"tagc: own top {tagc:.2%}, exact (ratio 4.5)": ("own", tagc, None),
+                                              f"topk-f8: own top {topk:.2%}, float8 (ratio 1.2)": ("own", topk, fp8),
+                                              "int4, no feedback": ("int4", None, None)}
     torch.set_num_threads(1)
     checkpoint = Path(args.checkpoint)
     saved = checkpoint.with_suffix(".pt")
@@ -113,7 +128,7 @@ def main() -> None:
     params = [p for n, p in model.named_parameters() if non_attention_linear(n, modules.get(n.rsplit(".", 1)[0]))]
     data = TokenData(prepare("mix", progress=False))
     start = int(checkpoint.name.rsplit("-", 1)[1])
-    shifts = {name: [[torch.zeros(p.numel()) for p in params] for _ in range(2)] for name in selections}
+    shifts = {name: [[torch.zeros(p.numel()) for p in params] for _ in range(ranks)] for name in selections}
     generator = torch.Generator().manual_seed(0)
     ratios = {name: [] for name in selections}
     settled = start + args.steps // 3
@@ -122,27 +137,28 @@ def main() -> None:
 
     def gradients(step: int, rank: int) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        x, y = data.train_batch(step, args.batch, 128, SEED, "cpu", rank, 2)
+        x, y = data.train_batch(step, args.batch, 128, SEED, "cpu", rank, ranks)
         model(x, y)[1].backward()
         return [p.grad.flatten().clone() for p in params]
 
     for step in range(start, start + args.steps):
-        grads = [gradients(step, rank) for rank in range(2)]
-        noise = sum(((a - b) / 2).pow(2).sum() for a, b in zip(*grads)).item()
+        grads = [gradients(step, rank) for rank in range(ranks)]
+        noise = sum(sum((g - sum(tup) / ranks).pow(2).sum() for g in tup) for tup in zip(*grads)).item()
+        noise /= ranks * (ranks - 1)
         summed_noise += noise if step >= settled else 0.0
         for name, (kind, share, rounding) in selections.items():
             error = 0.0
             for j, pair in enumerate(zip(*grads)):
                 if kind == "int4":
-                    estimate = sum(int4(g, generator) for g in pair) / 2
+                    estimate = sum(int4(g, generator) for g in pair) / ranks
                 else:
                     h = shifts[name]
-                    changes = [pair[r] - FADING * h[r][j] for r in range(2)]
+                    changes = [pair[r] - FADING * h[r][j] for r in range(ranks)]
                     for r, mask in enumerate(masks(kind, changes, share)):
                         sent = torch.where(mask, changes[r], 0.0)
                         h[r][j] = FADING * h[r][j] + (torch.where(mask, rounding(sent), 0.0) if rounding else sent)
-                    estimate = (h[0][j] + h[1][j]) / 2
-                off = estimate - (pair[0] + pair[1]) / 2
+                    estimate = sum(h[r][j] for r in range(ranks)) / ranks
+                off = estimate - sum(pair) / ranks
                 error += off.pow(2).sum().item()
                 if step >= settled:
                     summed[name][j] += off
@@ -150,7 +166,7 @@ def main() -> None:
         print(step, " ".join(f"{r[-1]:.3f}" for r in ratios.values()), flush=True)
     kept = slice(settled - start, None)
     record = {"checkpoint": checkpoint.name, "batch": args.batch, "steps": args.steps, "seed": SEED,
-              "screen": args.screen,
+              "screen": args.screen, "ranks": ranks,
               "median_error_over_noise": {name: sorted(r[kept])[len(r[kept]) // 2] for name, r in ratios.items()},
               "summed_error_over_summed_noise": {name: sum(e.pow(2).sum().item() for e in summed[name]) / summed_noise
                                                  for name in selections},
