@@ -71,7 +71,7 @@ then an ablation: run name -> (what users call, the trainer's flags). ``tagc-rat
 thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
 fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line.
 ``topk-dense``, 70% of each rank's entries sent where ``topk`` sends 35%, is that fix for the list."""
-ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow"}
+ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow", "topk-dense": "topk"}
 """A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what
 that setting buys (negative: the setting lowers the loss)."""
 TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
