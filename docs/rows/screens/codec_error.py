@@ -142,23 +142,24 @@ def main() -> None:
         return [p.grad.flatten().clone() for p in params]
 
     for step in range(start, start + args.steps):
-        grads = [gradients(step, rank) for rank in range(ranks)]
-        noise = sum(sum((g - sum(tup) / ranks).pow(2).sum() for g in tup) for tup in zip(*grads)).item()
+        per_param = list(zip(*(gradients(step, rank) for rank in range(ranks))))  # each parameter: one per rank
+        means = [sum(per_rank) / ranks for per_rank in per_param]
+        noise = sum(sum((g - mean).pow(2).sum() for g in per_rank) for per_rank, mean in zip(per_param, means)).item()
         noise /= ranks * (ranks - 1)
         summed_noise += noise if step >= settled else 0.0
         for name, (kind, share, rounding) in selections.items():
             error = 0.0
-            for j, pair in enumerate(zip(*grads)):
+            for j, per_rank in enumerate(per_param):
                 if kind == "int4":
-                    estimate = sum(int4(g, generator) for g in pair) / ranks
+                    estimate = sum(int4(g, generator) for g in per_rank) / ranks
                 else:
                     h = shifts[name]
-                    changes = [pair[r] - FADING * h[r][j] for r in range(ranks)]
+                    changes = [per_rank[r] - FADING * h[r][j] for r in range(ranks)]
                     for r, mask in enumerate(masks(kind, changes, share)):
                         sent = torch.where(mask, changes[r], 0.0)
                         h[r][j] = FADING * h[r][j] + (torch.where(mask, rounding(sent), 0.0) if rounding else sent)
                     estimate = sum(h[r][j] for r in range(ranks)) / ranks
-                off = estimate - sum(pair) / ranks
+                off = estimate - means[j]
                 error += off.pow(2).sum().item()
                 if step >= settled:
                     summed[name][j] += off
