@@ -528,6 +528,22 @@ def test_each_method_runs_the_hook_its_name_says_users_call(method, tmp_path):
     assert cfg.feedback_decay_follows_lr == ("hook.follow_lr(optimizer)" in described)
 
 
+@pytest.mark.parametrize("batch", list(evidence.BATCHES))
+def test_a_run_on_more_ranks_reads_plains_global_batch(batch, tmp_path):
+    """``topk-4ranks`` pairs with plain on 2 ranks: four ranks, each with half plain's windows per step, the same
+    steps and evaluations."""
+    from gpt2_bench.config import build_parser, config_from_args
+
+    def cfg(method):
+        return config_from_args(build_parser().parse_args(evidence.trainer_argv(method, 0, batch, "5e-4", tmp_path,
+                                                                               tmp_path / "checkpoints")))
+
+    plain, four = cfg("plain"), cfg("topk-4ranks")
+    assert (plain.world, four.world) == (2, 4)
+    assert four.batch_size * four.world == plain.batch_size * plain.world == evidence.BATCHES[batch] * 2
+    assert (four.steps, four.eval_interval) == (plain.steps, plain.eval_interval) == evidence.schedule(batch)
+
+
 def test_pairs_at_a_rate_the_sweep_left_are_kept_as_a_record_not_a_decision(tmp_path):
     """Plain's best moves (the bracket below the sweep wins, on another machine) after topk ran at the old best:
     topk's pairs there leave the decisions and the README, and stay in docs/evidence.md's record, against plain at

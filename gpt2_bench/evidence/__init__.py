@@ -1,27 +1,25 @@
 """The loss evidence: the decision runs, their curves kept in ``docs/rows/evidence``, and the one command that
 rebuilds every quality number of the README and ``docs/evidence.md`` from those files.
 
-The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks, the ``mix`` corpus read without replacement
-(:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by every seed, method and
-batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of 1,024 tokens, 500
-of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning rate, run
-where the arithmetic comes out the same (:func:`cpu_platform`: a CPU's runs are named by the machine's numerics
-fingerprint and pair only within it, so a pair may span sessions on machines that share it; a GPU's, in bf16
+The protocol (``PROTOCOL``): GPT-2 ``small`` under DDP on 2 ranks (:data:`RANKS`: the runs on more), the ``mix`` corpus
+read without replacement (:meth:`gpt2_bench.data.TokenData.train_batch`), one eval set of 131,072 val tokens shared by
+every seed, method and batch (evaluated every 200 steps at 1x), and the same token budget at every batch: 2,000 steps of
+1,024 tokens, 500 of 4,096, 125 of 16,384. A decision pairs a method with plain DDP of the same seed, batch and learning
+rate, run where the arithmetic comes out the same (:func:`cpu_platform`: a CPU's runs are named by the machine's
+numerics fingerprint and pair only within it, so a pair may span sessions on machines that share it; a GPU's, in bf16
 autocast, keep ``-gpu`` files and pair only with each other, their seeds marked ``g``): each seed gives one gap (the
-method's val loss over plain's, minus 1), and the verdict is the 95% t-interval of the mean gap over seeds. "Within
-X%" means the interval's upper end is below X; an interval that holds 0 is a tie. Plain's learning rate is the one
-of the sweep (``plain`` at several ``--lr``) with the lowest mean final loss, bracketed (a best at an end of the
-sweep adds the rate one doubling past it, :data:`EDGE`), and every method is judged at it. A method whose settings
-earlier screens picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone. A method
-exchanges every step after step 0 compressed, a resumed one too (the trainer settles DDP's buckets first); the runs
-resumed before it did count their uncompressed steps (:func:`unsettled_resumes`, in the report), and the queue
-makes them again.
+method's val loss over plain's, minus 1), and the verdict is the 95% t-interval of the mean gap over seeds. "Within X%"
+means the interval's upper end is below X; an interval that holds 0 is a tie. Plain's learning rate is the one of the
+sweep (``plain`` at several ``--lr``) with the lowest mean final loss, bracketed (a best at an end of the sweep adds the
+rate one doubling past it, :data:`EDGE`), and every method is judged at it. A method whose settings earlier screens
+picked on some seeds (:data:`TUNED_ON`) gets a second verdict over its other seeds alone. A method exchanges every step
+after step 0 compressed, a resumed one too (the trainer settles DDP's buckets first); the runs resumed before it did
+count their uncompressed steps (:func:`unsettled_resumes`, in the report), and the queue makes them again.
 
 ``python -m gpt2_bench.evidence run METHOD --seed S [--batch 4x] [--lr 2e-3]`` trains one run in one process,
-checkpointing at every evaluation, so that a stopped run resumes where it was (``--resume`` from its checkpoint),
-and writes its curve file, to be committed at once;
-``python -m gpt2_bench.evidence rebuild`` remakes ``docs/evidence.md``, its plot and the README's quality block
-(:mod:`gpt2_bench.evidence.report`; the command line: ``__main__.py``);
+checkpointing at every evaluation, so that a stopped run resumes where it was (``--resume`` from its checkpoint), and
+writes its curve file, to be committed at once; ``python -m gpt2_bench.evidence rebuild`` remakes ``docs/evidence.md``,
+its plot and the README's quality block (:mod:`gpt2_bench.evidence.report`; the command line: ``__main__.py``);
 ``tests/test_evidence.py`` checks that they match the kept files.
 """
 
@@ -39,7 +37,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ROOT / "docs" / "rows" / "evidence"
 
-PROTOCOL = ["--preset", "small", "--integration", "ddp", "--dataset", "mix", "--block-size", "128", "--world", "2",
+PROTOCOL = ["--preset", "small", "--integration", "ddp", "--dataset", "mix", "--block-size", "128",
             "--eval-tokens", "131072", "--threads", "1"]
 TOKENS = 2000 * 4 * 128 * 2
 """The token budget of every run, whatever its batch."""
@@ -64,32 +62,36 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", TAGC_FLAGS),
     "topk-dense": ("`tagc.hook(codec=\"topk\", sparsity=0.3)`",
                    ["--compression", "non-attn", "--codec", "topk", "--sparsity", "0.3"]),
+    "topk-4ranks": ("`tagc.hook(codec=\"topk\")` on four ranks", ["--compression", "non-attn", "--codec", "topk"]),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU, last),
-then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice
-``tagc.hook()``'s bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the
-thirteenth screen of ``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed
-fading, the run that says whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line.
-``topk-dense``, 70% of each rank's entries sent where ``topk`` sends 35%, is that fix for the list."""
+then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s
+bytes per exchange, still half its bytes per token read at 4x the tokens per step: the fix the thirteenth screen of
+``docs/quality-diagnosis.md`` points to. ``tagc-no-follow`` is ``tagc.hook()`` with its fixed fading, the run that says
+whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line. ``topk-dense``, 70% of each
+rank's entries sent where ``topk`` sends 35%, is that fix for the list."""
+RANKS: dict[str, int] = {"topk-4ranks": 4}
+"""A method run on more ranks than the protocol's 2, at plain's global batch (each rank reads its share of the same
+windows), so that it pairs with plain on 2 ranks: the sparse codecs' share per rank falls with the group."""
 ABLATIONS: dict[str, str] = {"tagc": "tagc-no-follow", "topk-dense": "topk"}
-"""A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what
-that setting buys (negative: the setting lowers the loss)."""
-TUNED_ON: dict[str, tuple[int, ...]] = {"tagc": (0, 1), "tagc-brief": (0, 1), "topk": (0, 1), "powersgd-r16": (0,),
-                                         "tagc-ratio2.25": (0, 1), "tagc-no-follow": (0, 1), "topk-dense": (0, 1)}
+"""A method -> the same method with one setting left out: the method's paired gap over it, seed by seed, is what that
+setting buys (negative: the setting lowers the loss)."""
+TUNED_ON: dict[str, tuple[int, ...]] = {"powersgd-r16": (0,), **dict.fromkeys(
+    ("tagc", "tagc-brief", "topk", "tagc-ratio2.25", "tagc-no-follow", "topk-dense", "topk-4ranks"), (0, 1))}
 """The seeds whose model initialisation (``torch.manual_seed(seed)``, here as then) the earlier protocol's screens
 picked a method's settings on: ratio 4.5, fading 0.9 and ``follow_lr``; ``tagc-brief``'s fading and wire (the brief
 fixes its ratio and index, and ``tagc.hook()``'s defaults give the rest); ``topk``'s ratio 1.2 and float8 values;
 PowerSGD's rank 16; ``tagc-ratio2.25``'s ratio and ``topk-dense``'s density on plain seed 1's weights, the rest as
-``tagc`` and ``topk`` (their windows were drawn with replacement, so they differ from these). A method listed here
-gets a second verdict over its other seeds alone."""
+``tagc`` and ``topk`` (their windows were drawn with replacement, so they differ from these). A method listed here gets
+a second verdict over its other seeds alone."""
 BEST = "best"
 """A queue item's learning rate meaning plain's best at its batch (:func:`best_lr`). Until the sweep has finished
 (:func:`sweep_means`), and while its best is at one of its ends (:data:`EDGE`), the items at ``BEST`` of that batch
 wait."""
 EDGE = "edge"
 """A queue item's learning rate meaning the rate one doubling past plain's best at its batch while that best is the
-lowest or the highest rate swept (:func:`edge_lr`): a best at an end of the sweep is not yet bracketed. The item
-drops out of the queue once the best is bracketed."""
+lowest or the highest rate swept (:func:`edge_lr`): a best at an end of the sweep is not yet bracketed. The item drops
+out of the queue once the best is bracketed."""
 QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("plain", seed, "1x", lr) for seed in (0, 1) for lr in ("1e-3", "5e-4", "2e-3")),
     *(("plain", 0, "4x", lr) for lr in (*LRS, EDGE)),
@@ -114,23 +116,20 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("topk-dense", seed, "16x", BEST) for seed in (2, 3)),
     ("int4", 1, "16x", BEST),
     ("topk", 3, "16x", BEST),
+    *(("topk-4ranks", seed, "16x", BEST) for seed in (2, 3)),
     *(("tagc-brief", seed, "16x", BEST) for seed in (0, 1)),
     *(("topk-dense", seed, "4x", BEST) for seed in (2, 3)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
 )
-"""The CPU's order of work (``queue``): each batch's learning-rate sweep, bracketed where its best is at an end
-(:data:`EDGE`), before the methods judged at its best (:data:`BEST`). Within a batch, the pairs that decide most come
-first: ``tagc`` (``tagc.hook()``) and ``topk`` (the README's pick over it), then the candidate fix for the gap that
-grows with the batch (``tagc-ratio2.25``, after the twelfth and thirteenth screens of ``docs/quality-diagnosis.md``),
-then the seeds no setting was picked on (:data:`TUNED_ON`), which alone say whether a pick holds, each seed's pairs
-before the next seed's; then the rest of the decision set (the brief's line, ``int4``, PowerSGD) on seeds whose plain
-runs are made, and the ``follow_lr`` ablation on the defaults' four seeds. 4x comes before 1x's untuned seeds, since
-its pairs were the tighter and a 4x run exchanges a quarter as often, except ``tagc``'s untuned 4x seeds, which
-follow 1x's since its tuned ones there already gave a verdict; 16x comes after, since a lent GPU runs its whole set
-in one call (``.gpu/quality.sh``); there ``int4`` and ``topk-dense`` (the list's fix for its gap), then ``topk``'s
-fourth seed, which pairs the list with ``topk-dense`` on two seeds, before the brief's line, which the batch axis
-does not ask for; then ``topk-dense`` at 4x. Last, seeds 0 and 1 at 1x, the seeds that
-picked those methods' settings: they add to the verdict over every seed, not to the one over untuned seeds."""
+"""The CPU's order of work (``queue``): at each batch, plain's learning-rate sweep, bracketed where its best is at an
+end (:data:`EDGE`), before the methods judged at its best (:data:`BEST`); of those, the pairs that decide most first:
+``tagc`` and ``topk`` (the README's pick over it), the candidate fixes for the gap that grows with the batch
+(``tagc-ratio2.25``, ``topk-dense``: the twelfth and thirteenth screens of ``docs/quality-diagnosis.md``) and the seeds
+no setting was picked on (:data:`TUNED_ON`), then the rest of the decision set and the ablations. 4x before 1x's untuned
+seeds (its pairs were the tighter), 16x after (a lent GPU runs its whole set in one call, ``.gpu/quality.sh``), where
+the list on four ranks (the fourteenth screen's question, in the loss) goes before the brief's line, which the batch
+axis does not ask for. Last, seeds 0 and 1 at 1x, which picked those settings: they add to the verdict over every seed,
+not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
@@ -213,10 +212,11 @@ def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, che
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     steps, interval = schedule(batch)
-    return [*PROTOCOL, *METHODS[method][1], "--batch-size", str(BATCHES[batch]), "--steps", str(steps),
-            "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name", run_name(method, lr, platform),
-            "--out-dir", str(out_dir), "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", str(interval),
-            "--keep-checkpoints", "1", "--resume"]
+    world = RANKS.get(method, 2)
+    return [*PROTOCOL, *METHODS[method][1], "--world", str(world), "--batch-size", str(BATCHES[batch] * 2 // world),
+            "--steps", str(steps), "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name",
+            run_name(method, lr, platform), "--out-dir", str(out_dir), "--checkpoint-dir", str(checkpoint_dir),
+            "--checkpoint-every", str(interval), "--keep-checkpoints", "1", "--resume"]
 
 
 def keep(log: Path, rows: Path, method: str, seed: int, batch: str, lr: str, platform: str = "cpu") -> dict:
