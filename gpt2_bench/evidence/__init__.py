@@ -116,7 +116,7 @@ QUEUE: tuple[tuple[str, int, str, str], ...] = (
     *(("topk-dense", seed, "16x", BEST) for seed in (2, 3)),
     ("int4", 1, "16x", BEST),
     ("topk", 3, "16x", BEST),
-    *(("topk-4ranks", seed, "16x", BEST) for seed in (2, 3)),
+    *(("topk-4ranks", seed, "4x", BEST) for seed in (2, 3)),
     *(("tagc-brief", seed, "16x", BEST) for seed in (0, 1)),
     *(("topk-dense", seed, "4x", BEST) for seed in (2, 3)),
     *((m, seed, "1x", BEST) for seed in (0, 1) for m in ("tagc", "topk", "tagc-brief")),
@@ -126,10 +126,10 @@ end (:data:`EDGE`), before the methods judged at its best (:data:`BEST`); of tho
 ``tagc`` and ``topk`` (the README's pick over it), the candidate fixes for the gap that grows with the batch
 (``tagc-ratio2.25``, ``topk-dense``: the twelfth and thirteenth screens of ``docs/quality-diagnosis.md``) and the seeds
 no setting was picked on (:data:`TUNED_ON`), then the rest of the decision set and the ablations. 4x before 1x's untuned
-seeds (its pairs were the tighter), 16x after (a lent GPU runs its whole set in one call, ``.gpu/quality.sh``), where
-the list on four ranks (the fourteenth screen's question, in the loss) goes before the brief's line, which the batch
-axis does not ask for. Last, seeds 0 and 1 at 1x, which picked those settings: they add to the verdict over every seed,
-not to the one over untuned seeds."""
+seeds (its pairs were the tighter), 16x after (a lent GPU runs its whole set in one call, ``.gpu/quality.sh``), then the
+list on four ranks at 4x (the fourteenth screen's question, in the loss; at 16x four ranks outgrow this CPU's memory)
+before the brief's line at 16x, which the batch axis does not ask for. Last, seeds 0 and 1 at 1x, which picked those
+settings: they add to the verdict over every seed, not to the one over untuned seeds."""
 
 
 def schedule(batch: str) -> tuple[int, int]:
