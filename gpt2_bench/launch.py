@@ -133,10 +133,9 @@ def _run_once(cfg: TrainConfig, data_dir: Optional[str], link: Optional[str]) ->
 
 
 def _wait(launch: Launch, cfg: TrainConfig) -> None:
-    """Wait for the ranks. When one fails, torchrun stops the others (the other hosts' ranks notice
-    within the group timeout); the error names the first rank that failed and the newest complete
-    checkpoint. With ``max_time_s`` the ranks stop themselves; a backstop kills them a group
-    timeout later."""
+    """Wait for the ranks. When one fails, torchrun stops the others (the other hosts' ranks notice within the group
+    timeout); the error names the first rank that failed and the newest complete checkpoint. With ``max_time_s`` the
+    ranks stop themselves; a backstop kills them a group timeout later."""
     deadline = None if cfg.max_time_s is None else cfg.max_time_s + cfg.group_timeout_s + 120
     try:
         launch.wait(deadline_s=deadline, grace_s=cfg.group_timeout_s, what="training ranks")

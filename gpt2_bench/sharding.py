@@ -45,9 +45,8 @@ def hsdp_mesh(cfg: TrainConfig, world: int, device):
 
 
 def shard(model, cfg: TrainConfig, world: int, device=None):
-    """Wrap ``model`` with the chosen FSDP flavour (or DDP: :mod:`gpt2_bench.layout_ddp`) and install the comm
-    hook; returns (model, hook). ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get
-    its type."""
+    """Wrap ``model`` with the chosen FSDP flavour (or DDP: :mod:`gpt2_bench.layout_ddp`) and install the comm hook;
+    returns (model, hook). ``model`` is already on ``device`` (default: the CPU); the mesh and FSDP1 get its type."""
     import torch
 
     device = torch.device("cpu") if device is None else torch.device(device)
