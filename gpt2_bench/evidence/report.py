@@ -259,9 +259,9 @@ def render_report(runs: list[dict]) -> str:
               "picked on (`TUNED_ON` in `gpt2_bench.evidence`): their count, mean [interval] and verdict.", "",
               *_verdicts("method", [row for batch in BATCHES for row in decisions(runs, batch)])]
     lines += ["", "## What a setting buys", "",
-              "A method against the same method with one setting left out (`ABLATIONS` in `gpt2_bench.evidence`), "
-              "on the same seed, machine and lr: the gap is the method's val loss over the variant's, in %; *ahead* "
-              "means the setting lowers the loss, a *tie* that the seeds cannot tell.", "",
+              "A method against the same method with one setting left out or on two ranks (`ABLATIONS` in "
+              "`gpt2_bench.evidence`), on the same seed, machine and lr: the gap is the method's val loss over the "
+              "variant's, in %; *ahead* means the setting lowers the loss, a *tie* that the seeds cannot tell.", "",
               *_verdicts("method over variant", [row for batch in BATCHES for row in ablations(runs, batch)])]
     lines += ["", "## Pairs at a rate that is not plain's best", "",
               "A method paired with plain at the same lr, where that lr is not plain's best at its batch (the sweep "
