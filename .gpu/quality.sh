@@ -24,8 +24,8 @@ BATCH=${BATCH:-16x}
 LR=${LR:-"2.5e-4 5e-4 1e-3"}
 SEEDS=${SEEDS:-0}
 RUNS=${RUNS:-"plain tagc"}
-THEN=${THEN-"topk:0 plain:1 tagc:1 topk:1 plain:2 tagc:2 topk:2 plain:3 tagc:3 topk:3 int4:0 int4:1 topk-dense:2 topk-dense:3 topk-4ranks:2 topk-4ranks:3
-tagc-brief:0 tagc-brief:1 tagc-brief:2 tagc-brief:3 powersgd-r16:0 powersgd-r16:1 tagc-ratio2.25:0 tagc-ratio2.25:1"}
+THEN=${THEN-"topk:0 plain:1 tagc:1 topk:1 plain:2 tagc:2 topk:2 plain:3 tagc:3 topk:3 int4:0 int4:1 topk-dense:2 topk-dense:3
+topk-4ranks:2 topk-4ranks:3 topk-4ranks-share:2 topk-4ranks-share:3 tagc-brief:0 tagc-brief:1 tagc-brief:2 tagc-brief:3 powersgd-r16:0 powersgd-r16:1 tagc-ratio2.25:0 tagc-ratio2.25:1"}
 THEN=$(echo $THEN)  # one line: python reads it inside a string literal
 JOBS=${JOBS:-6}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
