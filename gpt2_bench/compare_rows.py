@@ -1,7 +1,6 @@
 """The compare's rows (:class:`Row`: one timed run, the summary fields the reports read, the compare's own, and the
-figures :func:`add_method_columns` works out against the baselines; the summary's other fields in
-:attr:`Row.extra`), and their JSON (``--json``: :func:`write_rows`).
-"""
+figures :func:`add_method_columns` works out against the baselines; the summary's other fields in :attr:`Row.extra`),
+and their JSON (``--json``: :func:`write_rows`)."""
 
 from __future__ import annotations
 

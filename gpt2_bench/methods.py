@@ -1,9 +1,8 @@
 """The methods the compare puts side by side (:data:`METHODS`): what a user would pick instead of TAGC, each a
-:class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed and transport, so only the gradient
-codec differs; :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts'. The dense warm-up goes to every codec with
-error feedback; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every method that gathers
-parameters alike. The list and what each is: docs/results.md, "Who wins at which share".
-"""
+:class:`~gpt2_bench.config.TrainConfig` change on the same model, tokens, seed and transport, so only the gradient codec
+differs; :data:`LAYOUT_METHODS` adds the DDP and HSDP layouts'. The dense warm-up goes to every codec with error
+feedback; no method sets ``param_dtype``, so the compare's ``--param-dtype`` reaches every method that gathers
+parameters alike. The list and what each is: docs/results.md, "Who wins at which share"."""
 
 from __future__ import annotations
 

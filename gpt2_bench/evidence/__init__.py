@@ -39,7 +39,9 @@ ROWS = ROOT / "docs" / "rows" / "evidence"
 
 PROTOCOL = ["--preset", "small", "--integration", "ddp", "--dataset", "mix", "--block-size", "128",
             "--eval-tokens", "131072", "--threads", "1"]
-TOKENS = 2000 * 4 * 128 * 2
+WORLD = 2
+"""The protocol's ranks; each rank reads its share of a step's windows (:data:`RANKS`: the methods run on more)."""
+TOKENS = 2000 * 4 * 128 * WORLD
 """The token budget of every run, whatever its batch."""
 BATCHES = {"1x": 4, "4x": 16, "16x": 64}
 """Per-rank batch (windows of 128 tokens) at 1x, 4x and 16x the tokens per step."""
@@ -48,23 +50,23 @@ EVALUATIONS = 10
 LRS = ("5e-4", "1e-3", "2e-3")
 """Plain's learning-rate sweep."""
 TAGC_FLAGS = ["--compression", "non-attn", "--codec", "tagc"]
-"""The trainer's flags for ``tagc.hook()``; a variant adds its own (``--feedback-decay-follows-lr``: ``follow_lr``)."""
+TOPK_FLAGS = ["--compression", "non-attn", "--codec", "topk"]
+"""The trainer's flags for ``tagc.hook()`` and ``tagc.hook(codec="topk")``; a variant adds its own."""
 METHODS: dict[str, tuple[str, list[str]]] = {
     "plain": ("plain DDP", ["--compression", "none", "--transport", "gloo"]),
     "tagc": ("`tagc.hook()` + `hook.follow_lr(optimizer)`", [*TAGC_FLAGS, "--feedback-decay-follows-lr"]),
     "tagc-brief": ("`tagc.hook(ratio=10, index_bits=1)`", [*TAGC_FLAGS, "--ratio", "10", "--index-bits", "1"]),
     "int4": ("`tagc.hook(codec=\"int4\", select=\"all\")`", ["--compression", "all", "--codec", "int4"]),
-    "topk": ("`tagc.hook(codec=\"topk\")`", ["--compression", "non-attn", "--codec", "topk"]),
+    "topk": ("`tagc.hook(codec=\"topk\")`", TOPK_FLAGS),
     "powersgd-r16": ("PowerSGD rank 16 (`tagc.hook(codec=\"powersgd\", select=\"all\", rank=16)`)",
                      ["--compression", "all", "--codec", "powersgd", "--codec-option", "rank=16"]),
     "tagc-ratio2.25": ("`tagc.hook(ratio=2.25)` + `hook.follow_lr(optimizer)`",
                        [*TAGC_FLAGS, "--feedback-decay-follows-lr", "--ratio", "2.25"]),
     "tagc-no-follow": ("`tagc.hook()` without `hook.follow_lr`", TAGC_FLAGS),
-    "topk-dense": ("`tagc.hook(codec=\"topk\", sparsity=0.3)`",
-                   ["--compression", "non-attn", "--codec", "topk", "--sparsity", "0.3"]),
-    "topk-4ranks": ("`tagc.hook(codec=\"topk\")` on four ranks", ["--compression", "non-attn", "--codec", "topk"]),
+    "topk-dense": ("`tagc.hook(codec=\"topk\", sparsity=0.3)`", [*TOPK_FLAGS, "--sparsity", "0.3"]),
+    "topk-4ranks": ("`tagc.hook(codec=\"topk\")` on four ranks", TOPK_FLAGS),
     "topk-4ranks-share": ("`tagc.hook(codec=\"topk\", sparsity=0.645)` on four ranks",
-                          ["--compression", "non-attn", "--codec", "topk", "--sparsity", "0.645"]),
+                          [*TOPK_FLAGS, "--sparsity", "0.645"]),
 }
 """The decision set, then a candidate fix for the gap that grows with the batch (at 4x on a CPU; at 16x on a GPU, last),
 then an ablation: run name -> (what users call, the trainer's flags). ``tagc-ratio2.25`` sends twice ``tagc.hook()``'s
@@ -73,9 +75,8 @@ bytes per exchange, still half its bytes per token read at 4x the tokens per ste
 whether ``hook.follow_lr(optimizer)``, which the README shows with it, earns its line. ``topk-dense``, 70% of each
 rank's entries sent where ``topk`` sends 35%, is that fix for the list."""
 RANKS: dict[str, int] = {"topk-4ranks": 4, "topk-4ranks-share": 4}
-"""A method run on more ranks than the protocol's 2, at plain's global batch (each rank reads its share of the same
-windows), so that it pairs with plain on 2 ranks: the sparse codecs' share per rank falls with the group;
-``topk-4ranks-share`` keeps the two-rank share (the known issue's workaround)."""
+"""A method run on more ranks than :data:`WORLD`, at plain's global batch, so that it pairs with plain: the sparse
+codecs' share per rank falls with the group; ``topk-4ranks-share`` keeps the two-rank share (the known issue's fix)."""
 ABLATIONS = {"tagc": "tagc-no-follow", "topk-dense": "topk", "topk-4ranks": "topk", "topk-4ranks-share": "topk-4ranks"}
 """A method -> the same method with one setting left out (or two ranks for four): the method's paired gap over it, seed
 by seed, is what that setting buys (negative: the setting lowers the loss)."""
@@ -140,7 +141,7 @@ def schedule(batch: str) -> tuple[int, int]:
     """``(steps, eval interval)`` of ``batch`` at the fixed token budget."""
     if batch not in BATCHES:
         raise ValueError(f"batch must be one of {sorted(BATCHES)}, got {batch!r}")
-    steps = TOKENS // (BATCHES[batch] * 128 * 2)
+    steps = TOKENS // (BATCHES[batch] * 128 * WORLD)
     return steps, steps // EVALUATIONS
 
 
@@ -216,8 +217,8 @@ def trainer_argv(method: str, seed: int, batch: str, lr: str, out_dir: Path, che
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     steps, interval = schedule(batch)
-    world = RANKS.get(method, 2)
-    return [*PROTOCOL, *METHODS[method][1], "--world", str(world), "--batch-size", str(BATCHES[batch] * 2 // world),
+    world = RANKS.get(method, WORLD)
+    return [*PROTOCOL, *METHODS[method][1], "--world", str(world), "--batch-size", str(BATCHES[batch] * WORLD // world),
             "--steps", str(steps), "--eval-interval", str(interval), "--lr", lr, "--seed", str(seed), "--name",
             run_name(method, lr, platform), "--out-dir", str(out_dir), "--checkpoint-dir", str(checkpoint_dir),
             "--checkpoint-every", str(interval), "--keep-checkpoints", "1", "--resume"]

@@ -19,6 +19,7 @@ from gpt2_bench.evidence import (
     ROOT,
     ROWS,
     TUNED_ON,
+    WORLD,
     best_lr,
     complete,
     gap_percent,
@@ -168,8 +169,8 @@ def _untuned(method: str, gaps: list[float]) -> str:
 
 
 def tokens_per_step(batch: str) -> int:
-    """Tokens per optimizer step at ``batch`` over the protocol's 2 ranks."""
-    return BATCHES[batch] * 128 * 2
+    """Tokens per optimizer step at ``batch`` over the protocol's :data:`WORLD` ranks."""
+    return BATCHES[batch] * 128 * WORLD
 
 
 def batch_axis(runs: list[dict]) -> list[dict]:
