@@ -30,10 +30,9 @@ from testbed.rank_exit import exit_without_teardown
 
 
 def resolve_device(choice: str) -> tuple[str, str]:
-    """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")``
-    (NCCL for CUDA tensors, gloo for CPU ones such as ``all_gather_object``'s), ``("cuda", "gloo")`` for
-    ``cuda-shared`` (every rank on one GPU: NCCL refuses two ranks on one device, gloo stages CUDA tensors through
-    the host) or ``("cpu", "gloo")``.
+    """``--device`` -> ``(device type, process-group backend)``: ``("cuda", "cpu:gloo,cuda:nccl")`` (NCCL for CUDA
+    tensors, gloo for CPU ones such as ``all_gather_object``'s), ``("cuda", "gloo")`` for ``cuda-shared`` (every rank on
+    one GPU: NCCL refuses two ranks on one device, gloo stages CUDA tensors through the host) or ``("cpu", "gloo")``.
     Raises ``RuntimeError`` for ``cuda`` without a visible CUDA device (before any process group)."""
     import torch
 
