@@ -138,11 +138,16 @@ they outgrow this CPU), and ``int4``'s seeds 0 and 1 at 4x (two seeds leave the 
 before the brief's line at 16x. Last, 1x seeds 0 and 1 of the tuned methods: they add to the verdict over every seed."""
 
 
+def tokens_per_step(batch: str) -> int:
+    """Tokens per optimizer step at ``batch`` over the protocol's :data:`WORLD` ranks."""
+    return BATCHES[batch] * 128 * WORLD
+
+
 def schedule(batch: str) -> tuple[int, int]:
     """``(steps, eval interval)`` of ``batch`` at the fixed token budget."""
     if batch not in BATCHES:
         raise ValueError(f"batch must be one of {sorted(BATCHES)}, got {batch!r}")
-    steps = TOKENS // (BATCHES[batch] * 128 * WORLD)
+    steps = TOKENS // tokens_per_step(batch)
     return steps, steps // EVALUATIONS
 
 

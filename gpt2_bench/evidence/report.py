@@ -19,7 +19,6 @@ from gpt2_bench.evidence import (
     ROOT,
     ROWS,
     TUNED_ON,
-    WORLD,
     best_lr,
     complete,
     gap_percent,
@@ -27,6 +26,7 @@ from gpt2_bench.evidence import (
     on_cpu,
     run_name,
     schedule,
+    tokens_per_step,
     unsettled_resumes,
 )
 
@@ -166,11 +166,6 @@ def _untuned(method: str, gaps: list[float]) -> str:
         return "none yet"
     mean, low, high = t_interval(gaps)
     return f"{len(gaps)}: {_pct(mean)} [{_pct(low)}, {_pct(high)}], {verdict(low, high)}"
-
-
-def tokens_per_step(batch: str) -> int:
-    """Tokens per optimizer step at ``batch`` over the protocol's :data:`WORLD` ranks."""
-    return BATCHES[batch] * 128 * WORLD
 
 
 def batch_axis(runs: list[dict]) -> list[dict]:
